@@ -1,0 +1,101 @@
+"""hetcomm: a communicator for mpirun-launched training jobs whose GPUs come from several vendors."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from .config import Config
+from .errors import (
+    CommAborted,
+    CommTimeout,
+    ConfigError,
+    DtypeError,
+    HetcommError,
+    InvalidArgument,
+    MismatchError,
+    TopologyError,
+    TransportUnavailable,
+)
+from .layout import LayoutError, ParallelLayout
+from .ops import ReduceOp
+from .work import Work
+
+if TYPE_CHECKING:
+    from .comm import Communicator
+    from .groups import ParallelGroups
+
+__version__ = "0.1.0"
+
+# kernels/ and launch/ sit beside hetcomm/ in the repository and install as hetcomm.kernels and
+# hetcomm.launch. When hetcomm is imported straight from a checkout (the checkout's root on
+# sys.path shadows the installed finder), let those two resolve from the root all the same.
+_checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isfile(os.path.join(_checkout, "pyproject.toml")) and os.path.isfile(
+    os.path.join(_checkout, "launch", "__init__.py")
+):
+    __path__.append(_checkout)
+
+__all__ = [
+    "CommAborted", "CommTimeout", "Communicator", "Config", "ConfigError", "DtypeError",
+    "HetcommError", "InvalidArgument", "LayoutError", "MismatchError", "ParallelGroups",
+    "ParallelLayout", "ReduceOp", "TopologyError", "TransportUnavailable", "Work", "init",
+]  # fmt: skip
+
+
+def init(
+    comm: Any = None, config: Config | None = None, *, name: str | None = None
+) -> Communicator:
+    """A Communicator over a Dup of `comm` (default MPI.COMM_WORLD); collective over `comm`.
+
+    `config` defaults to Config.load() (HETCOMM_* variables, then defaults). The caller keeps
+    `comm`; hetcomm owns and frees only its Dup.
+    """
+    from mpi4py import MPI
+
+    from . import topology
+    from .comm import Communicator
+
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    elif isinstance(comm, Communicator):
+        comm = comm.mpi
+    elif not isinstance(comm, MPI.Intracomm):
+        raise InvalidArgument(f"init: expected an mpi4py Intracomm or a hetcomm Communicator, "
+                              f"got {type(comm).__qualname__}")  # fmt: skip
+    config = Config.load() if config is None else config
+    if not isinstance(config, Config):
+        raise InvalidArgument(f"init: config must be a hetcomm.Config, got {type(config).__name__}")
+    _configure_logging(config)
+    dup = comm.Dup()
+    try:
+        topo = topology.gather(dup, config)
+    except BaseException:
+        dup.Free()
+        raise
+    return Communicator(dup, config, topo, name or ("world" if comm == MPI.COMM_WORLD else "comm"))
+
+
+def _configure_logging(config: Config) -> None:
+    import logging
+
+    logger = logging.getLogger("hetcomm")
+    logger.setLevel(config.log.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("hetcomm %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+
+
+def __getattr__(name: str) -> Any:
+    # Communicator and ParallelGroups import mpi4py.MPI, which initialises MPI: load them on
+    # first use so that `import hetcomm` stays cheap and MPI-free (config, layout, plan).
+    if name == "Communicator":
+        from .comm import Communicator
+
+        return Communicator
+    if name == "ParallelGroups":
+        from .groups import ParallelGroups
+
+        return ParallelGroups
+    raise AttributeError(f"module 'hetcomm' has no attribute {name!r}")

@@ -1,0 +1,247 @@
+"""Arrays of every supported library (numpy, torch, cupy, numba) seen as one Buffer view."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import DtypeError, InvalidArgument
+
+DTYPES = (
+    "bool", "int8", "int16", "int32", "int64", "uint8",
+    "float16", "bfloat16", "float32", "float64",
+)  # fmt: skip
+FLOATS = ("float16", "bfloat16", "float32", "float64")
+HALVES = ("float16", "bfloat16")
+
+# numpy storage for each logical dtype: numpy has no bfloat16, so its bits live in uint16
+_STORAGE = {name: np.dtype(name) for name in DTYPES if name != "bfloat16"}
+_STORAGE["bfloat16"] = np.dtype(np.uint16)
+_NUMPY_NAMES = {np.dtype(n): n for n in DTYPES if n != "bfloat16"}
+# typestr of the CUDA array interface (without byte order) -> dtype name
+_TYPESTR = {"b1": "bool", "i1": "int8", "i2": "int16", "i4": "int32", "i8": "int64",
+            "u1": "uint8", "f2": "float16", "f4": "float32", "f8": "float64"}  # fmt: skip
+_DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST, _DLPACK_ROCM = 1, 2, 3, 10
+
+
+def storage_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype that holds the bits of logical dtype `dtype`."""
+    return _STORAGE[dtype]
+
+
+class Buffer:
+    """One array, whatever its library: dtype, shape, where it lives and a host view if on the CPU.
+
+    `host` is a numpy view of the same memory in the storage dtype (uint16 for bfloat16), flat
+    when the array is contiguous and strided otherwise; it is None for device memory.
+    """
+
+    __slots__ = ("contiguous", "count", "device", "device_index", "dtype", "host", "itemsize",
+                 "kind", "obj", "ptr", "readonly", "shape")  # fmt: skip
+
+    def __init__(
+        self,
+        obj: Any,
+        kind: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        device: str,
+        device_index: int | None,
+        ptr: int,
+        contiguous: bool,
+        readonly: bool,
+        host: np.ndarray | None,
+    ) -> None:
+        self.obj, self.kind, self.dtype, self.shape = obj, kind, dtype, shape
+        self.device, self.device_index, self.ptr = device, device_index, ptr
+        self.contiguous, self.readonly, self.host = contiguous, readonly, host
+        self.itemsize = _STORAGE[dtype].itemsize
+        count = 1
+        for n in shape:
+            count *= n
+        self.count = count
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.itemsize
+
+    @property
+    def on_device(self) -> bool:
+        return self.device != "cpu"
+
+    def describe(self) -> str:
+        """e.g. 'torch bfloat16[4, 8] on cuda:0'."""
+        where = self.device if self.device_index is None else f"{self.device}:{self.device_index}"
+        shape = ", ".join(str(n) for n in self.shape)
+        return f"{self.kind} {self.dtype}[{shape}] on {where}"
+
+    def flat(self) -> np.ndarray:
+        """A contiguous 1-D host view (or a packed copy when the array is strided)."""
+        assert self.host is not None, "flat() is for host buffers"
+        if self.contiguous:
+            return self.host
+        return np.ascontiguousarray(self.host).reshape(-1)
+
+    def span(self) -> tuple[int, int]:
+        """[start, end) of the bytes this buffer may touch (for aliasing checks)."""
+        if self.contiguous or self.host is None:
+            return self.ptr, self.ptr + self.nbytes
+        lo, hi = _byte_bounds(self.host)
+        return lo, hi
+
+
+def as_buffer(x: Any, what: str = "array") -> Buffer:
+    """Describe `x` as a Buffer; raises DtypeError / InvalidArgument naming what arrived."""
+    if type(x) is np.ndarray:
+        return _from_numpy(x, x, "numpy", what)
+    module = type(x).__module__.partition(".")[0]
+    if module == "torch":
+        return _from_torch(x, what)
+    if hasattr(x, "__cuda_array_interface__"):
+        return _from_cuda_interface(x, module or "cuda", what)
+    if isinstance(x, np.ndarray):  # subclasses, ml_dtypes arrays
+        return _from_numpy(x, x, "numpy", what)
+    if hasattr(x, "__dlpack_device__") and hasattr(x, "__dlpack__"):
+        return _from_dlpack(x, module, what)
+    if isinstance(x, (bytearray, memoryview)):
+        return _from_numpy(np.asarray(x), x, "buffer", what)
+    raise InvalidArgument(
+        f"{what}: expected a numpy, torch, cupy or numba array (or any DLPack / CUDA-array-interface "
+        f"object), got {type(x).__module__}.{type(x).__qualname__}"
+    )
+
+
+def _dtype_name(dt: np.dtype, what: str, kind: str) -> str:
+    name = _NUMPY_NAMES.get(dt)
+    if name is None:
+        if dt.name == "bfloat16":  # ml_dtypes' bfloat16 (as used by JAX)
+            return "bfloat16"
+        raise DtypeError(f"{what}: expected one of {', '.join(DTYPES)}, got {kind} {dt.name}")
+    return name
+
+
+def _from_numpy(arr: np.ndarray, obj: Any, kind: str, what: str) -> Buffer:
+    dtype = _dtype_name(arr.dtype, what, kind)
+    view = arr.view(np.uint16) if dtype == "bfloat16" else arr
+    contiguous = bool(arr.flags.c_contiguous)
+    host = view.reshape(-1) if contiguous else view
+    ptr = arr.__array_interface__["data"][0]
+    return Buffer(obj, kind, dtype, tuple(arr.shape), "cpu", None, ptr, contiguous,
+                  not arr.flags.writeable, host)  # fmt: skip
+
+
+def _from_torch(t: Any, what: str) -> Buffer:
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgument(f"{what}: expected a torch.Tensor, got {type(t).__qualname__}")
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in _STORAGE:
+        raise DtypeError(f"{what}: expected one of {', '.join(DTYPES)}, got torch {name}")
+    if t.is_sparse or t.layout != torch.strided:
+        raise InvalidArgument(f"{what}: expected a dense (strided) tensor, got layout {t.layout}")
+    shape = tuple(t.shape)
+    contiguous = t.is_contiguous()
+    if t.device.type == "cpu":
+        d = t.detach()
+        if name == "bfloat16":
+            host = d.view(torch.int16).numpy().view(np.uint16)
+        else:
+            host = d.numpy()
+        if contiguous:
+            host = host.reshape(-1)
+        return Buffer(t, "torch", name, shape, "cpu", None, t.data_ptr(), contiguous, False, host)
+    if t.device.type == "cuda":
+        device = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+        return Buffer(t, "torch", name, shape, device, t.device.index, t.data_ptr(), contiguous,
+                      False, None)  # fmt: skip
+    raise InvalidArgument(f"{what}: tensors on {t.device.type} are not supported (cpu, cuda)")
+
+
+def _from_cuda_interface(x: Any, module: str, what: str) -> Buffer:
+    cai = x.__cuda_array_interface__
+    typestr = cai["typestr"]
+    name = _TYPESTR.get(typestr[1:])
+    if name is None:
+        raise DtypeError(f"{what}: expected one of {', '.join(DTYPES)}, got typestr {typestr!r}")
+    shape = tuple(int(n) for n in cai["shape"])
+    ptr = int(cai["data"][0])
+    itemsize = _STORAGE[name].itemsize
+    strides = cai.get("strides")
+    contiguous = strides is None or _c_contiguous(shape, tuple(strides), itemsize)
+    readonly = bool(cai["data"][1])
+    device_index = _device_of(x, module)
+    device = "rocm" if _is_hip(module) else "cuda"
+    kind = "numba" if module == "numba" else module
+    return Buffer(x, kind, name, shape, device, device_index, ptr, contiguous, readonly, None)
+
+
+def _from_dlpack(x: Any, module: str, what: str) -> Buffer:
+    dev_type, _dev_id = x.__dlpack_device__()
+    if dev_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
+        arr = np.from_dlpack(x)
+        return _from_numpy(arr, x, module or "dlpack", what)
+    if dev_type in (_DLPACK_CUDA, _DLPACK_ROCM):
+        try:
+            import cupy
+        except ImportError:
+            raise InvalidArgument(
+                f"{what}: a DLPack array on a GPU needs cupy to be viewed (pip install "
+                f"hetcomm[cuda]); got {type(x).__qualname__}"
+            ) from None
+        return _from_cuda_interface(cupy.from_dlpack(x), "cupy", what)
+    raise InvalidArgument(f"{what}: DLPack device type {dev_type} is not supported")
+
+
+def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    expected = itemsize
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n > 1 and s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _device_of(x: Any, module: str) -> int | None:
+    dev = getattr(x, "device", None)
+    for attr in ("id", "index"):
+        value = getattr(dev, attr, None)
+        if isinstance(value, int):
+            return value
+    if module == "numba":
+        try:
+            from numba import cuda
+
+            return int(cuda.get_current_device().id)
+        except Exception:
+            return None
+    return None
+
+
+def _is_hip(module: str) -> bool:
+    if module != "cupy":
+        return False
+    try:
+        import cupy
+
+        return bool(cupy.cuda.runtime.is_hip)
+    except Exception:
+        return False
+
+
+def overlap(a: Buffer, b: Buffer) -> str:
+    """'none', 'same' (identical memory and size) or 'partial'."""
+    if a.device != b.device or a.device_index != b.device_index:
+        return "none"
+    a0, a1 = a.span()
+    b0, b1 = b.span()
+    if a1 <= b0 or b1 <= a0 or a0 == a1 or b0 == b1:
+        return "none"
+    if (a0, a1) == (b0, b1) and a.contiguous and b.contiguous:
+        return "same"
+    return "partial"
+
+
+# numpy 2 moved byte_bounds into numpy.lib.array_utils
+_byte_bounds: Any = getattr(getattr(np.lib, "array_utils", np), "byte_bounds", None) or np.byte_bounds

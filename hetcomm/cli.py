@@ -1,0 +1,89 @@
+"""The `hetcomm` command: `hetcomm info` (more subcommands live in their own modules)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def group_plans(world: Any, groups: Any) -> str | None:
+    """Every distinct group's plan, as text on world rank 0 (None elsewhere). Collective."""
+    plans = []
+    for dim, comm in groups.items():
+        members = tuple(comm.mpi.allgather(world.rank))
+        plans.append((dim, members, str(comm.plan)))
+    every = world.mpi.gather(plans, root=0)
+    if world.rank != 0:
+        return None
+    lines = [f"layout: {groups.layout}"]
+    seen: set[tuple[str, tuple[int, ...]]] = set()
+    for rank_plans in every:
+        for dim, members, text in rank_plans:
+            if (dim, members) in seen or len(members) == 1:
+                continue
+            seen.add((dim, members))
+            lines.append(f"{dim} group of world ranks {list(members)}: " + text.partition("\n")[2])
+    return "\n".join(lines)
+
+
+def _info(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    import hetcomm
+
+    from .launch import mpi as launch_mpi
+    from .topology import mpi_gpu_support
+
+    world = hetcomm.init()
+    sizes = {d: getattr(args, d) for d in ("tp", "cp", "ep", "pp") if getattr(args, d) != 1}
+    groups = None
+    if sizes or args.dp is not None:
+        groups = hetcomm.ParallelGroups(world, dp=args.dp, order=args.order, **sizes)
+    report = group_plans(world, groups) if groups is not None else None
+    if world.rank == 0:
+        banner = MPI.Get_library_version().strip().splitlines()[0]
+        levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+                  MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}  # fmt: skip
+        aware, how = mpi_gpu_support()
+        print(f"hetcomm {hetcomm.__version__}")
+        print(f"MPI library:  {banner}")
+        print(f"MPI flavour:  {launch_mpi.flavour(banner)} {launch_mpi.version(banner) or ''}")
+        print(f"thread level: {levels.get(MPI.Query_thread(), MPI.Query_thread())}")
+        print(f"GPU-aware:    {'yes' if aware else 'no'} ({how})")
+        print(f"ranks:        {world.size}")
+        print("\nconfiguration:")
+        print("  " + world.config.describe().replace("\n", "\n  "))
+        print("\ntopology:")
+        print("  " + world.topology.table().replace("\n", "\n  "))
+        print()
+        print(world.plan)
+        if report:
+            print()
+            print(report)
+        sys.stdout.flush()
+    if groups is not None:
+        groups.close()
+    world.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `hetcomm` console script."""
+    parser = argparse.ArgumentParser(prog="hetcomm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="MPI library, topology and each group's plan (under "
+                          "mpirun: every rank's view)")  # fmt: skip
+    for dim in ("tp", "cp", "ep", "pp"):
+        info.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} size (default 1)")
+    info.add_argument("--dp", type=int, default=None, help="dp size (default: what is left)")
+    info.add_argument("--order", default="tp-cp-ep-dp-pp", help="layout order, fastest first")
+    info.set_defaults(func=_info)
+    args = parser.parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

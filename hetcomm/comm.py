@@ -1,0 +1,401 @@
+"""Communicator: validate each call, let the plan pick a transport, start it, hand back a Work."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from . import plan as planning
+from .arrays import Buffer, as_buffer, overlap
+from .config import Config
+from .errors import CommAborted, InvalidArgument, MismatchError
+from .ops import ReduceOp, as_reduce_op, check_op_for_dtype
+from .topology import Topology
+from .transports import Transport, registry
+from .work import Work
+
+log = logging.getLogger("hetcomm")
+
+_OP_CODES = {name: i for i, name in enumerate(planning.OPS)}
+_DTYPE_CODES = {name: i for i, name in enumerate(
+    ("bool", "int8", "int16", "int32", "int64", "uint8", "float16", "bfloat16", "float32",
+     "float64"))}  # fmt: skip
+
+
+class Communicator:
+    """A group of ranks and the operations among them; every rank of the group calls each op.
+
+    Made by `hetcomm.init()`, `ParallelGroups` or `split()`; owns its MPI communicator (a Dup or
+    a Split) and frees it on `close()`. Collectives follow NCCL's layouts; see the README.
+    """
+
+    def __init__(self, mpi_comm: MPI.Intracomm, config: Config, topology: Topology,
+                 name: str = "world") -> None:  # fmt: skip
+        self.mpi = mpi_comm
+        self.config = config
+        self.topology = topology
+        self.name = name
+        self.rank: int = mpi_comm.Get_rank()
+        self.size: int = mpi_comm.Get_size()
+        self._seq = 0
+        self._closed = False
+        self._aborted: BaseException | None = None
+        self._transports: dict[str, Transport] = {}
+        self._choices: dict[tuple[str, str, str], planning.Choice] = {}
+        self._available: dict[str, type[Transport]] = registry()
+        self._unavailable = {n: cls.unavailable(topology) for n, cls in self._available.items()}
+        for other in ("nccl", "direct", "staged", "hier"):
+            self._unavailable.setdefault(other, "not part of this version of hetcomm")
+
+    # ---- life cycle -------------------------------------------------------------------------
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the transports and the MPI communicator; later calls raise. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for transport in self._transports.values():
+            transport.close()
+        self._transports.clear()
+        # an aborted communicator may still have MPI operations in flight: freeing it then
+        # would let MPI write into released memory, so it is left to MPI_Finalize
+        if self._aborted is None and self.mpi != MPI.COMM_NULL:
+            self.mpi.Free()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _abort(self, exc: BaseException) -> None:
+        if self._aborted is None:
+            self._aborted = exc
+            log.error("communicator '%s' aborted: %s", self.name, exc)
+
+    def _check_open(self) -> None:
+        if self._aborted is not None:
+            raise CommAborted(f"communicator '{self.name}' was aborted by: {self._aborted}")
+        if self._closed:
+            raise CommAborted(f"communicator '{self.name}' is closed")
+
+    def __repr__(self) -> str:
+        return f"<hetcomm.Communicator '{self.name}' rank {self.rank} of {self.size}>"
+
+    # ---- sub-communicators ------------------------------------------------------------------
+
+    def split(self, color: int | None, key: int | None = None,
+              name: str | None = None) -> Communicator | None:  # fmt: skip
+        """Ranks with the same `color` form a new communicator, ordered by `key` (default rank).
+
+        `color=None` (or negative) leaves this rank out: it gets None. Collective.
+        """
+        self._check_open()
+        if color is not None and (isinstance(color, bool) or not isinstance(color, int)):
+            raise InvalidArgument(f"split: color must be an int or None, got {color!r}")
+        if key is not None and (isinstance(key, bool) or not isinstance(key, int)):
+            raise InvalidArgument(f"split: key must be an int or None, got {key!r}")
+        mpi_color = MPI.UNDEFINED if color is None or color < 0 else color
+        new: Any = self.mpi.Split(mpi_color, self.rank if key is None else key)
+        if new == MPI.COMM_NULL:
+            return None
+        parents = new.allgather(self.rank)
+        label = name if name is not None else f"{self.name}.{color}"
+        return Communicator(new, self.config, self.topology.subset(parents), label)
+
+    def dup(self, name: str | None = None) -> Communicator:
+        """A new communicator with the same members and its own message space. Collective."""
+        self._check_open()
+        return Communicator(self.mpi.Dup(), self.config, self.topology, name or self.name)
+
+    # ---- the plan ---------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> planning.PlanTable:
+        """The transport chosen for each operation, memory kind and size class, with reasons."""
+        return planning.plan_table(
+            self.topology.members(), requested=self.config.transport_for(self.name),
+            unavailable=self._unavailable, group=self.name,
+        )  # fmt: skip
+
+    def _transport(self, op: str, buf: Buffer | None) -> Transport:
+        memory = "device" if buf is not None and buf.on_device else "host"
+        nbytes = buf.nbytes if buf is not None else 0
+        key = (op, memory, planning.size_class(nbytes))
+        choice = self._choices.get(key)
+        if choice is None:
+            choice = planning.choose(
+                self.topology.members(), op=op, memory=memory, nbytes=nbytes,
+                requested=self.config.transport_for(self.name), unavailable=self._unavailable,
+                group=self.name,
+            )  # fmt: skip
+            self._choices[key] = choice
+            log.info("group '%s': %s on %s %s buffers -> %s (%s)", self.name, op, key[2],
+                     memory, choice.transport, choice.reason)  # fmt: skip
+        transport = self._transports.get(choice.transport)
+        if transport is None:
+            transport = self._transports[choice.transport] = self._available[choice.transport](self)
+        return transport
+
+    # ---- helpers shared by the operations ---------------------------------------------------
+
+    def _start(self, op: str, buf: Buffer | None, root: int = -1) -> tuple[Transport, int]:
+        transport = self._transport(op, buf)
+        self._seq += 1
+        if self.config.debug and op in (*planning.COLLECTIVES, "barrier"):
+            self._compare_fingerprints(op, buf, root)
+        return transport, self._seq
+
+    def _finish(self, work: Work, async_op: bool, timeout: float | None) -> Work | None:
+        if timeout is not None:
+            work._timeout = _check_timeout(timeout, work.op)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _root(self, root: Any, what: str) -> int:
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+            raise InvalidArgument(f"{what}: expected an int rank, got {root!r}")
+        if not 0 <= root < self.size:
+            raise InvalidArgument(
+                f"{what}: expected a rank in [0, {self.size}) of group '{self.name}', got {root}"
+            )
+        return int(root)
+
+    def _compare_fingerprints(self, op: str, buf: Buffer | None, root: int) -> None:
+        mine = np.array([self._seq, _OP_CODES[op], _DTYPE_CODES[buf.dtype] if buf else -1,
+                         buf.count if buf else 0, root], dtype=np.int64)  # fmt: skip
+        every = np.empty((self.size, 5), dtype=np.int64)
+        Work(self, f"{op} fingerprint", self._seq,
+             self.mpi.Iallgather(mine, every).Test).wait()  # fmt: skip
+        if (every == mine).all():
+            return
+        fields = ("sequence", "operation", "dtype", "count", "root")
+        names = {"operation": planning.OPS, "dtype": tuple(_DTYPE_CODES)}
+        diffs = []
+        for col, field in enumerate(fields):
+            values = every[:, col]
+            if (values != values[0]).any():
+                show = [names[field][v] if field in names and v >= 0 else int(v) for v in values]
+                diffs.append(f"{field} differs: " + ", ".join(
+                    f"rank {r}: {v}" for r, v in enumerate(show)))  # fmt: skip
+        raise MismatchError(f"group '{self.name}' op #{self._seq}: " + "; ".join(diffs))
+
+    # ---- operations ---------------------------------------------------------------------------
+
+    def all_reduce(self, x: Any, op: ReduceOp | str = ReduceOp.SUM, *, out: Any = None,
+                   async_op: bool = False, timeout: float | None = None) -> Work | None:  # fmt: skip
+        """Reduce `x` over the group; the result lands in `x` (in place) or in `out`."""
+        self._check_open()
+        xb = as_buffer(x, "all_reduce: x")
+        rop = as_reduce_op(op, "all_reduce: op")
+        check_op_for_dtype(rop, xb.dtype, "all_reduce")
+        if out is None or out is x:
+            _writable(xb, "all_reduce: x (in place)")
+            ob = xb
+        else:
+            ob = as_buffer(out, "all_reduce: out")
+            _same(ob, xb, "all_reduce: out", ob.count == xb.count, f"{xb.count} elements")
+            _writable(ob, "all_reduce: out")
+            kind = overlap(xb, ob)
+            if kind == "partial":
+                raise InvalidArgument("all_reduce: out partly overlaps x; use x itself or a "
+                                      "separate array")  # fmt: skip
+            if kind == "same":
+                ob = xb
+        transport, seq = self._start("all_reduce", xb)
+        steps: list[Callable[[], None]] = []
+        inplace = ob is xb
+        xc = _contiguous_out(xb, steps) if inplace else _contiguous_in(xb)
+        oc = xc if inplace else _contiguous_out(ob, steps)
+        work = transport.all_reduce(xc, oc, rop, seq)
+        return self._finish(_then(work, steps), async_op, timeout)
+
+    def reduce(self, x: Any, root: int, op: ReduceOp | str = ReduceOp.SUM, *,
+               async_op: bool = False, timeout: float | None = None) -> Work | None:  # fmt: skip
+        """Reduce `x` over the group into `x` of `root`; the others' `x` is left as it was."""
+        self._check_open()
+        xb = as_buffer(x, "reduce: x")
+        root = self._root(root, "reduce: root")
+        rop = as_reduce_op(op, "reduce: op")
+        check_op_for_dtype(rop, xb.dtype, "reduce")
+        if self.rank == root:
+            _writable(xb, "reduce: x at the root")
+        transport, seq = self._start("reduce", xb, root)
+        steps: list[Callable[[], None]] = []
+        xc = _contiguous_out(xb, steps) if self.rank == root else _contiguous_in(xb)
+        work = transport.reduce(xc, rop, root, seq)
+        return self._finish(_then(work, steps), async_op, timeout)
+
+    def broadcast(self, x: Any, root: int, *, async_op: bool = False,
+                  timeout: float | None = None) -> Work | None:  # fmt: skip
+        """Copy `x` of `root` into `x` of every rank."""
+        self._check_open()
+        xb = as_buffer(x, "broadcast: x")
+        root = self._root(root, "broadcast: root")
+        if self.rank != root:
+            _writable(xb, "broadcast: x")
+        transport, seq = self._start("broadcast", xb, root)
+        steps: list[Callable[[], None]] = []
+        xc = _contiguous_in(xb) if self.rank == root else _contiguous_out(xb, steps)
+        work = transport.broadcast(xc, root, seq)
+        return self._finish(_then(work, steps), async_op, timeout)
+
+    def all_gather(self, out: Any, x: Any, *, async_op: bool = False,
+                   timeout: float | None = None) -> Work | None:  # fmt: skip
+        """Block i of `out` (size blocks the size of `x`) receives `x` of rank i."""
+        self._check_open()
+        xb = as_buffer(x, "all_gather: x")
+        ob = as_buffer(out, "all_gather: out")
+        _same(ob, xb, "all_gather: out", ob.count == xb.count * self.size,
+              f"{self.size} x {xb.count} = {self.size * xb.count} elements")  # fmt: skip
+        _writable(ob, "all_gather: out")
+        transport, seq = self._start("all_gather", xb)
+        steps: list[Callable[[], None]] = []
+        xc = _contiguous_in(xb, copy=overlap(xb, ob) != "none")
+        work = transport.all_gather(_contiguous_out(ob, steps), xc, seq)
+        return self._finish(_then(work, steps), async_op, timeout)
+
+    def reduce_scatter(self, out: Any, x: Any, op: ReduceOp | str = ReduceOp.SUM, *,
+                       async_op: bool = False, timeout: float | None = None) -> Work | None:  # fmt: skip
+        """Rank i's `out` receives the reduction of block i (of size blocks) of every `x`."""
+        self._check_open()
+        xb = as_buffer(x, "reduce_scatter: x")
+        ob = as_buffer(out, "reduce_scatter: out")
+        rop = as_reduce_op(op, "reduce_scatter: op")
+        check_op_for_dtype(rop, xb.dtype, "reduce_scatter")
+        _same(ob, xb, "reduce_scatter: out", ob.count * self.size == xb.count,
+              f"x's {xb.count} elements / {self.size} ranks"
+              + ("" if xb.count % self.size == 0 else " (x does not split evenly)"))  # fmt: skip
+        _writable(ob, "reduce_scatter: out")
+        transport, seq = self._start("reduce_scatter", xb)
+        steps: list[Callable[[], None]] = []
+        xc = _contiguous_in(xb, copy=overlap(xb, ob) != "none")
+        work = transport.reduce_scatter(_contiguous_out(ob, steps), xc, rop, seq)
+        return self._finish(_then(work, steps), async_op, timeout)
+
+    def all_to_all(self, out: Any, x: Any, *, async_op: bool = False,
+                   timeout: float | None = None) -> Work | None:  # fmt: skip
+        """Block j of `x` goes to rank j; block i of `out` comes from rank i."""
+        self._check_open()
+        xb = as_buffer(x, "all_to_all: x")
+        ob = as_buffer(out, "all_to_all: out")
+        if xb.count % self.size:
+            raise InvalidArgument(
+                f"all_to_all: x must hold {self.size} equal blocks (one per rank), got "
+                f"{xb.count} elements"
+            )
+        _same(ob, xb, "all_to_all: out", ob.count == xb.count, f"{xb.count} elements")
+        _writable(ob, "all_to_all: out")
+        transport, seq = self._start("all_to_all", xb)
+        steps: list[Callable[[], None]] = []
+        xc = _contiguous_in(xb, copy=overlap(xb, ob) != "none")
+        work = transport.all_to_all(_contiguous_out(ob, steps), xc, seq)
+        return self._finish(_then(work, steps), async_op, timeout)
+
+    def send(self, x: Any, dst: int, tag: int = 0, *, async_op: bool = False,
+             timeout: float | None = None) -> Work | None:  # fmt: skip
+        """Send `x` to rank `dst`; pairs with the `recv` of the same tag there."""
+        self._check_open()
+        xb = as_buffer(x, "send: x")
+        dst = self._root(dst, "send: dst")
+        tag = self._tag(tag, "send")
+        transport, seq = self._start("send", xb)
+        work = transport.send(_contiguous_in(xb), dst, tag, seq)
+        return self._finish(work, async_op, timeout)
+
+    def recv(self, x: Any, src: int, tag: int = 0, *, async_op: bool = False,
+             timeout: float | None = None) -> Work | None:  # fmt: skip
+        """Receive into `x` from rank `src` (a message of exactly x's size and dtype)."""
+        self._check_open()
+        xb = as_buffer(x, "recv: x")
+        src = self._root(src, "recv: src")
+        tag = self._tag(tag, "recv")
+        _writable(xb, "recv: x")
+        transport, seq = self._start("recv", xb)
+        steps: list[Callable[[], None]] = []
+        work = transport.recv(_contiguous_out(xb, steps), src, tag, seq)
+        return self._finish(_then(work, steps), async_op, timeout)
+
+    def barrier(self, *, async_op: bool = False, timeout: float | None = None) -> Work | None:
+        """Complete once every rank of the group has called barrier."""
+        self._check_open()
+        transport, seq = self._start("barrier", None)
+        return self._finish(transport.barrier(seq), async_op, timeout)
+
+    def _tag(self, tag: Any, what: str) -> int:
+        top = int(self.mpi.Get_attr(MPI.TAG_UB) or 32767)
+        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag <= top:
+            raise InvalidArgument(f"{what}: expected a tag in [0, {top}], got {tag!r}")
+        return int(tag)
+
+
+def _check_timeout(timeout: Any, op: str) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise InvalidArgument(f"{op}: timeout must be a positive number of seconds, "
+                              f"got {timeout!r}")  # fmt: skip
+    return float(timeout)
+
+
+def _same(b: Buffer, ref: Buffer, what: str, count_ok: bool, expected: str) -> None:
+    if b.dtype != ref.dtype:
+        raise InvalidArgument(f"{what}: expected dtype {ref.dtype} like x, got {b.dtype}")
+    if b.on_device != ref.on_device or b.device_index != ref.device_index:
+        raise InvalidArgument(f"{what}: expected memory where x lives ({ref.describe()}), got "
+                              f"{b.describe()}")  # fmt: skip
+    if not count_ok:
+        raise InvalidArgument(f"{what}: expected {expected}, got {b.count} "
+                              f"(shape {list(b.shape)})")  # fmt: skip
+
+
+def _writable(b: Buffer, what: str) -> None:
+    if b.readonly:
+        raise InvalidArgument(f"{what}: the array is read-only but this operation writes it")
+
+
+def _contiguous_in(b: Buffer, copy: bool = False) -> Buffer:
+    """`b` itself when contiguous, else (or when `copy`) a packed copy: inputs only."""
+    if b.contiguous and not copy:
+        return b
+    if b.host is None:
+        raise InvalidArgument(
+            f"{b.describe()}: non-contiguous device arrays are not packed yet; pass a "
+            "contiguous array (.contiguous() / cupy.ascontiguousarray)"
+        )
+    packed = np.array(b.host, order="C", copy=True).reshape(-1)
+    return _host_buffer(b, packed)
+
+
+def _contiguous_out(b: Buffer, steps: list[Callable[[], None]]) -> Buffer:
+    """`b` itself when contiguous; else a packed copy whose result is written back when done."""
+    if b.contiguous:
+        return b
+    if b.host is None:
+        raise InvalidArgument(
+            f"{b.describe()}: non-contiguous device arrays are not packed yet; pass a "
+            "contiguous array (.contiguous() / cupy.ascontiguousarray)"
+        )
+    target = b.host
+    packed = np.array(target, order="C", copy=True).reshape(-1)
+    steps.append(lambda: np.copyto(target, packed.reshape(target.shape)))
+    return _host_buffer(b, packed)
+
+
+def _host_buffer(like: Buffer, flat: np.ndarray) -> Buffer:
+    return Buffer(like.obj, like.kind, like.dtype, like.shape, "cpu", None,
+                  flat.__array_interface__["data"][0], True, False, flat)  # fmt: skip
+
+
+def _then(work: Work, steps: list[Callable[[], None]]) -> Work:
+    if steps:
+        work._finish = [*work._finish, *steps]
+    return work

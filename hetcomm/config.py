@@ -1,0 +1,162 @@
+"""Configuration: the one place that reads HETCOMM_* variables (argument > environment > default)."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from .errors import ConfigError
+
+VENDORS = ("nvidia", "amd", "cpu")
+TRANSPORT_NAMES = ("auto", "mpi", "nccl", "direct", "staged", "hier")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+# name of the field -> (environment variable, one-line help); the README's table is made from this
+OPTIONS: dict[str, tuple[str, str]] = {
+    "timeout": ("HETCOMM_TIMEOUT", "seconds any wait may last before CommTimeout (default 300)"),
+    "transport": (
+        "HETCOMM_TRANSPORT",
+        "'auto', one transport for every group ('mpi'), or per group ('dp:nccl,pp:staged')",
+    ),
+    "debug": ("HETCOMM_DEBUG", "1 = compare every operation's fingerprint across the group first"),
+    "vendor": ("HETCOMM_VENDOR", "this rank's vendor: nvidia, amd or cpu (simulation override)"),
+    "host": ("HETCOMM_HOST", "this rank's host name (simulates several hosts on one machine)"),
+    "rails": ("HETCOMM_RAILS", "'auto' or interface names / IPv4 addresses for staged rails"),
+    "log": ("HETCOMM_LOG", "log level: debug, info, warning (default), error"),
+}
+ENV_NAMES = {env: name for name, (env, _) in OPTIONS.items()}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every hetcomm option with its default; build with Config.load() to read the environment."""
+
+    timeout: float = 300.0
+    transport: str = "auto"
+    debug: bool = False
+    vendor: str | None = None
+    host: str | None = None
+    rails: str = "auto"
+    log: str = "warning"
+    _transport_map: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_timeout(self.timeout)
+        object.__setattr__(self, "timeout", float(self.timeout))
+        if not isinstance(self.debug, bool):
+            raise ConfigError(f"debug: expected a bool, got {self.debug!r}")
+        if self.vendor is not None and self.vendor not in VENDORS:
+            raise ConfigError(f"vendor: expected one of {', '.join(VENDORS)}, got {self.vendor!r}")
+        if self.host is not None and (not isinstance(self.host, str) or not self.host.strip()):
+            raise ConfigError(f"host: expected a non-empty name, got {self.host!r}")
+        if not isinstance(self.rails, str) or not self.rails.strip():
+            raise ConfigError(f"rails: expected 'auto' or a list of interfaces, got {self.rails!r}")
+        if self.log not in LOG_LEVELS:
+            raise ConfigError(f"log: expected one of {', '.join(LOG_LEVELS)}, got {self.log!r}")
+        object.__setattr__(self, "_transport_map", parse_transport(self.transport))
+
+    @classmethod
+    def load(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+        """Defaults, then HETCOMM_* variables of `environ` (os.environ), then `overrides`."""
+        unknown = [k for k in overrides if k not in OPTIONS]
+        if unknown:
+            raise TypeError(
+                f"Config.load() got unknown option(s) {unknown}; known: {', '.join(OPTIONS)}"
+            )
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for key, raw in env.items():
+            if not key.startswith("HETCOMM_"):
+                continue
+            if key not in ENV_NAMES:
+                hint = difflib.get_close_matches(key, list(ENV_NAMES), n=1)
+                extra = f" (did you mean {hint[0]}?)" if hint else ""
+                raise ConfigError(
+                    f"unknown variable {key}{extra}; hetcomm reads {', '.join(sorted(ENV_NAMES))}"
+                )
+            name = ENV_NAMES[key]
+            values[name] = _from_env(name, key, raw)
+        values.update(overrides)
+        return cls(**values)
+
+    def with_options(self, **changes: Any) -> Config:
+        """A copy with some options changed (unknown names raise TypeError)."""
+        unknown = [k for k in changes if k not in OPTIONS]
+        if unknown:
+            raise TypeError(f"unknown option(s) {unknown}; known: {', '.join(OPTIONS)}")
+        return replace(self, **changes)
+
+    def transport_for(self, group: str) -> str:
+        """The transport asked for `group` ('auto' unless configured)."""
+        default = "auto"
+        for name, transport in self._transport_map:
+            if name == group:
+                return transport
+            if name == "*":
+                default = transport
+        return default
+
+    def describe(self) -> str:
+        """One line per option: name, value, environment variable."""
+        return "\n".join(
+            f"{env:18} {getattr(self, name)!s:12} {text}" for name, (env, text) in OPTIONS.items()
+        )
+
+
+def parse_transport(spec: str) -> tuple[tuple[str, str], ...]:
+    """'staged' -> (('*','staged'),); 'dp:nccl,pp:staged' -> (('dp','nccl'),('pp','staged'))."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"transport: expected a transport name or 'group:name,...', got {spec!r}")
+    entries: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        group, _, name = part.rpartition(":")
+        group = group.strip() or "*"
+        name = name.strip()
+        if name not in TRANSPORT_NAMES:
+            raise ConfigError(
+                f"transport: unknown transport {name!r} in {spec!r}; "
+                f"expected one of {', '.join(TRANSPORT_NAMES)}"
+            )
+        if group in seen:
+            what = "a default transport" if group == "*" else f"group {group!r}"
+            raise ConfigError(f"transport: {what} is given twice in {spec!r}")
+        seen.add(group)
+        entries.append((group, name))
+    return tuple(entries)
+
+
+def _check_timeout(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"timeout: expected a positive number of seconds, got {value!r}")
+
+
+def _from_env(name: str, key: str, raw: str) -> Any:
+    raw = raw.strip()
+    if name == "timeout":
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"{key}: expected seconds as a number, got {raw!r}") from None
+    if name == "debug":
+        low = raw.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off", ""):
+            return False
+        raise ConfigError(f"{key}: expected 0 or 1, got {raw!r}")
+    if name in ("vendor", "host"):
+        return raw.lower() if name == "vendor" else raw
+    if name == "log":
+        return raw.lower()
+    return raw
+
+
+def option_table() -> list[tuple[str, str, str]]:
+    """(variable, default, meaning) for every option, for docs and `hetcomm info`."""
+    defaults = {f.name: f.default for f in fields(Config)}
+    return [(env, str(defaults[name]), text) for name, (env, text) in OPTIONS.items()]

@@ -1,0 +1,62 @@
+"""The exceptions hetcomm raises, one class per way a call can fail."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class HetcommError(Exception):
+    """Base class of every error hetcomm raises on purpose."""
+
+
+class ConfigError(HetcommError, ValueError):
+    """A configuration value or HETCOMM_* variable is unknown or malformed."""
+
+
+class InvalidArgument(HetcommError, ValueError):
+    """A call was made with arguments that cannot work; no byte has moved."""
+
+
+class DtypeError(InvalidArgument, TypeError):
+    """An array has a dtype the operation does not accept."""
+
+
+class TopologyError(HetcommError):
+    """The ranks' facts do not allow what was asked (a layout, a binding, a group)."""
+
+
+class TransportUnavailable(HetcommError):
+    """A transport was asked for (or is the only option) but cannot run here; the reason says why."""
+
+
+class MismatchError(HetcommError):
+    """Ranks of one group called different operations, or the same one with different arguments."""
+
+
+class CommTimeout(HetcommError, TimeoutError):
+    """An operation did not complete within its time limit; the communicator is aborted."""
+
+    def __init__(
+        self,
+        group: str,
+        op: str,
+        seq: int,
+        waited: float,
+        missing: Sequence[int] | None = None,
+        detail: str = "",
+    ) -> None:
+        self.group, self.op, self.seq, self.waited = group, op, seq, waited
+        self.missing = tuple(missing) if missing is not None else None
+        who = (
+            f"ranks not arrived: {list(self.missing)}"
+            if self.missing is not None
+            else "ranks not arrived: unknown (an MPI collective does not say which rank is late)"
+        )
+        msg = f"group '{group}': {op} #{seq} did not complete within {waited:.1f} s; {who}"
+        if detail:
+            msg += f"; {detail}"
+        super().__init__(msg)
+
+
+class CommAborted(HetcommError):
+    """The communicator was aborted by an earlier failure; every later call fails at once."""

@@ -1,0 +1,79 @@
+"""Transports: one module each, the same shape, and the registry the plan chooses from."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from ..arrays import Buffer
+    from ..comm import Communicator
+    from ..ops import ReduceOp
+    from ..topology import Topology
+    from ..work import Work
+
+
+class Transport:
+    """The interface every transport implements; its docstrings are the contract.
+
+    Buffers reaching a transport are validated and contiguous; the Communicator owns packing,
+    sequence numbers and the plan. Each method starts the operation and returns its Work without
+    waiting for it.
+    """
+
+    name: ClassVar[str] = "base"
+    #: which memory it can move: "host", "device" (both for most)
+    memory: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+    @classmethod
+    def unavailable(cls, topology: Topology) -> str | None:
+        """None when this transport can serve a group with these members, else the reason."""
+        raise NotImplementedError
+
+    def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
+        """Reduce `x` of every rank into `out` of every rank (`out` may be `x`)."""
+        raise NotImplementedError
+
+    def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
+        """Reduce `x` of every rank into `x` of `root`; other ranks' `x` is left unchanged."""
+        raise NotImplementedError
+
+    def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
+        """Copy `x` of `root` into `x` of every rank."""
+        raise NotImplementedError
+
+    def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        """Block i of `out` (size blocks the size of `x`) gets `x` of rank i."""
+        raise NotImplementedError
+
+    def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
+        """Rank i's `out` gets the reduction of block i of every rank's `x`."""
+        raise NotImplementedError
+
+    def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        """Block j of `x` goes to rank j; block i of `out` comes from rank i."""
+        raise NotImplementedError
+
+    def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
+        """Send `x` to rank `dst` with `tag`."""
+        raise NotImplementedError
+
+    def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
+        """Receive into `x` from rank `src` with `tag`."""
+        raise NotImplementedError
+
+    def barrier(self, seq: int) -> Work:
+        """Complete once every rank has entered the barrier."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the transport holds (nothing by default)."""
+
+
+def registry() -> dict[str, type[Transport]]:
+    """Transport name -> class, for the transports this installation has."""
+    from .mpi import MpiTransport
+
+    return {MpiTransport.name: MpiTransport}

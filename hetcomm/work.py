@@ -1,0 +1,119 @@
+"""Work: the handle of an operation in flight, one progress model for every transport."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from .errors import CommTimeout
+
+if TYPE_CHECKING:
+    from .comm import Communicator
+
+Poll = Callable[[], bool]
+
+# Spin this long before sleeping: short operations finish within it, and a spin costs no wake-up.
+_SPIN_S = 200e-6
+_MAX_SLEEP_S = 1e-3
+
+
+class Work:
+    """An operation in flight: `wait(timeout)`, `test()`, `exception()`.
+
+    A transport hands over a `poll` callable that advances the operation and returns True once it
+    is complete, and optionally `finish` steps that run once, after completion, on the waiting
+    thread (unpacking, averaging).
+    """
+
+    __slots__ = ("_comm", "_done", "_error", "_finish", "_poll", "_timeout", "op", "seq")
+
+    def __init__(
+        self,
+        comm: Communicator,
+        op: str,
+        seq: int,
+        poll: Poll,
+        finish: Sequence[Callable[[], None]] = (),
+        timeout: float | None = None,
+    ) -> None:
+        self._comm = comm
+        self.op, self.seq = op, seq
+        self._poll = poll
+        self._finish = finish
+        self._timeout = timeout
+        self._done = False
+        self._error: BaseException | None = None
+
+    def test(self) -> bool:
+        """True once the operation is complete (its result is in place); never blocks."""
+        if self._done:
+            if self._error is not None:
+                raise self._error
+            return True
+        try:
+            if not self._poll():
+                return False
+            for step in self._finish:
+                step()
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        """Alias of test() for torch-style callers."""
+        return self.test()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until complete, at most `timeout` seconds (default: the operation's timeout).
+
+        On expiry raises CommTimeout and aborts the communicator, since ranks that disagree
+        about an operation cannot be brought back in step.
+        """
+        if self.test():
+            return
+        limit = timeout if timeout is not None else self._timeout
+        if limit is None:
+            limit = self._comm.config.timeout
+        start = time.monotonic()
+        deadline = start + limit
+        spin_until = start + _SPIN_S
+        sleep = 10e-6
+        while True:
+            if self.test():
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if now >= spin_until:
+                time.sleep(min(sleep, deadline - now))
+                sleep = min(sleep * 2, _MAX_SLEEP_S)
+        exc = CommTimeout(self._comm.name, self.op, self.seq, limit)
+        self._fail(exc)
+        self._comm._abort(exc)
+        raise exc
+
+    def exception(self) -> BaseException | None:
+        """The error the operation ended with, or None (also while it is still running)."""
+        return self._error
+
+    def _fail(self, exc: BaseException) -> None:
+        self._done = True
+        self._error = exc
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else ("done" if self._done else "pending")
+        return f"<Work {self._comm.name} {self.op} #{self.seq} {state}>"
+
+
+def completed(comm: Communicator, op: str, seq: int) -> Work:
+    """A Work that is already complete (for operations with nothing to move)."""
+    work = Work(comm, op, seq, _true)
+    work._done = True
+    return work
+
+
+def _true() -> bool:
+    return True

@@ -1,0 +1,24 @@
+"""GPU tests: skipped, with the reason, where no CUDA or ROCm device is visible."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _gpu_reason() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA or ROCm device visible to torch (CPU-only machine)"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = _gpu_reason()
+    if reason is None:
+        return
+    for item in items:
+        if "tests/gpu" in str(item.fspath):
+            item.add_marker(pytest.mark.skip(reason=f"GPU test: {reason}"))
