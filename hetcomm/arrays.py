@@ -37,8 +37,8 @@ class Buffer:
     when the array is contiguous and strided otherwise; it is None for device memory.
     """
 
-    __slots__ = ("contiguous", "count", "device", "device_index", "dtype", "host", "itemsize",
-                 "kind", "obj", "ptr", "readonly", "shape")  # fmt: skip
+    __slots__ = ("_ptr", "contiguous", "count", "device", "device_index", "dtype", "host",
+                 "itemsize", "kind", "obj", "readonly", "shape")  # fmt: skip
 
     def __init__(
         self,
@@ -52,15 +52,24 @@ class Buffer:
         contiguous: bool,
         readonly: bool,
         host: np.ndarray | None,
+        count: int = -1,
     ) -> None:
         self.obj, self.kind, self.dtype, self.shape = obj, kind, dtype, shape
-        self.device, self.device_index, self.ptr = device, device_index, ptr
+        self.device, self.device_index, self._ptr = device, device_index, ptr
         self.contiguous, self.readonly, self.host = contiguous, readonly, host
         self.itemsize = _STORAGE[dtype].itemsize
-        count = 1
-        for n in shape:
-            count *= n
+        if count < 0:
+            count = 1
+            for n in shape:
+                count *= n
         self.count = count
+
+    @property
+    def ptr(self) -> int:
+        """Address of the first element (-1 given at construction means: ask the host view)."""
+        if self._ptr < 0 and self.host is not None:
+            self._ptr = int(self.host.__array_interface__["data"][0])
+        return self._ptr
 
     @property
     def nbytes(self) -> int:
@@ -117,18 +126,20 @@ def _dtype_name(dt: np.dtype, what: str, kind: str) -> str:
     if name is None:
         if dt.name == "bfloat16":  # ml_dtypes' bfloat16 (as used by JAX)
             return "bfloat16"
-        raise DtypeError(f"{what}: expected one of {', '.join(DTYPES)}, got {kind} {dt.name}")
+        got = dt.name if dt.isnative or dt.itemsize == 1 else f"{dt.str} (non-native byte order)"
+        raise DtypeError(f"{what}: expected one of {', '.join(DTYPES)}, got {kind} {got}")
     return name
 
 
 def _from_numpy(arr: np.ndarray, obj: Any, kind: str, what: str) -> Buffer:
-    dtype = _dtype_name(arr.dtype, what, kind)
+    # on the path of every call: keep it to a few attribute reads
+    dtype = _NUMPY_NAMES.get(arr.dtype) or _dtype_name(arr.dtype, what, kind)
     view = arr.view(np.uint16) if dtype == "bfloat16" else arr
-    contiguous = bool(arr.flags.c_contiguous)
-    host = view.reshape(-1) if contiguous else view
-    ptr = arr.__array_interface__["data"][0]
-    return Buffer(obj, kind, dtype, tuple(arr.shape), "cpu", None, ptr, contiguous,
-                  not arr.flags.writeable, host)  # fmt: skip
+    flags = arr.flags
+    contiguous = flags.c_contiguous
+    host = view if not contiguous or view.ndim == 1 else view.reshape(-1)
+    return Buffer(obj, kind, dtype, arr.shape, "cpu", None, -1, contiguous,
+                  not flags.writeable, host, arr.size)  # fmt: skip
 
 
 def _from_torch(t: Any, what: str) -> Buffer:
@@ -180,7 +191,15 @@ def _from_cuda_interface(x: Any, module: str, what: str) -> Buffer:
 def _from_dlpack(x: Any, module: str, what: str) -> Buffer:
     dev_type, _dev_id = x.__dlpack_device__()
     if dev_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
-        arr = np.from_dlpack(x)
+        try:
+            arr = np.from_dlpack(x)
+        except (RuntimeError, BufferError, TypeError) as exc:
+            # numpy has no bfloat16; torch reads any DLPack dtype hetcomm supports
+            try:
+                import torch
+            except ImportError:
+                raise DtypeError(f"{what}: numpy cannot view this DLPack array ({exc})") from None
+            return _from_torch(torch.from_dlpack(x), what)
         return _from_numpy(arr, x, module or "dlpack", what)
     if dev_type in (_DLPACK_CUDA, _DLPACK_ROCM):
         try:

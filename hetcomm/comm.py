@@ -26,6 +26,10 @@ _DTYPE_CODES = {name: i for i, name in enumerate(
      "float64"))}  # fmt: skip
 
 
+_AVG = ReduceOp.AVG
+_FINGERPRINTED = frozenset((*planning.COLLECTIVES, "barrier"))
+
+
 class Communicator:
     """A group of ranks and the operations among them; every rank of the group calls each op.
 
@@ -42,10 +46,12 @@ class Communicator:
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
         self._seq = 0
+        self._debug = config.debug
         self._closed = False
         self._aborted: BaseException | None = None
         self._transports: dict[str, Transport] = {}
         self._choices: dict[tuple[str, str, str], planning.Choice] = {}
+        self._routes: dict[tuple[str, bool, bool], Transport] = {}
         self._available: dict[str, type[Transport]] = registry()
         self._unavailable = {n: cls.unavailable(topology) for n, cls in self._available.items()}
         for other in ("nccl", "direct", "staged", "hier"):
@@ -82,6 +88,8 @@ class Communicator:
             log.error("communicator '%s' aborted: %s", self.name, exc)
 
     def _check_open(self) -> None:
+        if self._aborted is None and not self._closed:
+            return
         if self._aborted is not None:
             raise CommAborted(f"communicator '{self.name}' was aborted by: {self._aborted}")
         if self._closed:
@@ -127,6 +135,18 @@ class Communicator:
         )  # fmt: skip
 
     def _transport(self, op: str, buf: Buffer | None) -> Transport:
+        # on the path of every call: one dict lookup once the route is known
+        if buf is None:
+            route = (op, False, True)
+        else:
+            route = (op, buf.device != "cpu", buf.count * buf.itemsize <= planning.SMALL_BYTES)
+        found = self._routes.get(route)
+        if found is not None:
+            return found
+        found = self._routes[route] = self._resolve(op, buf)
+        return found
+
+    def _resolve(self, op: str, buf: Buffer | None) -> Transport:
         memory = "device" if buf is not None and buf.on_device else "host"
         nbytes = buf.nbytes if buf is not None else 0
         key = (op, memory, planning.size_class(nbytes))
@@ -150,7 +170,7 @@ class Communicator:
     def _start(self, op: str, buf: Buffer | None, root: int = -1) -> tuple[Transport, int]:
         transport = self._transport(op, buf)
         self._seq += 1
-        if self.config.debug and op in (*planning.COLLECTIVES, "barrier"):
+        if self._debug and op in _FINGERPRINTED:
             self._compare_fingerprints(op, buf, root)
         return transport, self._seq
 
@@ -159,7 +179,8 @@ class Communicator:
             work._timeout = _check_timeout(timeout, work.op)
         if async_op:
             return work
-        work.wait()
+        if not work.test():
+            work.wait()
         return None
 
     def _root(self, root: Any, what: str) -> int:
@@ -195,12 +216,15 @@ class Communicator:
     def all_reduce(self, x: Any, op: ReduceOp | str = ReduceOp.SUM, *, out: Any = None,
                    async_op: bool = False, timeout: float | None = None) -> Work | None:  # fmt: skip
         """Reduce `x` over the group; the result lands in `x` (in place) or in `out`."""
-        self._check_open()
+        if self._aborted is not None or self._closed:
+            self._check_open()
         xb = as_buffer(x, "all_reduce: x")
-        rop = as_reduce_op(op, "all_reduce: op")
-        check_op_for_dtype(rop, xb.dtype, "all_reduce")
+        rop = op if op.__class__ is ReduceOp else as_reduce_op(op, "all_reduce: op")
+        if rop is _AVG:
+            check_op_for_dtype(rop, xb.dtype, "all_reduce")
         if out is None or out is x:
-            _writable(xb, "all_reduce: x (in place)")
+            if xb.readonly:
+                _writable(xb, "all_reduce: x (in place)")
             ob = xb
         else:
             ob = as_buffer(out, "all_reduce: out")
@@ -213,12 +237,15 @@ class Communicator:
             if kind == "same":
                 ob = xb
         transport, seq = self._start("all_reduce", xb)
-        steps: list[Callable[[], None]] = []
-        inplace = ob is xb
-        xc = _contiguous_out(xb, steps) if inplace else _contiguous_in(xb)
-        oc = xc if inplace else _contiguous_out(ob, steps)
-        work = transport.all_reduce(xc, oc, rop, seq)
-        return self._finish(_then(work, steps), async_op, timeout)
+        if xb.contiguous and ob.contiguous:
+            work = transport.all_reduce(xb, ob, rop, seq)
+        else:
+            steps: list[Callable[[], None]] = []
+            inplace = ob is xb
+            xc = _contiguous_out(xb, steps) if inplace else _contiguous_in(xb)
+            oc = xc if inplace else _contiguous_out(ob, steps)
+            work = _then(transport.all_reduce(xc, oc, rop, seq), steps)
+        return self._finish(work, async_op, timeout)
 
     def reduce(self, x: Any, root: int, op: ReduceOp | str = ReduceOp.SUM, *,
                async_op: bool = False, timeout: float | None = None) -> Work | None:  # fmt: skip

@@ -44,6 +44,12 @@ class Config:
     _transport_map: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # names are case-insensitive wherever they come from
+        for name in ("vendor", "log", "transport"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = value.lower() if name == "transport" else value.strip().lower()
+                object.__setattr__(self, name, value)
         _check_timeout(self.timeout)
         object.__setattr__(self, "timeout", float(self.timeout))
         if not isinstance(self.debug, bool):
@@ -158,5 +164,6 @@ def _from_env(name: str, key: str, raw: str) -> Any:
 
 def option_table() -> list[tuple[str, str, str]]:
     """(variable, default, meaning) for every option, for docs and `hetcomm info`."""
-    defaults = {f.name: f.default for f in fields(Config)}
-    return [(env, str(defaults[name]), text) for name, (env, text) in OPTIONS.items()]
+    shown = {"vendor": "detected", "host": "host name", "debug": "0"}
+    defaults = {f.name: shown.get(f.name, str(f.default)) for f in fields(Config)}
+    return [(env, defaults[name], text) for name, (env, text) in OPTIONS.items()]

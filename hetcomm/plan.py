@@ -72,7 +72,7 @@ def choose(
         raise ValueError(f"memory must be 'host' or 'device', got {memory!r}")
     not_aware = [m.rank for m in members if not m.gpu_aware]
     if requested != "auto":
-        why = _cannot(requested, members, memory, unavailable, not_aware)
+        why = _cannot(requested, members, op, memory, unavailable, not_aware)
         if why is not None:
             raise TransportUnavailable(
                 f"group '{group}': HETCOMM_TRANSPORT asks for '{requested}' for {op} on "
@@ -87,6 +87,7 @@ def choose(
 def _cannot(
     name: str,
     members: Sequence[Member],
+    op: str,
     memory: str,
     unavailable: Mapping[str, str | None],
     not_aware: list[int],
@@ -101,7 +102,7 @@ def _cannot(
             f"the MPI library is not GPU-aware on ranks {not_aware}: a device pointer would "
             "crash it"
         )
-    if name == "nccl" and memory == "host":
+    if name == "nccl" and memory == "host" and op != "barrier":  # a barrier moves no buffer
         return "NCCL moves device buffers only"
     return None
 
@@ -131,14 +132,22 @@ def _choose_device(
     else:
         rejected.append("nccl: CPU-only members" if vendors == ["cpu"]
                         else f"nccl: members span vendors {', '.join(vendors)}")
-    if len(parts) > 1 and op in COLLECTIVES and "hier" in usable:
-        return Choice("hier", f"{len(parts)} vendor islands: native inside, staged/direct between")
+    if len(parts) > 1 and op in COLLECTIVES:
+        if "hier" in usable:
+            return Choice("hier",
+                          f"{len(parts)} vendor islands: native inside, staged/direct between")  # fmt: skip
+        rejected.append(f"hier: {unavailable.get('hier') or 'not installed'}")
     hosts = {m.host for m in members}
-    if len(hosts) == 1 and "direct" in usable and nbytes > SMALL_BYTES:
-        return Choice("direct", "one host, peer memory mapped: GPU-to-GPU copies")
-    if not not_aware and "mpi" in usable:
+    if len(hosts) == 1 and nbytes > SMALL_BYTES:
+        if "direct" in usable:
+            return Choice("direct", "one host, peer memory mapped: GPU-to-GPU copies")
+        rejected.append(f"direct: {unavailable.get('direct') or 'not installed'}")
+    if not_aware:
+        rejected.append(f"mpi: not GPU-aware on ranks {not_aware}")
+    elif "mpi" in usable:
         return Choice("mpi", "the MPI library is GPU-aware on every member")
-    rejected.append(f"mpi: not GPU-aware on ranks {not_aware}")
+    else:
+        rejected.append(f"mpi: {unavailable.get('mpi') or 'not installed'}")
     if "staged" in usable:
         return Choice("staged", "device buffers across a vendor or host boundary: staged copies")
     rejected.append(f"staged: {unavailable.get('staged') or 'not installed'}")

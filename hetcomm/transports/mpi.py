@@ -32,10 +32,17 @@ _DATATYPES = {
 # MPI has no bfloat16 (and float16 only as an extension): those are reduced by hetcomm's own
 # kernels inside user-defined MPI operations, one per (dtype, op), created on first use.
 _HALF_OPS: dict[tuple[str, ReduceOp], MPI.Op] = {}
+_IN_PLACE = MPI.IN_PLACE
+_AVG = ReduceOp.AVG
+_OPS = {(d, op.value): mpi for d in _DATATYPES if d not in ("bool", "float16", "bfloat16")
+        for op, mpi in _NATIVE_OPS.items()}  # fmt: skip
 
 
 def mpi_op(dtype: str, op: ReduceOp) -> MPI.Op:
     """The MPI operation that reduces `dtype` with `op` (AVG reduces as SUM, then divides)."""
+    found = _OPS.get((dtype, op._value_))
+    if found is not None:
+        return found
     if dtype == "bool":
         return _BOOL_OPS[op]
     if dtype in ("float16", "bfloat16"):
@@ -91,10 +98,11 @@ class MpiTransport(Transport):
 
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
         dt = _DATATYPES[x.dtype]
-        send = MPI.IN_PLACE if out is x else (x.host, dt)
+        send = _IN_PLACE if out is x else (x.host, dt)
         req = self._mpi.Iallreduce(send, (out.host, dt), mpi_op(x.dtype, op))
-        finish = self._average(out) if op is ReduceOp.AVG else None
-        return self._work("all_reduce", seq, req, finish)
+        if op is _AVG:
+            return Work(self.comm, "all_reduce", seq, req.Test, self._average(out))
+        return Work(self.comm, "all_reduce", seq, req.Test, ())
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
         dt = _DATATYPES[x.dtype]

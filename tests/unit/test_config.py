@@ -52,7 +52,12 @@ def test_load_with_empty_environ_gives_defaults() -> None:
 
 
 def test_load_ignores_variables_without_the_prefix() -> None:
-    env = {"PATH": "/usr/bin", "OMPI_COMM_WORLD_RANK": "3", "HETCOMMTIMEOUT": "x", "hetcomm_log": "?"}
+    env = {
+        "PATH": "/usr/bin",
+        "OMPI_COMM_WORLD_RANK": "3",
+        "HETCOMMTIMEOUT": "x",
+        "hetcomm_log": "?",
+    }
     assert Config.load(env) == Config()
 
 
@@ -211,7 +216,7 @@ def test_timeout_accepts_int_and_numpy_float() -> None:
     assert Config(timeout=np.float64(2.5)).timeout == 2.5
 
 
-@pytest.mark.parametrize("bad", ["intel", "NVIDIA", "", "gpu", 1])
+@pytest.mark.parametrize("bad", ["intel", "", "gpu", 1])
 def test_bad_vendor_argument(bad: Any) -> None:
     msg = f"vendor: expected one of {', '.join(VENDORS)}, got {bad!r}"
     with pytest.raises(ConfigError, match=re.escape(msg)):
@@ -220,13 +225,17 @@ def test_bad_vendor_argument(bad: Any) -> None:
 
 @pytest.mark.parametrize("raw", ["intel", "cuda", "rocm", ""])
 def test_bad_vendor_variable(raw: str) -> None:
-    with pytest.raises(ConfigError, match=re.escape(f"vendor: expected one of nvidia, amd, cpu, got {raw!r}")):
+    with pytest.raises(
+        ConfigError, match=re.escape(f"vendor: expected one of nvidia, amd, cpu, got {raw!r}")
+    ):
         Config.load({"HETCOMM_VENDOR": raw})
 
 
 @pytest.mark.parametrize("bad", ["", "   ", "\t", 5])
 def test_bad_host_argument(bad: Any) -> None:
-    with pytest.raises(ConfigError, match=re.escape(f"host: expected a non-empty name, got {bad!r}")):
+    with pytest.raises(
+        ConfigError, match=re.escape(f"host: expected a non-empty name, got {bad!r}")
+    ):
         Config(host=bad)
 
 
@@ -236,7 +245,7 @@ def test_empty_host_variable(raw: str) -> None:
         Config.load({"HETCOMM_HOST": raw})
 
 
-@pytest.mark.parametrize("bad", ["verbose", "DEBUG", "critical", "", None])
+@pytest.mark.parametrize("bad", ["verbose", "critical", "", None])
 def test_bad_log_argument(bad: Any) -> None:
     msg = f"log: expected one of {', '.join(LOG_LEVELS)}, got {bad!r}"
     with pytest.raises(ConfigError, match=re.escape(msg)):
@@ -245,13 +254,18 @@ def test_bad_log_argument(bad: Any) -> None:
 
 @pytest.mark.parametrize("raw", ["verbose", "trace", "5", ""])
 def test_bad_log_variable(raw: str) -> None:
-    with pytest.raises(ConfigError, match=re.escape(f"log: expected one of debug, info, warning, error, got {raw.lower()!r}")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(f"log: expected one of debug, info, warning, error, got {raw.lower()!r}"),
+    ):
         Config.load({"HETCOMM_LOG": raw})
 
 
 @pytest.mark.parametrize("raw", ["2", "maybe", "enabled", "-1", "y"])
 def test_bad_debug_variable(raw: str) -> None:
-    with pytest.raises(ConfigError, match=re.escape(f"HETCOMM_DEBUG: expected 0 or 1, got {raw!r}")):
+    with pytest.raises(
+        ConfigError, match=re.escape(f"HETCOMM_DEBUG: expected 0 or 1, got {raw!r}")
+    ):
         Config.load({"HETCOMM_DEBUG": raw})
 
 
@@ -263,7 +277,9 @@ def test_bad_debug_argument(bad: Any) -> None:
 
 @pytest.mark.parametrize("bad", ["", "  ", None, 3])
 def test_bad_rails_argument(bad: Any) -> None:
-    with pytest.raises(ConfigError, match=re.escape(f"rails: expected 'auto' or a list of interfaces, got {bad!r}")):
+    with pytest.raises(
+        ConfigError, match=re.escape(f"rails: expected 'auto' or a list of interfaces, got {bad!r}")
+    ):
         Config(rails=bad)
 
 
@@ -312,7 +328,9 @@ def test_unknown_variable_is_case_sensitive() -> None:
 
 @pytest.mark.parametrize("bad", ["timeuot", "_transport_map", "verbose"])
 def test_unknown_keyword_is_type_error(bad: str) -> None:
-    with pytest.raises(TypeError, match=re.escape(f"Config.load() got unknown option(s) ['{bad}']")):
+    with pytest.raises(
+        TypeError, match=re.escape(f"Config.load() got unknown option(s) ['{bad}']")
+    ):
         Config.load({}, **{bad: 1})
 
 
@@ -374,7 +392,9 @@ def test_unknown_transport_names_the_bad_entry() -> None:
     ],
 )
 def test_duplicate_transport_entries(spec: str, what: str) -> None:
-    with pytest.raises(ConfigError, match=re.escape(f"transport: {what} is given twice in {spec!r}")):
+    with pytest.raises(
+        ConfigError, match=re.escape(f"transport: {what} is given twice in {spec!r}")
+    ):
         parse_transport(spec)
 
 
@@ -484,3 +504,8 @@ def test_option_table_lists_every_option() -> None:
     for env, _default, text in table:
         assert text == OPTIONS[ENV_NAMES[env]][1]
         assert all(isinstance(cell, str) for cell in (env, _default, text))
+
+
+def test_names_are_case_insensitive() -> None:
+    c = Config(vendor="NVIDIA", log="DEBUG", transport="DP:NCCL")
+    assert (c.vendor, c.log, c.transport_for("dp")) == ("nvidia", "debug", "nccl")

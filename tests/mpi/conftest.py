@@ -1,0 +1,58 @@
+"""Fixtures of the MPI tests, run as `mpirun -n N python -m mpi4py -m pytest --with-mpi tests/mpi`.
+
+The `comm`, `make_comm`, `shared_seed` and `hetcomm_world` fixtures come from hetcomm's own pytest
+plugin (hetcomm.testing). Tests here collect their findings in `errors` and end with
+`errors.verify()`, which fails on every rank when any rank found something, so that a failure on
+one rank never leaves the others waiting in the next collective.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pytest
+
+from hetcomm.testing import assert_all_ranks
+
+if TYPE_CHECKING:
+    from hetcomm import Communicator
+
+_HERE = Path(__file__).parent
+# A test that hangs (ranks out of step) ends the rank after this long, with a stack dump, instead
+# of blocking the whole run: mpirun then ends the other ranks.
+_HANG_TIMEOUT_S = 120
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _HERE in Path(item.path).parents and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(_HANG_TIMEOUT_S, method="thread"))
+
+
+class Errors(list[str]):
+    """Mismatches found by this rank; `verify()` is collective over the test's communicator."""
+
+    def __init__(self, comm: Communicator, seed: int) -> None:
+        super().__init__()
+        self.comm, self.seed = comm, seed
+
+    def expect(self, ok: bool, message: str) -> None:
+        if not ok:
+            self.append(message)
+
+    def verify(self) -> None:
+        shown = "; ".join(self[:5]) + (f"; and {len(self) - 5} more" if len(self) > 5 else "")
+        assert_all_ranks(self.comm, not self, f"(seed {self.seed}) {shown}")
+
+
+@pytest.fixture
+def errors(comm: Communicator, shared_seed: int) -> Errors:
+    return Errors(comm, shared_seed)
+
+
+@pytest.fixture
+def rng(shared_seed: int) -> np.random.Generator:
+    """The same generator on every rank: each rank can draw every rank's inputs."""
+    return np.random.default_rng(shared_seed)

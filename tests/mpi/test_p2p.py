@@ -1,0 +1,85 @@
+"""send / recv: every dtype and layout around a ring, tags, and message spaces of dup()."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _data import CASES, SHAPES, Placed, compare, draw
+
+import hetcomm
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize(("lib", "dtype"), CASES)
+def test_send_recv_ring(comm, rng, errors, lib, dtype):
+    """Rank r sends to r+1 and receives from r-1, from and into every layout."""
+    dst, src = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    for tag, (shape, layout) in enumerate(SHAPES):
+        stack = draw(rng, dtype, shape, comm.size)
+        case = f"{layout}{list(shape)} tag {tag}"
+        x = Placed(stack[comm.rank], dtype, lib, layout)
+        y = Placed(draw(rng, dtype, shape, 1)[0], dtype, lib, layout)
+        sent = comm.send(x.array, dst, tag, async_op=True)
+        comm.recv(y.array, src, tag)
+        sent.wait()
+        errors += compare(y.values(), stack[src], f"received, {case}")
+        errors += compare(x.values(), stack[comm.rank], f"sent, {case}: x changed")
+        errors.expect(x.intact() and y.intact(), f"{case}: wrote outside the target")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_tags_select_the_message(comm, errors):
+    """Rank 0 sends tags 1 then 2; rank 1 receives tag 2 first: each lands where it belongs."""
+    if comm.rank == 0:
+        works = [comm.send(np.full(3, t, dtype=np.int32), 1, tag=t, async_op=True) for t in (1, 2)]
+        for w in works:
+            w.wait()
+    elif comm.rank == 1:
+        second, first = np.zeros(3, dtype=np.int32), np.zeros(3, dtype=np.int32)
+        comm.recv(second, 0, tag=2)
+        comm.recv(first, 0, tag=1)
+        errors.expect(
+            (first == 1).all() and (second == 2).all(), f"tag 1 gave {first}, tag 2 gave {second}"
+        )
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_recv_posted_before_send(comm, errors):
+    """An async recv posted before the matching send completes once the send comes."""
+    x = np.arange(6, dtype=np.float64).reshape(2, 3)
+    if comm.rank == 1:
+        y = np.zeros((2, 3))
+        work = comm.recv(y, 0, tag=5, async_op=True)
+        errors.expect(isinstance(work, hetcomm.Work), f"recv returned {work!r}")
+        comm.barrier()
+        work.wait(timeout=30)
+        errors.expect(work.test() and work.exception() is None, f"recv work {work!r}")
+        errors += compare(y, x, "received")
+    else:
+        comm.barrier()
+        if comm.rank == 0:
+            comm.send(x, 1, tag=5)
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dup_has_its_own_message_space(comm, errors):
+    """The same (source, tag) on a dup and on its parent never match each other."""
+    with comm.dup(name="twin") as twin:
+        if comm.rank == 0:
+            a = comm.send(np.array([1.0]), 1, tag=0, async_op=True)
+            b = twin.send(np.array([2.0]), 1, tag=0, async_op=True)
+            a.wait()
+            b.wait()
+        elif comm.rank == 1:
+            on_twin, on_comm = np.zeros(1), np.zeros(1)
+            twin.recv(on_twin, 0, tag=0)
+            comm.recv(on_comm, 0, tag=0)
+            errors.expect(
+                on_twin[0] == 2.0 and on_comm[0] == 1.0,
+                f"twin got {on_twin[0]}, parent got {on_comm[0]}",
+            )
+        twin.barrier()
+    errors.verify()
