@@ -263,4 +263,6 @@ def overlap(a: Buffer, b: Buffer) -> str:
 
 
 # numpy 2 moved byte_bounds into numpy.lib.array_utils
-_byte_bounds: Any = getattr(getattr(np.lib, "array_utils", np), "byte_bounds", None) or np.byte_bounds
+_numpy: Any = np
+_array_utils: Any = getattr(np.lib, "array_utils", None)
+_byte_bounds: Any = _array_utils.byte_bounds if _array_utils is not None else _numpy.byte_bounds

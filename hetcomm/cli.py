@@ -24,7 +24,7 @@ def group_plans(world: Any, groups: Any) -> str | None:
             if (dim, members) in seen or len(members) == 1:
                 continue
             seen.add((dim, members))
-            lines.append(f"{dim} group of world ranks {list(members)}: " + text.partition("\n")[2])
+            lines.append(f"{dim} group of world ranks {list(members)}:\n" + text.partition("\n")[2])
     return "\n".join(lines)
 
 
@@ -80,6 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     info.add_argument("--dp", type=int, default=None, help="dp size (default: what is left)")
     info.add_argument("--order", default="tp-cp-ep-dp-pp", help="layout order, fastest first")
     info.set_defaults(func=_info)
+    from .run import add_parser as add_run_parser
+
+    add_run_parser(sub)
     args = parser.parse_args(argv)
     code: int = args.func(args)
     return code

@@ -27,7 +27,7 @@ _DTYPE_CODES = {name: i for i, name in enumerate(
 
 
 _AVG = ReduceOp.AVG
-_FINGERPRINTED = frozenset((*planning.COLLECTIVES, "barrier"))
+_POINT_TO_POINT = frozenset(("send", "recv"))
 
 
 class Communicator:
@@ -40,12 +40,16 @@ class Communicator:
     def __init__(self, mpi_comm: MPI.Intracomm, config: Config, topology: Topology,
                  name: str = "world") -> None:  # fmt: skip
         self.mpi = mpi_comm
+        # a second communicator for transports' own messages (control, rails), so that they
+        # can never match the caller's point-to-point traffic
+        self.service: MPI.Intracomm = mpi_comm.Dup()
         self.config = config
         self.topology = topology
         self.name = name
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
-        self._seq = 0
+        self._seq = 0  # collectives (and barriers) so far: the same on every rank
+        self._p2p_seq = 0
         self._debug = config.debug
         self._closed = False
         self._aborted: BaseException | None = None
@@ -76,6 +80,7 @@ class Communicator:
         # an aborted communicator may still have MPI operations in flight: freeing it then
         # would let MPI write into released memory, so it is left to MPI_Finalize
         if self._aborted is None and self.mpi != MPI.COMM_NULL:
+            self.service.Free()
             self.mpi.Free()
 
     @property
@@ -169,8 +174,12 @@ class Communicator:
 
     def _start(self, op: str, buf: Buffer | None, root: int = -1) -> tuple[Transport, int]:
         transport = self._transport(op, buf)
+        if op in _POINT_TO_POINT:
+            # only two ranks take part: a count of their own keeps collective numbers in step
+            self._p2p_seq += 1
+            return transport, self._p2p_seq
         self._seq += 1
-        if self._debug and op in _FINGERPRINTED:
+        if self._debug:
             self._compare_fingerprints(op, buf, root)
         return transport, self._seq
 

@@ -121,8 +121,11 @@ def _choose_device(
     shared = len(set(devices)) < len(devices)
     parts = islands(members)
     rejected: list[str] = []
+    deviceless = [m.rank for m in members if m.device is None]
     if len(vendors) == 1 and vendors[0] != "cpu":
-        if shared:
+        if deviceless:
+            rejected.append(f"nccl: no device on ranks {deviceless} (a simulated vendor?)")
+        elif shared:
             rejected.append("nccl: two ranks share a device (NCCL refuses a duplicate GPU)")
         elif "nccl" in usable:
             lib = "RCCL" if vendors[0] == "amd" else "NCCL"

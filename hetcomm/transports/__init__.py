@@ -75,5 +75,6 @@ class Transport:
 def registry() -> dict[str, type[Transport]]:
     """Transport name -> class, for the transports this installation has."""
     from .mpi import MpiTransport
+    from .staged import StagedTransport
 
-    return {MpiTransport.name: MpiTransport}
+    return {MpiTransport.name: MpiTransport, StagedTransport.name: StagedTransport}

@@ -1,0 +1,641 @@
+"""Staged transport (CPU-forwarding): chunks through pinned host memory, striped over rails."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+from mpi4py import MPI
+
+from ..errors import HetcommError, MismatchError, TransportUnavailable
+from ..ops import ReduceOp
+from ..work import Work
+from . import Transport
+from . import rails as R
+
+if TYPE_CHECKING:
+    from ..arrays import Buffer
+    from ..topology import Topology
+
+log = logging.getLogger("hetcomm")
+
+# Chunk size and slots per shared segment: measured on the H200 (docs/BENCHMARKS.md); both
+# can be changed per transport through `StagedTransport.chunk_bytes` / `.slots`.
+CHUNK_BYTES = 4 << 20
+SLOTS = 8
+SHM_LANES = 2  # threads feeding one shm rail, so that one stages while the other signals
+TAG_CTRL, TAG_HELLO, TAG_HEAD, TAG_BODY = 11, 12, 13, 14
+CTS_P2P, CTS_COLL, CTS_STOP = 1, 2, 99
+_STOP = object()
+
+
+def chunk_spans(nbytes: int, chunk_bytes: int, itemsize: int = 1) -> list[tuple[int, int]]:
+    """(offset, length) of each chunk; boundaries fall on whole elements; [] for 0 bytes."""
+    if chunk_bytes < itemsize:
+        raise ValueError(f"chunk of {chunk_bytes} bytes is smaller than one element ({itemsize})")
+    step = chunk_bytes - chunk_bytes % itemsize
+    return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
+
+
+def block_spans(count: int, parts: int) -> list[tuple[int, int]]:
+    """(first element, element count) of `parts` near-equal blocks of `count` elements."""
+    base, extra = divmod(count, parts)
+    spans, start = [], 0
+    for i in range(parts):
+        n = base + (1 if i < extra else 0)
+        spans.append((start, n))
+        start += n
+    return spans
+
+
+def choose_rails(me: dict[str, Any], peer: dict[str, Any], mode: str) -> list[R.RailSpec]:
+    """The rails joining two ranks, computed identically on both sides from their cards."""
+    if mode == "mpi":
+        return [R.RailSpec("mpi", 0)]
+    if me["node"] == peer["node"] and me["host"] == peer["host"]:
+        return [R.RailSpec("shm", 0)]
+    mine, theirs = me["addrs"], peer["addrs"]
+    if mode == "auto":
+        if me["node"] == peer["node"]:
+            # simulated hosts on one machine: their traffic is loopback traffic anyway
+            mine, theirs = ["127.0.0.1"], ["127.0.0.1"]
+        else:
+            mine = [a for a in mine if not a.startswith("127.")]
+            theirs = [a for a in theirs if not a.startswith("127.")]
+    specs = [R.RailSpec("tcp", i, a, b, peer["ports"][b]) for i, (a, b) in
+             enumerate(zip(mine, theirs))]  # fmt: skip
+    return specs or [R.RailSpec("mpi", 0)]
+
+
+@dataclass
+class Region:
+    """Bytes an op reads or writes: a flat uint8 host view, or a device pointer."""
+
+    nbytes: int
+    host: np.ndarray | None = None
+    dev: int = 0
+    keep: Any = None  # keeps a temporary allocation alive
+
+    def sub(self, offset: int, nbytes: int) -> Region:
+        if self.host is not None:
+            return Region(nbytes, self.host[offset : offset + nbytes])
+        return Region(nbytes, None, self.dev + offset, self.keep)
+
+
+@dataclass(eq=False)
+class _Op:
+    """One message in flight between this rank and one peer."""
+
+    peer: int
+    region: Region
+    spans: list[tuple[int, int]]
+    remote: int = -1  # the receiver's op id (sends)
+    ready: Any = None  # device event the copies must wait for
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    left: int = 0
+    seen: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self.done.set()
+
+    def count(self, chunk: int) -> None:
+        """One chunk sent (or arrived); duplicates from a resend are counted once."""
+        with self.lock:
+            if chunk in self.seen:
+                return
+            self.seen.add(chunk)
+            self.left -= 1
+            finished = self.left <= 0
+        if finished:
+            self.done.set()
+
+    def wait(self, deadline: float) -> None:
+        if not self.done.wait(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"no progress with rank {self.peer}")
+        if self.error is not None:
+            raise self.error
+
+
+class _Channel:
+    """Everything joining this rank to one peer: rails, their threads, shared slots."""
+
+    def __init__(self, owner: StagedTransport, peer: int, specs: list[R.RailSpec]) -> None:
+        self.owner, self.peer, self.specs = owner, peer, specs
+        self.queue: queue.Queue[Any] = queue.Queue()
+        self.links: list[R.Link] = []
+        self.shm_out: R.SharedSlots | None = None
+        self.shm_in: R.SharedSlots | None = None
+        self.threads: list[threading.Thread] = []
+        self.dead: list[str] = []
+        self.uses_mpi = any(s.kind == "mpi" for s in specs)
+
+    def start(self) -> None:
+        for link in self.links:
+            lanes = SHM_LANES if link.spec.kind == "shm" else 1
+            for _ in range(lanes):
+                self._thread(self.owner._send_loop, self, link)
+            self._thread(self.owner._recv_loop, self, link)
+        if self.uses_mpi:
+            self._thread(self.owner._send_loop, self, None)
+            self._thread(self.owner._mpi_recv_loop, self)
+
+    def _thread(self, fn: Callable[..., None], *args: Any) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True,
+                             name=f"hetcomm-rail-{self.owner.rank}-{self.peer}")  # fmt: skip
+        t.start()
+        self.threads.append(t)
+
+    def alive(self) -> bool:
+        return self.uses_mpi or any(link.alive for link in self.links)
+
+    def describe(self) -> str:
+        return ", ".join(str(s) for s in self.specs)
+
+
+class StagedTransport(Transport):
+    """CPU-forwarding: device -> pinned host -> rails -> pinned host -> device, chunk by chunk.
+
+    A receive posts a clear-to-send (over MPI) naming its op id; the sender then streams its
+    chunks over every rail to that peer at once, each rail taking the next chunk when it is
+    free, so that faster rails carry more. Collectives are rings of these messages.
+    """
+
+    name: ClassVar[str] = "staged"
+    memory: ClassVar[tuple[str, ...]] = ("host", "device")
+
+    def __init__(self, comm: Any) -> None:
+        super().__init__(comm)
+        self.rank, self.size = comm.rank, comm.size
+        self.svc: MPI.Intracomm = comm.service
+        self.chunk_bytes = CHUNK_BYTES
+        self.slots = SLOTS
+        self.timeout = comm.config.timeout
+        self.mode, addrs = _rail_addresses(comm)
+        self.token = R.new_token()
+        self.listener = R.Listener(addrs, self.token, self.rank)
+        info = comm.topology[self.rank]
+        self.card = {"rank": self.rank, "host": info.host, "node": info.node, "addrs": addrs,
+                     "ports": self.listener.ports, "unix": self.listener.unix_name,
+                     "token": self.token}  # fmt: skip
+        self._channels: dict[int, _Channel] = {}
+        self._channel_locks: dict[int, threading.Lock] = {}
+        self._lock = threading.Lock()
+        self._ops: dict[int, _Op] = {}
+        self._op_ids = itertools.count(1)
+        self._inbox: dict[tuple[int, int, int, int], list[tuple[int, int]]] = {}
+        self._inbox_cond = threading.Condition()
+        self._driver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hetcomm-staged")
+        self._closed = False
+        self._gpu: Any = None
+        self.stats: dict[str, int] = {}
+        self._control = threading.Thread(target=self._control_loop, daemon=True,
+                                          name="hetcomm-control")  # fmt: skip
+        self._control.start()
+
+    @classmethod
+    def unavailable(cls, topology: Topology) -> str | None:
+        return None  # host memory always works; device memory needs cupy (checked per call)
+
+    # ---- control: clear-to-send messages over MPI -------------------------------------------
+
+    def _control_loop(self) -> None:
+        msg = np.zeros(6, dtype=np.int64)
+        status = MPI.Status()
+        while True:
+            self.svc.Recv(msg, source=MPI.ANY_SOURCE, tag=TAG_CTRL, status=status)
+            kind, k1, k2, op_id, nbytes = (int(v) for v in msg[:5])
+            src = status.Get_source()
+            if kind == CTS_STOP and src == self.rank:
+                return
+            with self._inbox_cond:
+                self._inbox.setdefault((src, kind, k1, k2), []).append((op_id, nbytes))
+                self._inbox_cond.notify_all()
+
+    def _send_cts(self, peer: int, kind: int, k1: int, k2: int, op_id: int, nbytes: int) -> None:
+        self.svc.Send(np.array([kind, k1, k2, op_id, nbytes, 0], dtype=np.int64), peer, TAG_CTRL)
+
+    def _await_cts(self, peer: int, kind: int, k1: int, k2: int, deadline: float) -> tuple[int, int]:
+        key = (peer, kind, k1, k2)
+        with self._inbox_cond:
+            while not self._inbox.get(key):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"rank {peer} never posted the matching receive")
+                self._inbox_cond.wait(min(left, 0.5))
+            entry = self._inbox[key].pop(0)
+            if not self._inbox[key]:
+                del self._inbox[key]
+            return entry
+
+    # ---- channels ----------------------------------------------------------------------------
+
+    def channel(self, peer: int, deadline: float) -> _Channel:
+        """The channel to `peer`, opened on first use (both ranks reach this together)."""
+        with self._lock:
+            lock = self._channel_locks.setdefault(peer, threading.Lock())
+        with lock:
+            found = self._channels.get(peer)
+            if found is not None:
+                return found
+            ch = self._open(peer, deadline)
+            self._channels[peer] = ch
+            return ch
+
+    def _open(self, peer: int, deadline: float) -> _Channel:
+        theirs = self.svc.sendrecv(self.card, dest=peer, sendtag=TAG_HELLO, source=peer,
+                                   recvtag=TAG_HELLO)  # fmt: skip
+        specs = choose_rails(self.card, theirs, self.mode)
+        ch = _Channel(self, peer, specs)
+        for spec in specs:
+            if spec.kind == "mpi":
+                continue
+            if self.rank < peer:
+                sock = R.connect(spec, peer, theirs["token"], self.rank, theirs["unix"], deadline)
+            else:
+                sock = self.listener.take(peer, spec.index, deadline)
+            ch.links.append(R.Link(sock, spec, peer))
+        if any(s.kind == "shm" for s in specs):
+            base = f"hetcomm-{self.token.hex()[:12]}"
+            ch.shm_out = R.SharedSlots(f"{base}-{self.rank}-{peer}", self.slots,
+                                       self.chunk_bytes, create=True)  # fmt: skip
+            names = self.svc.sendrecv(ch.shm_out.name, dest=peer, sendtag=TAG_HELLO,
+                                      source=peer, recvtag=TAG_HELLO)  # fmt: skip
+            ch.shm_in = R.SharedSlots(names, self.slots, self.chunk_bytes, create=False)
+            # both sides have mapped both segments: the names can go
+            self.svc.sendrecv(None, dest=peer, sendtag=TAG_HELLO, source=peer, recvtag=TAG_HELLO)
+            ch.shm_out.unlink()
+        log.info("staged: rank %d <-> rank %d over %s", self.rank, peer, ch.describe())
+        ch.start()
+        return ch
+
+    # ---- the rail threads ----------------------------------------------------------------------
+
+    def _send_loop(self, ch: _Channel, link: R.Link | None) -> None:
+        while True:
+            item = ch.queue.get()
+            if item is _STOP:
+                ch.queue.put(_STOP)  # let the channel's other threads see it too
+                return
+            op, idx, (off, n) = item
+            if op.done.is_set():
+                continue  # failed meanwhile
+            try:
+                self._send_chunk(ch, link, op, idx, off, n)
+                op.count(idx)
+                self.stats[_rail_name(link)] = self.stats.get(_rail_name(link), 0) + n
+            except R.RailError as exc:
+                ch.queue.put(item)  # another rail takes it over
+                assert link is not None
+                ch.dead.append(f"{link.spec}: {exc}")
+                log.warning("rank %d: rail %s to rank %d failed (%s); its chunks move to the "
+                            "other rails", self.rank, link.spec, ch.peer, exc)  # fmt: skip
+                if not ch.alive():
+                    self._fail_channel(ch, HetcommError(
+                        f"every rail to rank {ch.peer} failed: " + "; ".join(ch.dead)))  # fmt: skip
+                return
+            except BaseException as exc:
+                op.fail(exc)
+
+    def _send_chunk(self, ch: _Channel, link: R.Link | None, op: _Op, idx: int, off: int,
+                    n: int) -> None:  # fmt: skip
+        src = op.region.sub(off, n)
+        if link is None:  # the MPI rail
+            head = np.array([DATA_MPI, op.remote, idx, off, n], dtype=np.int64)
+            with self._staged(src, op) as payload:
+                self.svc.Send(head, ch.peer, TAG_HEAD)
+                self.svc.Send(payload, ch.peer, TAG_BODY)
+            return
+        if link.spec.kind == "shm":
+            assert ch.shm_out is not None
+            slot = ch.shm_out.acquire(time.monotonic() + self.timeout, lambda: link.alive)
+            try:
+                target = ch.shm_out.view(slot, n)
+                if src.host is not None:
+                    np.copyto(target, src.host)
+                else:
+                    self._gpu.copy_to_host(target, src, op.ready)
+                link.send(R.SLOT, slot, op.remote, idx, off, n)
+            except BaseException:
+                ch.shm_out.release(slot)
+                raise
+            return
+        with self._staged(src, op) as payload:
+            link.send(R.DATA, -1, op.remote, idx, off, n, memoryview(payload))
+
+    @contextlib.contextmanager
+    def _staged(self, src: Region, op: _Op) -> Any:
+        """Host bytes of `src`: the caller's memory itself, or a pinned copy of device data."""
+        if src.host is not None:
+            yield src.host
+            return
+        with self._gpu.bounce(src.nbytes) as staging:
+            self._gpu.copy_to_host(staging, src, op.ready)
+            yield staging
+
+    def _recv_loop(self, ch: _Channel, link: R.Link) -> None:
+        while link.alive:
+            try:
+                kind, slot, op_id, idx, off, n = link.recv_header()
+                if kind == R.FREE:
+                    assert ch.shm_out is not None
+                    ch.shm_out.release(slot)
+                    continue
+                if kind == R.BYE:
+                    link.alive = False
+                    return
+                op = self._ops.get(op_id)
+                if kind == R.ERROR:
+                    if op is not None:
+                        op.fail(_size_mismatch(ch.peer, n, op.region.nbytes))
+                    continue
+                if kind == R.DATA:
+                    self._land(link, op, idx, off, n)
+                elif kind == R.SLOT:
+                    assert ch.shm_in is not None
+                    if op is not None and not op.done.is_set():
+                        self._deliver(op, off, ch.shm_in.view(slot, n))
+                        op.count(idx)
+                    link.send(R.FREE, slot, op_id, idx, 0, 0)
+            except R.RailError:
+                link.alive = False
+                return
+            except BaseException as exc:
+                log.error("rank %d: receiving from rank %d failed: %s", self.rank, ch.peer, exc)
+                link.alive = False
+                return
+
+    def _land(self, link: R.Link, op: _Op | None, idx: int, off: int, n: int) -> None:
+        if op is None or op.done.is_set():
+            link.recv_into(memoryview(bytearray(n)))  # drain a chunk nobody waits for
+            return
+        dest = op.region.sub(off, n)
+        if dest.host is not None:
+            link.recv_into(memoryview(dest.host))  # type: ignore[arg-type]
+        else:
+            with self._gpu.bounce(n) as staging:
+                link.recv_into(memoryview(staging))
+                self._gpu.copy_from_host(dest, staging, op.ready)
+        op.count(idx)
+
+    def _deliver(self, op: _Op, off: int, data: np.ndarray) -> None:
+        dest = op.region.sub(off, len(data))
+        if dest.host is not None:
+            np.copyto(dest.host, data)
+        else:
+            self._gpu.copy_from_host(dest, data, op.ready)
+
+    def _mpi_recv_loop(self, ch: _Channel) -> None:
+        head = np.zeros(5, dtype=np.int64)
+        while True:
+            self.svc.Recv(head, source=ch.peer, tag=TAG_HEAD)
+            kind, op_id, idx, off, n = (int(v) for v in head)
+            if kind == BYE_MPI:
+                return
+            op = self._ops.get(op_id)
+            if kind == ERROR_MPI:
+                if op is not None:
+                    op.fail(_size_mismatch(ch.peer, n, op.region.nbytes))
+                continue
+            if op is None or op.done.is_set():
+                self.svc.Recv(np.empty(n, np.uint8), source=ch.peer, tag=TAG_BODY)
+                continue
+            dest = op.region.sub(off, n)
+            if dest.host is not None:
+                self.svc.Recv(dest.host, source=ch.peer, tag=TAG_BODY)
+            else:
+                with self._gpu.bounce(n) as staging:
+                    self.svc.Recv(staging, source=ch.peer, tag=TAG_BODY)
+                    self._gpu.copy_from_host(dest, staging, op.ready)
+            op.count(idx)
+
+    def _fail_channel(self, ch: _Channel, exc: BaseException) -> None:
+        for op in list(self._ops.values()):
+            if op.peer == ch.peer:
+                op.fail(exc)
+        while True:
+            try:
+                item = ch.queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _STOP:
+                item[0].fail(exc)
+
+    # ---- messages: the building block of every operation -----------------------------------
+
+    def post_recv(self, peer: int, region: Region, kind: int, k1: int, k2: int,
+                  deadline: float, ready: Any = None) -> _Op:  # fmt: skip
+        """Register a receive into `region` and tell `peer` it may send."""
+        ch = self.channel(peer, deadline)
+        spans = chunk_spans(region.nbytes, self.chunk_bytes)
+        op = _Op(peer, region, spans, ready=ready, left=len(spans))
+        op_id = next(self._op_ids)
+        self._ops[op_id] = op
+        if not spans:
+            op.done.set()
+        self._send_cts(peer, kind, k1, k2, op_id, region.nbytes)
+        del ch
+        return op
+
+    def start_send(self, peer: int, region: Region, kind: int, k1: int, k2: int,
+                   deadline: float, ready: Any = None) -> _Op:  # fmt: skip
+        """Wait for `peer`'s clear-to-send, then queue every chunk on the peer's rails."""
+        ch = self.channel(peer, deadline)
+        remote, expected = self._await_cts(peer, kind, k1, k2, deadline)
+        spans = chunk_spans(region.nbytes, self.chunk_bytes)
+        op = _Op(peer, region, spans, remote=remote, ready=ready, left=len(spans))
+        if expected != region.nbytes:
+            exc = MismatchError(f"rank {self.rank} sends {region.nbytes} bytes, rank {peer} "
+                                f"receives {expected}")  # fmt: skip
+            self._notify_error(ch, remote, region.nbytes)
+            op.fail(exc)
+            return op
+        if not spans:
+            op.done.set()
+        for idx, span in enumerate(spans):
+            ch.queue.put((op, idx, span))
+        return op
+
+    def _notify_error(self, ch: _Channel, remote: int, nbytes: int) -> None:
+        """Fail the peer's receive too, so that it does not wait for data that cannot come."""
+        for link in ch.links:
+            with contextlib.suppress(R.RailError):
+                link.send(R.ERROR, -1, remote, 0, 0, nbytes)
+                return
+        if ch.uses_mpi:
+            self.svc.Send(np.array([ERROR_MPI, remote, 0, 0, nbytes], np.int64), ch.peer, TAG_HEAD)
+
+    def finish_recv(self, op: _Op, deadline: float) -> None:
+        try:
+            op.wait(deadline)
+        finally:
+            for key, value in list(self._ops.items()):
+                if value is op:
+                    del self._ops[key]
+
+    # ---- operations --------------------------------------------------------------------------
+
+    def _region(self, buf: Buffer) -> Region:
+        if buf.host is not None:
+            return Region(buf.nbytes, buf.host.view(np.uint8).reshape(-1))
+        return Region(buf.nbytes, None, buf.ptr)
+
+    def _run(self, op: str, seq: int, bufs: list[Buffer],
+             body: Callable[[float, Any], None]) -> Work:  # fmt: skip
+        """Start `body(deadline, ready)` on a driver thread; the Work completes with it."""
+        gpu = self._device(bufs)
+        ready = gate = None
+        if gpu is not None:
+            ready, gate = gpu.enter(bufs[0])
+        deadline = time.monotonic() + self.timeout
+
+        def task() -> None:
+            try:
+                body(deadline, ready)
+            finally:
+                if gate is not None:
+                    gpu.leave(gate)
+
+        future = self._driver.submit(task)
+        return Work(self.comm, op, seq, future.done, [future.result])
+
+    def _device(self, bufs: list[Buffer]) -> Any:
+        if not any(b.on_device for b in bufs):
+            return None
+        if self._gpu is None:
+            from ..kernels import device
+
+            why = device.unavailable()
+            if why is not None:
+                raise TransportUnavailable(f"staged transport on device buffers: {why}")
+            self._gpu = device.StagingDevice(self.chunk_bytes, self.slots)
+        return self._gpu
+
+    def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
+        region = self._region(x)
+
+        def body(deadline: float, ready: Any) -> None:
+            self.start_send(dst, region, CTS_P2P, tag, 0, deadline, ready).wait(deadline)
+
+        return self._run("send", seq, [x], body)
+
+    def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
+        region = self._region(x)
+
+        def body(deadline: float, ready: Any) -> None:
+            op = self.post_recv(src, region, CTS_P2P, tag, 0, deadline, ready)
+            self.finish_recv(op, deadline)
+
+        return self._run("recv", seq, [x], body)
+
+    def exchange(self, seq: int, step: int, send_to: int, out: Region | None, recv_from: int,
+                 into: Region | None, deadline: float, ready: Any) -> None:  # fmt: skip
+        """One step of a collective: send `out` to one rank while receiving `into` from one."""
+        rop = None
+        if into is not None:
+            rop = self.post_recv(recv_from, into, CTS_COLL, seq, step, deadline, ready)
+        if out is not None:
+            self.start_send(send_to, out, CTS_COLL, seq, step, deadline, ready).wait(deadline)
+        if rop is not None:
+            self.finish_recv(rop, deadline)
+
+    def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
+        from . import staged_collectives as C
+
+        return self._run("all_reduce", seq, [x, out], C.all_reduce(self, x, out, op, seq))
+
+    def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
+        from . import staged_collectives as C
+
+        return self._run("reduce", seq, [x], C.reduce(self, x, op, root, seq))
+
+    def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
+        from . import staged_collectives as C
+
+        return self._run("broadcast", seq, [x], C.broadcast(self, x, root, seq))
+
+    def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        from . import staged_collectives as C
+
+        return self._run("all_gather", seq, [out, x], C.all_gather(self, out, x, seq))
+
+    def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
+        from . import staged_collectives as C
+
+        return self._run("reduce_scatter", seq, [out, x],
+                         C.reduce_scatter(self, out, x, op, seq))  # fmt: skip
+
+    def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        from . import staged_collectives as C
+
+        return self._run("all_to_all", seq, [out, x], C.all_to_all(self, out, x, seq))
+
+    def barrier(self, seq: int) -> Work:
+        return Work(self.comm, "barrier", seq, self.svc.Ibarrier().Test, ())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for ch in self._channels.values():
+            ch.queue.put(_STOP)
+            for link in ch.links:
+                with contextlib.suppress(R.RailError):
+                    link.send(R.BYE, -1, 0, 0, 0, 0)
+            if ch.uses_mpi:
+                self.svc.Send(np.array([BYE_MPI, 0, 0, 0, 0], np.int64), ch.peer, TAG_HEAD)
+        self.svc.Send(np.array([CTS_STOP, 0, 0, 0, 0, 0], np.int64), self.rank, TAG_CTRL)
+        self._control.join(timeout=5)
+        self._driver.shutdown(wait=False, cancel_futures=True)
+        for ch in self._channels.values():
+            for t in ch.threads:
+                t.join(timeout=2)
+            for link in ch.links:
+                link.close()
+            for seg in (ch.shm_out, ch.shm_in):
+                if seg is not None:
+                    seg.unlink()
+                    seg.close()
+        self.listener.close()
+        if self._gpu is not None:
+            self._gpu.close()
+
+
+DATA_MPI, ERROR_MPI, BYE_MPI = 1, 4, 5
+
+
+def _size_mismatch(peer: int, sent: int, expected: int) -> MismatchError:
+    return MismatchError(f"receive from rank {peer}: the sender has {sent} bytes, this receive "
+                         f"takes {expected}")  # fmt: skip
+
+
+def _rail_name(link: R.Link | None) -> str:
+    return "mpi" if link is None else str(link.spec)
+
+
+def _rail_addresses(comm: Any) -> tuple[str, list[str]]:
+    """('auto' | 'mpi' | 'list', the IPv4 addresses this rank listens on)."""
+    from ..nics import parse_rails, shared_subnet_warnings
+
+    spec = comm.config.rails.strip()
+    if spec.lower() == "mpi":
+        return "mpi", []
+    nics = comm.topology[comm.rank].nics
+    if spec.lower() == "auto":
+        return "auto", ["127.0.0.1", *[n.ipv4 for n in nics]]
+    chosen = parse_rails(spec, list(nics))
+    for warning in shared_subnet_warnings(chosen):
+        log.warning("HETCOMM_RAILS: %s", warning)
+    return "list", [n.ipv4 for n in chosen]

@@ -1,0 +1,209 @@
+"""Collectives of the staged transport: rings (and a pipelined chain) of staged messages."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..arrays import storage_dtype
+from ..ops import ReduceOp
+from .staged import CTS_COLL, Region, block_spans, chunk_spans
+
+if TYPE_CHECKING:
+    from ..arrays import Buffer
+    from .staged import StagedTransport
+
+Body = Callable[[float, Any], None]
+
+
+class _Local:
+    """Copies, reductions and scratch space on whichever side the data lives."""
+
+    def __init__(self, t: StagedTransport, ready: Any) -> None:
+        self.gpu = t._gpu
+        self.ready = ready
+
+    def temp(self, nbytes: int, like: Region) -> Region:
+        if like.host is not None:
+            return Region(nbytes, np.empty(nbytes, np.uint8))
+        mem, ptr = self.gpu.alloc(nbytes)
+        return Region(nbytes, None, ptr, mem)
+
+    def copy(self, dst: Region, src: Region) -> None:
+        if dst.nbytes == 0:
+            return
+        if dst.host is not None and src.host is not None:
+            np.copyto(dst.host, src.host)
+        else:
+            self.gpu.copy_device(dst, src, self.ready)
+
+    def combine(self, dst: Region, src: Region, dtype: str, op: ReduceOp) -> None:
+        if dst.nbytes == 0:
+            return
+        kind = "sum" if op is ReduceOp.AVG else op.value
+        if dst.host is not None and src.host is not None:
+            from ..kernels import reduce as kr
+
+            sd = storage_dtype(dtype)
+            kr.combine(dst.host.view(sd), src.host.view(sd), kind, dtype)
+        else:
+            self.gpu.combine(dst, src, dtype, kind, self.ready)
+
+    def divide(self, region: Region, n: int, dtype: str) -> None:
+        if region.nbytes == 0:
+            return
+        if region.host is not None:
+            from ..kernels import reduce as kr
+
+            kr.divide(region.host.view(storage_dtype(dtype)), n, dtype)
+        else:
+            self.gpu.divide(region, n, dtype, self.ready)
+
+
+def _blocks(region: Region, count: int, parts: int, itemsize: int) -> list[Region]:
+    return [region.sub(start * itemsize, n * itemsize) for start, n in block_spans(count, parts)]
+
+
+def _ring_reduce_scatter(t: StagedTransport, seq: int, work: list[Region], tmp: Region,
+                         local: _Local, dtype: str, op: ReduceOp, deadline: float,
+                         ready: Any) -> None:  # fmt: skip
+    """After this, block r of `work` on rank r holds the reduction over every rank."""
+    n, r = t.size, t.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    for s in range(n - 1):
+        send_b, recv_b = (r - s - 1) % n, (r - s - 2) % n
+        into = tmp.sub(0, work[recv_b].nbytes)
+        t.exchange(seq, s, right, work[send_b], left, into, deadline, ready)
+        local.combine(work[recv_b], into, dtype, op)
+
+
+def _ring_all_gather(t: StagedTransport, seq: int, first_step: int, blocks: list[Region],
+                     deadline: float, ready: Any) -> None:  # fmt: skip
+    """Starting with its own block r, every rank ends with every block."""
+    n, r = t.size, t.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    for s in range(n - 1):
+        t.exchange(seq, first_step + s, right, blocks[(r - s) % n], left,
+                   blocks[(r - s - 1) % n], deadline, ready)  # fmt: skip
+
+
+def all_reduce(t: StagedTransport, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Body:
+    """Ring reduce-scatter then ring all-gather: each rank sends 2(n-1)/n of the data."""
+    xr, orr = t._region(x), t._region(out)
+
+    def body(deadline: float, ready: Any) -> None:
+        local = _Local(t, ready)
+        if out is not x:
+            local.copy(orr, xr)
+        if t.size > 1:
+            blocks = _blocks(orr, x.count, t.size, x.itemsize)
+            tmp = local.temp(max(b.nbytes for b in blocks), orr)
+            _ring_reduce_scatter(t, seq, blocks, tmp, local, x.dtype, op, deadline, ready)
+            _ring_all_gather(t, seq, t.size - 1, blocks, deadline, ready)
+        if op is ReduceOp.AVG:
+            local.divide(orr, t.size, x.dtype)
+
+    return body
+
+
+def reduce_scatter(t: StagedTransport, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Body:
+    """The reduce-scatter half of the ring, on a scratch copy of `x`."""
+    xr, orr = t._region(x), t._region(out)
+
+    def body(deadline: float, ready: Any) -> None:
+        local = _Local(t, ready)
+        work = local.temp(xr.nbytes, xr)
+        local.copy(work, xr)
+        blocks = _blocks(work, x.count, t.size, x.itemsize)
+        if t.size > 1:
+            tmp = local.temp(blocks[0].nbytes, xr)
+            _ring_reduce_scatter(t, seq, blocks, tmp, local, x.dtype, op, deadline, ready)
+        local.copy(orr, blocks[t.rank])
+        if op is ReduceOp.AVG:
+            local.divide(orr, t.size, x.dtype)
+
+    return body
+
+
+def reduce(t: StagedTransport, x: Buffer, op: ReduceOp, root: int, seq: int) -> Body:
+    """Ring reduce-scatter on a scratch copy, then every rank sends its reduced block to root."""
+    xr = t._region(x)
+
+    def body(deadline: float, ready: Any) -> None:
+        local = _Local(t, ready)
+        n, r = t.size, t.rank
+        work = local.temp(xr.nbytes, xr)
+        local.copy(work, xr)
+        blocks = _blocks(work, x.count, n, x.itemsize)
+        if n > 1:
+            tmp = local.temp(max(b.nbytes for b in blocks), xr)
+            _ring_reduce_scatter(t, seq, blocks, tmp, local, x.dtype, op, deadline, ready)
+        if r == root:
+            final = _blocks(xr, x.count, n, x.itemsize)
+            local.copy(final[r], blocks[r])
+            for peer in range(n):
+                if peer != r:
+                    t.exchange(seq, n + peer, -1, None, peer, final[peer], deadline, ready)
+            if op is ReduceOp.AVG:
+                local.divide(xr, n, x.dtype)
+        else:
+            t.exchange(seq, n + r, root, blocks[r], -1, None, deadline, ready)
+
+    return body
+
+
+def broadcast(t: StagedTransport, x: Buffer, root: int, seq: int) -> Body:
+    """A chain from the root, cut into segments so that every link of the chain is busy."""
+    xr = t._region(x)
+
+    def body(deadline: float, ready: Any) -> None:
+        n, r = t.size, t.rank
+        pos = (r - root) % n
+        seg = max(t.chunk_bytes, math.ceil(xr.nbytes / 16))
+        segs = [xr.sub(off, k) for off, k in chunk_spans(xr.nbytes, seg)]
+        left, right = (r - 1) % n, (r + 1) % n
+        recvs = [t.post_recv(left, s, CTS_COLL, seq, k, deadline, ready)
+                 for k, s in enumerate(segs)] if pos > 0 else []  # fmt: skip
+        sends = []
+        for k, s in enumerate(segs):
+            if pos > 0:
+                t.finish_recv(recvs[k], deadline)
+            if pos < n - 1:
+                sends.append(t.start_send(right, s, CTS_COLL, seq, k, deadline, ready))
+        for op in sends:
+            op.wait(deadline)
+
+    return body
+
+
+def all_gather(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Body:
+    """Own block into place, then the all-gather half of the ring."""
+    xr, orr = t._region(x), t._region(out)
+
+    def body(deadline: float, ready: Any) -> None:
+        local = _Local(t, ready)
+        blocks = _blocks(orr, out.count, t.size, x.itemsize)
+        local.copy(blocks[t.rank], xr)
+        _ring_all_gather(t, seq, 0, blocks, deadline, ready)
+
+    return body
+
+
+def all_to_all(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Body:
+    """Pairwise exchange: at step s, send to rank r+s while receiving from rank r-s."""
+    xr, orr = t._region(x), t._region(out)
+
+    def body(deadline: float, ready: Any) -> None:
+        local = _Local(t, ready)
+        n, r = t.size, t.rank
+        xs = _blocks(xr, x.count, n, x.itemsize)
+        os_ = _blocks(orr, out.count, n, x.itemsize)
+        local.copy(os_[r], xs[r])
+        for s in range(1, n):
+            dst, src = (r + s) % n, (r - s) % n
+            t.exchange(seq, s, dst, xs[dst], src, os_[src], deadline, ready)
+
+    return body

@@ -1,0 +1,1 @@
+"""Compute kernels: Numba reductions for host data and CUDA/HIP sources for device data."""
