@@ -172,7 +172,10 @@ class Communicator:
 
     # ---- helpers shared by the operations ---------------------------------------------------
 
-    def _start(self, op: str, buf: Buffer | None, root: int = -1) -> tuple[Transport, int]:
+    def _start(self, op: str, buf: Buffer | None, root: int = -1,
+               timeout: float | None = None) -> tuple[Transport, int]:  # fmt: skip
+        if timeout is not None:
+            _check_timeout(timeout, op)
         transport = self._transport(op, buf)
         if op in _POINT_TO_POINT:
             # only two ranks take part: a count of their own keeps collective numbers in step
@@ -183,10 +186,13 @@ class Communicator:
             self._compare_fingerprints(op, buf, root)
         return transport, self._seq
 
-    def _finish(self, work: Work, async_op: bool, timeout: float | None) -> Work | None:
+    def _finish(self, work: Work, async_op: bool, timeout: float | None,
+                keep: tuple[Any, ...] = ()) -> Work | None:  # fmt: skip
         if timeout is not None:
-            work._timeout = _check_timeout(timeout, work.op)
+            work._timeout = float(timeout)
         if async_op:
+            # the transport may read or write these until completion: packed copies included
+            work._keep = keep
             return work
         if not work.test():
             work.wait()
@@ -245,7 +251,7 @@ class Communicator:
                                       "separate array")  # fmt: skip
             if kind == "same":
                 ob = xb
-        transport, seq = self._start("all_reduce", xb)
+        transport, seq = self._start("all_reduce", xb, timeout=timeout)
         if xb.contiguous and ob.contiguous:
             work = transport.all_reduce(xb, ob, rop, seq)
         else:
@@ -254,7 +260,8 @@ class Communicator:
             xc = _contiguous_out(xb, steps) if inplace else _contiguous_in(xb)
             oc = xc if inplace else _contiguous_out(ob, steps)
             work = _then(transport.all_reduce(xc, oc, rop, seq), steps)
-        return self._finish(work, async_op, timeout)
+            return self._finish(work, async_op, timeout, (xb, ob, xc, oc))
+        return self._finish(work, async_op, timeout, (xb, ob))
 
     def reduce(self, x: Any, root: int, op: ReduceOp | str = ReduceOp.SUM, *,
                async_op: bool = False, timeout: float | None = None) -> Work | None:  # fmt: skip
@@ -266,11 +273,11 @@ class Communicator:
         check_op_for_dtype(rop, xb.dtype, "reduce")
         if self.rank == root:
             _writable(xb, "reduce: x at the root")
-        transport, seq = self._start("reduce", xb, root)
+        transport, seq = self._start("reduce", xb, root, timeout)
         steps: list[Callable[[], None]] = []
         xc = _contiguous_out(xb, steps) if self.rank == root else _contiguous_in(xb)
         work = transport.reduce(xc, rop, root, seq)
-        return self._finish(_then(work, steps), async_op, timeout)
+        return self._finish(_then(work, steps), async_op, timeout, (xb, xc))
 
     def broadcast(self, x: Any, root: int, *, async_op: bool = False,
                   timeout: float | None = None) -> Work | None:  # fmt: skip
@@ -280,11 +287,11 @@ class Communicator:
         root = self._root(root, "broadcast: root")
         if self.rank != root:
             _writable(xb, "broadcast: x")
-        transport, seq = self._start("broadcast", xb, root)
+        transport, seq = self._start("broadcast", xb, root, timeout)
         steps: list[Callable[[], None]] = []
         xc = _contiguous_in(xb) if self.rank == root else _contiguous_out(xb, steps)
         work = transport.broadcast(xc, root, seq)
-        return self._finish(_then(work, steps), async_op, timeout)
+        return self._finish(_then(work, steps), async_op, timeout, (xb, xc))
 
     def all_gather(self, out: Any, x: Any, *, async_op: bool = False,
                    timeout: float | None = None) -> Work | None:  # fmt: skip
@@ -295,11 +302,12 @@ class Communicator:
         _same(ob, xb, "all_gather: out", ob.count == xb.count * self.size,
               f"{self.size} x {xb.count} = {self.size * xb.count} elements")  # fmt: skip
         _writable(ob, "all_gather: out")
-        transport, seq = self._start("all_gather", xb)
+        transport, seq = self._start("all_gather", xb, timeout=timeout)
         steps: list[Callable[[], None]] = []
         xc = _contiguous_in(xb, copy=overlap(xb, ob) != "none")
-        work = transport.all_gather(_contiguous_out(ob, steps), xc, seq)
-        return self._finish(_then(work, steps), async_op, timeout)
+        oc = _contiguous_out(ob, steps)
+        work = transport.all_gather(oc, xc, seq)
+        return self._finish(_then(work, steps), async_op, timeout, (xb, ob, xc, oc))
 
     def reduce_scatter(self, out: Any, x: Any, op: ReduceOp | str = ReduceOp.SUM, *,
                        async_op: bool = False, timeout: float | None = None) -> Work | None:  # fmt: skip
@@ -313,11 +321,12 @@ class Communicator:
               f"x's {xb.count} elements / {self.size} ranks"
               + ("" if xb.count % self.size == 0 else " (x does not split evenly)"))  # fmt: skip
         _writable(ob, "reduce_scatter: out")
-        transport, seq = self._start("reduce_scatter", xb)
+        transport, seq = self._start("reduce_scatter", xb, timeout=timeout)
         steps: list[Callable[[], None]] = []
         xc = _contiguous_in(xb, copy=overlap(xb, ob) != "none")
-        work = transport.reduce_scatter(_contiguous_out(ob, steps), xc, rop, seq)
-        return self._finish(_then(work, steps), async_op, timeout)
+        oc = _contiguous_out(ob, steps)
+        work = transport.reduce_scatter(oc, xc, rop, seq)
+        return self._finish(_then(work, steps), async_op, timeout, (xb, ob, xc, oc))
 
     def all_to_all(self, out: Any, x: Any, *, async_op: bool = False,
                    timeout: float | None = None) -> Work | None:  # fmt: skip
@@ -332,11 +341,12 @@ class Communicator:
             )
         _same(ob, xb, "all_to_all: out", ob.count == xb.count, f"{xb.count} elements")
         _writable(ob, "all_to_all: out")
-        transport, seq = self._start("all_to_all", xb)
+        transport, seq = self._start("all_to_all", xb, timeout=timeout)
         steps: list[Callable[[], None]] = []
         xc = _contiguous_in(xb, copy=overlap(xb, ob) != "none")
-        work = transport.all_to_all(_contiguous_out(ob, steps), xc, seq)
-        return self._finish(_then(work, steps), async_op, timeout)
+        oc = _contiguous_out(ob, steps)
+        work = transport.all_to_all(oc, xc, seq)
+        return self._finish(_then(work, steps), async_op, timeout, (xb, ob, xc, oc))
 
     def send(self, x: Any, dst: int, tag: int = 0, *, async_op: bool = False,
              timeout: float | None = None) -> Work | None:  # fmt: skip
@@ -345,9 +355,10 @@ class Communicator:
         xb = as_buffer(x, "send: x")
         dst = self._root(dst, "send: dst")
         tag = self._tag(tag, "send")
-        transport, seq = self._start("send", xb)
-        work = transport.send(_contiguous_in(xb), dst, tag, seq)
-        return self._finish(work, async_op, timeout)
+        transport, seq = self._start("send", xb, timeout=timeout)
+        xc = _contiguous_in(xb)
+        work = transport.send(xc, dst, tag, seq)
+        return self._finish(work, async_op, timeout, (xb, xc))
 
     def recv(self, x: Any, src: int, tag: int = 0, *, async_op: bool = False,
              timeout: float | None = None) -> Work | None:  # fmt: skip
@@ -357,15 +368,16 @@ class Communicator:
         src = self._root(src, "recv: src")
         tag = self._tag(tag, "recv")
         _writable(xb, "recv: x")
-        transport, seq = self._start("recv", xb)
+        transport, seq = self._start("recv", xb, timeout=timeout)
         steps: list[Callable[[], None]] = []
-        work = transport.recv(_contiguous_out(xb, steps), src, tag, seq)
-        return self._finish(_then(work, steps), async_op, timeout)
+        xc = _contiguous_out(xb, steps)
+        work = transport.recv(xc, src, tag, seq)
+        return self._finish(_then(work, steps), async_op, timeout, (xb, xc))
 
     def barrier(self, *, async_op: bool = False, timeout: float | None = None) -> Work | None:
         """Complete once every rank of the group has called barrier."""
         self._check_open()
-        transport, seq = self._start("barrier", None)
+        transport, seq = self._start("barrier", None, timeout=timeout)
         return self._finish(transport.barrier(seq), async_op, timeout)
 
     def _tag(self, tag: Any, what: str) -> int:

@@ -61,8 +61,9 @@ def make_comm() -> Iterator[Callable[..., Communicator]]:
 
     def factory(vendors: Sequence[str] | None = None, hosts: Sequence[str] | None = None,
                 **options: Any) -> Communicator:  # fmt: skip
+        name = options.pop("name", None)
         config = simulated_config(MPI.COMM_WORLD.Get_rank(), vendors, hosts, **options)
-        c = hetcomm.init(config=config, name=options.pop("name", None))
+        c = hetcomm.init(config=config, name=name)
         made.append(c)
         return c
 

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from .errors import CommTimeout
+from .errors import CommTimeout, InvalidArgument
 
 if TYPE_CHECKING:
     from .comm import Communicator
@@ -26,7 +26,7 @@ class Work:
     thread (unpacking, averaging).
     """
 
-    __slots__ = ("_comm", "_done", "_error", "_finish", "_poll", "_timeout", "op", "seq")
+    __slots__ = ("_comm", "_done", "_error", "_finish", "_keep", "_poll", "_timeout", "op", "seq")
 
     def __init__(
         self,
@@ -44,6 +44,7 @@ class Work:
         self._timeout = timeout
         self._done = False
         self._error: BaseException | None = None
+        self._keep: tuple[object, ...] = ()
 
     def test(self) -> bool:
         """True once the operation is complete (its result is in place); never blocks."""
@@ -60,6 +61,7 @@ class Work:
             self._fail(exc)
             raise
         self._done = True
+        self._keep = ()
         return True
 
     def is_completed(self) -> bool:
@@ -74,6 +76,9 @@ class Work:
         """
         if self.test():
             return
+        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+            raise InvalidArgument(f"Work.wait: timeout must be a positive number of seconds, "
+                                  f"got {timeout!r}")  # fmt: skip
         limit = timeout if timeout is not None else self._timeout
         if limit is None:
             limit = self._comm.config.timeout

@@ -93,7 +93,8 @@ class MpiTransport(Transport):
     def _average(self, buf: Buffer) -> list[Callable[[], None]]:
         from ..kernels import reduce as kr
 
-        host, dtype, n = buf.host, buf.dtype, self._mpi.Get_size()
+        assert buf.host is not None
+        host, dtype, n = buf.host.view(kr.storage_dtype(buf.dtype)), buf.dtype, self._mpi.Get_size()
         return [lambda: kr.divide(host, n, dtype)]
 
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:

@@ -20,18 +20,8 @@ import torch
 
 from hetcomm import ReduceOp
 
-DTYPES = (
-    "bool",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-)
+DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8",
+          "float16", "bfloat16", "float32", "float64")  # fmt: skip
 INTS = ("int8", "int16", "int32", "int64", "uint8")
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 REDUCE_OPS = tuple(ReduceOp)
@@ -44,12 +34,15 @@ CASES = [
     if not (lib == "numpy" and dtype == "bfloat16")
 ]
 
-# (logical shape, layout): empty, one element, odd sizes, 2-D, and two non-contiguous layouts
+# (logical shape, layout): empty, one element, odd sizes, 2-D, large, and two non-contiguous
+# layouts
 SHAPES: tuple[tuple[tuple[int, ...], str], ...] = (
     ((0,), "contiguous"),
+    ((), "contiguous"),  # a 0-d array: one element
     ((1,), "contiguous"),
     ((7,), "contiguous"),
     ((3, 5), "contiguous"),
+    ((20_001,), "contiguous"),  # over 64 KiB for the wider dtypes: the "large" size class
     ((5,), "strided"),  # every other element of a 1-D array
     ((3, 5), "transposed"),  # numpy .T / torch .t() of a (5, 3) array
 )

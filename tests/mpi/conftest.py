@@ -8,8 +8,9 @@ one rank never leaves the others waiting in the next collective.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -41,6 +42,17 @@ class Errors(list[str]):
     def expect(self, ok: bool, message: str) -> None:
         if not ok:
             self.append(message)
+
+    def run(self, what: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+        """`call(*args, **kwargs)`; an exception is recorded (and False returned) instead of
+        raised, so that a rank whose call failed after communicating (a root, say) goes on
+        making the same calls as the others."""
+        try:
+            call(*args, **kwargs)
+        except Exception as exc:
+            self.append(f"{what}: {type(exc).__name__}: {exc}")
+            return False
+        return True
 
     def verify(self) -> None:
         shown = "; ".join(self[:5]) + (f"; and {len(self) - 5} more" if len(self) > 5 else "")

@@ -1,9 +1,10 @@
 """Every collective x every dtype x every reduce op, numpy and torch, checked against numpy.
 
 Each test is parametrised over (library, dtype) only and loops over the reduce ops and the shapes
-of `_data.SHAPES` (empty, one element, odd sizes, 2-D, strided and transposed views). Every array
-is placed inside sentinels: a test checks the result, that inputs of out-of-place operations are
-unchanged, and that nothing outside the output was written.
+of `_data.SHAPES` (empty, 0-d, one element, odd sizes, 2-D, large, strided and transposed views).
+Every array is placed inside sentinels: a test checks the result, that the inputs of out-of-place
+operations are unchanged, and that nothing outside the output was written. Calls go through
+`errors.run`, so a call failing on some ranks only is recorded and the ranks stay in step.
 """
 
 from __future__ import annotations
@@ -25,8 +26,13 @@ def blocks_shape(size: int, shape: tuple[int, ...], layout: str) -> tuple[int, .
 
 
 def ops_for(dtype: str) -> list[ReduceOp]:
-    """AVG has no meaning for bool (see test_avg_on_bool_raises)."""
+    """AVG has no meaning for bool (test_errors.py::test_avg_on_bool_raises)."""
     return [op for op in REDUCE_OPS if not (dtype == "bool" and op is ReduceOp.AVG)]
+
+
+def reduced(got: np.ndarray, stack: np.ndarray, op: ReduceOp, dtype: str, what: str) -> list[str]:
+    """compare() of `got` with the reduction of `stack` (the inputs of every rank)."""
+    return compare(got, reference(stack, op, dtype), what, stack=stack, op=op, dtype=dtype)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -35,29 +41,26 @@ def test_all_reduce(comm, rng, errors, lib, dtype):
     for op in ops_for(dtype):
         for shape, layout in SHAPES:
             stack = draw(rng, dtype, shape, comm.size)
-            want = reference(stack, op, dtype)
             mine = stack[comm.rank]
             case = f"{op} {layout}{list(shape)}"
 
             x = Placed(mine, dtype, lib, layout)
-            comm.all_reduce(x.array, op)
-            errors += compare(
-                x.values(), want, f"in place, {case}", stack=stack, op=op, dtype=dtype
-            )
-            errors.expect(x.intact(), f"in place, {case}: wrote outside x")
+            if errors.run(f"in place, {case}", comm.all_reduce, x.array, op):
+                errors += reduced(x.values(), stack, op, dtype, f"in place, {case}")
+                errors.expect(x.intact(), f"in place, {case}: wrote outside x")
 
             # out of place, naming the op by its string
             x = Placed(mine, dtype, lib, layout)
             out = Placed(draw(rng, dtype, shape, 1)[0], dtype, lib, layout)
-            comm.all_reduce(x.array, op.name.lower(), out=out.array)
-            errors += compare(out.values(), want, f"out=, {case}", stack=stack, op=op, dtype=dtype)
-            errors += compare(x.values(), mine, f"out=, {case}: x changed")
-            errors.expect(x.intact() and out.intact(), f"out=, {case}: wrote outside out")
+            if errors.run(f"out=, {case}", comm.all_reduce, x.array, op.value, out=out.array):
+                errors += reduced(out.values(), stack, op, dtype, f"out=, {case}")
+                errors += compare(x.values(), mine, f"out=, {case}: x changed")
+                errors.expect(x.intact() and out.intact(), f"out=, {case}: wrote outside out")
 
-            # out= the very same array is in place
+            # out= the very array x is in place
             x = Placed(mine, dtype, lib, layout)
-            comm.all_reduce(x.array, op, out=x.array)
-            errors += compare(x.values(), want, f"out=x, {case}", stack=stack, op=op, dtype=dtype)
+            if errors.run(f"out=x, {case}", comm.all_reduce, x.array, op, out=x.array):
+                errors += reduced(x.values(), stack, op, dtype, f"out=x, {case}")
     errors.verify()
 
 
@@ -71,16 +74,10 @@ def test_reduce(comm, rng, errors, lib, dtype):
                 mine = stack[comm.rank]
                 case = f"{op} root {root} {layout}{list(shape)}"
                 x = Placed(mine, dtype, lib, layout)
-                comm.reduce(x.array, root, op)
+                if not errors.run(case, comm.reduce, x.array, root, op):
+                    continue
                 if comm.rank == root:
-                    errors += compare(
-                        x.values(),
-                        reference(stack, op, dtype),
-                        case,
-                        stack=stack,
-                        op=op,
-                        dtype=dtype,
-                    )
+                    errors += reduced(x.values(), stack, op, dtype, case)
                 else:
                     errors += compare(x.values(), mine, f"{case}: non-root x changed")
                 errors.expect(x.intact(), f"{case}: wrote outside x")
@@ -95,9 +92,9 @@ def test_broadcast(comm, rng, errors, lib, dtype):
             stack = draw(rng, dtype, shape, comm.size)
             case = f"root {root} {layout}{list(shape)}"
             x = Placed(stack[comm.rank], dtype, lib, layout)
-            comm.broadcast(x.array, root)
-            errors += compare(x.values(), stack[root], case)
-            errors.expect(x.intact(), f"{case}: wrote outside x")
+            if errors.run(case, comm.broadcast, x.array, root):
+                errors += compare(x.values(), stack[root], case)
+                errors.expect(x.intact(), f"{case}: wrote outside x")
     errors.verify()
 
 
@@ -111,19 +108,19 @@ def test_all_gather(comm, rng, errors, lib, dtype):
         case = f"{layout}{list(shape)} into {list(out_shape)}"
         x = Placed(stack[rank], dtype, lib, layout)
         out = Placed(draw(rng, dtype, out_shape, 1)[0], dtype, lib, layout)
-        comm.all_gather(out.array, x.array)
-        errors += compare(out.values(), stack.reshape(out_shape), case)
-        errors += compare(x.values(), stack[rank], f"{case}: x changed")
-        errors.expect(x.intact() and out.intact(), f"{case}: wrote outside out")
+        if errors.run(case, comm.all_gather, out.array, x.array):
+            errors += compare(out.values(), stack.reshape(out_shape), case)
+            errors += compare(x.values(), stack[rank], f"{case}: x changed")
+            errors.expect(x.intact() and out.intact(), f"{case}: wrote outside out")
 
     # in place, as NCCL allows: x is block `rank` of out
     stack = draw(rng, dtype, (5,), size)
-    garbage = draw(rng, dtype, (size, 5), 1)[0]
-    garbage[rank] = stack[rank]
-    out = Placed(garbage, dtype, lib, "contiguous")
-    comm.all_gather(out.array, out.array[rank])
-    errors += compare(out.values(), stack, "in place (x = out[rank])")
-    errors.expect(out.intact(), "in place: wrote outside out")
+    start = draw(rng, dtype, (size, 5), 1)[0]
+    start[rank] = stack[rank]
+    out = Placed(start, dtype, lib, "contiguous")
+    if errors.run("in place", comm.all_gather, out.array, out.array[rank]):
+        errors += compare(out.values(), stack, "in place (x = out[rank])")
+        errors.expect(out.intact(), "in place: wrote outside out")
     errors.verify()
 
 
@@ -140,27 +137,18 @@ def test_reduce_scatter(comm, rng, errors, lib, dtype):
             case = f"{op} {layout}{list(x_shape)} into {list(shape)}"
             x = Placed(mine, dtype, lib, layout)
             out = Placed(draw(rng, dtype, shape, 1)[0], dtype, lib, layout)
-            comm.reduce_scatter(out.array, x.array, op)
-            errors += compare(
-                out.values(), reference(block, op, dtype), case, stack=block, op=op, dtype=dtype
-            )
-            errors += compare(x.values(), mine, f"{case}: x changed")
-            errors.expect(x.intact() and out.intact(), f"{case}: wrote outside out")
+            if errors.run(case, comm.reduce_scatter, out.array, x.array, op):
+                errors += reduced(out.values(), block, op, dtype, case)
+                errors += compare(x.values(), mine, f"{case}: x changed")
+                errors.expect(x.intact() and out.intact(), f"{case}: wrote outside out")
 
         # in place, as NCCL allows: out is block `rank` of x
         stack = draw(rng, dtype, (size, 3), size)
         x = Placed(stack[rank], dtype, lib, "contiguous")
-        comm.reduce_scatter(x.array[rank], x.array, op)
-        block = stack[:, rank]
-        errors += compare(
-            x.values()[rank],
-            reference(block, op, dtype),
-            f"{op} in place (out = x[rank])",
-            stack=block,
-            op=op,
-            dtype=dtype,
-        )
-        errors.expect(x.intact(), f"{op} in place: wrote outside x")
+        case = f"{op} in place (out = x[rank])"
+        if errors.run(case, comm.reduce_scatter, x.array[rank], x.array, op):
+            errors += reduced(x.values()[rank], stack[:, rank], op, dtype, case)
+            errors.expect(x.intact(), f"{case}: wrote outside x")
     errors.verify()
 
 
@@ -176,14 +164,14 @@ def test_all_to_all(comm, rng, errors, lib, dtype):
         case = f"{layout}{list(x_shape)}"
         x = Placed(mine, dtype, lib, layout)
         out = Placed(draw(rng, dtype, x_shape, 1)[0], dtype, lib, layout)
-        comm.all_to_all(out.array, x.array)
-        errors += compare(out.values(), want, case)
-        errors += compare(x.values(), mine, f"{case}: x changed")
-        errors.expect(x.intact() and out.intact(), f"{case}: wrote outside out")
+        if errors.run(case, comm.all_to_all, out.array, x.array):
+            errors += compare(out.values(), want, case)
+            errors += compare(x.values(), mine, f"{case}: x changed")
+            errors.expect(x.intact() and out.intact(), f"{case}: wrote outside out")
 
         # in place: out is x
         x = Placed(mine, dtype, lib, layout)
-        comm.all_to_all(x.array, x.array)
-        errors += compare(x.values(), want, f"in place, {case}")
-        errors.expect(x.intact(), f"in place, {case}: wrote outside x")
+        if errors.run(f"in place, {case}", comm.all_to_all, x.array, x.array):
+            errors += compare(x.values(), want, f"in place, {case}")
+            errors.expect(x.intact(), f"in place, {case}: wrote outside x")
     errors.verify()
