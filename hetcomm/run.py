@@ -42,28 +42,64 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "run", help="start a job with the installed MPI launcher (mpirun, mpiexec.hydra, srun)",
         description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    p.add_argument("-n", "-np", "--np", dest="n", type=int, default=None,
-                   help="number of ranks (default under Slurm: SLURM_NTASKS)")
+    p.add_argument(
+        "-n",
+        "-np",
+        "--np",
+        dest="n",
+        type=int,
+        default=None,
+        help="number of ranks (default under Slurm: SLURM_NTASKS)",
+    )
     p.add_argument("--hostfile", help="hosts to run on: 'node slots=4' or 'node:4' lines")
     p.add_argument("-H", "--host", dest="hosts", help="hosts to run on: node1:4,node2:4")
-    p.add_argument("--simulate-vendors", default="", metavar="V1,V2,...",
-                   help="HETCOMM_VENDOR per rank, cycled: nvidia, amd, cpu")
-    p.add_argument("--simulate-hosts", type=int, default=0, metavar="K",
-                   help="HETCOMM_HOST per rank: sim0..sim{K-1} in contiguous blocks of ranks")
-    p.add_argument("--rails", default="auto", metavar="SPEC",
-                   help="NICs per rank: auto (nearest the rank's GPU, where sysfs tells), "
-                        "nic,nic (every rank) or nic,nic/nic,nic (by local rank)")
-    p.add_argument("--bind", choices=("auto", "numa", "core", "none"), default="auto",
-                   help="CPU binding: numa (CPUs of the GPU's NUMA node), core, none; auto = numa "
-                        "with GPUs, else the launcher's default")
-    p.add_argument("--timeout", type=float, default=None, metavar="S",
-                   help=f"end the whole job after S seconds; exit status {TIMEOUT_EXIT}")
+    p.add_argument(
+        "--simulate-vendors",
+        default="",
+        metavar="V1,V2,...",
+        help="HETCOMM_VENDOR per rank, cycled: nvidia, amd, cpu",
+    )
+    p.add_argument(
+        "--simulate-hosts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="HETCOMM_HOST per rank: sim0..sim{K-1} in contiguous blocks of ranks",
+    )
+    p.add_argument(
+        "--rails",
+        default="auto",
+        metavar="SPEC",
+        help="NICs per rank: auto (nearest the rank's GPU, where sysfs tells), "
+        "nic,nic (every rank) or nic,nic/nic,nic (by local rank)",
+    )
+    p.add_argument(
+        "--bind",
+        choices=("auto", "numa", "core", "none"),
+        default="auto",
+        help="CPU binding: numa (CPUs of the GPU's NUMA node), core, none; auto = numa "
+        "with GPUs, else the launcher's default",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"end the whole job after S seconds; exit status {TIMEOUT_EXIT}",
+    )
     p.add_argument("--tag-output", action="store_true", help="prefix output lines with the rank")
     p.add_argument("--launcher", help="the launcher to use (default: found, see docs/launch.md)")
-    p.add_argument("--no-mpi4py", dest="mpi4py", action="store_false",
-                   help="do not insert -m mpi4py into a python command")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the command and each rank's environment; start nothing")
+    p.add_argument(
+        "--no-mpi4py",
+        dest="mpi4py",
+        action="store_false",
+        help="do not insert -m mpi4py into a python command",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the command and each rank's environment; start nothing",
+    )
     p.add_argument("--verbose", "-v", action="store_true", help="print them, then run")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     p.set_defaults(func=main)
@@ -154,7 +190,9 @@ def execute(argv: Sequence[str], env: Mapping[str, str], timeout: float | None) 
         received.append(signum)
         _signal_group(proc.pid, signal.SIGKILL if len(received) > 1 else signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    previous = {
+        s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    }
     try:
         try:
             code = proc.wait(timeout=timeout)
