@@ -59,6 +59,8 @@ class Work:
                 step()
         except BaseException as exc:
             self._fail(exc)
+            if isinstance(exc, CommTimeout):
+                self._comm._abort(exc)
             raise
         self._done = True
         self._keep = ()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Callable
+from typing import Any, cast
 
 import llvmlite.binding as llvm
 import numba
@@ -33,37 +35,27 @@ _BOOL_UFUNCS = {"sum": np.logical_or, "prod": np.logical_and, "min": np.logical_
                 "max": np.logical_or}
 
 _U = np.uint32
-_JIT = {"cache": True, "nogil": True, "fastmath": False, "boundscheck": False}
+# No parallel=True: each MPI rank already owns a core. cache=True spares later processes the
+# compile; nothing compiles at import, each kernel compiles on its first call.
+_jit = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False)
 
 
-# ---- scalar bit casts: Numba has no scalar view(), so emit the LLVM bitcast directly ----------
+# ---- scalar casts: Numba has no scalar view() or half type, so emit the LLVM instructions -----
 
-@intrinsic
-def _as_f32(typingctx, u):
-    if u != types.uint32:
-        return None
-    return types.float32(types.uint32), lambda ctx, b, sig, args: b.bitcast(args[0], ir.FloatType())
-
-
-@intrinsic
-def _as_u32(typingctx, f):
-    if f != types.float32:
-        return None
-    return types.uint32(types.float32), lambda ctx, b, sig, args: b.bitcast(args[0], ir.IntType(32))
+def _cast_intrinsic(src: types.Type, dst: types.Type,
+                    emit: Callable[[ir.IRBuilder, ir.Value], ir.Value]) -> Callable[[Any], Any]:
+    def typer(typingctx: Any, x: types.Type) -> Any:
+        return (dst(src), lambda ctx, b, sig, args: emit(b, args[0])) if x == src else None
+    return cast("Callable[[Any], Any]", intrinsic(typer))
 
 
-@intrinsic
-def _fpext_half(typingctx, h):
-    def codegen(ctx, b, sig, args):
-        return b.fpext(b.bitcast(args[0], ir.HalfType()), ir.FloatType())
-    return types.float32(types.uint16), codegen
-
-
-@intrinsic
-def _fptrunc_half(typingctx, f):
-    def codegen(ctx, b, sig, args):
-        return b.bitcast(b.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-    return types.uint16(types.float32), codegen
+_as_f32 = _cast_intrinsic(types.uint32, types.float32, lambda b, v: b.bitcast(v, ir.FloatType()))
+_as_u32 = _cast_intrinsic(types.float32, types.uint32, lambda b, v: b.bitcast(v, ir.IntType(32)))
+_fpext_half = _cast_intrinsic(
+    types.uint16, types.float32, lambda b, v: b.fpext(b.bitcast(v, ir.HalfType()), ir.FloatType()))
+_fptrunc_half = _cast_intrinsic(
+    types.float32, types.uint16,
+    lambda b, v: b.bitcast(b.fptrunc(v, ir.HalfType()), ir.IntType(16)))
 
 
 @functools.cache
@@ -76,7 +68,7 @@ def _hardware_half() -> bool:
     """
     if not llvm.get_process_triple().startswith("x86_64"):
         return False
-    features = config.CPU_FEATURES
+    features = getattr(config, "CPU_FEATURES", None)  # NUMBA_CPU_FEATURES, if set
     if features is None:
         features = llvm.get_host_cpu_features().flatten()
     return "+f16c" in features.split(",")
@@ -124,14 +116,14 @@ def _f32_to_f16(f: np.float32) -> np.uint16:
 
 # The overloads pick the implementation while a kernel is being compiled: F16C's vcvtph2ps and
 # vcvtps2ph are exact IEEE conversions (RNE) and make float16 reductions memory-bound.
-@overload(_f16_to_f32, inline="always")
+@overload(_f16_to_f32)
 def _ov_f16_to_f32(h):
     if _hardware_half():
         return lambda h: _fpext_half(h)
     return lambda h: _soft_f16_to_f32(h)
 
 
-@overload(_f32_to_f16, inline="always")
+@overload(_f32_to_f16)
 def _ov_f32_to_f16(f):
     if _hardware_half():
         return lambda f: _fptrunc_half(f)
@@ -160,42 +152,44 @@ def _apply(a: np.float32, b: np.float32, op: int) -> np.float32:
         return a + b
     if op == 1:
         return a * b
-    # Same selection as numpy's minimum/maximum: a NaN in either operand wins.
+    # Like numpy's minimum/maximum, a NaN in either operand wins; returning a + b for it (rather
+    # than the NaN operand) quiets a signaling NaN, which LLVM would otherwise pass through by
+    # folding away the float16 -> float32 -> float16 round trip of a selected operand.
     if op == 2:
-        return a if (a <= b or a != a) else b
-    return a if (a >= b or a != a) else b
+        return a if a <= b else (b if b < a else a + b)
+    return a if a >= b else (b if b > a else a + b)
 
 
 # ---- kernels ----------------------------------------------------------------------------------
 
-@numba.njit(**_JIT)
-def _combine_f16(x, y, op):
+@_jit
+def _combine_f16(x: np.ndarray, y: np.ndarray, op: int) -> None:
     for i in range(x.shape[0]):
         x[i] = _f32_to_f16(_apply(_f16_to_f32(x[i]), _f16_to_f32(y[i]), op))
 
 
-@numba.njit(**_JIT)
-def _combine_bf16(x, y, op):
+@_jit
+def _combine_bf16(x: np.ndarray, y: np.ndarray, op: int) -> None:
     for i in range(x.shape[0]):
         x[i] = _f32_to_bf16(_apply(_bf16_to_f32(x[i]), _bf16_to_f32(y[i]), op))
 
 
-@numba.njit(**_JIT)
-def _divide_f16(x, n):
+@_jit
+def _divide_f16(x: np.ndarray, n: np.int64) -> None:
     d = np.float32(n)
     for i in range(x.shape[0]):
         x[i] = _f32_to_f16(_f16_to_f32(x[i]) / d)
 
 
-@numba.njit(**_JIT)
-def _divide_bf16(x, n):
+@_jit
+def _divide_bf16(x: np.ndarray, n: np.int64) -> None:
     d = np.float32(n)
     for i in range(x.shape[0]):
         x[i] = _f32_to_bf16(_bf16_to_f32(x[i]) / d)
 
 
-@numba.njit(**_JIT)
-def _divide_int(x, n):
+@_jit
+def _divide_int(x: np.ndarray, n: np.int64) -> None:
     # Numba's // floors like Python; MPI/C averaging truncates toward zero, so undo the floor
     # for negative quotients with a remainder. |q| <= |v|, so narrowing back cannot overflow.
     for i in range(x.shape[0]):
@@ -206,39 +200,39 @@ def _divide_int(x, n):
         x[i] = q
 
 
-@numba.njit(**_JIT)
-def _f16_to_f32_array(src, out):
+@_jit
+def _f16_to_f32_array(src: np.ndarray, out: np.ndarray) -> None:
     for i in range(src.shape[0]):
         out[i] = _f16_to_f32(src[i])
 
 
-@numba.njit(**_JIT)
-def _f32_to_f16_array(src, out):
+@_jit
+def _f32_to_f16_array(src: np.ndarray, out: np.ndarray) -> None:
     for i in range(src.shape[0]):
         out[i] = _f32_to_f16(src[i])
 
 
-@numba.njit(**_JIT)
-def _bf16_to_f32_array(src, out):
+@_jit
+def _bf16_to_f32_array(src: np.ndarray, out: np.ndarray) -> None:
     for i in range(src.shape[0]):
         out[i] = _bf16_to_f32(src[i])
 
 
-@numba.njit(**_JIT)
-def _f32_to_bf16_array(src, out):
+@_jit
+def _f32_to_bf16_array(src: np.ndarray, out: np.ndarray) -> None:
     for i in range(src.shape[0]):
         out[i] = _f32_to_bf16(src[i])
 
 
 # The portable path, compiled on demand so tests can check it on machines that have F16C.
-@numba.njit(**_JIT)
-def _soft_f16_to_f32_array(src, out):
+@_jit
+def _soft_f16_to_f32_array(src: np.ndarray, out: np.ndarray) -> None:
     for i in range(src.shape[0]):
         out[i] = _soft_f16_to_f32(src[i])
 
 
-@numba.njit(**_JIT)
-def _soft_f32_to_f16_array(src, out):
+@_jit
+def _soft_f32_to_f16_array(src: np.ndarray, out: np.ndarray) -> None:
     for i in range(src.shape[0]):
         out[i] = _soft_f32_to_f16(src[i])
 
@@ -298,7 +292,9 @@ def combine(inout: np.ndarray, other: np.ndarray, op: str, dtype: str) -> None:
     elif dtype == "bool":
         _BOOL_UFUNCS[op](inout, other, out=inout)
     else:
-        _UFUNCS[op](inout, other, out=inout)
+        # Overflow to Inf and Inf - Inf = NaN are the IEEE results we want, not warnings.
+        with np.errstate(all="ignore"):
+            _UFUNCS[op](inout, other, out=inout)
 
 
 def divide(inout: np.ndarray, n: int, dtype: str) -> None:
@@ -319,7 +315,8 @@ def divide(inout: np.ndarray, n: int, dtype: str) -> None:
     elif dtype == "bfloat16":
         _divide_bf16(inout, np.int64(n))
     elif dtype in ("float32", "float64"):
-        np.divide(inout, inout.dtype.type(n), out=inout)
+        with np.errstate(all="ignore"):
+            np.divide(inout, inout.dtype.type(n), out=inout)
     else:
         _divide_int(inout, np.int64(n))
 

@@ -249,6 +249,7 @@ class SharedSlots:
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.ptr = self.array.__array_interface__["data"][0]
         self._registered = False
+        self._register_lock = threading.Lock()
         self._free: list[int] = list(range(slots))
         self._cond = threading.Condition()
 
@@ -258,12 +259,13 @@ class SharedSlots:
 
     def register_with_gpu(self) -> None:
         """Pin and map the pages for the GPU (cudaHostRegister), once."""
-        if self._registered:
-            return
-        from ..kernels import device
+        with self._register_lock:
+            if self._registered:
+                return
+            from ..kernels import device
 
-        device.host_register(self.ptr, self.slots * self.slot_bytes)
-        self._registered = True
+            device.host_register(self.ptr, self.slots * self.slot_bytes)
+            self._registered = True
 
     def acquire(self, deadline: float, alive: Callable[[], bool]) -> int:
         with self._cond:

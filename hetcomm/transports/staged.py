@@ -9,14 +9,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import HetcommError, MismatchError, TransportUnavailable
+from ..errors import CommTimeout, HetcommError, MismatchError, TransportUnavailable
 from ..ops import ReduceOp
 from ..work import Work
 from . import Transport
@@ -124,9 +124,46 @@ class _Op:
 
     def wait(self, deadline: float) -> None:
         if not self.done.wait(max(0.0, deadline - time.monotonic())):
-            raise TimeoutError(f"no progress with rank {self.peer}")
+            raise PeerTimeout([self.peer], f"no progress with rank {self.peer}")
         if self.error is not None:
             raise self.error
+
+
+class _Drivers:
+    """Daemon threads that run operations' bodies.
+
+    Not concurrent.futures' pool: its exit hook joins every worker, and a body waiting for a
+    rank that died would then hold the interpreter's exit until the body's own deadline.
+    """
+
+    def __init__(self, count: int, name: str) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue()
+        for i in range(count):
+            threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True).start()
+
+    def submit(self, fn: Callable[[], None]) -> Future[None]:
+        future: Future[None] = Future()
+        self._queue.put((fn, future))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                self._queue.put(_STOP)
+                return
+            fn, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                fn()
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+    def shutdown(self) -> None:
+        self._queue.put(_STOP)
 
 
 class _Channel:
@@ -141,6 +178,9 @@ class _Channel:
         self.threads: list[threading.Thread] = []
         self.dead: list[str] = []
         self.uses_mpi = any(s.kind == "mpi" for s in specs)
+        self._signals: queue.Queue[Any] | None = None
+        self._completions: queue.Queue[Any] | None = None
+        self._lock = threading.Lock()
 
     def start(self) -> None:
         for link in self.links:
@@ -160,6 +200,28 @@ class _Channel:
 
     def alive(self) -> bool:
         return self.uses_mpi or any(link.alive for link in self.links)
+
+    def signals(self, owner: StagedTransport) -> queue.Queue[Any]:
+        """The queue of the signaller thread (device chunks going out over shm), started once."""
+        with self._lock:
+            if self._signals is None:
+                self._signals = queue.Queue()
+                self._thread(owner._signal_loop, self)
+            return self._signals
+
+    def completions(self, owner: StagedTransport) -> queue.Queue[Any]:
+        """The queue of the completer thread (device chunks coming in over shm), started once."""
+        with self._lock:
+            if self._completions is None:
+                self._completions = queue.Queue()
+                self._thread(owner._complete_loop, self)
+            return self._completions
+
+    def stop(self) -> None:
+        self.queue.put(_STOP)
+        for q in (self._signals, self._completions):
+            if q is not None:
+                q.put(_STOP)
 
     def describe(self) -> str:
         return ", ".join(str(s) for s in self.specs)
@@ -191,13 +253,13 @@ class StagedTransport(Transport):
                      "ports": self.listener.ports, "unix": self.listener.unix_name,
                      "token": self.token}  # fmt: skip
         self._channels: dict[int, _Channel] = {}
-        self._channel_locks: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
+        self._peer_locks: dict[int, threading.Lock] = {}
         self._ops: dict[int, _Op] = {}
         self._op_ids = itertools.count(1)
         self._inbox: dict[tuple[int, int, int, int], list[tuple[int, int]]] = {}
         self._inbox_cond = threading.Condition()
-        self._driver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hetcomm-staged")
+        self._driver = _Drivers(4, f"hetcomm-staged-{self.rank}")
         self._closed = False
         self._gpu: Any = None
         self.stats: dict[str, int] = {}
@@ -233,7 +295,7 @@ class StagedTransport(Transport):
             while not self._inbox.get(key):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"rank {peer} never posted the matching receive")
+                    raise PeerTimeout([peer], f"rank {peer} never posted the matching receive")
                 self._inbox_cond.wait(min(left, 0.5))
             entry = self._inbox[key].pop(0)
             if not self._inbox[key]:
@@ -244,42 +306,85 @@ class StagedTransport(Transport):
 
     def channel(self, peer: int, deadline: float) -> _Channel:
         """The channel to `peer`, opened on first use (both ranks reach this together)."""
-        with self._lock:
-            lock = self._channel_locks.setdefault(peer, threading.Lock())
-        with lock:
-            found = self._channels.get(peer)
-            if found is not None:
-                return found
-            ch = self._open(peer, deadline)
-            self._channels[peer] = ch
-            return ch
+        return self.channels([peer], deadline)[0]
 
-    def _open(self, peer: int, deadline: float) -> _Channel:
-        theirs = self.svc.sendrecv(self.card, dest=peer, sendtag=TAG_HELLO, source=peer,
-                                   recvtag=TAG_HELLO)  # fmt: skip
-        specs = choose_rails(self.card, theirs, self.mode)
-        ch = _Channel(self, peer, specs)
-        for spec in specs:
-            if spec.kind == "mpi":
-                continue
-            if self.rank < peer:
-                sock = R.connect(spec, peer, theirs["token"], self.rank, theirs["unix"], deadline)
-            else:
-                sock = self.listener.take(peer, spec.index, deadline)
-            ch.links.append(R.Link(sock, spec, peer))
-        if any(s.kind == "shm" for s in specs):
+    def channels(self, peers: list[int], deadline: float) -> list[_Channel]:
+        """Channels to `peers`, the missing ones opened together.
+
+        Each peer must ask for a set that holds this rank at the same point (collectives do):
+        every rank then posts its hellos to all of them before waiting for any, so no order of
+        opening can wait in a circle (a ring whose ranks each greet their left first would).
+        """
+        wanted = sorted({p for p in peers if p != self.rank})
+        with self._lock:
+            locks = [self._peer_locks.setdefault(p, threading.Lock()) for p in wanted]
+        # one lock per peer, taken in rank order: opens of disjoint peer sets (a send to the
+        # right while receiving from the left) run side by side, and none waits in a circle
+        for lock in locks:
+            lock.acquire()
+        try:
+            missing = [p for p in wanted if p not in self._channels]
+            if missing:
+                self._open(missing, deadline)
+        finally:
+            for lock in reversed(locks):
+                lock.release()
+        return [self._channels[p] for p in peers if p != self.rank]
+
+    def _swap(self, values: dict[int, Any], deadline: float) -> dict[int, Any]:
+        """Send values[p] to every p and receive one object from each, all at once."""
+        sends = [self.svc.isend(v, dest=p, tag=TAG_HELLO) for p, v in values.items()]
+        recvs = {p: self.svc.irecv(source=p, tag=TAG_HELLO) for p in values}
+        got: dict[int, Any] = {}
+        while len(got) < len(recvs):
+            for p, req in recvs.items():
+                if p not in got:
+                    done, msg = req.test()
+                    if done:
+                        got[p] = msg
+            if len(got) < len(recvs):
+                if time.monotonic() > deadline:
+                    late = sorted(set(recvs) - set(got))
+                    raise PeerTimeout(late, f"ranks {late} did not open their staged channels")
+                time.sleep(50e-6)
+        MPI.Request.waitall(sends)
+        return got
+
+    def _open(self, peers: list[int], deadline: float) -> None:
+        cards = self._swap({p: self.card for p in peers}, deadline)
+        opened: dict[int, _Channel] = {}
+        # ascending peers: a rank connects to higher ranks (their listeners always accept) and
+        # takes from lower ones, which never wait on it, so the connections cannot deadlock
+        for peer in peers:
+            theirs = cards[peer]
+            ch = opened[peer] = _Channel(self, peer, choose_rails(self.card, theirs, self.mode))
+            for spec in ch.specs:
+                if spec.kind == "mpi":
+                    continue
+                if self.rank < peer:
+                    sock = R.connect(spec, peer, theirs["token"], self.rank, theirs["unix"],
+                                     deadline)  # fmt: skip
+                else:
+                    sock = self.listener.take(peer, spec.index, deadline)
+                ch.links.append(R.Link(sock, spec, peer))
+        shm = [p for p, ch in opened.items() if any(s.kind == "shm" for s in ch.specs)]
+        if shm:
             base = f"hetcomm-{self.token.hex()[:12]}"
-            ch.shm_out = R.SharedSlots(f"{base}-{self.rank}-{peer}", self.slots,
-                                       self.chunk_bytes, create=True)  # fmt: skip
-            names = self.svc.sendrecv(ch.shm_out.name, dest=peer, sendtag=TAG_HELLO,
-                                      source=peer, recvtag=TAG_HELLO)  # fmt: skip
-            ch.shm_in = R.SharedSlots(names, self.slots, self.chunk_bytes, create=False)
+            for p in shm:
+                opened[p].shm_out = R.SharedSlots(f"{base}-{self.rank}-{p}", self.slots,
+                                                  self.chunk_bytes, create=True)  # fmt: skip
+            names = self._swap({p: opened[p].shm_out.name for p in shm}, deadline)  # type: ignore[union-attr]
+            for p in shm:
+                opened[p].shm_in = R.SharedSlots(names[p], self.slots, self.chunk_bytes,
+                                                 create=False)  # fmt: skip
             # both sides have mapped both segments: the names can go
-            self.svc.sendrecv(None, dest=peer, sendtag=TAG_HELLO, source=peer, recvtag=TAG_HELLO)
-            ch.shm_out.unlink()
-        log.info("staged: rank %d <-> rank %d over %s", self.rank, peer, ch.describe())
-        ch.start()
-        return ch
+            self._swap({p: None for p in shm}, deadline)
+            for p in shm:
+                opened[p].shm_out.unlink()  # type: ignore[union-attr]
+        for peer, ch in opened.items():
+            log.info("staged: rank %d <-> rank %d over %s", self.rank, peer, ch.describe())
+            ch.start()
+            self._channels[peer] = ch
 
     # ---- the rail threads ----------------------------------------------------------------------
 
@@ -293,8 +398,8 @@ class StagedTransport(Transport):
             if op.done.is_set():
                 continue  # failed meanwhile
             try:
-                self._send_chunk(ch, link, op, idx, off, n)
-                op.count(idx)
+                if self._send_chunk(ch, link, op, idx, off, n):
+                    op.count(idx)
                 self.stats[_rail_name(link)] = self.stats.get(_rail_name(link), 0) + n
             except R.RailError as exc:
                 ch.queue.put(item)  # another rail takes it over
@@ -310,14 +415,15 @@ class StagedTransport(Transport):
                 op.fail(exc)
 
     def _send_chunk(self, ch: _Channel, link: R.Link | None, op: _Op, idx: int, off: int,
-                    n: int) -> None:  # fmt: skip
+                    n: int) -> bool:  # fmt: skip
+        """Send one chunk; False when a signaller thread finishes (and counts) it later."""
         src = op.region.sub(off, n)
         if link is None:  # the MPI rail
             head = np.array([DATA_MPI, op.remote, idx, off, n], dtype=np.int64)
             with self._staged(src, op) as payload:
                 self.svc.Send(head, ch.peer, TAG_HEAD)
                 self.svc.Send(payload, ch.peer, TAG_BODY)
-            return
+            return True
         if link.spec.kind == "shm":
             assert ch.shm_out is not None
             slot = ch.shm_out.acquire(time.monotonic() + self.timeout, lambda: link.alive)
@@ -326,14 +432,53 @@ class StagedTransport(Transport):
                 if src.host is not None:
                     np.copyto(target, src.host)
                 else:
-                    self._gpu.copy_to_host(target, src, op.ready)
+                    # queue the copy and move on: the signaller announces it once it is done,
+                    # so the copy engine always has the next chunk waiting
+                    ch.shm_out.register_with_gpu()
+                    event = self._gpu.copy_to_host_async(target, src, op.ready)
+                    ch.signals(self).put((event, link, slot, op, idx, off, n))
+                    return False
                 link.send(R.SLOT, slot, op.remote, idx, off, n)
             except BaseException:
                 ch.shm_out.release(slot)
                 raise
-            return
+            return True
         with self._staged(src, op) as payload:
             link.send(R.DATA, -1, op.remote, idx, off, n, memoryview(payload))
+        return True
+
+    def _signal_loop(self, ch: _Channel) -> None:
+        """Device chunks staged into shared slots: announce each once its copy has finished."""
+        signals = ch._signals
+        assert signals is not None
+        while True:
+            item = signals.get()
+            if item is _STOP:
+                return
+            event, link, slot, op, idx, off, n = item
+            try:
+                event.synchronize()
+                link.send(R.SLOT, slot, op.remote, idx, off, n)
+                op.count(idx)
+            except BaseException as exc:
+                op.fail(exc)
+
+    def _complete_loop(self, ch: _Channel) -> None:
+        """Device chunks read from shared slots: hand each slot back once its copy has finished."""
+        completions = ch._completions
+        assert completions is not None
+        while True:
+            item = completions.get()
+            if item is _STOP:
+                return
+            event, link, slot, op, op_id, idx = item
+            try:
+                if event is not None:
+                    event.synchronize()
+                link.send(R.FREE, slot, op_id, idx, 0, 0)
+                op.count(idx)
+            except BaseException as exc:
+                op.fail(exc)
 
     @contextlib.contextmanager
     def _staged(self, src: Region, op: _Op) -> Any:
@@ -365,6 +510,12 @@ class StagedTransport(Transport):
                     self._land(link, op, idx, off, n)
                 elif kind == R.SLOT:
                     assert ch.shm_in is not None
+                    if op is not None and not op.done.is_set() and op.region.host is None:
+                        ch.shm_in.register_with_gpu()
+                        event = self._gpu.copy_from_host_async(op.region.sub(off, n),
+                                                               ch.shm_in.view(slot, n), op.ready)  # fmt: skip
+                        ch.completions(self).put((event, link, slot, op, op_id, idx))
+                        continue
                     if op is not None and not op.done.is_set():
                         self._deliver(op, off, ch.shm_in.view(slot, n))
                         op.count(idx)
@@ -438,7 +589,8 @@ class StagedTransport(Transport):
     def post_recv(self, peer: int, region: Region, kind: int, k1: int, k2: int,
                   deadline: float, ready: Any = None) -> _Op:  # fmt: skip
         """Register a receive into `region` and tell `peer` it may send."""
-        ch = self.channel(peer, deadline)
+        if peer != self.rank:
+            self.channel(peer, deadline)
         spans = chunk_spans(region.nbytes, self.chunk_bytes)
         op = _Op(peer, region, spans, ready=ready, left=len(spans))
         op_id = next(self._op_ids)
@@ -446,12 +598,13 @@ class StagedTransport(Transport):
         if not spans:
             op.done.set()
         self._send_cts(peer, kind, k1, k2, op_id, region.nbytes)
-        del ch
         return op
 
     def start_send(self, peer: int, region: Region, kind: int, k1: int, k2: int,
                    deadline: float, ready: Any = None) -> _Op:  # fmt: skip
         """Wait for `peer`'s clear-to-send, then queue every chunk on the peer's rails."""
+        if peer == self.rank:
+            return self._send_to_self(region, kind, k1, k2, deadline, ready)
         ch = self.channel(peer, deadline)
         remote, expected = self._await_cts(peer, kind, k1, k2, deadline)
         spans = chunk_spans(region.nbytes, self.chunk_bytes)
@@ -466,6 +619,28 @@ class StagedTransport(Transport):
             op.done.set()
         for idx, span in enumerate(spans):
             ch.queue.put((op, idx, span))
+        return op
+
+    def _send_to_self(self, region: Region, kind: int, k1: int, k2: int, deadline: float,
+                      ready: Any) -> _Op:  # fmt: skip
+        """A message to this very rank: one local copy into the matching receive."""
+        remote, expected = self._await_cts(self.rank, kind, k1, k2, deadline)
+        op = _Op(self.rank, region, [], ready=ready)
+        target = self._ops.get(remote)
+        if expected != region.nbytes or target is None:
+            exc = _size_mismatch(self.rank, region.nbytes, expected)
+            if target is not None:
+                target.fail(exc)
+            op.fail(exc)
+            return op
+        if region.nbytes:
+            if region.host is not None and target.region.host is not None:
+                np.copyto(target.region.host, region.host)
+            else:
+                self._gpu.copy_device(target.region, region, ready)
+        for idx in range(len(target.spans)):
+            target.count(idx)
+        op.done.set()
         return op
 
     def _notify_error(self, ch: _Channel, remote: int, nbytes: int) -> None:
@@ -492,21 +667,25 @@ class StagedTransport(Transport):
             return Region(buf.nbytes, buf.host.view(np.uint8).reshape(-1))
         return Region(buf.nbytes, None, buf.ptr)
 
-    def _run(self, op: str, seq: int, bufs: list[Buffer],
-             body: Callable[[float, Any], None]) -> Work:  # fmt: skip
+    def _run(self, op: str, seq: int, bufs: list[Buffer], body: Callable[[float, Any], None],
+             reduce_op: ReduceOp | None = None) -> Work:  # fmt: skip
         """Start `body(deadline, ready)` on a driver thread; the Work completes with it."""
         gpu = self._device(bufs)
-        ready = gate = None
+        ready = None
         if gpu is not None:
-            ready, gate = gpu.enter(bufs[0])
+            if reduce_op is not None:
+                gpu.prepare(bufs[0].dtype, reduce_op.value)
+            # the copies wait for the caller's queued work; the caller's later work is ordered
+            # by Work.wait() returning after every copy has finished (see docs/staged.md)
+            ready = gpu.ready_event(bufs[0])
         deadline = time.monotonic() + self.timeout
 
         def task() -> None:
             try:
                 body(deadline, ready)
-            finally:
-                if gate is not None:
-                    gpu.leave(gate)
+            except PeerTimeout as exc:
+                raise CommTimeout(self.comm.name, op, seq, self.timeout, exc.ranks,
+                                  str(exc)) from None  # fmt: skip
 
         future = self._driver.submit(task)
         return Work(self.comm, op, seq, future.done, [future.result])
@@ -554,12 +733,12 @@ class StagedTransport(Transport):
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
         from . import staged_collectives as C
 
-        return self._run("all_reduce", seq, [x, out], C.all_reduce(self, x, out, op, seq))
+        return self._run("all_reduce", seq, [x, out], C.all_reduce(self, x, out, op, seq), op)
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
         from . import staged_collectives as C
 
-        return self._run("reduce", seq, [x], C.reduce(self, x, op, root, seq))
+        return self._run("reduce", seq, [x], C.reduce(self, x, op, root, seq), op)
 
     def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
         from . import staged_collectives as C
@@ -575,7 +754,7 @@ class StagedTransport(Transport):
         from . import staged_collectives as C
 
         return self._run("reduce_scatter", seq, [out, x],
-                         C.reduce_scatter(self, out, x, op, seq))  # fmt: skip
+                         C.reduce_scatter(self, out, x, op, seq), op)  # fmt: skip
 
     def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
         from . import staged_collectives as C
@@ -590,7 +769,7 @@ class StagedTransport(Transport):
             return
         self._closed = True
         for ch in self._channels.values():
-            ch.queue.put(_STOP)
+            ch.stop()
             for link in ch.links:
                 with contextlib.suppress(R.RailError):
                     link.send(R.BYE, -1, 0, 0, 0, 0)
@@ -598,7 +777,7 @@ class StagedTransport(Transport):
                 self.svc.Send(np.array([BYE_MPI, 0, 0, 0, 0], np.int64), ch.peer, TAG_HEAD)
         self.svc.Send(np.array([CTS_STOP, 0, 0, 0, 0, 0], np.int64), self.rank, TAG_CTRL)
         self._control.join(timeout=5)
-        self._driver.shutdown(wait=False, cancel_futures=True)
+        self._driver.shutdown()
         for ch in self._channels.values():
             for t in ch.threads:
                 t.join(timeout=2)
@@ -614,6 +793,14 @@ class StagedTransport(Transport):
 
 
 DATA_MPI, ERROR_MPI, BYE_MPI = 1, 4, 5
+
+
+class PeerTimeout(TimeoutError):
+    """A wait on named ranks ran out of time (becomes CommTimeout on the caller's side)."""
+
+    def __init__(self, ranks: list[int], text: str) -> None:
+        super().__init__(text)
+        self.ranks = ranks
 
 
 def _size_mismatch(peer: int, sent: int, expected: int) -> MismatchError:

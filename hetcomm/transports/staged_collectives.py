@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..arrays import storage_dtype
 from ..ops import ReduceOp
 from .staged import CTS_COLL, Region, block_spans, chunk_spans
 
@@ -47,7 +46,7 @@ class _Local:
         if dst.host is not None and src.host is not None:
             from ..kernels import reduce as kr
 
-            sd = storage_dtype(dtype)
+            sd = kr.storage_dtype(dtype)
             kr.combine(dst.host.view(sd), src.host.view(sd), kind, dtype)
         else:
             self.gpu.combine(dst, src, dtype, kind, self.ready)
@@ -58,9 +57,15 @@ class _Local:
         if region.host is not None:
             from ..kernels import reduce as kr
 
-            kr.divide(region.host.view(storage_dtype(dtype)), n, dtype)
+            kr.divide(region.host.view(kr.storage_dtype(dtype)), n, dtype)
         else:
             self.gpu.divide(region, n, dtype, self.ready)
+
+
+def _ring(t: StagedTransport, deadline: float, *extra: int) -> None:
+    """Open the channels a ring needs (left, right and `extra` peers) together, up front."""
+    n, r = t.size, t.rank
+    t.channels(sorted({(r - 1) % n, (r + 1) % n, *extra}), deadline)
 
 
 def _blocks(region: Region, count: int, parts: int, itemsize: int) -> list[Region]:
@@ -96,6 +101,7 @@ def all_reduce(t: StagedTransport, x: Buffer, out: Buffer, op: ReduceOp, seq: in
 
     def body(deadline: float, ready: Any) -> None:
         local = _Local(t, ready)
+        _ring(t, deadline)
         if out is not x:
             local.copy(orr, xr)
         if t.size > 1:
@@ -115,6 +121,7 @@ def reduce_scatter(t: StagedTransport, out: Buffer, x: Buffer, op: ReduceOp, seq
 
     def body(deadline: float, ready: Any) -> None:
         local = _Local(t, ready)
+        _ring(t, deadline)
         work = local.temp(xr.nbytes, xr)
         local.copy(work, xr)
         blocks = _blocks(work, x.count, t.size, x.itemsize)
@@ -135,6 +142,7 @@ def reduce(t: StagedTransport, x: Buffer, op: ReduceOp, root: int, seq: int) -> 
     def body(deadline: float, ready: Any) -> None:
         local = _Local(t, ready)
         n, r = t.size, t.rank
+        _ring(t, deadline, *(range(n) if r == root else [root]))
         work = local.temp(xr.nbytes, xr)
         local.copy(work, xr)
         blocks = _blocks(work, x.count, n, x.itemsize)
@@ -161,6 +169,7 @@ def broadcast(t: StagedTransport, x: Buffer, root: int, seq: int) -> Body:
 
     def body(deadline: float, ready: Any) -> None:
         n, r = t.size, t.rank
+        _ring(t, deadline)
         pos = (r - root) % n
         seg = max(t.chunk_bytes, math.ceil(xr.nbytes / 16))
         segs = [xr.sub(off, k) for off, k in chunk_spans(xr.nbytes, seg)]
@@ -185,6 +194,7 @@ def all_gather(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Body:
 
     def body(deadline: float, ready: Any) -> None:
         local = _Local(t, ready)
+        _ring(t, deadline)
         blocks = _blocks(orr, out.count, t.size, x.itemsize)
         local.copy(blocks[t.rank], xr)
         _ring_all_gather(t, seq, 0, blocks, deadline, ready)
@@ -199,6 +209,7 @@ def all_to_all(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Body:
     def body(deadline: float, ready: Any) -> None:
         local = _Local(t, ready)
         n, r = t.size, t.rank
+        t.channels(list(range(n)), deadline)
         xs = _blocks(xr, x.count, n, x.itemsize)
         os_ = _blocks(orr, out.count, n, x.itemsize)
         local.copy(os_[r], xs[r])

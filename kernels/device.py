@@ -1,0 +1,236 @@
+"""Device side of staging: pinned buffers, copy streams and reduction kernels."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reduce.cu")
+_CTYPES = {"bool": "unsigned char", "uint8": "unsigned char", "int8": "signed char",
+           "int16": "short", "int32": "int", "int64": "long long", "float32": "float",
+           "float64": "double"}  # fmt: skip
+_OPS = {"sum": "Sum", "prod": "Prod", "min": "Min", "max": "Max"}
+_BOOL_OPS = {"sum": "Or", "max": "Or", "prod": "And", "min": "And"}
+_THREADS = 256
+
+
+def unavailable() -> str | None:
+    """None when device staging can run here, else why not."""
+    try:
+        import cupy
+    except ImportError:
+        return "cupy is not installed (pip install 'hetcomm[cuda]')"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no GPU visible to cupy"
+    except Exception as exc:
+        return f"the GPU runtime is not usable ({exc})"
+    return None
+
+
+def host_register(ptr: int, nbytes: int) -> None:
+    """Pin and map existing host pages (a shared segment) for the GPU."""
+    import cupy
+
+    rt = cupy.cuda.runtime
+    # portable | mapped: usable from every device and addressable by kernels and copies
+    rt.hostRegister(ptr, nbytes, 1 | 2)
+
+
+def host_unregister(ptr: int) -> None:
+    import cupy
+
+    cupy.cuda.runtime.hostUnregister(ptr)
+
+
+def current_stream(buf: Any) -> int:
+    """The stream the caller's array is used on (torch's / cupy's current stream)."""
+    kind = getattr(buf, "kind", "")
+    if kind == "torch":
+        import torch
+
+        return int(torch.cuda.current_stream(buf.device_index).cuda_stream)
+    if kind == "numba":
+        handle = getattr(getattr(buf.obj, "stream", None), "handle", None)
+        return int(getattr(handle, "value", handle) or 0)
+    import cupy
+
+    return int(cupy.cuda.get_current_stream().ptr)
+
+
+class StagingDevice:
+    """Per-transport device state: pinned bounce buffers, a copy stream per thread, kernels."""
+
+    def __init__(self, chunk_bytes: int, slots: int) -> None:
+        import cupy
+
+        self.cupy = cupy
+        self.device = cupy.cuda.Device().id
+        self.chunk_bytes = chunk_bytes
+        self._pool: list[Any] = []
+        self._pool_cond = threading.Condition()
+        self._pool_size = 0
+        self._pool_max = 2 * slots
+        self._local = threading.local()
+        self._modules: dict[str, Any] = {}
+        self._module_lock = threading.Lock()
+
+    # ---- streams and the caller's ordering ---------------------------------------------------
+
+    def _stream(self) -> Any:
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            self.cupy.cuda.runtime.setDevice(self.device)
+            stream = self._local.stream = self.cupy.cuda.Stream(non_blocking=True)
+        return stream
+
+    def ready_event(self, buf: Any) -> Any:
+        """On the calling thread: an event after the work queued on the caller's stream; every
+        copy and kernel of the transfer waits for it."""
+        cupy = self.cupy
+        cupy.cuda.runtime.setDevice(self.device)
+        ready = cupy.cuda.Event(disable_timing=True)
+        ready.record(cupy.cuda.ExternalStream(current_stream(buf)))
+        return ready
+
+    # ---- copies ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def bounce(self, nbytes: int) -> Iterator[np.ndarray]:
+        """A pinned host buffer of at least `nbytes` (from a bounded pool, reused)."""
+        need = max(nbytes, self.chunk_bytes)
+        with self._pool_cond:
+            while True:
+                for i, mem in enumerate(self._pool):
+                    if mem.size() >= need:
+                        self._pool.pop(i)
+                        break
+                else:
+                    if self._pool_size < self._pool_max:
+                        self._pool_size += 1
+                        mem = self.cupy.cuda.alloc_pinned_memory(need)
+                    elif self._pool:
+                        self._pool.pop(0)  # too small: replace it with a larger one
+                        mem = self.cupy.cuda.alloc_pinned_memory(need)
+                    else:
+                        self._pool_cond.wait(0.05)
+                        continue
+                break
+        try:
+            yield np.frombuffer(mem, np.uint8, nbytes)
+        finally:
+            with self._pool_cond:
+                self._pool.append(mem)
+                self._pool_cond.notify()
+
+    def _copy(self, dst: int, src: int, nbytes: int, kind: int, ready: Any) -> None:
+        event = self._copy_async(dst, src, nbytes, kind, ready)
+        if event is not None:
+            event.synchronize()
+
+    def _copy_async(self, dst: int, src: int, nbytes: int, kind: int, ready: Any) -> Any:
+        """Queue a copy on this thread's stream; the returned event marks its end."""
+        if nbytes == 0:
+            return None
+        stream = self._stream()
+        if ready is not None:
+            stream.wait_event(ready)
+        self.cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
+        event = self.cupy.cuda.Event(block=True, disable_timing=True)
+        event.record(stream)
+        return event
+
+    def copy_to_host_async(self, dst: np.ndarray, src: Any, ready: Any) -> Any:
+        return self._copy_async(_addr(dst), src.dev, src.nbytes, 2, ready)
+
+    def copy_from_host_async(self, dst: Any, src: np.ndarray, ready: Any) -> Any:
+        return self._copy_async(dst.dev, _addr(src), dst.nbytes, 1, ready)
+
+    def copy_to_host(self, dst: np.ndarray, src: Any, ready: Any) -> None:
+        self._copy(_addr(dst), src.dev, src.nbytes, 2, ready)  # cudaMemcpyDeviceToHost
+
+    def copy_from_host(self, dst: Any, src: np.ndarray, ready: Any) -> None:
+        self._copy(dst.dev, _addr(src), dst.nbytes, 1, ready)  # cudaMemcpyHostToDevice
+
+    def copy_device(self, dst: Any, src: Any, ready: Any) -> None:
+        if src.host is not None:
+            self.copy_from_host(dst, src.host, ready)
+        elif dst.host is not None:
+            self.copy_to_host(dst.host, src, ready)
+        else:
+            self._copy(dst.dev, src.dev, dst.nbytes, 3, ready)  # cudaMemcpyDeviceToDevice
+
+    def alloc(self, nbytes: int) -> tuple[Any, int]:
+        self.cupy.cuda.runtime.setDevice(self.device)
+        mem = self.cupy.cuda.alloc(max(nbytes, 1))
+        return mem, int(mem.ptr)
+
+    # ---- reductions ----------------------------------------------------------------------------
+
+    def _kernel(self, name: str) -> Any:
+        # one small module per kernel, compiled on first use (and cached on disk by CuPy):
+        # compiling every instantiation up front takes long enough to stall a first call
+        with self._module_lock:
+            module = self._modules.get(name)
+            if module is None:
+                with open(_SOURCE) as f:
+                    code = f.read()
+                module = self._modules[name] = self.cupy.RawModule(
+                    code=code, options=("-std=c++14",), name_expressions=[name])
+            return module.get_function(name)
+
+    def _launch(self, name: str, args: tuple[Any, ...], count: int, ready: Any) -> None:
+        stream = self._stream()
+        if ready is not None:
+            stream.wait_event(ready)
+        blocks = max(1, min(4096, (count + _THREADS - 1) // _THREADS))
+        with stream:
+            self._kernel(name)((blocks,), (_THREADS,), args)
+        stream.synchronize()
+
+    def prepare(self, dtype: str, op: str) -> None:
+        """Compile (or load) the kernels a reduction needs, before any stream waits on it."""
+        self._kernel(_combine_name(dtype, "sum" if op == "avg" else op))
+        if op == "avg":
+            self._kernel(_divide_name(dtype))
+
+    def combine(self, dst: Any, src: Any, dtype: str, op: str, ready: Any) -> None:
+        """dst = op(dst, src) element-wise on the GPU."""
+        count = dst.nbytes // _itemsize(dtype)
+        args = (np.uint64(dst.dev), np.uint64(src.dev), np.uint64(count))
+        self._launch(_combine_name(dtype, op), args, count, ready)
+
+    def divide(self, region: Any, n: int, dtype: str, ready: Any) -> None:
+        count = region.nbytes // _itemsize(dtype)
+        args = (np.uint64(region.dev), np.uint64(count), np.int64(n))
+        self._launch(_divide_name(dtype), args, count, ready)
+
+    def close(self) -> None:
+        with self._pool_cond:
+            self._pool.clear()
+
+
+def _itemsize(dtype: str) -> int:
+    return 2 if dtype in ("float16", "bfloat16") else np.dtype(dtype).itemsize
+
+
+def _combine_name(dtype: str, op: str) -> str:
+    if dtype in ("float16", "bfloat16"):
+        return f"combine_half<{int(dtype == 'bfloat16')}, {_OPS[op]}>"
+    ops = _BOOL_OPS if dtype == "bool" else _OPS
+    return f"combine<{_CTYPES[dtype]}, {ops[op]}>"
+
+
+def _divide_name(dtype: str) -> str:
+    if dtype in ("float16", "bfloat16"):
+        return f"divide_half<{int(dtype == 'bfloat16')}>"
+    return f"divide<{_CTYPES[dtype]}>"
+
+
+def _addr(arr: np.ndarray) -> int:
+    return int(arr.__array_interface__["data"][0])

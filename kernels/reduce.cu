@@ -1,0 +1,117 @@
+// Element-wise reductions of device data, compiled at run time (CuPy RawModule; NVRTC or hiprtc).
+// float16 and bfloat16 are handled as raw 16-bit patterns converted by hand, so the same source
+// compiles under CUDA and HIP without either vendor's half-precision headers; they accumulate
+// in float32 and round to nearest even once.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    u32 sign = (u32)(h & 0x8000u) << 16;
+    u32 exp = (h >> 10) & 0x1fu;
+    u32 man = h & 0x3ffu;
+    u32 bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {  // subnormal: normalise
+            int e = -1;
+            do { man <<= 1; ++e; } while ((man & 0x400u) == 0);
+            bits = sign | ((u32)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13) | (man ? 0x400000u : 0u);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    return __int_as_float((int)bits);
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u32 x = (u32)__float_as_int(f);
+    u32 sign = (x >> 16) & 0x8000u;
+    u32 ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) {  // inf or nan
+        return (u16)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+    }
+    if (ax >= 0x477ff000u) {  // rounds to >= 65520: overflow to inf
+        return (u16)(sign | 0x7c00u);
+    }
+    if (ax < 0x38800000u) {  // below the smallest normal half: subnormal or zero
+        if (ax < 0x33000000u) return (u16)sign;  // below half the smallest subnormal
+        u32 e = ax >> 23;
+        u32 m = (ax & 0x7fffffu) | 0x800000u;
+        u32 shift = 126 - e;  // value = m * 2^(e-150); in units of 2^-24 that is m >> (126 - e)
+        u32 val = m >> shift;
+        u32 rem = m & ((1u << shift) - 1u);
+        u32 half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (val & 1u))) ++val;
+        return (u16)(sign | val);
+    }
+    u32 r = ax + 0xc8000fffu + ((ax >> 13) & 1u);  // rebias exponent (-112 << 23) and round
+    return (u16)(sign | (r >> 13));
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __int_as_float((int)((u32)h << 16)); }
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 x = (u32)__float_as_int(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)((x >> 16) | 0x40u);  // quiet nan
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (u16)(x >> 16);
+}
+
+struct Sum { template <typename T> __device__ static T f(T a, T b) { return a + b; } };
+struct Prod { template <typename T> __device__ static T f(T a, T b) { return a * b; } };
+struct Min {
+    template <typename T> __device__ static T f(T a, T b) { return b < a ? b : a; }
+    __device__ static float f(float a, float b) { return (a != a || b != b) ? a + b : fminf(a, b); }
+    __device__ static double f(double a, double b) { return (a != a || b != b) ? a + b : fmin(a, b); }
+};
+struct Max {
+    template <typename T> __device__ static T f(T a, T b) { return b > a ? b : a; }
+    __device__ static float f(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
+    __device__ static double f(double a, double b) { return (a != a || b != b) ? a + b : fmax(a, b); }
+};
+struct Or { template <typename T> __device__ static T f(T a, T b) { return (T)(a || b); } };
+struct And { template <typename T> __device__ static T f(T a, T b) { return (T)(a && b); } };
+
+// Plain dtypes: dst[i] = op(dst[i], src[i])
+template <typename T, typename Op>
+__global__ void combine(T* dst, const T* src, unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)blockDim.x * gridDim.x) {
+        dst[i] = Op::f(dst[i], src[i]);
+    }
+}
+
+// Halves: Half = 0 for float16, 1 for bfloat16
+template <int Half, typename Op>
+__global__ void combine_half(u16* dst, const u16* src, unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)blockDim.x * gridDim.x) {
+        float a = Half ? bf16_to_f32(dst[i]) : f16_to_f32(dst[i]);
+        float b = Half ? bf16_to_f32(src[i]) : f16_to_f32(src[i]);
+        float c = Op::f(a, b);
+        dst[i] = Half ? f32_to_bf16(c) : f32_to_f16(c);
+    }
+}
+
+// Averages: floats divide, integers truncate toward zero (C division)
+template <typename T>
+__global__ void divide(T* dst, unsigned long long n, long long d) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)blockDim.x * gridDim.x) {
+        dst[i] = (T)(dst[i] / (T)d);
+    }
+}
+
+template <int Half>
+__global__ void divide_half(u16* dst, unsigned long long n, long long d) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)blockDim.x * gridDim.x) {
+        float a = Half ? bf16_to_f32(dst[i]) : f16_to_f32(dst[i]);
+        float c = a / (float)d;
+        dst[i] = Half ? f32_to_bf16(c) : f32_to_f16(c);
+    }
+}

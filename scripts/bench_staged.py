@@ -1,0 +1,154 @@
+"""Staged transport on the GPU, beside the copy bandwidth and the naive path, in one run.
+
+mpirun -n 2 python -m mpi4py scripts/bench_staged.py p2p OUT.json
+mpirun -n 4 python -m mpi4py scripts/bench_staged.py allreduce OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import cupy
+import numpy as np
+from mpi4py import MPI
+
+import hetcomm
+
+MiB = 1 << 20
+REPEATS = 7
+
+
+def median_time(fn, comm: MPI.Intracomm, repeats: int = REPEATS) -> tuple[float, float]:
+    """Median seconds of `fn` over repeats (slowest rank each time), and the spread."""
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        cupy.cuda.Device().synchronize()
+        times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    med = statistics.median(times)
+    return med, (max(times) - min(times)) / med
+
+
+def pinned_copy_rate(nbytes: int) -> float:
+    """Device->pinned host bytes per second (median of 5)."""
+    src = cupy.ones(nbytes, dtype=cupy.uint8)
+    dst = cupy.cuda.alloc_pinned_memory(nbytes)
+    times = []
+    for _ in range(6):
+        s = cupy.cuda.Event()
+        e = cupy.cuda.Event()
+        s.record()
+        cupy.cuda.runtime.memcpyAsync(dst.ptr, src.data.ptr, nbytes, 2, cupy.cuda.get_current_stream().ptr)
+        e.record()
+        e.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(s, e) / 1e3)
+    return nbytes / statistics.median(times[1:])
+
+
+def p2p(out: str) -> None:
+    world = MPI.COMM_WORLD
+    r = world.Get_rank()
+    rows = []
+    nbytes = 256 * MiB
+    copy = pinned_copy_rate(nbytes)
+    x = cupy.arange(nbytes, dtype=cupy.uint8)
+    y = cupy.zeros(nbytes, dtype=cupy.uint8)
+    for chunk in (1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB):
+        comm = hetcomm.init(config=hetcomm.Config.load(
+            transport="staged", vendor=("nvidia", "amd")[r % 2]))
+        t = comm._transport("send", hetcomm.arrays.as_buffer(x))
+        t.chunk_bytes = chunk
+
+        def once(comm: hetcomm.Communicator = comm) -> None:
+            if r == 0:
+                comm.send(x, 1)
+            elif r == 1:
+                comm.recv(y, 0)
+
+        med, spread = median_time(once, world)
+        ok = r != 1 or bool((y == x).all())
+        rows.append({"case": "staged send/recv", "chunk_MiB": chunk // MiB, "bytes": nbytes,
+                     "time_ms": med * 1e3, "GBps": nbytes / med / 1e9, "spread": spread,
+                     "ok": bool(world.allreduce(ok, op=MPI.LAND)),
+                     })
+        comm.close()
+    for size in (64 * 1024, 1 * MiB, 16 * MiB):
+        comm = hetcomm.init(config=hetcomm.Config.load(
+            transport="staged", vendor=("nvidia", "amd")[r % 2]))
+        a = cupy.ones(size, dtype=cupy.uint8)
+
+        def small(comm: hetcomm.Communicator = comm, a: cupy.ndarray = a) -> None:
+            if r == 0:
+                comm.send(a, 1)
+            elif r == 1:
+                comm.recv(a, 0)
+
+        med, spread = median_time(small, world, 21)
+        rows.append({"case": "staged send/recv", "chunk_MiB": 4, "bytes": size,
+                     "time_ms": med * 1e3, "GBps": size / med / 1e9, "spread": spread,
+                     "ok": True})
+        comm.close()
+    host = np.empty(nbytes, dtype=np.uint8)
+
+    def naive() -> None:
+        if r == 0:
+            world.Send(cupy.asnumpy(x), 1)
+        elif r == 1:
+            world.Recv(host, 0)
+            y.set(host)
+
+    med, spread = median_time(naive, world)
+    rows.append({"case": "naive (pageable copy, MPI, copy back)", "bytes": nbytes,
+                 "time_ms": med * 1e3, "GBps": nbytes / med / 1e9, "spread": spread, "ok": True})
+    rows.append({"case": "pinned device->host copy", "bytes": nbytes, "GBps": copy / 1e9})
+    if r == 0:
+        with open(out, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+        for row in rows:
+            print(row)
+
+
+def allreduce(out: str) -> None:
+    world = MPI.COMM_WORLD
+    r, n = world.Get_rank(), world.Get_size()
+    rows = []
+    count = 64 * MiB  # float32: 256 MiB
+    comm = hetcomm.init(config=hetcomm.Config.load(
+        transport="staged", vendor=("nvidia", "amd")[r % 2]))
+    x = cupy.ones(count, dtype=cupy.float32)
+    med, spread = median_time(lambda: comm.all_reduce(x), world, 5)
+    x[:] = 1
+    comm.all_reduce(x)
+    ok = bool(world.allreduce(bool((x == n).all()), op=MPI.LAND))
+    nbytes = count * 4
+    factor = 2 * (n - 1) / n
+    rows.append({"case": f"staged all_reduce {n} ranks", "bytes": nbytes, "time_ms": med * 1e3,
+                 "algbw": nbytes / med / 1e9, "busbw": nbytes / med / 1e9 * factor,
+                 "spread": spread, "ok": ok})
+    host = np.empty(count, dtype=np.float32)
+
+    def naive() -> None:
+        h = cupy.asnumpy(x)
+        world.Allreduce(h, host)
+        x.set(host)
+
+    med, spread = median_time(naive, world, 5)
+    rows.append({"case": f"naive all_reduce {n} ranks", "bytes": nbytes, "time_ms": med * 1e3,
+                 "algbw": nbytes / med / 1e9, "busbw": nbytes / med / 1e9 * factor,
+                 "spread": spread, "ok": True})
+    comm.close()
+    if r == 0:
+        with open(out, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+        for row in rows:
+            print(row)
+
+
+if __name__ == "__main__":
+    {"p2p": p2p, "allreduce": allreduce}[sys.argv[1]](sys.argv[2])
