@@ -81,7 +81,9 @@ def overhead(rounds: int = 7) -> list[dict[str, Any]]:
             "gloo": _bind(dist.all_reduce, t),
         }
         if dtype == "float32":
-            impls["mpi4py"] = _bind(raw.Allreduce, MPI.IN_PLACE, np.ascontiguousarray(t.numpy()))
+            a = np.ascontiguousarray(t.numpy())
+            impls["hetcomm numpy"] = _bind(world.all_reduce, a)
+            impls["mpi4py"] = _bind(raw.Allreduce, MPI.IN_PLACE, a)
         calls = _calls_for(nbytes)
         for fn in impls.values():  # warm up: compile kernels, open connections
             for _ in range(3):
@@ -106,19 +108,22 @@ def overhead(rounds: int = 7) -> list[dict[str, Any]]:
 
 def overhead_table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown: per case, each implementation's median and its ratio to hetcomm."""
-    out = ["| case | ranks | hetcomm | mpi4py | gloo | hetcomm / mpi4py | gloo / hetcomm | spread |",
-           "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    out = ["| case | ranks | hetcomm (torch) | hetcomm (numpy) | mpi4py (numpy) | gloo (torch) | "
+           "hetcomm numpy / mpi4py | gloo / hetcomm torch | spread |",
+           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     by_case: dict[str, dict[str, dict[str, Any]]] = {}
     for r in rows:
         by_case.setdefault(r["case"], {})[r["impl"]] = r
     for case, impls in by_case.items():
         h = impls["hetcomm"]["median_us"]
+        hn = impls.get("hetcomm numpy", {}).get("median_us")
         m = impls.get("mpi4py", {}).get("median_us")
         g = impls["gloo"]["median_us"]
         spread = max(v["spread"] for v in impls.values())
         out.append(
-            f"| {case} | {impls['hetcomm']['ranks']} | {_us(h)} | {_us(m) if m else '-'} | "
-            f"{_us(g)} | {f'{h / m:.2f}x' if m else '-'} | {g / h:.2f}x | {spread:.0%} |"
+            f"| {case} | {impls['hetcomm']['ranks']} | {_us(h)} | {_us(hn) if hn else '-'} | "
+            f"{_us(m) if m else '-'} | {_us(g)} | {f'{hn / m:.2f}x' if m and hn else '-'} | "
+            f"{g / h:.2f}x | {spread:.0%} |"
         )
     return "\n".join(out)
 

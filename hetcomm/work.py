@@ -26,7 +26,8 @@ class Work:
     thread (unpacking, averaging).
     """
 
-    __slots__ = ("_comm", "_done", "_error", "_finish", "_keep", "_poll", "_timeout", "op", "seq")
+    __slots__ = ("_comm", "_done", "_error", "_finish", "_keep", "_poll", "_timeout", "_waiter",
+                 "op", "seq")  # fmt: skip
 
     def __init__(
         self,
@@ -36,6 +37,7 @@ class Work:
         poll: Poll,
         finish: Sequence[Callable[[], None]] = (),
         timeout: float | None = None,
+        waiter: Callable[[float], bool] | None = None,
     ) -> None:
         self._comm = comm
         self.op, self.seq = op, seq
@@ -45,6 +47,8 @@ class Work:
         self._done = False
         self._error: BaseException | None = None
         self._keep: tuple[object, ...] = ()
+        # blocks up to the given seconds until completion is likely: no spinning needed
+        self._waiter = waiter
 
     def test(self) -> bool:
         """True once the operation is complete (its result is in place); never blocks."""
@@ -94,7 +98,9 @@ class Work:
             now = time.monotonic()
             if now >= deadline:
                 break
-            if now >= spin_until:
+            if self._waiter is not None:
+                self._waiter(min(deadline - now, 0.1))
+            elif now >= spin_until:
                 time.sleep(min(sleep, deadline - now))
                 sleep = min(sleep * 2, _MAX_SLEEP_S)
         exc = CommTimeout(self._comm.name, self.op, self.seq, limit)
