@@ -1,0 +1,683 @@
+"""torch.distributed backend "hetcomm" under mpirun: init forms, every collective, DDP and FSDP2.
+
+Modelled on torch's checks for third-party backends (PythonProcessGroupExtensionTest in
+test_c10d_common.py, the argument checks of test_c10d_gloo.py) and on the training parity a user
+expects: DDP and FSDP2 on "hetcomm" reach gloo's parameters, and both reach a float64 reference
+computed on one rank. Inputs come from the shared seed, so every rank draws every rank's data and
+computes the expected result by itself with numpy. Findings are collected in `errors` and checked
+together (`errors.verify()`), so that a mismatch on one rank cannot leave the others waiting.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from _data import compare, draw, logical, reference, to_array
+from mpi4py import MPI
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hetcomm.torch as ht
+from hetcomm import ReduceOp
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PROD, "MIN": ReduceOp.MIN,
+       "MAX": ReduceOp.MAX}  # fmt: skip
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "bool")
+ADDRESS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+all_gather_single = ht.dist_function("all_gather_single")
+reduce_scatter_single = ht.dist_function("reduce_scatter_single")
+
+
+def ops_for(dtype: str) -> list[str]:
+    """Every op for floats; no AVG for integers (truncation is hetcomm's, not torch's) or bool."""
+    return [name for name in OPS if dtype.startswith(("float", "bfloat")) or name != "AVG"]
+
+
+@pytest.fixture
+def no_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What mpirun alone provides: no MASTER_ADDR, MASTER_PORT, RANK or WORLD_SIZE."""
+    for var in ADDRESS_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture(scope="class")
+def pg(hetcomm_world) -> Iterator[dist.ProcessGroup]:
+    """The default group on hetcomm, as `init_process_group("hetcomm")` makes it under mpirun."""
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ADDRESS_VARS:
+            mp.delenv(var, raising=False)
+        dist.init_process_group("hetcomm")
+    group = dist.group.WORLD
+    assert isinstance(group, ht.ProcessGroupHetcomm)
+    yield group
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, chosen by rank 0 and known to every rank."""
+    port = None
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    return int(MPI.COMM_WORLD.bcast(port, root=0))
+
+
+def tcp_store(rank: int, size: int) -> dist.TCPStore:
+    """A TCPStore on 127.0.0.1 whose server is rank 0 (port chosen by rank 0, then shared)."""
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, size, True, wait_for_workers=False)
+        port = MPI.COMM_WORLD.bcast(store.port, root=0)
+    else:
+        port = MPI.COMM_WORLD.bcast(None, root=0)
+        store = dist.TCPStore("127.0.0.1", port, size, False)
+    MPI.COMM_WORLD.Barrier()  # every client is connected before rank 0 may drop the server
+    return store
+
+
+def torch_tensor(values: np.ndarray, dtype: str) -> torch.Tensor:
+    return to_array(values, dtype, "torch")
+
+
+# ---- initialisation ----------------------------------------------------------------------------
+
+
+class TestInit:
+    def check_world(self, errors, how: str) -> None:
+        rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+        errors.expect((dist.get_rank(), dist.get_world_size()) == (rank, size),
+                      f"{how}: torch says rank {dist.get_rank()} of {dist.get_world_size()}")  # fmt: skip
+        errors.expect(dist.get_backend() == "hetcomm", f"{how}: backend {dist.get_backend()}")
+        errors.expect(isinstance(dist.group.WORLD, ht.ProcessGroupHetcomm), f"{how}: group type")
+        t = torch.full((3,), float(rank + 1))
+        dist.all_reduce(t)
+        errors.expect(t.tolist() == [size * (size + 1) / 2] * 3, f"{how}: all_reduce gave {t}")
+
+    def test_init_from_mpi_alone(self, errors, no_address) -> None:
+        """No address, port, rank or size: all from MPI; twice in one job, each with a gloo
+        group whose rendezvous runs over hetcomm's MPI store (fresh keys each time)."""
+        for attempt in range(2):
+            dist.init_process_group("hetcomm")
+            try:
+                self.check_world(errors, f"init #{attempt}")
+                gloo = dist.new_group(backend="gloo")
+                t = torch.ones(2)
+                dist.all_reduce(t, group=gloo)
+                errors.expect(t.tolist() == [dist.get_world_size()] * 2, f"gloo #{attempt}: {t}")
+            finally:
+                dist.destroy_process_group()
+        errors.verify()
+
+    def test_init_method_mpi(self, errors) -> None:
+        dist.init_process_group("hetcomm", init_method="mpi://",
+                                timeout=timedelta(seconds=120))  # fmt: skip
+        try:
+            self.check_world(errors, "mpi://")
+            group = dist.group.WORLD
+            errors.expect(group.timeout_s == 120, f"the group's timeout is {group.timeout_s}")
+        finally:
+            dist.destroy_process_group()
+        errors.verify()
+
+    def test_init_env_with_address(self, errors, monkeypatch) -> None:
+        rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+        for var, value in zip(ADDRESS_VARS, ("127.0.0.1", free_port(), rank, size)):
+            monkeypatch.setenv(var, str(value))
+        dist.init_process_group("hetcomm", init_method="env://")
+        try:
+            self.check_world(errors, "env://")
+            errors.expect(isinstance(dist.distributed_c10d._get_default_store(), dist.Store),
+                          "env:// makes torch's own store")  # fmt: skip
+        finally:
+            dist.destroy_process_group()
+        errors.verify()
+
+    def test_init_with_explicit_store(self, errors) -> None:
+        rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+        dist.init_process_group("hetcomm", store=tcp_store(rank, size), rank=rank, world_size=size)
+        try:
+            self.check_world(errors, "store=")
+        finally:
+            dist.destroy_process_group()
+        errors.verify()
+
+    def test_hetcomm_groups_beside_a_gloo_default(self, errors, no_address) -> None:
+        """gloo as the default group (its env:// rendezvous falls back to MPI under mpirun),
+        hetcomm groups made with new_group(backend="hetcomm")."""
+        n, me = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+        dist.init_process_group("gloo")
+        try:
+            errors.expect(dist.get_backend() == "gloo", f"default backend {dist.get_backend()}")
+            everyone = dist.new_group(backend="hetcomm")
+            firsts = dist.new_group([0, 1], backend="hetcomm")
+            t = torch.full((2,), float(me))
+            dist.all_reduce(t, group=everyone)
+            errors.expect(isinstance(everyone, ht.ProcessGroupHetcomm)
+                          and t.tolist() == [n * (n - 1) / 2] * 2, f"hetcomm group: {t}")  # fmt: skip
+            if me < 2:
+                t = torch.ones(1)
+                dist.all_reduce(t, group=firsts)
+                errors.expect(t.item() == 2.0, f"hetcomm group of two: {t}")
+            dist.all_reduce(t := torch.ones(1))
+            errors.expect(t.item() == n, "the gloo default group still works")
+        finally:
+            dist.destroy_process_group()
+        errors.verify()
+
+    def test_ranks_that_disagree_with_mpi_are_refused(self, errors) -> None:
+        rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+        other = (rank + 1) % size
+        store = tcp_store(rank, size)
+        with pytest.raises(ValueError, match=f"MPI makes this process rank {rank} of {size}"):
+            dist.init_process_group("hetcomm", store=store, rank=other, world_size=size)
+        errors.expect(not dist.is_initialized(), "a refused init leaves no default group")
+        with pytest.raises(ValueError, match=f"rank={other} was given, but MPI says {rank}"):
+            dist.init_process_group("hetcomm", init_method="mpi://", rank=other, world_size=size)
+        errors.expect(not dist.is_initialized(), "a refused init leaves no default group")
+        errors.verify()
+
+    def test_mpi_store(self, errors) -> None:
+        """Every Store operation, from every rank, against rank 0's server."""
+        rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+        store = ht.MpiStore(timeout=timedelta(seconds=30))
+        store.set(f"k{rank}", f"v{rank}")
+        errors.expect(store.add("counter", rank + 1) >= rank + 1, "add returns the new value")
+        store.wait([f"k{r}" for r in range(size)])
+        errors.expect(store.get(f"k{(rank + 1) % size}") == f"v{(rank + 1) % size}".encode(),
+                      "get another rank's key")  # fmt: skip
+        errors.expect(store.check([f"k{r}" for r in range(size)]), "check sees every key")
+        errors.expect(not store.check(["nobody-set-this"]), "check of a missing key")
+        store.append("log", f"{rank};")
+        MPI.COMM_WORLD.Barrier()
+        errors.expect(int(store.get("counter")) == size * (size + 1) // 2, "every add counted")
+        got = sorted(store.get("log").decode().strip(";").split(";"))
+        errors.expect(got == sorted(str(r) for r in range(size)), f"append: {got}")
+        errors.expect(store.multi_get([f"k{r}" for r in range(size)]) ==
+                      [f"v{r}".encode() for r in range(size)], "multi_get")  # fmt: skip
+        if rank == 0:
+            errors.expect(store.compare_set("cas", "", "first") == b"first", "cas on no key")
+            errors.expect(store.compare_set("cas", "wrong", "x") == b"first", "cas mismatch")
+            errors.expect(store.compare_set("cas", "first", "second") == b"second", "cas match")
+            store.multi_set(["m1", "m2"], ["a", b"b"])
+        MPI.COMM_WORLD.Barrier()
+        errors.expect(store.get("m2") == b"b" and store.get("cas") == b"second", "multi_set")
+        errors.expect(store.num_keys() >= size + 5, f"num_keys {store.num_keys()}")
+        MPI.COMM_WORLD.Barrier()
+        if rank == size - 1:
+            errors.expect(store.delete_key("m1") and not store.delete_key("m1"), "delete_key")
+        store.set_timeout(timedelta(seconds=0.3))
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"timed out waiting for keys \['never'\]"):
+            store.get("never")
+        errors.expect(time.monotonic() - t0 < 10, "a get of a missing key ends at the timeout")
+        errors.verify()
+
+
+# ---- every collective ---------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("pg")
+class TestCollectives:
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_all_reduce(self, rng, errors, dtype: str) -> None:
+        n, me = dist.get_world_size(), dist.get_rank()
+        for name in ops_for(dtype):
+            for shape in ((0,), (1,), (5, 3)):
+                stack = draw(rng, dtype, shape, n)
+                t = torch_tensor(stack[me], dtype)
+                dist.all_reduce(t, op=getattr(dist.ReduceOp, name))
+                errors += compare(logical(t), reference(stack, OPS[name], dtype),
+                                  f"{name} {list(shape)}", stack=stack, op=OPS[name],
+                                  dtype=dtype)  # fmt: skip
+        # non-contiguous, asynchronous
+        stack = draw(rng, dtype, (4, 6), n)
+        base = torch_tensor(stack[me].T.copy(), dtype)
+        work = dist.all_reduce(base.t(), op=dist.ReduceOp.MAX, async_op=True)
+        work.wait()
+        errors += compare(logical(base.t()), reference(stack, ReduceOp.MAX, dtype), "transposed")
+        errors.verify()
+
+    def test_float16_sums_many_elements(self, rng, errors) -> None:
+        n, me = dist.get_world_size(), dist.get_rank()
+        stack = draw(rng, "float16", (4099,), n)
+        t = torch_tensor(stack[me], "float16")
+        dist.all_reduce(t)
+        errors += compare(logical(t), stack.sum(axis=0), "float16 SUM", stack=stack,
+                          op=ReduceOp.SUM, dtype="float16")  # fmt: skip
+        errors.verify()
+
+    def test_work_and_future(self, rng, errors) -> None:
+        """DDP's contract: the future completes without anyone calling wait(), carries the
+        result tensors, and chains with then()."""
+        n, me = dist.get_world_size(), dist.get_rank()
+        stack = draw(rng, "float64", (1000,), n)
+        t = torch_tensor(stack[me], "float64")
+        work = dist.all_reduce(t, async_op=True)
+        fut = work.get_future()
+        deadline = time.monotonic() + 30
+        while not fut.done() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        errors.expect(fut.done(), "the future completed without a wait()")
+        errors.expect(work.is_completed() and work.is_success(), "work says done")
+        value = fut.wait()
+        errors.expect(isinstance(value, list) and value[0] is t, "the future carries the tensor")
+        errors += compare(logical(t), stack.sum(axis=0), "async SUM", stack=stack,
+                          op=ReduceOp.SUM, dtype="float64")  # fmt: skip
+        errors.expect(work.wait() is True, "wait() returns True")
+        doubled = dist.all_reduce(t.clone(), async_op=True).get_future().then(
+            lambda f: f.value()[0] * 2).wait()  # fmt: skip
+        errors += compare(logical(doubled), 2 * n * logical(t), "then()", stack=stack * 2 * n,
+                          op=ReduceOp.SUM, dtype="float64")  # fmt: skip
+        errors.verify()
+
+    def test_allreduce_coalesced(self, rng, errors, pg) -> None:
+        n, me = dist.get_world_size(), dist.get_rank()
+        for dtypes in (("float32", "float32", "float32"), ("float32", "int64", "float64")):
+            stacks = [draw(rng, d, (i + 2, 3), n) for i, d in enumerate(dtypes)]
+            ts = [torch_tensor(s[me], d) for s, d in zip(stacks, dtypes)]
+            opts = dist.AllreduceCoalescedOptions()
+            opts.reduceOp = dist.ReduceOp.SUM
+            pg.allreduce_coalesced(ts, opts).wait()
+            for t, s, d in zip(ts, stacks, dtypes):
+                errors += compare(logical(t), reference(s, ReduceOp.SUM, d), f"coalesced {d}",
+                                  stack=s, op=ReduceOp.SUM, dtype=d)  # fmt: skip
+        errors.verify()
+
+    def test_broadcast(self, rng, errors) -> None:
+        n, me = dist.get_world_size(), dist.get_rank()
+        for root in sorted({0, n - 1}):
+            for dtype in ("float32", "int64", "bfloat16", "bool"):
+                stack = draw(rng, dtype, (3, 4), n)
+                t = torch_tensor(stack[me], dtype)
+                dist.broadcast(t, src=root)
+                errors += compare(logical(t), stack[root], f"broadcast {dtype} from {root}")
+            # complex and non-contiguous
+            z = torch.complex(torch.full((2, 3), float(me)), torch.full((2, 3), -float(me)))
+            dist.broadcast(z.t(), src=root)
+            errors.expect(bool((z == complex(root, -root)).all()), f"complex from {root}: {z}")
+        objs = [{"rank": me}] if me == 0 else [None]
+        dist.broadcast_object_list(objs, src=0)
+        errors.expect(objs == [{"rank": 0}], f"broadcast_object_list gave {objs}")
+        errors.verify()
+
+    def test_reduce(self, rng, errors) -> None:
+        n, me = dist.get_world_size(), dist.get_rank()
+        for root in sorted({0, n - 1}):
+            for name in ("SUM", "MAX", "PRODUCT"):
+                stack = draw(rng, "float64", (6,), n)
+                t = torch_tensor(stack[me], "float64")
+                dist.reduce(t, dst=root, op=getattr(dist.ReduceOp, name))
+                if me == root:
+                    errors += compare(logical(t), reference(stack, OPS[name], "float64"),
+                                      f"reduce {name} to {root}", stack=stack, op=OPS[name],
+                                      dtype="float64")  # fmt: skip
+                else:
+                    errors += compare(logical(t), stack[me], f"reduce {name}: non-root changed")
+        errors.verify()
+
+    def test_all_gather(self, rng, errors) -> None:
+        n, me = dist.get_world_size(), dist.get_rank()
+        for dtype in ("float32", "int8", "bfloat16"):
+            stack = draw(rng, dtype, (2, 3), n)
+            t = torch_tensor(stack[me], dtype)
+            outs = [torch.empty(3, 2, dtype=t.dtype).t() for _ in range(n)]  # non-contiguous
+            dist.all_gather(outs, t)
+            for r, o in enumerate(outs):
+                errors += compare(logical(o), stack[r], f"all_gather {dtype} block {r}")
+            flat = torch.empty(n * 6, dtype=t.dtype)
+            all_gather_single(flat, t)
+            errors += compare(logical(flat).reshape(n, 2, 3), stack, f"into tensor {dtype}")
+        if hasattr(torch, "float8_e4m3fn"):  # no arithmetic: travels as bytes
+            x = torch.full((4,), float(me)).to(torch.float8_e4m3fn)
+            out = torch.empty(4 * n, dtype=torch.float8_e4m3fn)
+            all_gather_single(out, x)
+            want = torch.arange(n).repeat_interleave(4).float()
+            errors.expect(torch.equal(out.float(), want), f"float8 all_gather: {out.float()}")
+        got = [None] * n
+        dist.all_gather_object(got, ("rank", me))
+        errors.expect(got == [("rank", r) for r in range(n)], f"all_gather_object: {got}")
+        errors.verify()
+
+    def test_reduce_scatter(self, rng, errors) -> None:
+        n, me = dist.get_world_size(), dist.get_rank()
+        for name in ("SUM", "MIN", "AVG"):
+            stack = draw(rng, "float32", (n, 5), n)  # rank r, block b
+            want = reference(stack, OPS[name], "float32")[me]
+            ins = [torch_tensor(stack[me][b], "float32") for b in range(n)]
+            out = torch.empty(5)
+            dist.reduce_scatter(out, ins, op=getattr(dist.ReduceOp, name))
+            errors += compare(logical(out), want, f"reduce_scatter {name}",
+                              stack=stack[:, me], op=OPS[name], dtype="float32")  # fmt: skip
+            out2 = torch.empty(5)
+            reduce_scatter_single(out2, torch_tensor(stack[me], "float32"),
+                                  op=getattr(dist.ReduceOp, name))  # fmt: skip
+            errors += compare(logical(out2), want, f"reduce_scatter_tensor {name}",
+                              stack=stack[:, me], op=OPS[name], dtype="float32")  # fmt: skip
+        errors.verify()
+
+    def test_all_to_all(self, errors) -> None:
+        n, me = dist.get_world_size(), dist.get_rank()
+
+        def rows(src: int, dst: int) -> int:
+            return (src + 2 * dst) % 3  # some pairs exchange nothing
+
+        def block(src: int, dst: int, k: int) -> torch.Tensor:
+            return torch.full((k, 2), float(100 * src + dst))
+
+        # equal blocks
+        x = torch.cat([block(me, d, 2) for d in range(n)])
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x)
+        want = torch.cat([block(s, me, 2) for s in range(n)])
+        errors.expect(torch.equal(out, want), f"all_to_all_single equal: {out.flatten()}")
+        # uneven splits, given as row counts
+        x = torch.cat([block(me, d, rows(me, d)) for d in range(n)])
+        out = torch.empty(sum(rows(s, me) for s in range(n)), 2)
+        dist.all_to_all_single(out, x, output_split_sizes=[rows(s, me) for s in range(n)],
+                               input_split_sizes=[rows(me, d) for d in range(n)])  # fmt: skip
+        want = torch.cat([block(s, me, rows(s, me)) for s in range(n)])
+        errors.expect(torch.equal(out, want), f"all_to_all_single uneven: {out.flatten()}")
+        # lists of tensors of different sizes
+        outs = [torch.empty(rows(s, me), 2) for s in range(n)]
+        dist.all_to_all(outs, [block(me, d, rows(me, d)) for d in range(n)])
+        for s, o in enumerate(outs):
+            errors.expect(torch.equal(o, block(s, me, rows(s, me))), f"all_to_all from {s}: {o}")
+        errors.verify()
+
+    def test_gather_and_scatter(self, errors) -> None:
+        n, me = dist.get_world_size(), dist.get_rank()
+        for root in sorted({0, n - 1}):
+            t = torch.full((3,), float(me))
+            outs = [torch.empty(3) for _ in range(n)] if me == root else None
+            dist.gather(t, gather_list=outs, dst=root)
+            if me == root:
+                assert outs is not None
+                errors.expect(all(torch.equal(o, torch.full((3,), float(r)))
+                                  for r, o in enumerate(outs)), f"gather to {root}: {outs}")  # fmt: skip
+            got = torch.empty(2, dtype=torch.int64)
+            ins = [torch.full((2,), 10 * r, dtype=torch.int64) for r in range(n)]
+            dist.scatter(got, scatter_list=ins if me == root else None, src=root)
+            errors.expect(got.tolist() == [10 * me] * 2, f"scatter from {root}: {got}")
+        errors.verify()
+
+    def test_send_recv(self, errors) -> None:
+        n, me = dist.get_world_size(), dist.get_rank()
+        right, left = (me + 1) % n, (me - 1) % n
+        mine, got = torch.full((5,), float(me)), torch.empty(5)
+        if me % 2 == 0:
+            dist.send(mine, dst=right, tag=3)
+            dist.recv(got, src=left, tag=3)
+        else:
+            dist.recv(got, src=left, tag=3)
+            dist.send(mine, dst=right, tag=3)
+        errors.expect(got.tolist() == [float(left)] * 5, f"send/recv: {got}")
+        got = torch.empty(5)
+        works = [dist.irecv(got, src=left), dist.isend(mine * 2, dst=right)]
+        for w in works:
+            w.wait()
+        errors.expect(got.tolist() == [2.0 * left] * 5, f"isend/irecv: {got}")
+        got = torch.empty(5, dtype=torch.bfloat16)
+        ops = [dist.P2POp(dist.irecv, got, left), dist.P2POp(dist.isend, (mine + 1).bfloat16(),
+                                                             right)]  # fmt: skip
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        errors.expect(got.tolist() == [left + 1.0] * 5, f"batch_isend_irecv: {got}")
+        errors.verify()
+
+    def test_barrier(self, errors) -> None:
+        dist.barrier()
+        work = dist.barrier(async_op=True)
+        work.wait()
+        errors.expect(work.is_completed(), "async barrier completed")
+        errors.verify()
+
+    def test_bad_arguments_raise_before_anything_moves(self, errors, pg) -> None:
+        n = dist.get_world_size()
+        t = torch.ones(4)
+        with pytest.raises(ValueError, match="expected at least one tensor"):
+            pg.allreduce([], dist.AllreduceOptions())
+        # through the group itself: torch's own front end checks some of these first
+        with pytest.raises(TypeError, match=r"expected dtype torch\.float32 like the input"):
+            pg.allgather([[torch.empty(4)] * (n - 1) + [torch.empty(4, dtype=torch.int64)]], [t])
+        with pytest.raises(ValueError, match="expected 4 elements like the input, got 5"):
+            pg.allgather([[torch.empty(4)] * (n - 1) + [torch.empty(5)]], [t])
+        with pytest.raises(ValueError, match=f"expected {n} tensors"):
+            pg.allgather([[torch.empty(4)] * (n + 1)], [t])
+        with pytest.raises(ValueError, match="expected one tensor"):
+            pg.allreduce([t, t], dist.AllreduceOptions())
+        with pytest.raises((TypeError, ValueError), match="dtype"):
+            dist.all_gather([torch.empty(4)] * (n - 1) + [torch.empty(4, dtype=torch.int64)], t)
+        with pytest.raises(ValueError, match=f"output must hold {n} x 4 elements"):
+            all_gather_single(torch.empty(4 * n + 1), t)
+        with pytest.raises(ValueError, match=f"input must hold {n} x 4 elements"):
+            reduce_scatter_single(t, torch.empty(4 * n - 1))
+        with pytest.raises(TypeError, match="expected dtype"):
+            reduce_scatter_single(t, torch.empty(4 * n, dtype=torch.float64))
+        with pytest.raises(ValueError, match="split sizes adding up to"):
+            dist.all_to_all_single(torch.empty(n), torch.empty(n), [1] * n, [2] * n)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = n
+        with pytest.raises(ValueError, match=rf"expected a rank in \[0, {n}\)"):
+            pg.broadcast([t], opts)
+        for name in ("BAND", "BOR", "BXOR"):
+            with pytest.raises(ValueError, match=f"ReduceOp.{name} is not supported"):
+                dist.all_reduce(torch.ones(2, dtype=torch.int32), op=getattr(dist.ReduceOp, name))
+        with pytest.raises(ValueError, match="PREMUL_SUM is not supported"):
+            dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        with pytest.raises(ValueError, match="complex tensors reduce with SUM or AVG only"):
+            pg.allreduce([torch.ones(2, dtype=torch.complex64)], opts)
+        with pytest.raises(RuntimeError, match="a source rank is required"):
+            dist.recv(t)
+        # the group still works, and nothing moved
+        dist.all_reduce(t)
+        errors.expect(t.tolist() == [float(n)] * 4, f"after the refusals: {t}")
+        errors.verify()
+
+    def test_a_thousand_operations(self, errors) -> None:
+        """torch's stress loop: 1000 operations in flight, then all waited for."""
+        n, me = dist.get_world_size(), dist.get_rank()
+        ts = [torch.full((8,), float(i + me)) for i in range(1000)]
+        t0 = time.perf_counter()
+        works = [dist.all_reduce(t, async_op=True) for t in ts]
+        for w in works:
+            w.wait()
+        seconds = time.perf_counter() - t0
+        bad = [i for i, t in enumerate(ts) if t[0].item() != n * i + n * (n - 1) / 2]
+        errors.expect(not bad, f"wrong sums at {bad[:5]}")
+        errors.expect(seconds < 60, f"1000 operations took {seconds:.1f} s")
+        errors.verify()
+
+    def test_groups_have_their_own_communicator(self, errors, pg) -> None:
+        n, me = dist.get_world_size(), dist.get_rank()
+        evens = list(range(0, n, 2))
+        group = dist.new_group(evens)
+        single = dist.new_group([n - 1])
+        if me in evens:
+            errors.expect(isinstance(group, ht.ProcessGroupHetcomm) and group.comm is not pg.comm
+                          and group.size() == len(evens), f"subgroup {group}")  # fmt: skip
+            t = torch.full((2,), float(me))
+            dist.all_reduce(t, group=group)
+            errors.expect(t.tolist() == [float(sum(evens))] * 2, f"subgroup all_reduce: {t}")
+            errors.expect(f"group '{group.comm.name}'" in str(group.comm.plan), "its own plan")
+        else:
+            errors.expect(group == dist.GroupMember.NON_GROUP_MEMBER, "not a member")
+        if me == n - 1:
+            t = torch.ones(1)
+            dist.all_reduce(t, group=single)
+            errors.expect(t.tolist() == [1.0], "a group of one")
+        errors.verify()
+
+    def test_split_group(self, errors, pg) -> None:
+        """The group's own split_group, as torch's dist.split_group calls it (that function
+        itself needs an accelerator and a bound device): each rank passes its own piece, ranks in
+        no piece pass the first one and get None."""
+        n, me = dist.get_world_size(), dist.get_rank()
+        errors.expect(pg._get_backend(torch.device("cpu")).supports_splitting, "can split")
+        halves = [list(range(0, n, 2)), list(range(1, n, 2))]
+        mine = halves[me % 2]
+        sub = pg.split_group(mine, timeout=timedelta(seconds=60), group_name=f"half{me % 2}",
+                             group_desc="halves")  # fmt: skip
+        ok = (isinstance(sub, ht.ProcessGroupHetcomm) and sub.size() == len(mine)
+              and sub.rank() == mine.index(me) and sub.group_name == f"half{me % 2}"
+              and sub.group_desc == "halves" and sub.timeout_s == 60)  # fmt: skip
+        errors.expect(ok, f"split_group gave {sub}")
+        if sub is not None:
+            t = torch.tensor([float(me)])
+            sub.allreduce([t]).wait()
+            errors.expect(t.item() == sum(mine), f"all_reduce in the split: {t.item()}")
+            sub.shutdown()
+        first = pg.split_group([0, 1])  # ranks 2 .. n-1 are in no piece
+        errors.expect((first is None) == (me > 1), f"rank {me}: split_group([0, 1]) gave {first}")
+        if first is not None:
+            first.shutdown()
+        errors.verify()
+
+    def test_device_mesh(self, errors) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        n, me = dist.get_world_size(), dist.get_rank()
+        shape = (2, n // 2) if n % 2 == 0 else (1, n)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+        coords = divmod(me, shape[1])  # row-major: tp fastest
+        for dim, name in enumerate(("dp", "tp")):
+            group = mesh.get_group(name)
+            errors.expect(isinstance(group, ht.ProcessGroupHetcomm), f"{name}: {group}")
+            t = torch.tensor([float(me)])
+            dist.all_reduce(t, group=group)
+            if dim == 0:
+                want = sum(r * shape[1] + coords[1] for r in range(shape[0]))
+            else:
+                want = sum(coords[0] * shape[1] + c for c in range(shape[1]))
+            errors.expect(t.item() == want, f"mesh dim {name}: {t.item()} != {want}")
+        errors.verify()
+
+
+# ---- training: DDP and FSDP2 against gloo and against a float64 reference -----------------------
+
+STEPS, BATCH, LR = 4, 8, 0.05
+
+
+@pytest.fixture(scope="class")
+def gloo(pg) -> dist.ProcessGroup:
+    """A gloo group beside the hetcomm default group (rendezvous over hetcomm's MPI store)."""
+    return dist.new_group(backend="gloo")
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 24),
+                               torch.nn.Tanh(), torch.nn.Linear(24, 3))  # fmt: skip
+
+
+def batches(seed: int, n: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """batches[step][rank] = (inputs, targets), the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    return [[(torch.randn(BATCH, 12, generator=g), torch.randn(BATCH, 3, generator=g))
+             for _ in range(n)] for _ in range(STEPS)]  # fmt: skip
+
+
+def train(model: torch.nn.Module, data, me: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    for step in data:
+        x, y = step[me]
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def reference_params(seed: int, data) -> list[torch.Tensor]:
+    """What data-parallel training computes, on one process in float64: the gradient is the mean
+    over ranks of each rank's gradient."""
+    model = make_model(seed).double()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    for step in data:
+        loss = sum(torch.nn.functional.mse_loss(model(x.double()), y.double()) for x, y in step)
+        (loss / len(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+def close(got: list[torch.Tensor], want: list[torch.Tensor], what: str, rtol: float,
+          atol: float) -> list[str]:  # fmt: skip
+    worst = max(float((g.double() - w.double()).abs().max()) for g, w in zip(got, want))
+    ok = all(torch.allclose(g.double(), w.double(), rtol=rtol, atol=atol) for g, w in zip(got, want))
+    return [] if ok else [f"{what}: parameters differ by up to {worst:.3g}"]
+
+
+@pytest.mark.usefixtures("pg")
+class TestTraining:
+    def test_ddp_matches_gloo_and_reference(self, shared_seed, errors, gloo) -> None:
+        n, me = dist.get_world_size(), dist.get_rank()
+        seed = shared_seed % 2**31
+        data = batches(seed + 1, n)
+        params = {}
+        # tiny buckets: several all-reduces in flight per step, completed through futures
+        for name, group in (("hetcomm", dist.group.WORLD), ("gloo", gloo)):
+            model = DDP(make_model(seed), process_group=group, bucket_cap_mb=0.001)
+            train(model, data, me)
+            params[name] = [p.detach() for p in model.module.parameters()]
+        errors += close(params["hetcomm"], params["gloo"], "DDP hetcomm vs gloo", 1e-5, 1e-6)
+        errors += close(params["hetcomm"], reference_params(seed, data), "DDP vs float64",
+                        1e-4, 1e-5)  # fmt: skip
+        errors.verify()
+
+    def test_ddp_comm_hooks(self, shared_seed, errors, gloo) -> None:
+        """Python comm hooks chain on get_future(): allreduce, and fp16 compression (float16
+        sums in hetcomm's own kernels)."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        n, me = dist.get_world_size(), dist.get_rank()
+        seed = shared_seed % 2**31
+        data = batches(seed + 2, n)
+        for hook, rtol in ((default_hooks.allreduce_hook, 1e-5),
+                           (default_hooks.fp16_compress_hook, 1e-2)):  # fmt: skip
+            params = {}
+            for name, group in (("hetcomm", dist.group.WORLD), ("gloo", gloo)):
+                model = DDP(make_model(seed), process_group=group)
+                model.register_comm_hook(group, hook)
+                train(model, data, me)
+                params[name] = [p.detach() for p in model.module.parameters()]
+            errors += close(params["hetcomm"], params["gloo"], hook.__name__, rtol, rtol / 10)
+        errors.verify()
+
+    def test_fsdp2_matches_gloo_and_reference(self, shared_seed, errors, gloo) -> None:
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        n, me = dist.get_world_size(), dist.get_rank()
+        seed = shared_seed % 2**31
+        data = batches(seed + 3, n)
+        meshes = {"hetcomm": init_device_mesh("cpu", (n,)),
+                  "gloo": DeviceMesh.from_group(gloo, "cpu")}  # fmt: skip
+        params = {}
+        for name, mesh in meshes.items():
+            model = make_model(seed)
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    ht.fully_shard(layer, mesh=mesh)
+            ht.fully_shard(model, mesh=mesh)
+            train(model, data, me)
+            params[name] = [p.full_tensor().detach() for p in model.parameters()]
+        errors += close(params["hetcomm"], params["gloo"], "FSDP2 hetcomm vs gloo", 1e-5, 1e-6)
+        errors += close(params["hetcomm"], reference_params(seed, data), "FSDP2 vs float64",
+                        1e-4, 1e-5)  # fmt: skip
+        errors.verify()
+
+    def test_model_copies_stay_equal(self, errors) -> None:
+        """DDP's init broadcast makes every rank's parameters rank 0's."""
+        me = dist.get_rank()
+        model = DDP(make_model(1000 + me))
+        flat = torch.cat([p.detach().flatten() for p in model.module.parameters()])
+        want = torch.cat([p.detach().flatten() for p in make_model(1000).parameters()])
+        errors.expect(torch.equal(flat, want), "DDP broadcast rank 0's parameters")
+        errors.verify()
