@@ -242,10 +242,21 @@ class SharedSlots:
         fd = os.open(self.path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                try:
+                    # reserve the pages now: a full /dev/shm then fails here, with a reason,
+                    # instead of killing the process with SIGBUS at the first write
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    os.close(fd)
+                    fd = -1
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.path)
+                    raise RailError(f"cannot reserve {size >> 20} MiB in /dev/shm for shared "
+                                    f"slots ({exc}); free some or set HETCOMM_RAILS") from exc  # fmt: skip
             self._map = mmap.mmap(fd, size)
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.ptr = self.array.__array_interface__["data"][0]
         self._registered = False

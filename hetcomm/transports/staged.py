@@ -30,7 +30,7 @@ log = logging.getLogger("hetcomm")
 
 # Chunk size and slots per shared segment: measured on the H200 (docs/BENCHMARKS.md); both
 # can be changed per transport through `StagedTransport.chunk_bytes` / `.slots`.
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 8 << 20
 SLOTS = 8
 SHM_LANES = 2  # threads feeding one shm rail, so that one stages while the other signals
 TAG_CTRL, TAG_HELLO, TAG_HEAD, TAG_BODY = 11, 12, 13, 14
@@ -370,13 +370,15 @@ class StagedTransport(Transport):
         shm = [p for p, ch in opened.items() if any(s.kind == "shm" for s in ch.specs)]
         if shm:
             base = f"hetcomm-{self.token.hex()[:12]}"
+            slots = _slots_that_fit(self.slots, self.chunk_bytes, 2 * len(shm))
             for p in shm:
-                opened[p].shm_out = R.SharedSlots(f"{base}-{self.rank}-{p}", self.slots,
+                opened[p].shm_out = R.SharedSlots(f"{base}-{self.rank}-{p}", slots,
                                                   self.chunk_bytes, create=True)  # fmt: skip
-            names = self._swap({p: opened[p].shm_out.name for p in shm}, deadline)  # type: ignore[union-attr]
+            names = self._swap({p: (f"{base}-{self.rank}-{p}", slots, self.chunk_bytes)
+                                for p in shm}, deadline)  # fmt: skip
             for p in shm:
-                opened[p].shm_in = R.SharedSlots(names[p], self.slots, self.chunk_bytes,
-                                                 create=False)  # fmt: skip
+                name, count, slot_bytes = names[p]
+                opened[p].shm_in = R.SharedSlots(name, count, slot_bytes, create=False)
             # both sides have mapped both segments: the names can go
             self._swap({p: None for p in shm}, deadline)
             for p in shm:
@@ -801,6 +803,19 @@ class PeerTimeout(TimeoutError):
     def __init__(self, ranks: list[int], text: str) -> None:
         super().__init__(text)
         self.ranks = ranks
+
+
+def _slots_that_fit(wanted: int, slot_bytes: int, segments: int) -> int:
+    """Slots per shared segment, fewer (down to 2) when /dev/shm is small (containers)."""
+    import os
+
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return wanted
+    free = st.f_bavail * st.f_frsize
+    fit = free // max(1, 2 * segments * slot_bytes)  # leave half of /dev/shm to others
+    return int(max(2, min(wanted, fit)))
 
 
 def _size_mismatch(peer: int, sent: int, expected: int) -> MismatchError:
