@@ -152,7 +152,8 @@ def _choose_device(
     else:
         rejected.append(f"mpi: {unavailable.get('mpi') or 'not installed'}")
     if "staged" in usable:
-        return Choice("staged", "device buffers across a vendor or host boundary: staged copies")
+        return Choice("staged", "no native library or GPU-aware MPI serves these members: "
+                                "staged copies through pinned host memory")  # fmt: skip
     rejected.append(f"staged: {unavailable.get('staged') or 'not installed'}")
     exc = TransportUnavailable(
         f"group '{group}': no transport can move device buffers for {op}: " + "; ".join(rejected)

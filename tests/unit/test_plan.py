@@ -362,7 +362,8 @@ def test_one_member_not_gpu_aware_is_not_mpi() -> None:
 
 def test_staged_fallback() -> None:
     c = pick(mixed(), op="send", unavailable=available("staged", "mpi"))
-    assert c == Choice("staged", "device buffers across a vendor or host boundary: staged copies")
+    assert c == Choice("staged", "no native library or GPU-aware MPI serves these members: "
+                               "staged copies through pinned host memory")
 
 
 def test_nothing_available_lists_each_rejected_transport() -> None:
