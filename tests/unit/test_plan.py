@@ -535,8 +535,8 @@ def test_plan_table_str_merges_lines() -> None:
         "  host   every op -> mpi: host buffers: MPI moves them directly",
         "  device all_reduce, reduce, broadcast, all_gather, reduce_scatter, all_to_all -> hier: "
         "2 vendor islands: native inside, staged/direct between",
-        "  device send, recv (small) -> staged: device buffers across a vendor or host boundary: "
-        "staged copies",
+        "  device send, recv (small) -> staged: no native library or GPU-aware MPI serves these "
+        "members: staged copies through pinned host memory",
         "  device send, recv (large) -> direct: one host, peer memory mapped: GPU-to-GPU copies",
     ])  # fmt: skip
 
