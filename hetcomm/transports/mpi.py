@@ -35,6 +35,11 @@ _DATATYPES = {
 # kernels inside user-defined MPI operations, one per (dtype, op), created on first use.
 _HALF_OPS: dict[tuple[str, ReduceOp], MPI.Op] = {}
 _IN_PLACE = MPI.IN_PLACE
+# numpy dtype -> MPI datatype and (numpy dtype, op) -> MPI op, for the dtypes MPI reduces itself
+_FAST_TYPES = {np.dtype(d): t for d, t in _DATATYPES.items()
+               if d not in ("bool", "float16", "bfloat16")}  # fmt: skip
+_FAST_OPS = {(dt, op.value): mpi for dt in _FAST_TYPES for op, mpi in _NATIVE_OPS.items()
+             if op is not ReduceOp.AVG}  # fmt: skip
 _AVG = ReduceOp.AVG
 _OPS = {(d, op.value): mpi for d in _DATATYPES if d not in ("bool", "float16", "bfloat16")
         for op, mpi in _NATIVE_OPS.items()}  # fmt: skip
@@ -181,6 +186,22 @@ class MpiTransport(Transport):
                     return Work(self.comm, "all_reduce", seq, req.Test, finish)
         return self._start("all_reduce", seq, out.nbytes, lambda: mpi.Iallreduce(send, recv, mop),
                            lambda: mpi.Allreduce(send, recv, mop), finish)  # fmt: skip
+
+    def all_reduce_in_place(self, x: np.ndarray, op: ReduceOp, seq: int) -> bool:
+        """A small in-place all-reduce of a numpy array, done and waited for; False (nothing
+        started) when the array or the lane calls for the general path."""
+        mop = _FAST_OPS.get((x.dtype, op._value_))
+        flags = x.flags
+        if mop is None or not flags.c_contiguous or not flags.writeable or x.nbytes > LANE_BYTES:
+            return False
+        lane = self._lane
+        with lane.lock:
+            if not lane.idle():
+                return False
+            req = self._mpi.Iallreduce(_IN_PLACE, (x, _FAST_TYPES[x.dtype]), mop)
+        if not req.Test():
+            Work(self.comm, "all_reduce", seq, req.Test).wait()
+        return True
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
         dt, mpi = _DATATYPES[x.dtype], self._mpi

@@ -475,3 +475,20 @@ def test_make_comm_takes_a_name(make_comm, errors):
     else:
         errors.expect(named.name == "custom", f"named {named.name!r}")
     errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_repeated_small_in_place_all_reduce(comm, shared_seed, errors):
+    """The short path for small in-place numpy reductions gives what the general one gives."""
+    rng = np.random.default_rng(shared_seed)
+    ops = {ReduceOp.SUM: np.sum, ReduceOp.PROD: np.prod, ReduceOp.MIN: np.min, ReduceOp.MAX: np.max}
+    for step in range(60):
+        dtype = ("int32", "int64", "float32", "float64", "int8")[step % 5]
+        op = list(ops)[step % 4]
+        count = int(rng.integers(1, 9))
+        data = rng.integers(-3, 4, size=(comm.size, count)).astype(dtype)
+        x = data[comm.rank].copy()
+        comm.all_reduce(x, op)
+        want = ops[op](data.astype(np.float64), axis=0)
+        errors.expect(np.array_equal(x.astype(np.float64), want), f"step {step} {dtype} {op}")
+    errors.verify()
