@@ -1,0 +1,89 @@
+"""What torch calls things, across versions 2.4 .. 2.13, and hetcomm's reduce ops for torch's.
+
+Names torch changed between 2.4 and today live in one table, `METHOD_NAMES` (group methods), and
+`API_NAMES` (torch.distributed functions); the other helpers find what moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..ops import ReduceOp
+
+BACKEND = "hetcomm"  # the name torch knows this backend by
+
+# ---- compatibility: what torch 2.4 .. 2.13 call ------------------------------------------------
+
+#: canonical operation -> every method name a torch version calls for it (newest first). torch
+#: 2.13 renamed the tensor-in/tensor-out collectives; older versions call the names after the first.
+METHOD_NAMES: dict[str, tuple[str, ...]] = {
+    "all_gather_single": ("all_gather_single", "_allgather_base"),
+    "reduce_scatter_single": ("reduce_scatter_single", "_reduce_scatter_base"),
+    "all_to_all_single": ("all_to_all_single", "alltoall_base"),
+    "all_gather_single_coalesced": ("all_gather_single_coalesced",
+                                    "allgather_into_tensor_coalesced"),
+    "reduce_scatter_single_coalesced": ("reduce_scatter_single_coalesced",
+                                        "reduce_scatter_tensor_coalesced"),
+    "start_coalescing": ("start_coalescing", "_start_coalescing"),
+    "end_coalescing": ("end_coalescing", "_end_coalescing"),
+}  # fmt: skip
+#: canonical torch.distributed function -> its names, newest first (2.13 deprecated the others)
+API_NAMES: dict[str, tuple[str, ...]] = {
+    "all_gather_single": ("all_gather_single", "all_gather_into_tensor"),
+    "reduce_scatter_single": ("reduce_scatter_single", "reduce_scatter_tensor"),
+}
+# where FSDP2's fully_shard lives: torch >= 2.6, then 2.4 - 2.5
+_FULLY_SHARD_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+# the module whose private table maps URL schemes to rendezvous handlers (all of 2.4 .. 2.13)
+_RENDEZVOUS_MODULE, _RENDEZVOUS_TABLE = "torch.distributed.rendezvous", "_rendezvous_handlers"
+
+
+def fully_shard(*args: Any, **kwargs: Any) -> Any:
+    """FSDP2's `fully_shard` from wherever this torch keeps it."""
+    import importlib
+
+    for name in _FULLY_SHARD_MODULES:
+        try:
+            found = getattr(importlib.import_module(name), "fully_shard", None)
+        except ImportError:
+            continue
+        if found is not None:
+            return found(*args, **kwargs)
+    raise RuntimeError(f"this torch ({torch.__version__}) has no FSDP2 fully_shard")
+
+
+def dist_function(canonical: str) -> Callable[..., Any]:
+    """The torch.distributed function for `canonical` under the name this torch uses."""
+    for name in API_NAMES.get(canonical, (canonical,)):
+        found = getattr(dist, name, None)
+        if found is not None:
+            return found
+    raise AttributeError(f"this torch ({torch.__version__}) has no torch.distributed.{canonical}")
+
+
+def rendezvous_handlers() -> dict[str, Callable[..., Iterator[tuple[Any, int, int]]]]:
+    """torch's table of rendezvous handlers (URL scheme -> handler)."""
+    import importlib
+
+    return getattr(importlib.import_module(_RENDEZVOUS_MODULE), _RENDEZVOUS_TABLE)
+
+# ---- reduce ops ---------------------------------------------------------------------------------
+
+_OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PROD,
+        "MIN": ReduceOp.MIN, "MAX": ReduceOp.MAX}  # fmt: skip
+
+
+def reduce_op(op: Any, what: str = "reduce") -> ReduceOp:
+    """hetcomm's ReduceOp for a torch ReduceOp (or its RedOpType); ValueError naming the rest."""
+    kind = getattr(op, "op", op)  # ReduceOp objects carry a RedOpType in .op
+    name = getattr(kind, "name", None) or str(kind).rpartition(".")[2]
+    found = _OPS.get(name)
+    if found is None:
+        raise ValueError(
+            f"hetcomm {what}: ReduceOp.{name} is not supported; use SUM, AVG, PRODUCT, MIN or MAX"
+        )
+    return found

@@ -1,0 +1,267 @@
+"""Operations in flight: the torch Work of each, and the thread that completes them.
+
+Operations start at once (non-blocking hetcomm calls, in issue order) and return a `Work`.
+`Work.wait()` drives the operation on the calling thread; a daemon thread polls the rest so that
+`Work.get_future()` completes without a wait (DDP waits on futures only).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CommTimeout
+
+log = logging.getLogger("hetcomm")
+
+# ---- operations in flight -----------------------------------------------------------------------
+
+
+class _Pending:
+    """One torch-level operation: hetcomm Works, steps to run after them, the result, a future."""
+
+    __slots__ = ("_after", "_lock", "_works", "deadline", "done", "error", "future", "limit",
+                 "name", "result")  # fmt: skip
+
+    def __init__(self, name: str, works: list[Any], after: list[Callable[[], None]],
+                 result: list[torch.Tensor], limit: float) -> None:  # fmt: skip
+        self.name, self._works, self._after, self.result = name, works, after, result
+        self.limit = limit
+        self.deadline = time.monotonic() + limit
+        self.done = False
+        self.error: BaseException | None = None
+        self._lock = threading.RLock()
+        devices = sorted({t.device for t in result if t.device.type != "cpu"}, key=str)
+        self.future: torch.futures.Future = torch.futures.Future(
+            devices=list[int | str | torch.device](devices) or None)
+
+    def poll(self) -> bool:
+        """True once complete (never blocks; skips when another thread is completing it)."""
+        if self.done:
+            return True
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            return self.done or self._advance(self.deadline, self.limit)
+        finally:
+            self._lock.release()
+
+    def test(self) -> bool:
+        """poll(), raising what the operation failed with (so a _Pending can be a part)."""
+        if self.poll() and self.error is not None:
+            raise self.error
+        return self.done
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until complete (at most `timeout` s, default the group's); raise what the
+        operation failed with."""
+        if not self.done:
+            if timeout is None:
+                deadline, limit = self.deadline, self.limit
+            else:
+                deadline, limit = time.monotonic() + timeout, timeout
+            with self._lock:
+                spin_until = time.monotonic() + _SPIN_S
+                sleep = _POLL_MIN_S
+                while not self.done and not self._advance(deadline, limit):
+                    if time.monotonic() < spin_until:
+                        continue
+                    time.sleep(sleep)
+                    sleep = min(sleep * 2, _WAIT_MAX_S)
+        if self.error is not None:
+            raise self.error
+
+    def _advance(self, deadline: float, limit: float) -> bool:
+        """One non-blocking step, under the lock: True once complete (or failed)."""
+        try:
+            while self._works:
+                if not self._works[0].test():
+                    if time.monotonic() > deadline:
+                        self._expire(self._works[0], limit)
+                    return False
+                self._works.pop(0)
+            for step in self._after:
+                step()
+        except BaseException as exc:
+            self._fail(exc)
+        else:
+            self._complete()
+        return True
+
+    def _expire(self, work: Any, limit: float) -> None:
+        # hetcomm's own wait raises CommTimeout and aborts the communicator; say how long it was
+        try:
+            work.wait(timeout=1e-3)
+        except CommTimeout as exc:
+            raise CommTimeout(exc.group, exc.op, exc.seq, limit) from exc
+
+    def _complete(self) -> None:
+        self.done = True
+        self.future.set_result(self.result)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.done, self.error = True, exc
+        self.future.set_exception(exc)
+
+
+class _Progress:
+    """A daemon thread completing operations nobody waits on, in issue order per group."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queues: dict[int, collections.deque[_Pending]] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    def add(self, key: int, pending: _Pending) -> None:
+        with self._cond:
+            self._queues.setdefault(key, collections.deque()).append(pending)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hetcomm-torch-progress",
+                                                daemon=True)  # fmt: skip
+                self._thread.start()
+                _at_exit(self.stop)
+            self._cond.notify()
+
+    def drain(self, key: int, timeout: float) -> None:
+        """Wait for the operations of group `key` still in flight (at most `timeout` s)."""
+        with self._cond:
+            queue = list(self._queues.pop(key, ()))
+        for pending in queue:
+            try:
+                pending.wait(timeout)
+            except BaseException as exc:
+                log.warning("hetcomm: %s did not end cleanly at shutdown: %s", pending.name, exc)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        sleep = _POLL_MIN_S
+        while True:
+            with self._cond:
+                while not self._stop and not any(self._queues.values()):
+                    self._cond.wait()
+                    sleep = _POLL_MIN_S
+                if self._stop:
+                    return
+                queues = [q for q in self._queues.values() if q]
+            progressed = False
+            for queue in queues:
+                while queue and queue[0].poll():
+                    with self._cond:
+                        queue.popleft()
+                    progressed = True
+            if progressed:
+                sleep = _POLL_MIN_S
+            else:
+                time.sleep(sleep)
+                sleep = min(sleep * 2, _POLL_MAX_S)
+
+
+# Sleeps between polls double from the first value to the second (the progress thread) or the
+# third (a thread blocked in wait()): long enough not to steal a core from the computation being
+# overlapped, short enough that MPI's non-blocking algorithms, which advance only while polled,
+# do not stall between their rounds.
+_POLL_MIN_S, _POLL_MAX_S, _WAIT_MAX_S = 20e-6, 500e-6, 50e-6
+_SPIN_S = 100e-6  # a waiting thread first polls without sleeping: small operations end within it
+_PROGRESS = _Progress()
+
+
+class _Work(dist.Work):
+    """torch's Work for one hetcomm operation: wait(), get_future(), is_completed(), result()."""
+
+    def __init__(self, pending: _Pending) -> None:
+        super().__init__()
+        self._pending = pending
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        seconds = timeout.total_seconds() if timeout is not None else 0.0
+        self._pending.wait(seconds if seconds > 0 else None)
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._pending.future
+
+    def is_completed(self) -> bool:
+        return self._pending.poll()
+
+    def is_success(self) -> bool:
+        return self._pending.poll() and self._pending.error is None
+
+    def exception(self) -> BaseException | None:
+        return self._pending.error
+
+    def result(self) -> list[torch.Tensor]:
+        self._pending.wait()
+        return self._pending.result
+
+    def synchronize(self) -> None:
+        self._pending.wait()
+
+    def __repr__(self) -> str:
+        state = "failed" if self._pending.error else "done" if self._pending.done else "pending"
+        return f"<hetcomm.torch Work {self._pending.name} {state}>"
+
+
+def _joined(parts: list[_Pending], name: str) -> _Work:
+    """One Work that completes when every part has (end_coalescing)."""
+    result = [t for p in parts for t in p.result]
+    pending = _Pending(name, list(parts), [], result, max((p.limit for p in parts), default=60.0))
+    if _synchronous():
+        pending.wait()
+    else:
+        _PROGRESS.add(0, pending)
+    return _Work(pending)
+
+
+class _Threads:
+    multiple: bool | None = None  # MPI.Query_thread() >= THREAD_MULTIPLE, asked once
+
+
+def _synchronous() -> bool:
+    """True when MPI cannot take calls from two threads: then every operation ends before
+    returning (correct, without overlap)."""
+    if _Threads.multiple is None:
+        from mpi4py import MPI
+
+        _Threads.multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        if not _Threads.multiple:
+            log.warning("hetcomm.torch: MPI is not THREAD_MULTIPLE; operations complete before "
+                        "they return (no overlap with computation)")  # fmt: skip
+    return not _Threads.multiple
+
+
+# ---- at exit ------------------------------------------------------------------------------------
+
+_EXIT_HOOKS: list[Callable[[], None]] = []
+
+
+def _at_exit(hook: Callable[[], None]) -> None:
+    # registered after mpi4py's own exit hook, so these run first: threads stop before
+    # MPI_Finalize
+    if not _EXIT_HOOKS:
+        atexit.register(_run_exit_hooks)
+    _EXIT_HOOKS.append(hook)
+
+
+def _run_exit_hooks() -> None:
+    while _EXIT_HOOKS:
+        try:
+            _EXIT_HOOKS.pop()()
+        except Exception as exc:
+            print(f"hetcomm.torch: at exit: {exc}", file=sys.stderr)
