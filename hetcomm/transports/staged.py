@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -190,7 +192,7 @@ class _Channel:
             self._thread(self.owner._recv_loop, self, link)
         if self.uses_mpi:
             self._thread(self.owner._send_loop, self, None)
-            self._thread(self.owner._mpi_recv_loop, self)
+            self.owner._start_mpi_rail()
 
     def _thread(self, fn: Callable[..., None], *args: Any) -> None:
         t = threading.Thread(target=fn, args=args, daemon=True,
@@ -255,6 +257,7 @@ class StagedTransport(Transport):
         self._channels: dict[int, _Channel] = {}
         self._lock = threading.Lock()
         self._peer_locks: dict[int, threading.Lock] = {}
+        self._mpi_rail: threading.Thread | None = None
         self._ops: dict[int, _Op] = {}
         self._op_ids = itertools.count(1)
         self._inbox: dict[tuple[int, int, int, int], list[tuple[int, int]]] = {}
@@ -266,6 +269,7 @@ class StagedTransport(Transport):
         self._control = threading.Thread(target=self._control_loop, daemon=True,
                                           name="hetcomm-control")  # fmt: skip
         self._control.start()
+        _LIVE.add(self)
 
     @classmethod
     def unavailable(cls, topology: Topology) -> str | None:
@@ -550,29 +554,43 @@ class StagedTransport(Transport):
         else:
             self._gpu.copy_from_host(dest, data, op.ready)
 
-    def _mpi_recv_loop(self, ch: _Channel) -> None:
+    def _mpi_recv_loop(self) -> None:
+        """One thread receives the mpi rail's chunks from every peer (head, then its body)."""
         head = np.zeros(5, dtype=np.int64)
+        status = MPI.Status()
         while True:
-            self.svc.Recv(head, source=ch.peer, tag=TAG_HEAD)
+            # close() ends it with a BYE sent to this very rank, so no thread is left inside
+            # MPI when the process finalizes it
+            self.svc.Recv(head, source=MPI.ANY_SOURCE, tag=TAG_HEAD, status=status)
+            peer = status.Get_source()
             kind, op_id, idx, off, n = (int(v) for v in head)
             if kind == BYE_MPI:
-                return
+                if peer == self.rank:
+                    return
+                continue
             op = self._ops.get(op_id)
             if kind == ERROR_MPI:
                 if op is not None:
-                    op.fail(_size_mismatch(ch.peer, n, op.region.nbytes))
+                    op.fail(_size_mismatch(peer, n, op.region.nbytes))
                 continue
             if op is None or op.done.is_set():
-                self.svc.Recv(np.empty(n, np.uint8), source=ch.peer, tag=TAG_BODY)
+                self.svc.Recv(np.empty(n, np.uint8), source=peer, tag=TAG_BODY)
                 continue
             dest = op.region.sub(off, n)
             if dest.host is not None:
-                self.svc.Recv(dest.host, source=ch.peer, tag=TAG_BODY)
+                self.svc.Recv(dest.host, source=peer, tag=TAG_BODY)
             else:
                 with self._gpu.bounce(n) as staging:
-                    self.svc.Recv(staging, source=ch.peer, tag=TAG_BODY)
+                    self.svc.Recv(staging, source=peer, tag=TAG_BODY)
                     self._gpu.copy_from_host(dest, staging, op.ready)
             op.count(idx)
+
+    def _start_mpi_rail(self) -> None:
+        with self._lock:
+            if self._mpi_rail is None:
+                self._mpi_rail = threading.Thread(target=self._mpi_recv_loop, daemon=True,
+                                                  name="hetcomm-mpi-rail")  # fmt: skip
+                self._mpi_rail.start()
 
     def _fail_channel(self, ch: _Channel, exc: BaseException) -> None:
         for op in list(self._ops.values()):
@@ -775,8 +793,9 @@ class StagedTransport(Transport):
             for link in ch.links:
                 with contextlib.suppress(R.RailError):
                     link.send(R.BYE, -1, 0, 0, 0, 0)
-            if ch.uses_mpi:
-                self.svc.Send(np.array([BYE_MPI, 0, 0, 0, 0], np.int64), ch.peer, TAG_HEAD)
+        if self._mpi_rail is not None:
+            self.svc.Send(np.array([BYE_MPI, 0, 0, 0, 0], np.int64), self.rank, TAG_HEAD)
+            self._mpi_rail.join(timeout=5)
         self.svc.Send(np.array([CTS_STOP, 0, 0, 0, 0, 0], np.int64), self.rank, TAG_CTRL)
         self._control.join(timeout=5)
         self._driver.shutdown()
@@ -795,6 +814,18 @@ class StagedTransport(Transport):
 
 
 DATA_MPI, ERROR_MPI, BYE_MPI = 1, 4, 5
+
+
+# Transports not closed by their communicator are closed when the interpreter exits, before
+# mpi4py's own exit hook finalizes MPI: their threads must have left MPI by then.
+_LIVE: weakref.WeakSet[StagedTransport] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for transport in list(_LIVE):
+        with contextlib.suppress(Exception):
+            transport.close()
 
 
 class PeerTimeout(TimeoutError):
