@@ -26,7 +26,9 @@ log = logging.getLogger("hetcomm")
 # shared slot `slot`; FREE hands a shared slot back; ERROR fails the op on the receiver; BYE
 # closes the link. Nothing on a rail is ever unpickled: headers are fixed binary structs.
 HEADER = struct.Struct("<Bxxxi4Q")
-DATA, SLOT, FREE, ERROR, BYE = 1, 2, 3, 4, 5
+# ACK: the receiver has written chunk `chunk` of its op `op`; until then the sender keeps the
+# chunk, and puts it back for the other rails if this link dies in either direction.
+DATA, SLOT, FREE, ERROR, BYE, ACK = 1, 2, 3, 4, 5, 6
 # The first bytes of a connection: the listener's token, the connecting rank, the rail index.
 HELLO = struct.Struct("<16sII")
 TOKEN_BYTES = 16
@@ -64,6 +66,9 @@ class Link:
         self.sent_bytes = 0
         self.alive = True
         self._send_lock = threading.Lock()
+        # chunks sent on this link and not yet acknowledged: (receiver op id, chunk) -> item
+        self.unacked: dict[tuple[int, int], Any] = {}
+        self.unacked_lock = threading.Lock()
         sock.settimeout(None)
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -266,6 +266,7 @@ class StagedTransport(Transport):
         self._closed = False
         self._gpu: Any = None
         self.stats: dict[str, int] = {}
+        self._stats_lock = threading.Lock()
         self._control = threading.Thread(target=self._control_loop, daemon=True,
                                           name="hetcomm-control")  # fmt: skip
         self._control.start()
@@ -400,22 +401,23 @@ class StagedTransport(Transport):
             if item is _STOP:
                 ch.queue.put(_STOP)  # let the channel's other threads see it too
                 return
+            if link is not None and not link.alive:
+                ch.queue.put(item)  # this rail is gone: leave the chunk to the others
+                return
             op, idx, (off, n) = item
             if op.done.is_set():
                 continue  # failed meanwhile
             try:
                 if self._send_chunk(ch, link, op, idx, off, n):
                     op.count(idx)
-                self.stats[_rail_name(link)] = self.stats.get(_rail_name(link), 0) + n
+                with self._stats_lock:
+                    self.stats[_rail_name(link)] = self.stats.get(_rail_name(link), 0) + n
             except R.RailError as exc:
-                ch.queue.put(item)  # another rail takes it over
                 assert link is not None
-                ch.dead.append(f"{link.spec}: {exc}")
-                log.warning("rank %d: rail %s to rank %d failed (%s); its chunks move to the "
-                            "other rails", self.rank, link.spec, ch.peer, exc)  # fmt: skip
-                if not ch.alive():
-                    self._fail_channel(ch, HetcommError(
-                        f"every rail to rank {ch.peer} failed: " + "; ".join(ch.dead)))  # fmt: skip
+                with link.unacked_lock:
+                    link.unacked.pop((op.remote, idx), None)
+                ch.queue.put(item)  # another rail takes it over
+                self._rail_down(ch, link, exc)
                 return
             except BaseException as exc:
                 op.fail(exc)
@@ -449,9 +451,11 @@ class StagedTransport(Transport):
                 ch.shm_out.release(slot)
                 raise
             return True
+        with link.unacked_lock:
+            link.unacked[(op.remote, idx)] = (op, idx, (off, n))
         with self._staged(src, op) as payload:
             link.send(R.DATA, -1, op.remote, idx, off, n, memoryview(payload))
-        return True
+        return False  # counted when the receiver acknowledges it
 
     def _signal_loop(self, ch: _Channel) -> None:
         """Device chunks staged into shared slots: announce each once its copy has finished."""
@@ -504,6 +508,12 @@ class StagedTransport(Transport):
                     assert ch.shm_out is not None
                     ch.shm_out.release(slot)
                     continue
+                if kind == R.ACK:
+                    with link.unacked_lock:
+                        acked = link.unacked.pop((op_id, idx), None)
+                    if acked is not None:
+                        acked[0].count(idx)
+                    continue
                 if kind == R.BYE:
                     link.alive = False
                     return
@@ -514,6 +524,7 @@ class StagedTransport(Transport):
                     continue
                 if kind == R.DATA:
                     self._land(link, op, idx, off, n)
+                    link.send(R.ACK, -1, op_id, idx, 0, 0)
                 elif kind == R.SLOT:
                     assert ch.shm_in is not None
                     if op is not None and not op.done.is_set() and op.region.host is None:
@@ -526,13 +537,35 @@ class StagedTransport(Transport):
                         self._deliver(op, off, ch.shm_in.view(slot, n))
                         op.count(idx)
                     link.send(R.FREE, slot, op_id, idx, 0, 0)
-            except R.RailError:
+            except R.RailError as exc:
+                if not self._closed:
+                    self._rail_down(ch, link, exc)
                 link.alive = False
                 return
             except BaseException as exc:
                 log.error("rank %d: receiving from rank %d failed: %s", self.rank, ch.peer, exc)
-                link.alive = False
+                self._rail_down(ch, link, exc)
                 return
+
+    def _rail_down(self, ch: _Channel, link: R.Link, exc: BaseException) -> None:
+        """A link broke: its unacknowledged chunks go back to the other rails, or, with no
+        rail left, every operation with that peer fails naming each rail's error."""
+        link.alive = False
+        with link.unacked_lock:
+            pending = list(link.unacked.values())
+            link.unacked.clear()
+        with self._stats_lock:
+            if any(str(link.spec) in d for d in ch.dead):
+                return
+            ch.dead.append(f"{link.spec}: {exc}")
+        log.warning("rank %d: rail %s to rank %d failed (%s); its chunks move to the other "
+                    "rails", self.rank, link.spec, ch.peer, exc)  # fmt: skip
+        for item in pending:
+            if not item[0].done.is_set():
+                ch.queue.put(item)
+        if not ch.alive():
+            self._fail_channel(ch, HetcommError(
+                f"every rail to rank {ch.peer} failed: " + "; ".join(ch.dead)))  # fmt: skip
 
     def _land(self, link: R.Link, op: _Op | None, idx: int, off: int, n: int) -> None:
         if op is None or op.done.is_set():
