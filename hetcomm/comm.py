@@ -233,15 +233,17 @@ class Communicator:
         """Reduce `x` over the group; the result lands in `x` (in place) or in `out`."""
         if self._aborted is not None or self._closed:
             self._check_open()
-        if (type(x) is np.ndarray and out is None and not async_op and timeout is None
-                and op.__class__ is ReduceOp and not self._debug):  # fmt: skip
-            # small in-place reductions of plain numpy arrays (optimizer scalars, loss values):
-            # every check below still holds, read straight off the array
-            route = self._routes.get(("all_reduce", False, x.nbytes <= planning.SMALL_BYTES))
-            fast = getattr(route, "all_reduce_in_place", None)
-            if fast is not None and fast(x, op, self._seq + 1):
-                self._seq += 1
-                return None
+        if (out is None and not async_op and timeout is None and op.__class__ is ReduceOp
+                and not self._debug):  # fmt: skip
+            # small in-place reductions (optimizer scalars, loss values) of numpy arrays and CPU
+            # tensors: every check below still holds, read straight off the array
+            arr = x if type(x) is np.ndarray else _cpu_tensor_array(x)
+            if arr is not None:
+                route = self._routes.get(("all_reduce", False, arr.nbytes <= planning.SMALL_BYTES))
+                fast = getattr(route, "all_reduce_in_place", None)
+                if fast is not None and fast(arr, op, self._seq + 1):
+                    self._seq += 1
+                    return None
         xb = as_buffer(x, "all_reduce: x")
         rop = op if op.__class__ is ReduceOp else as_reduce_op(op, "all_reduce: op")
         if rop is _AVG:
@@ -394,6 +396,20 @@ class Communicator:
         if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag <= top:
             raise InvalidArgument(f"{what}: expected a tag in [0, {top}], got {tag!r}")
         return int(tag)
+
+
+def _cpu_tensor_array(x: Any) -> np.ndarray | None:
+    """The numpy view of a contiguous CPU torch tensor that needs no grad, else None."""
+    cls = type(x)
+    if cls.__name__ != "Tensor" or cls.__module__ != "torch":
+        return None
+    if not x.is_cpu or x.requires_grad or not x.is_contiguous():
+        return None
+    try:
+        arr: np.ndarray = x.numpy()  # bfloat16 and friends raise: the general path takes them
+    except (TypeError, RuntimeError):
+        return None
+    return arr
 
 
 def _check_timeout(timeout: Any, op: str) -> float:
