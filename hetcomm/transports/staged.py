@@ -71,11 +71,33 @@ def choose_rails(me: dict[str, Any], peer: dict[str, Any], mode: str) -> list[R.
             # simulated hosts on one machine: their traffic is loopback traffic anyway
             mine, theirs = ["127.0.0.1"], ["127.0.0.1"]
         else:
-            mine = [a for a in mine if not a.startswith("127.")]
-            theirs = [a for a in theirs if not a.startswith("127.")]
+            # real hosts: each NIC pairs with the peer's NIC on the same subnet, so a rail never
+            # joins two networks that may not route to each other (or a host-local bridge
+            # address that both hosts happen to share)
+            mine, theirs = _pair_by_subnet(me, peer)
     specs = [R.RailSpec("tcp", i, a, b, peer["ports"][b]) for i, (a, b) in
              enumerate(zip(mine, theirs))]  # fmt: skip
     return specs or [R.RailSpec("mpi", 0)]
+
+
+def _pair_by_subnet(me: dict[str, Any], peer: dict[str, Any]) -> tuple[list[str], list[str]]:
+    import ipaddress
+
+    def nets(card: dict[str, Any]) -> list[tuple[str, Any]]:
+        prefixes = card.get("prefixes", {})
+        return [(a, ipaddress.ip_interface(f"{a}/{prefixes.get(a, 32)}").network)
+                for a in card["addrs"] if not a.startswith("127.")]  # fmt: skip
+
+    theirs = nets(peer)
+    pairs: list[tuple[str, str]] = []
+    used: set[str] = set()
+    for a, net in nets(me):
+        for b, other in theirs:
+            if b not in used and net == other and a != b:
+                pairs.append((a, b))
+                used.add(b)
+                break
+    return [a for a, _ in pairs], [b for _, b in pairs]
 
 
 @dataclass
@@ -252,6 +274,7 @@ class StagedTransport(Transport):
         self.listener = R.Listener(addrs, self.token, self.rank)
         info = comm.topology[self.rank]
         self.card = {"rank": self.rank, "host": info.host, "node": info.node, "addrs": addrs,
+                     "prefixes": {n.ipv4: n.prefixlen for n in info.nics},
                      "ports": self.listener.ports, "unix": self.listener.unix_name,
                      "token": self.token}  # fmt: skip
         self._channels: dict[int, _Channel] = {}

@@ -38,8 +38,9 @@ def test_blocks_partition_the_elements_nearly_evenly(count, parts) -> None:
     assert max(sizes) - min(sizes) <= 1
 
 
-def _card(rank: int, host: str, node: int, addrs: list[str]) -> dict:
+def _card(rank: int, host: str, node: int, addrs: list[str], prefix: int = 24) -> dict:
     return {"rank": rank, "host": host, "node": node, "addrs": addrs,
+            "prefixes": {a: prefix for a in addrs},
             "ports": {a: 1000 + i for i, a in enumerate(addrs)}}  # fmt: skip
 
 
@@ -73,3 +74,12 @@ def test_listed_rails_and_the_mpi_rail() -> None:
     # no address in common: the mpi rail carries the data
     c = _card(2, "hc", 1, [])
     assert [r.kind for r in choose_rails(a, c, "auto")] == ["mpi"]
+
+
+def test_real_hosts_pair_nics_on_the_same_subnet_only() -> None:
+    a = _card(0, "ha", 0, ["10.0.0.5", "192.168.1.5", "172.17.0.1"])
+    b = _card(1, "hb", 1, ["10.0.0.6", "172.16.0.6", "192.168.1.6", "172.17.0.1"])
+    rails = choose_rails(a, b, "auto")
+    # 172.17.0.1 on both: a host-local bridge, not a path between the hosts
+    assert [(r.local, r.remote) for r in rails] == [("10.0.0.5", "10.0.0.6"),
+                                                    ("192.168.1.5", "192.168.1.6")]
