@@ -162,8 +162,10 @@ class _Drivers:
 
     def __init__(self, count: int, name: str) -> None:
         self._queue: queue.Queue[Any] = queue.Queue()
-        for i in range(count):
-            threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True).start()
+        self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True)
+                         for i in range(count)]  # fmt: skip
+        for t in self._threads:
+            t.start()
 
     def submit(self, fn: Callable[[], None]) -> Future[None]:
         future: Future[None] = Future()
@@ -186,8 +188,11 @@ class _Drivers:
             else:
                 future.set_result(None)
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait_s: float = 0.0) -> None:
         self._queue.put(_STOP)
+        end = time.monotonic() + wait_s
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))
 
 
 class _Channel:
@@ -321,6 +326,8 @@ class StagedTransport(Transport):
         key = (peer, kind, k1, k2)
         with self._inbox_cond:
             while not self._inbox.get(key):
+                if self._closed:
+                    raise HetcommError("the staged transport was closed while waiting to send")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise PeerTimeout([peer], f"rank {peer} never posted the matching receive")
@@ -371,6 +378,8 @@ class StagedTransport(Transport):
                     if done:
                         got[p] = msg
             if len(got) < len(recvs):
+                if self._closed:
+                    raise HetcommError("the staged transport was closed while opening channels")
                 if time.monotonic() > deadline:
                     late = sorted(set(recvs) - set(got))
                     raise PeerTimeout(late, f"ranks {late} did not open their staged channels")
@@ -852,9 +861,19 @@ class StagedTransport(Transport):
         if self._mpi_rail is not None:
             self.svc.Send(np.array([BYE_MPI, 0, 0, 0, 0], np.int64), self.rank, TAG_HEAD)
             self._mpi_rail.join(timeout=5)
+        # operations still running (a peer that never came) end now: their threads must be out
+        # of MPI before the process finalizes it
+        closed = HetcommError("the staged transport was closed")
+        for op in list(self._ops.values()):
+            op.fail(closed)
+        for ch in self._channels.values():
+            self._fail_channel(ch, closed)
+            ch.queue.put(_STOP)  # draining took the stop signal out too
+        with self._inbox_cond:
+            self._inbox_cond.notify_all()
         self.svc.Send(np.array([CTS_STOP, 0, 0, 0, 0, 0], np.int64), self.rank, TAG_CTRL)
         self._control.join(timeout=5)
-        self._driver.shutdown()
+        self._driver.shutdown(wait_s=2.0)
         for ch in self._channels.values():
             for t in ch.threads:
                 t.join(timeout=2)
