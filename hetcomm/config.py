@@ -26,6 +26,8 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "host": ("HETCOMM_HOST", "this rank's host name (simulates several hosts on one machine)"),
     "rails": ("HETCOMM_RAILS", "'auto' or interface names / IPv4 addresses for staged rails"),
     "log": ("HETCOMM_LOG", "log level: debug, info, warning (default), error"),
+    "stall": ("HETCOMM_STALL", "seconds a wait may last before one stall warning (default 60)"),
+    "trace": ("HETCOMM_TRACE", "directory for per-rank Chrome traces of every operation (off)"),
 }
 ENV_NAMES = {env: name for name, (env, _) in OPTIONS.items()}
 
@@ -41,6 +43,8 @@ class Config:
     host: str | None = None
     rails: str = "auto"
     log: str = "warning"
+    stall: float = 60.0
+    trace: str | None = None
     _transport_map: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -52,6 +56,10 @@ class Config:
                 object.__setattr__(self, name, value)
         _check_timeout(self.timeout)
         object.__setattr__(self, "timeout", float(self.timeout))
+        _check_timeout(self.stall, "stall")
+        object.__setattr__(self, "stall", float(self.stall))
+        if self.trace is not None and (not isinstance(self.trace, str) or not self.trace.strip()):
+            raise ConfigError(f"trace: expected a directory name or None, got {self.trace!r}")
         if not isinstance(self.debug, bool):
             raise ConfigError(f"debug: expected a bool, got {self.debug!r}")
         if self.vendor is not None and self.vendor not in VENDORS:
@@ -136,14 +144,14 @@ def parse_transport(spec: str) -> tuple[tuple[str, str], ...]:
     return tuple(entries)
 
 
-def _check_timeout(value: Any) -> None:
+def _check_timeout(value: Any, name: str = "timeout") -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"timeout: expected a positive number of seconds, got {value!r}")
+        raise ConfigError(f"{name}: expected a positive number of seconds, got {value!r}")
 
 
 def _from_env(name: str, key: str, raw: str) -> Any:
     raw = raw.strip()
-    if name == "timeout":
+    if name in ("timeout", "stall"):
         try:
             return float(raw)
         except ValueError:
@@ -159,11 +167,13 @@ def _from_env(name: str, key: str, raw: str) -> Any:
         return raw.lower() if name == "vendor" else raw
     if name == "log":
         return raw.lower()
+    if name == "trace":
+        return raw or None  # HETCOMM_TRACE= (empty) leaves tracing off
     return raw
 
 
 def option_table() -> list[tuple[str, str, str]]:
     """(variable, default, meaning) for every option, for docs and `hetcomm info`."""
-    shown = {"vendor": "detected", "host": "host name", "debug": "0"}
+    shown = {"vendor": "detected", "host": "host name", "debug": "0", "trace": "off"}
     defaults = {f.name: shown.get(f.name, str(f.default)) for f in fields(Config)}
     return [(env, defaults[name], text) for name, (env, text) in OPTIONS.items()]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import CommTimeout, InvalidArgument
 
@@ -13,9 +14,26 @@ if TYPE_CHECKING:
 
 Poll = Callable[[], bool]
 
+log = logging.getLogger("hetcomm")
+
 # Spin this long before sleeping: short operations finish within it, and a spin costs no wake-up.
 _SPIN_S = 200e-6
 _MAX_SLEEP_S = 1e-3
+
+
+def _decide_tracing(work: Work) -> None:
+    """The first completed operation decides, from its communicator's config, whether this
+    process traces (hetcomm.trace); afterwards each completion costs one check of `_recorder`."""
+    global _recorder
+    from .trace import recorder_for
+
+    _recorder = recorder_for(work._comm.config.trace)
+    if _recorder is not None:
+        _recorder(work)
+
+
+# called with each Work that completes; None when tracing is off (see hetcomm.trace)
+_recorder: Callable[[Work], None] | None = _decide_tracing
 
 
 class Work:
@@ -24,10 +42,13 @@ class Work:
     A transport hands over a `poll` callable that advances the operation and returns True once it
     is complete, and optionally `finish` steps that run once, after completion, on the waiting
     thread (unpacking, averaging).
+
+    `info` is None or a dict a transport may fill with facts for the trace (HETCOMM_TRACE):
+    "transport" (its name), "bytes" (payload bytes of this rank), or anything JSON can hold.
     """
 
-    __slots__ = ("_comm", "_done", "_error", "_finish", "_keep", "_poll", "_timeout", "_waiter",
-                 "op", "seq")  # fmt: skip
+    __slots__ = ("_comm", "_done", "_error", "_finish", "_keep", "_poll", "_t0", "_timeout",
+                 "_waiter", "info", "op", "seq")  # fmt: skip
 
     def __init__(
         self,
@@ -49,6 +70,8 @@ class Work:
         self._keep: tuple[object, ...] = ()
         # blocks up to the given seconds until completion is likely: no spinning needed
         self._waiter = waiter
+        self._t0 = time.perf_counter()  # the start of the operation, for the trace
+        self.info: dict[str, Any] | None = None
 
     def test(self) -> bool:
         """True once the operation is complete (its result is in place); never blocks."""
@@ -68,6 +91,8 @@ class Work:
             raise
         self._done = True
         self._keep = ()
+        if _recorder is not None:
+            _recorder(self)
         return True
 
     def is_completed(self) -> bool:
@@ -91,6 +116,7 @@ class Work:
         start = time.monotonic()
         deadline = start + limit
         spin_until = start + _SPIN_S
+        stall_at = start + self._comm.config.stall
         sleep = 10e-6
         while True:
             if self.test():
@@ -98,6 +124,9 @@ class Work:
             now = time.monotonic()
             if now >= deadline:
                 break
+            if now >= stall_at:
+                self._warn_stall(now - start, deadline - now)
+                stall_at = deadline
             if self._waiter is not None:
                 self._waiter(min(deadline - now, 0.1))
             elif now >= spin_until:
@@ -107,6 +136,13 @@ class Work:
         self._fail(exc)
         self._comm._abort(exc)
         raise exc
+
+    def _warn_stall(self, waited: float, left: float) -> None:
+        log.warning(
+            "group '%s': %s #%d has waited %.1f s without completing (CommTimeout in %.1f s); "
+            "ranks being waited for: unknown (an MPI collective does not say which rank is "
+            "late)", self._comm.name, self.op, self.seq, waited, left,
+        )  # fmt: skip
 
     def exception(self) -> BaseException | None:
         """The error the operation ended with, or None (also while it is still running)."""

@@ -29,6 +29,8 @@ EVERY_VARIABLE = {
     "HETCOMM_HOST": "node7",
     "HETCOMM_RAILS": "eth0,ib0",
     "HETCOMM_LOG": "debug",
+    "HETCOMM_STALL": "30",
+    "HETCOMM_TRACE": "/tmp/traces",
 }
 
 
@@ -86,6 +88,8 @@ def test_load_reads_every_variable() -> None:
     assert c.host == "node7"
     assert c.rails == "eth0,ib0"
     assert c.log == "debug"
+    assert c.stall == 30.0
+    assert c.trace == "/tmp/traces"
 
 
 @pytest.mark.parametrize(
