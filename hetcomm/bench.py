@@ -1,6 +1,8 @@
 """Benchmarks: hetcomm beside raw mpi4py and torch gloo, same ranks, same run, medians and ratios.
 
-Run under mpirun: `mpirun -n 2 python -m mpi4py -m hetcomm.bench overhead` (scripts/bench).
+`hetcomm bench` (or `python -m hetcomm.bench --op ...`) sweeps sizes nccl-tests style over
+hetcomm's transports and the baselines; see docs/bench.md. The overhead study runs under mpirun:
+`mpirun -n 2 python -m mpi4py -m hetcomm.bench overhead` (scripts/bench).
 Each case times every implementation in turn, round after round, so that noise on the machine
 falls on all of them alike; the tables report the median per call and the spread of the rounds.
 """
@@ -8,6 +10,7 @@ falls on all of them alike; the tables report the median per call and the spread
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -17,6 +20,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
+from .bench_report import (
+    REDUCING,
+    ROOTED,
+    add_ratios,
+    canonical_op,
+    element_count,
+    make_row,
+    parse_size,
+    plot,
+    size_steps,
+    table,
+    to_json,
+)
 
 # (label, dtype, bytes) of the overhead study
 OVERHEAD_CASES = (
@@ -132,7 +149,503 @@ def _us(value: float) -> str:
     return f"{value:.1f} µs" if value < 1000 else f"{value / 1000:.2f} ms"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+# ---- the sweep of `hetcomm bench`: nccl-tests' columns for hetcomm's transports and baselines --
+
+TRANSPORTS = ("auto", "mpi", "staged")
+BASELINES = ("mpi4py", "gloo", "naive")
+_MPI_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "float32", "float64")  # + bool: no redop
+_TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-12}
+
+
+class _Skip(Exception):
+    """This implementation cannot run this op here; the message says why."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `hetcomm bench` (and of `python -m hetcomm.bench` without a study)."""
+    from .arrays import DTYPES
+
+    p.add_argument("--op", default="all_reduce",
+                   help="one op or a comma list: all_reduce, all_gather, reduce_scatter, "
+                   "broadcast, reduce, all_to_all, sendrecv (nccl-tests names such as "
+                   "allreduce, allgather, reducescatter, alltoall too); default all_reduce")  # fmt: skip
+    p.add_argument("-b", "--minbytes", default="8", help="smallest size (8, 64K, 1M, ...)")
+    p.add_argument("-e", "--maxbytes", default="256M", help="largest size")
+    p.add_argument("-f", "--stepfactor", type=float, default=2.0, help="size step factor")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--redop", default="sum", help="sum, prod, min, max or avg (default sum)")
+    p.add_argument("--root", type=int, default=0, help="root of broadcast and reduce")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size")
+    p.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations first")
+    p.add_argument("-c", "--check", action="store_true",
+                   help="check every result against a float64 numpy reference (#wrong)")  # fmt: skip
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--transport", default="auto",
+                   help="comma list of hetcomm transports to run, each in its own communicator "
+                   "(auto, mpi, staged); 'none' for baselines only")  # fmt: skip
+    p.add_argument("--baselines", default="mpi4py,gloo,naive",
+                   help="comma list of mpi4py, gloo, naive; 'none' for none")  # fmt: skip
+    p.add_argument("--json", help="write {'rows': [...]} to this file (rank 0)")
+    p.add_argument("--plot", help="draw busbw against size into this PNG (rank 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _names(text: str, known: Sequence[str], what: str) -> list[str]:
+    names = [t.strip().lower() for t in text.split(",") if t.strip()]
+    if names == ["none"]:
+        return []
+    bad = [t for t in names if t not in known]
+    if bad:
+        raise SystemExit(f"hetcomm bench: unknown {what} {', '.join(bad)}; "
+                         f"expected {', '.join(known)}")  # fmt: skip
+    return list(dict.fromkeys(names))
+
+
+class _Case:
+    """One op at one size: every rank's inputs and this rank's expected output, in float64."""
+
+    def __init__(self, op: str, count: int, dtype: str, redop: str, root: int, rank: int,
+                 ranks: int) -> None:  # fmt: skip
+        self.op, self.count, self.dtype, self.redop = op, count, dtype, redop
+        self.root, self.rank, self.ranks = root, rank, ranks
+        blocked = op == "all_gather"
+        self.in_count = count // ranks if blocked else count
+        self.out_count = count // ranks if op == "reduce_scatter" else count
+
+    def input(self, r: int) -> np.ndarray:
+        i = np.arange(self.in_count, dtype=np.int64)
+        if self.dtype == "bool":
+            return ((i + r) % 2).astype(np.float64)
+        if self.redop == "prod":  # small factors: no overflow in int8 or float16
+            return ((i + r) % 2 + 1).astype(np.float64)
+        return ((i * 3 + r * 7) % 7 + 1).astype(np.float64)
+
+    def expected(self) -> np.ndarray | None:
+        """This rank's correct output (None where the op defines none, as reduce off the root)."""
+        op, n, r = self.op, self.ranks, self.rank
+        if op == "broadcast":
+            return self.input(self.root)
+        if op == "sendrecv":
+            return self.input((r - 1) % n)
+        if op == "all_gather":
+            return np.concatenate([self.input(q) for q in range(n)])
+        if op == "all_to_all":
+            b = self.count // n
+            return np.concatenate([self.input(q)[r * b : (r + 1) * b] for q in range(n)])
+        if op == "reduce" and r != self.root:
+            return None
+        stack = np.stack([self.input(q) for q in range(n)])
+        fn: dict[str, Callable[..., Any]] = {
+            "sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max, "avg": np.mean,
+        }  # fmt: skip
+        out = fn[self.redop](stack, axis=0)
+        if self.dtype == "bool":
+            out = (out != 0).astype(np.float64)
+        if op == "reduce_scatter":
+            b = self.out_count
+            out = out[r * b : (r + 1) * b]
+        return np.asarray(out, dtype=np.float64)
+
+    def wrong(self, got: Any) -> int:
+        """Elements of `got` (a tensor or array) that differ from expected()."""
+        want = self.expected()
+        if want is None:
+            return 0
+        g = _float64(got)
+        if self.dtype == "bool":
+            return int(np.count_nonzero((g != 0) != (want != 0)))
+        if self.dtype in _TOLERANCE:
+            ok = np.isclose(g, want, rtol=_TOLERANCE[self.dtype], atol=0)
+        else:  # integers: exact, but an integer average may round either way
+            ok = np.abs(g - want) <= (1 if self.redop == "avg" else 0)
+        return int(g.size - np.count_nonzero(ok))
+
+
+def _float64(x: Any) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float64).ravel()
+    import torch
+
+    return x.detach().to("cpu", torch.float64).numpy().ravel()
+
+
+def _tensor(values: np.ndarray, dtype: str, device: str) -> Any:
+    import torch
+
+    return torch.from_numpy(values).to(getattr(torch, dtype)).to(device)
+
+
+class _Impl:
+    """One way of running the ops: `prepare` gives (call, output) for a case or raises _Skip."""
+
+    name = ""
+    kind = "baseline"
+    on_device = True  # buffers on the benchmark's device (else on the host)
+
+    def prepare(self, case: _Case, x: Any, y: Any) -> tuple[Callable[[], Any], Any]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _Hetcomm(_Impl):
+    kind = "hetcomm"
+
+    def __init__(self, transport: str) -> None:
+        import hetcomm
+
+        self.name = transport
+        self.comm = hetcomm.init(config=hetcomm.Config.load(transport=transport), name="bench")
+
+    def prepare(self, case: _Case, x: Any, y: Any) -> tuple[Callable[[], Any], Any]:
+        c, op, red, root = self.comm, case.op, case.redop, case.root
+        if op == "all_reduce":
+            return (lambda: c.all_reduce(x, red, out=y)), y
+        if op == "all_gather":
+            return (lambda: c.all_gather(y, x)), y
+        if op == "reduce_scatter":
+            return (lambda: c.reduce_scatter(y, x, red)), y
+        if op == "all_to_all":
+            return (lambda: c.all_to_all(y, x)), y
+        if op == "broadcast":
+            return (lambda: c.broadcast(x, root)), x
+        if op == "reduce":
+            return (lambda: c.reduce(x, root, red)), x
+        dst, src = (c.rank + 1) % c.size, (c.rank - 1) % c.size
+
+        def sendrecv() -> None:
+            s = c.send(x, dst, async_op=True)
+            r = c.recv(y, src, async_op=True)
+            assert s is not None and r is not None
+            r.wait()
+            s.wait()
+
+        return sendrecv, y
+
+    def close(self) -> None:
+        self.comm.close()
+
+
+def _mpi_dtype(case: _Case) -> None:
+    if case.dtype not in _MPI_DTYPES and not (case.dtype == "bool" and case.op not in REDUCING):
+        raise _Skip(f"no MPI datatype for {case.dtype} here")
+
+
+def _mpi_call(raw: Any, case: _Case, a: np.ndarray, b: np.ndarray) -> Callable[[], Any]:
+    """The raw mpi4py call of `case` from numpy `a` into numpy `b` (a for broadcast)."""
+    from mpi4py import MPI
+
+    _mpi_dtype(case)
+    ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
+    if case.op in REDUCING and case.redop not in ops:
+        raise _Skip(f"MPI has no {case.redop} reduction")
+    mop, root, n = ops.get(case.redop, MPI.SUM), case.root, raw.Get_size()
+    op = case.op
+    if op == "all_reduce":
+        return lambda: raw.Allreduce(a, b, op=mop)
+    if op == "all_gather":
+        return lambda: raw.Allgather(a, b)
+    if op == "reduce_scatter":
+        return lambda: raw.Reduce_scatter_block(a, b, op=mop)
+    if op == "all_to_all":
+        return lambda: raw.Alltoall(a, b)
+    if op == "broadcast":
+        return lambda: raw.Bcast(a, root=root)
+    if op == "reduce":
+        return lambda: raw.Reduce(a, b, op=mop, root=root)
+    me = raw.Get_rank()
+    return lambda: raw.Sendrecv(a, (me + 1) % n, 0, b, (me - 1) % n, 0)
+
+
+class _Mpi4py(_Impl):
+    """Raw mpi4py collectives on numpy arrays (host memory, whatever --device says)."""
+
+    name = "mpi4py"
+    on_device = False
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def prepare(self, case: _Case, x: Any, y: Any) -> tuple[Callable[[], Any], Any]:
+        _mpi_dtype(case)
+        a, b = x.numpy(), y.numpy()
+        out = a if case.op == "broadcast" else b
+        return _mpi_call(self.raw, case, a, b), out
+
+
+class _Naive(_Impl):
+    """Copy device->host (pageable), MPI on the host copy, copy the result back."""
+
+    name = "naive"
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def prepare(self, case: _Case, x: Any, y: Any) -> tuple[Callable[[], Any], Any]:
+        import torch
+
+        _mpi_dtype(case)
+        if case.op == "broadcast":
+            y = x
+        hx = np.empty(x.shape, _np_dtype(case.dtype))
+        hy = hx if case.op == "broadcast" else np.empty(y.shape, _np_dtype(case.dtype))
+        mpi = _mpi_call(self.raw, case, hx, hy)
+
+        def naive() -> None:
+            hx[...] = x.to("cpu").numpy()  # device -> pageable host (a numpy copy on the CPU)
+            mpi()
+            y.copy_(torch.from_numpy(hy))
+
+        return naive, y
+
+
+def _np_dtype(dtype: str) -> Any:
+    return np.bool_ if dtype == "bool" else np.dtype(dtype)
+
+
+class _Gloo(_Impl):
+    """torch.distributed with gloo, rendezvous on 127.0.0.1 (port chosen by rank 0, over MPI)."""
+
+    name = "gloo"
+
+    def __init__(self, raw: Any) -> None:
+        import torch.distributed as dist
+
+        self.own = not dist.is_initialized()
+        self.dist = _torch_gloo(raw) if self.own else dist
+        self.size, self.rank = raw.Get_size(), raw.Get_rank()
+
+    def prepare(self, case: _Case, x: Any, y: Any) -> tuple[Callable[[], Any], Any]:
+        dist, op, root = self.dist, case.op, case.root
+        ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
+               "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}  # fmt: skip
+        if op in REDUCING and case.redop not in ops:
+            raise _Skip(f"gloo has no {case.redop} reduction")
+        red = ops.get(case.redop, dist.ReduceOp.SUM)
+        if op == "all_reduce":
+            return (lambda: dist.all_reduce(x, red)), x
+        if op == "all_gather":
+            blocks = list(y.chunk(self.size))
+            return (lambda: dist.all_gather(blocks, x)), y
+        if op == "reduce_scatter":
+            return (lambda: dist.reduce_scatter_tensor(y, x, red)), y
+        if op == "all_to_all":
+            return (lambda: dist.all_to_all_single(y, x)), y
+        if op == "broadcast":
+            return (lambda: dist.broadcast(x, src=root)), x
+        if op == "reduce":
+            return (lambda: dist.reduce(x, dst=root, op=red)), x
+        dst, src = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+
+        def sendrecv() -> None:
+            s = dist.isend(x, dst)
+            r = dist.irecv(y, src)
+            r.wait()
+            s.wait()
+
+        return sendrecv, y
+
+    def close(self) -> None:
+        if self.own:
+            self.dist.destroy_process_group()
+
+
+def _agree(raw: Any, reason: str | None) -> str | None:
+    """The first rank's reason to skip, on every rank (None when no rank has one)."""
+    return next((r for r in raw.allgather(reason) if r is not None), None)
+
+
+def _timer(device: str) -> Callable[[Callable[[], Any]], float]:
+    """Seconds of one call: device events on a GPU, perf_counter on the CPU."""
+    if device == "cuda":
+        import torch
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def events(fn: Callable[[], Any]) -> float:
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return float(start.elapsed_time(end)) / 1e3
+
+        return events
+
+    def wall(fn: Callable[[], Any]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    return wall
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    """A rich progress bar on stderr (a no-op object when disabled or not a tty)."""
+    if enabled and sys.stderr.isatty():
+        try:
+            from rich.console import Console
+            from rich.progress import Progress
+
+            bar = Progress(console=Console(stderr=True), transient=True)
+            bar.start()
+            bar.add_task("hetcomm bench", total=total)
+            return bar
+        except ImportError:
+            pass
+    return None
+
+
+def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Run the sweep that `args` describes on every rank; rows (with ratios) on every rank."""
+    import torch
+    from mpi4py import MPI
+
+    from .errors import TransportUnavailable
+
+    raw = MPI.COMM_WORLD.Dup()
+    rank, ranks = raw.Get_rank(), raw.Get_size()
+    ops = [canonical_op(o) for o in args.op.split(",") if o.strip()]
+    sizes = size_steps(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
+    redop = args.redop.lower()
+    if redop not in ("sum", "prod", "min", "max", "avg"):
+        raise SystemExit(f"hetcomm bench: unknown --redop {args.redop!r}")
+    if not 0 <= args.root < ranks:
+        raise SystemExit(f"hetcomm bench: --root {args.root} is not a rank of {ranks}")
+    device = args.device
+    if device == "cuda":
+        local = raw.Split_type(MPI.COMM_TYPE_SHARED)
+        torch.cuda.set_device(local.Get_rank() % torch.cuda.device_count())
+        local.Free()
+        device = f"cuda:{torch.cuda.current_device()}"
+    say = print if rank == 0 else (lambda *a, **k: None)
+    impls: list[_Impl] = []
+    for t in _names(args.transport, TRANSPORTS, "transport"):
+        try:
+            impls.append(_Hetcomm(t))
+        except TransportUnavailable as exc:
+            say(f"# skipping transport {t}: {exc}")
+    for b in _names(args.baselines, BASELINES, "baseline"):
+        why = None
+        try:
+            impl = {"mpi4py": _Mpi4py, "gloo": _Gloo, "naive": _Naive}[b](raw)
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        if _agree(raw, why) is None:
+            impls.append(impl)
+        else:
+            say(f"# skipping baseline {b}: {why}")
+    timer = _timer(args.device)
+    itemsize = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
+    rows: list[dict[str, Any]] = []
+    skipped: set[tuple[str, str]] = set()
+    bar = _progress(len(ops) * len(sizes) * len(impls), rank == 0 and not args.no_progress)
+    try:
+        for op in ops:
+            root = args.root if op in ROOTED else None
+            for size in sizes:
+                count = element_count(op, size, itemsize, ranks)
+                case = _Case(op, count, args.dtype, redop, args.root, rank, ranks)
+                for impl in impls:
+                    if (impl.name, op) not in skipped:
+                        row = _measure(raw, impl, case, device, timer, args)
+                        if isinstance(row, str):
+                            skipped.add((impl.name, op))
+                            say(f"# skipping {impl.name} for {op}: {row}")
+                        else:
+                            rows.append(make_row(
+                                op=op, transport=impl.name, kind=impl.kind, count=count,
+                                itemsize=itemsize, dtype=args.dtype,
+                                redop=redop if op in REDUCING else None, root=root, ranks=ranks,
+                                time_s=row[0], wrong=row[1]))  # fmt: skip
+                    if bar is not None:
+                        bar.advance(bar.task_ids[0])
+    finally:
+        if bar is not None:
+            bar.stop()
+        for impl in impls:
+            impl.close()
+        raw.Free()
+    add_ratios(rows)
+    return rows
+
+
+def _measure(raw: Any, impl: _Impl, case: _Case, device: str,
+             timer: Callable[[Callable[[], Any]], float],
+             args: argparse.Namespace) -> tuple[float, int | None] | str:  # fmt: skip
+    """(median over iterations of the slowest rank's seconds, #wrong or None), or why not."""
+    from .errors import HetcommError
+
+    where = device if impl.on_device else "cpu"
+    x = _tensor(case.input(case.rank), case.dtype, where)
+    y = _tensor(np.zeros(case.out_count), case.dtype, where)
+    why = None
+    try:
+        call, out = impl.prepare(case, x, y)
+        call()  # the first call: opens connections, and tells whether this can run at all
+        if args.check:  # again from fresh inputs (in-place ops changed them)
+            x.copy_(_tensor(case.input(case.rank), case.dtype, where))
+            y.zero_()
+            raw.Barrier()
+            call()
+            if where != "cpu":
+                import torch
+
+                torch.cuda.synchronize()
+    except (_Skip, HetcommError, RuntimeError, NotImplementedError, ValueError,
+            TypeError) as exc:  # fmt: skip
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    why = _agree(raw, why)
+    if why is not None:
+        return why
+    wrong = raw.allreduce(case.wrong(out), op=_sum()) if args.check else None
+    for _ in range(args.warmup):
+        call()
+    samples = []
+    for _ in range(args.iters):
+        raw.Barrier()
+        samples.append(timer(call))
+    worst = np.max(raw.allgather(samples), axis=0) if samples else [0.0]
+    return float(statistics.median(worst)), wrong
+
+
+def _sum() -> Any:
+    from mpi4py import MPI
+
+    return MPI.SUM
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """`hetcomm bench`: sweep, then the table (and JSON, plot) on rank 0; 1 if any #wrong."""
+    from mpi4py import MPI
+
+    rows = sweep(args)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print(table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(to_json(rows, ranks=MPI.COMM_WORLD.Get_size(), device=args.device,
+                                host=os.uname().nodename,
+                                date=datetime.datetime.now().isoformat(timespec="seconds")))  # fmt: skip
+        if args.plot:
+            plot(rows, args.plot, MPI.COMM_WORLD.Get_size())
+        sys.stdout.flush()
+    MPI.COMM_WORLD.Barrier()  # the files exist once any rank returns
+    return 1 if any(r["wrong"] for r in rows) else 0
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Register `hetcomm bench` on the subparsers object of the `hetcomm` command."""
+    p: argparse.ArgumentParser = sub.add_parser(
+        "bench", help="nccl-tests style sweep: hetcomm's transports beside mpi4py, gloo and naive "
+        "staging (run under mpirun or `hetcomm run`)", description=__doc__,
+    )  # fmt: skip
+    add_arguments(p)
+    p.set_defaults(func=run_args)
+    return p
+
+
+def _overhead_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m hetcomm.bench", description=__doc__)
     parser.add_argument("study", choices=["overhead"])
     parser.add_argument("--rounds", type=int, default=7)
@@ -148,6 +661,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 json.dump({"rows": rows, "host": os.uname().nodename}, f, indent=1)
         sys.stdout.flush()
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m hetcomm.bench overhead [...]` (the overhead study) or the sweep of
+    `hetcomm bench` (`python -m hetcomm.bench --op all_reduce -b 8 -e 1M ...`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["overhead"]:
+        return _overhead_main(argv)
+    parser = argparse.ArgumentParser(prog="hetcomm bench", description=__doc__)
+    add_arguments(parser)
+    return run_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

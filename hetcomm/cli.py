@@ -83,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .run import add_parser as add_run_parser
 
     add_run_parser(sub)
+    from .bench import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
     code: int = args.func(args)
     return code
