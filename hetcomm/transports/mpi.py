@@ -178,12 +178,6 @@ class MpiTransport(Transport):
         send = _IN_PLACE if out is x else (x.host, dt)
         recv, mop, mpi = (out.host, dt), mpi_op(x.dtype, op), self._mpi
         finish = self._average(out) if op is _AVG else ()
-        if out.nbytes <= LANE_BYTES and self._lane.idle():
-            # the common small case, kept short: it is all per-call overhead
-            with self._lane.lock:
-                if self._lane.idle():
-                    req = mpi.Iallreduce(send, recv, mop)
-                    return Work(self.comm, "all_reduce", seq, req.Test, finish)
         return self._start("all_reduce", seq, out.nbytes, lambda: mpi.Iallreduce(send, recv, mop),
                            lambda: mpi.Allreduce(send, recv, mop), finish)  # fmt: skip
 

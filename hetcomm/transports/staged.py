@@ -11,8 +11,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -23,6 +21,8 @@ from ..ops import ReduceOp
 from ..work import Work
 from . import Transport
 from . import rails as R
+from .staged_ops import _STOP, PeerTimeout, Region, _Drivers, _Op
+from .staged_schedule import choose_rails, chunk_spans, slots_that_fit
 
 if TYPE_CHECKING:
     from ..arrays import Buffer
@@ -37,162 +37,6 @@ SLOTS = 8
 SHM_LANES = 2  # threads feeding one shm rail, so that one stages while the other signals
 TAG_CTRL, TAG_HELLO, TAG_HEAD, TAG_BODY = 11, 12, 13, 14
 CTS_P2P, CTS_COLL, CTS_STOP = 1, 2, 99
-_STOP = object()
-
-
-def chunk_spans(nbytes: int, chunk_bytes: int, itemsize: int = 1) -> list[tuple[int, int]]:
-    """(offset, length) of each chunk; boundaries fall on whole elements; [] for 0 bytes."""
-    if chunk_bytes < itemsize:
-        raise ValueError(f"chunk of {chunk_bytes} bytes is smaller than one element ({itemsize})")
-    step = chunk_bytes - chunk_bytes % itemsize
-    return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
-
-
-def block_spans(count: int, parts: int) -> list[tuple[int, int]]:
-    """(first element, element count) of `parts` near-equal blocks of `count` elements."""
-    base, extra = divmod(count, parts)
-    spans, start = [], 0
-    for i in range(parts):
-        n = base + (1 if i < extra else 0)
-        spans.append((start, n))
-        start += n
-    return spans
-
-
-def choose_rails(me: dict[str, Any], peer: dict[str, Any], mode: str) -> list[R.RailSpec]:
-    """The rails joining two ranks, computed identically on both sides from their cards."""
-    if mode == "mpi":
-        return [R.RailSpec("mpi", 0)]
-    if me["node"] == peer["node"] and me["host"] == peer["host"]:
-        return [R.RailSpec("shm", 0)]
-    mine, theirs = me["addrs"], peer["addrs"]
-    if mode == "auto":
-        if me["node"] == peer["node"]:
-            # simulated hosts on one machine: their traffic is loopback traffic anyway
-            mine, theirs = ["127.0.0.1"], ["127.0.0.1"]
-        else:
-            # real hosts: each NIC pairs with the peer's NIC on the same subnet, so a rail never
-            # joins two networks that may not route to each other (or a host-local bridge
-            # address that both hosts happen to share)
-            mine, theirs = _pair_by_subnet(me, peer)
-    specs = [R.RailSpec("tcp", i, a, b, peer["ports"][b]) for i, (a, b) in
-             enumerate(zip(mine, theirs))]  # fmt: skip
-    return specs or [R.RailSpec("mpi", 0)]
-
-
-def _pair_by_subnet(me: dict[str, Any], peer: dict[str, Any]) -> tuple[list[str], list[str]]:
-    import ipaddress
-
-    def nets(card: dict[str, Any]) -> list[tuple[str, Any]]:
-        prefixes = card.get("prefixes", {})
-        return [(a, ipaddress.ip_interface(f"{a}/{prefixes.get(a, 32)}").network)
-                for a in card["addrs"] if not a.startswith("127.")]  # fmt: skip
-
-    theirs = nets(peer)
-    pairs: list[tuple[str, str]] = []
-    used: set[str] = set()
-    for a, net in nets(me):
-        for b, other in theirs:
-            if b not in used and net == other and a != b:
-                pairs.append((a, b))
-                used.add(b)
-                break
-    return [a for a, _ in pairs], [b for _, b in pairs]
-
-
-@dataclass
-class Region:
-    """Bytes an op reads or writes: a flat uint8 host view, or a device pointer."""
-
-    nbytes: int
-    host: np.ndarray | None = None
-    dev: int = 0
-    keep: Any = None  # keeps a temporary allocation alive
-
-    def sub(self, offset: int, nbytes: int) -> Region:
-        if self.host is not None:
-            return Region(nbytes, self.host[offset : offset + nbytes])
-        return Region(nbytes, None, self.dev + offset, self.keep)
-
-
-@dataclass(eq=False)
-class _Op:
-    """One message in flight between this rank and one peer."""
-
-    peer: int
-    region: Region
-    spans: list[tuple[int, int]]
-    remote: int = -1  # the receiver's op id (sends)
-    ready: Any = None  # device event the copies must wait for
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-    left: int = 0
-    seen: set[int] = field(default_factory=set)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def fail(self, exc: BaseException) -> None:
-        if self.error is None:
-            self.error = exc
-        self.done.set()
-
-    def count(self, chunk: int) -> None:
-        """One chunk sent (or arrived); duplicates from a resend are counted once."""
-        with self.lock:
-            if chunk in self.seen:
-                return
-            self.seen.add(chunk)
-            self.left -= 1
-            finished = self.left <= 0
-        if finished:
-            self.done.set()
-
-    def wait(self, deadline: float) -> None:
-        if not self.done.wait(max(0.0, deadline - time.monotonic())):
-            raise PeerTimeout([self.peer], f"no progress with rank {self.peer}")
-        if self.error is not None:
-            raise self.error
-
-
-class _Drivers:
-    """Daemon threads that run operations' bodies.
-
-    Not concurrent.futures' pool: its exit hook joins every worker, and a body waiting for a
-    rank that died would then hold the interpreter's exit until the body's own deadline.
-    """
-
-    def __init__(self, count: int, name: str) -> None:
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True)
-                         for i in range(count)]  # fmt: skip
-        for t in self._threads:
-            t.start()
-
-    def submit(self, fn: Callable[[], None]) -> Future[None]:
-        future: Future[None] = Future()
-        self._queue.put((fn, future))
-        return future
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                self._queue.put(_STOP)
-                return
-            fn, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                fn()
-            except BaseException as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
-
-    def shutdown(self, wait_s: float = 0.0) -> None:
-        self._queue.put(_STOP)
-        end = time.monotonic() + wait_s
-        for t in self._threads:
-            t.join(max(0.0, end - time.monotonic()))
 
 
 class _Channel:
@@ -407,7 +251,7 @@ class StagedTransport(Transport):
         shm = [p for p, ch in opened.items() if any(s.kind == "shm" for s in ch.specs)]
         if shm:
             base = f"hetcomm-{self.token.hex()[:12]}"
-            slots = _slots_that_fit(self.slots, self.chunk_bytes, 2 * len(shm))
+            slots = slots_that_fit(self.slots, self.chunk_bytes, 2 * len(shm))
             for p in shm:
                 opened[p].shm_out = R.SharedSlots(f"{base}-{self.rank}-{p}", slots,
                                                   self.chunk_bytes, create=True)  # fmt: skip
@@ -901,27 +745,6 @@ def _close_all() -> None:
     for transport in list(_LIVE):
         with contextlib.suppress(Exception):
             transport.close()
-
-
-class PeerTimeout(TimeoutError):
-    """A wait on named ranks ran out of time (becomes CommTimeout on the caller's side)."""
-
-    def __init__(self, ranks: list[int], text: str) -> None:
-        super().__init__(text)
-        self.ranks = ranks
-
-
-def _slots_that_fit(wanted: int, slot_bytes: int, segments: int) -> int:
-    """Slots per shared segment, fewer (down to 2) when /dev/shm is small (containers)."""
-    import os
-
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return wanted
-    free = st.f_bavail * st.f_frsize
-    fit = free // max(1, 2 * segments * slot_bytes)  # leave half of /dev/shm to others
-    return int(max(2, min(wanted, fit)))
 
 
 def _size_mismatch(peer: int, sent: int, expected: int) -> MismatchError:

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..ops import ReduceOp
-from .staged import CTS_COLL, Region, block_spans, chunk_spans
+from .staged import CTS_COLL, Region
+from .staged_schedule import block_spans, chunk_spans
 
 if TYPE_CHECKING:
     from ..arrays import Buffer

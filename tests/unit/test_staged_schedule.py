@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hetcomm.transports.staged import block_spans, choose_rails, chunk_spans
+from hetcomm.transports.staged_schedule import block_spans, choose_rails, chunk_spans
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 4096, 4097, (9 << 20) + 12])

@@ -1,0 +1,118 @@
+"""Pieces of a staged operation: the bytes it touches, a message in flight, the driver threads."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+_STOP = object()
+
+
+@dataclass
+class Region:
+    """Bytes an op reads or writes: a flat uint8 host view, or a device pointer."""
+
+    nbytes: int
+    host: np.ndarray | None = None
+    dev: int = 0
+    keep: Any = None  # keeps a temporary allocation alive
+
+    def sub(self, offset: int, nbytes: int) -> Region:
+        if self.host is not None:
+            return Region(nbytes, self.host[offset : offset + nbytes])
+        return Region(nbytes, None, self.dev + offset, self.keep)
+
+
+@dataclass(eq=False)
+class _Op:
+    """One message in flight between this rank and one peer."""
+
+    peer: int
+    region: Region
+    spans: list[tuple[int, int]]
+    remote: int = -1  # the receiver's op id (sends)
+    ready: Any = None  # device event the copies must wait for
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    left: int = 0
+    seen: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self.done.set()
+
+    def count(self, chunk: int) -> None:
+        """One chunk sent (or arrived); duplicates from a resend are counted once."""
+        with self.lock:
+            if chunk in self.seen:
+                return
+            self.seen.add(chunk)
+            self.left -= 1
+            finished = self.left <= 0
+        if finished:
+            self.done.set()
+
+    def wait(self, deadline: float) -> None:
+        if not self.done.wait(max(0.0, deadline - time.monotonic())):
+            raise PeerTimeout([self.peer], f"no progress with rank {self.peer}")
+        if self.error is not None:
+            raise self.error
+
+
+class _Drivers:
+    """Daemon threads that run operations' bodies.
+
+    Not concurrent.futures' pool: its exit hook joins every worker, and a body waiting for a
+    rank that died would then hold the interpreter's exit until the body's own deadline.
+    """
+
+    def __init__(self, count: int, name: str) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True)
+                         for i in range(count)]  # fmt: skip
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[[], None]) -> Future[None]:
+        future: Future[None] = Future()
+        self._queue.put((fn, future))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                self._queue.put(_STOP)
+                return
+            fn, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                fn()
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+    def shutdown(self, wait_s: float = 0.0) -> None:
+        self._queue.put(_STOP)
+        end = time.monotonic() + wait_s
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))
+
+
+class PeerTimeout(TimeoutError):
+    """A wait on named ranks ran out of time (becomes CommTimeout on the caller's side)."""
+
+    def __init__(self, ranks: list[int], text: str) -> None:
+        super().__init__(text)
+        self.ranks = ranks

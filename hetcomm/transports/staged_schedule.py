@@ -1,0 +1,78 @@
+"""The staged transport's pure arithmetic: chunks, ring blocks, the rails two ranks choose."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from typing import Any
+
+from . import rails as R
+
+
+def chunk_spans(nbytes: int, chunk_bytes: int, itemsize: int = 1) -> list[tuple[int, int]]:
+    """(offset, length) of each chunk; boundaries fall on whole elements; [] for 0 bytes."""
+    if chunk_bytes < itemsize:
+        raise ValueError(f"chunk of {chunk_bytes} bytes is smaller than one element ({itemsize})")
+    step = chunk_bytes - chunk_bytes % itemsize
+    return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
+
+
+def block_spans(count: int, parts: int) -> list[tuple[int, int]]:
+    """(first element, element count) of `parts` near-equal blocks of `count` elements."""
+    base, extra = divmod(count, parts)
+    spans, start = [], 0
+    for i in range(parts):
+        n = base + (1 if i < extra else 0)
+        spans.append((start, n))
+        start += n
+    return spans
+
+
+def choose_rails(me: dict[str, Any], peer: dict[str, Any], mode: str) -> list[R.RailSpec]:
+    """The rails joining two ranks, computed identically on both sides from their cards."""
+    if mode == "mpi":
+        return [R.RailSpec("mpi", 0)]
+    if me["node"] == peer["node"] and me["host"] == peer["host"]:
+        return [R.RailSpec("shm", 0)]
+    mine, theirs = me["addrs"], peer["addrs"]
+    if mode == "auto":
+        if me["node"] == peer["node"]:
+            # simulated hosts on one machine: their traffic is loopback traffic anyway
+            mine, theirs = ["127.0.0.1"], ["127.0.0.1"]
+        else:
+            # real hosts: each NIC pairs with the peer's NIC on the same subnet, so a rail never
+            # joins two networks that may not route to each other (or a host-local bridge
+            # address that both hosts happen to share)
+            mine, theirs = _pair_by_subnet(me, peer)
+    specs = [R.RailSpec("tcp", i, a, b, peer["ports"][b]) for i, (a, b) in
+             enumerate(zip(mine, theirs))]  # fmt: skip
+    return specs or [R.RailSpec("mpi", 0)]
+
+
+def _pair_by_subnet(me: dict[str, Any], peer: dict[str, Any]) -> tuple[list[str], list[str]]:
+    def nets(card: dict[str, Any]) -> list[tuple[str, Any]]:
+        prefixes = card.get("prefixes", {})
+        return [(a, ipaddress.ip_interface(f"{a}/{prefixes.get(a, 32)}").network)
+                for a in card["addrs"] if not a.startswith("127.")]  # fmt: skip
+
+    theirs = nets(peer)
+    pairs: list[tuple[str, str]] = []
+    used: set[str] = set()
+    for a, net in nets(me):
+        for b, other in theirs:
+            if b not in used and net == other and a != b:
+                pairs.append((a, b))
+                used.add(b)
+                break
+    return [a for a, _ in pairs], [b for _, b in pairs]
+
+
+def slots_that_fit(wanted: int, slot_bytes: int, segments: int) -> int:
+    """Slots per shared segment, fewer (down to 2) when /dev/shm is small (containers)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return wanted
+    free = st.f_bavail * st.f_frsize
+    fit = free // max(1, 2 * segments * slot_bytes)  # leave half of /dev/shm to others
+    return int(max(2, min(wanted, fit)))
