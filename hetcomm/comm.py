@@ -56,6 +56,10 @@ class Communicator:
         self._transports: dict[str, Transport] = {}
         self._choices: dict[tuple[str, str, str], planning.Choice] = {}
         self._routes: dict[tuple[str, bool, bool], Transport] = {}
+        # the ordering guard: the transport of the latest collective, and the asynchronous
+        # collectives not yet seen complete (see _order)
+        self._last: Transport | None = None
+        self._inflight: list[Work] = []
         self._available: dict[str, type[Transport]] = registry()
         self._unavailable = {n: cls.unavailable(topology) for n, cls in self._available.items()}
         for other in ("nccl", "direct", "staged", "hier"):
@@ -181,10 +185,28 @@ class Communicator:
             # only two ranks take part: a count of their own keeps collective numbers in step
             self._p2p_seq += 1
             return transport, self._p2p_seq
+        if transport is not self._last:
+            self._order(transport)
         self._seq += 1
         if self._debug:
             self._compare_fingerprints(op, buf, root)
         return transport, self._seq
+
+    def _order(self, transport: Transport) -> None:
+        """The ordering guard: a collective that goes through a different transport than the
+        one before starts only once the earlier collectives have completed here.
+
+        Each transport keeps its own operations in issue order, but two transports progress
+        independently: a stream-ordered one (nccl) and a host-blocking one (mpi, staged) could
+        otherwise meet the same pair of collectives in different orders on different ranks and
+        wait for each other forever. Since every rank issues the collectives of a communicator
+        in the same order, finishing the earlier ones first makes every rank run them in one
+        order. Costs a wait only where the transport changes.
+        """
+        inflight, self._inflight = self._inflight, []
+        for work in inflight:
+            work.wait()
+        self._last = transport
 
     def _finish(self, work: Work, async_op: bool, timeout: float | None,
                 keep: tuple[Any, ...] = ()) -> Work | None:  # fmt: skip
@@ -193,6 +215,11 @@ class Communicator:
         if async_op:
             # the transport may read or write these until completion: packed copies included
             work._keep = keep
+            if work.op not in _POINT_TO_POINT:
+                inflight = self._inflight
+                if len(inflight) >= 64:
+                    inflight[:] = [w for w in inflight if not w._done]
+                inflight.append(work)
             return work
         if not work.test():
             work.wait()
@@ -241,7 +268,8 @@ class Communicator:
             if arr is not None:
                 route = self._routes.get(("all_reduce", False, arr.nbytes <= planning.SMALL_BYTES))
                 fast = getattr(route, "all_reduce_in_place", None)
-                if fast is not None and fast(arr, op, self._seq + 1):
+                if (fast is not None and route is self._last
+                        and fast(arr, op, self._seq + 1)):  # fmt: skip
                     self._seq += 1
                     return None
         xb = as_buffer(x, "all_reduce: x")

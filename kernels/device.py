@@ -77,8 +77,6 @@ class StagingDevice:
         self._pool_size = 0
         self._pool_max = 2 * slots
         self._local = threading.local()
-        self._modules: dict[str, Any] = {}
-        self._module_lock = threading.Lock()
 
     # ---- streams and the caller's ordering ---------------------------------------------------
 
@@ -173,24 +171,13 @@ class StagingDevice:
     # ---- reductions ----------------------------------------------------------------------------
 
     def _kernel(self, name: str) -> Any:
-        # one small module per kernel, compiled on first use (and cached on disk by CuPy):
-        # compiling every instantiation up front takes long enough to stall a first call
-        with self._module_lock:
-            module = self._modules.get(name)
-            if module is None:
-                with open(_SOURCE) as f:
-                    code = f.read()
-                module = self._modules[name] = self.cupy.RawModule(
-                    code=code, options=("-std=c++14",), name_expressions=[name])
-            return module.get_function(name)
+        return kernel(name)
 
     def _launch(self, name: str, args: tuple[Any, ...], count: int, ready: Any) -> None:
         stream = self._stream()
         if ready is not None:
             stream.wait_event(ready)
-        blocks = max(1, min(4096, (count + _THREADS - 1) // _THREADS))
-        with stream:
-            self._kernel(name)((blocks,), (_THREADS,), args)
+        launch_on(stream, name, args, count)
         stream.synchronize()
 
     def prepare(self, dtype: str, op: str) -> None:
@@ -213,6 +200,42 @@ class StagingDevice:
     def close(self) -> None:
         with self._pool_cond:
             self._pool.clear()
+
+
+_MODULES: dict[tuple[str, str], Any] = {}
+_MODULES_LOCK = threading.Lock()
+
+
+def kernel(name: str, source: str = _SOURCE) -> Any:
+    """Function `name` of a CUDA C++ source, compiled on first use by CuPy (NVRTC or hiprtc).
+
+    One small module per kernel (and cached on disk by CuPy): compiling every instantiation of
+    a source up front takes long enough to stall a first call.
+    """
+    import cupy
+
+    with _MODULES_LOCK:
+        module = _MODULES.get((source, name))
+        if module is None:
+            with open(source) as f:
+                code = f.read()
+            module = _MODULES[source, name] = cupy.RawModule(
+                code=code, options=("-std=c++14",), name_expressions=[name])
+        return module.get_function(name)
+
+
+def launch_on(stream: Any, name: str, args: tuple[Any, ...], count: int,
+              source: str = _SOURCE) -> None:  # fmt: skip
+    """Queue kernel `name` over `count` elements on `stream` (a cupy Stream); no waiting."""
+    blocks = max(1, min(4096, (count + _THREADS - 1) // _THREADS))
+    with stream:
+        kernel(name, source)((blocks,), (_THREADS,), args)
+
+
+def divide_on(stream: Any, ptr: int, count: int, n: int, dtype: str) -> None:
+    """Queue `x /= n` on `stream` for `count` elements of `dtype` at device address `ptr`."""
+    args = (np.uint64(ptr), np.uint64(count), np.int64(n))
+    launch_on(stream, _divide_name(dtype), args, count)
 
 
 def _itemsize(dtype: str) -> int:

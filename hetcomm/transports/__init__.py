@@ -75,6 +75,8 @@ class Transport:
 def registry() -> dict[str, type[Transport]]:
     """Transport name -> class, for the transports this installation has."""
     from .mpi import MpiTransport
+    from .nccl import NcclTransport
     from .staged import StagedTransport
 
-    return {MpiTransport.name: MpiTransport, StagedTransport.name: StagedTransport}
+    found: list[type[Transport]] = [MpiTransport, NcclTransport, StagedTransport]
+    return {cls.name: cls for cls in found}

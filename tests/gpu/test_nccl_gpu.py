@@ -1,0 +1,149 @@
+"""The nccl transport on device arrays, under mpirun on a GPU machine.
+
+With one GPU, NCCL can only serve one-rank-per-GPU groups of size 1 (NCCL refuses two ranks on
+one device): every op runs through NCCL on such groups, and the shared-GPU group is refused with
+the reason. Groups of several GPUs run where a multi-GPU machine is lent (same tests, larger
+world: each rank then gets its own device through CUDA_VISIBLE_DEVICES or `hetcomm run`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetcomm import ReduceOp, TransportUnavailable
+from hetcomm.testing import assert_all_ranks
+
+cupy = pytest.importorskip("cupy")
+torch = pytest.importorskip("torch")
+
+DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "float16", "bfloat16", "float32",
+          "float64")  # fmt: skip
+OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX)
+
+
+def _own_gpu_group(world):
+    """The ranks that own a GPU alone: one group per device (size 1 with a shared GPU)."""
+    ndev = cupy.cuda.runtime.getDeviceCount()
+    if world.size <= ndev:
+        cupy.cuda.Device(world.rank).use()
+        torch.cuda.set_device(world.rank)
+        return world.split(0, name="gpus")
+    return world.split(world.rank, name=f"solo{world.rank}")
+
+
+def _values(rng, dtype, n):
+    if dtype == "bool":
+        return rng.integers(0, 2, n).astype(np.float64)
+    return rng.integers(0 if dtype == "uint8" else -3, 4, n).astype(np.float64)
+
+
+def _tensor(values, dtype):
+    return torch.from_numpy(values).to(getattr(torch, dtype)).cuda()
+
+
+def _ref(stack, op, dtype):
+    if dtype == "bool":
+        return (stack.any(0) if op in (ReduceOp.SUM, ReduceOp.MAX) else stack.all(0)).astype(float)
+    if op in (ReduceOp.SUM, ReduceOp.AVG):
+        s = stack.sum(0)
+        if op is ReduceOp.AVG:
+            s = s / len(stack)
+            if not dtype.startswith(("float", "bfloat")):
+                s = np.trunc(s)
+        return s
+    if op is ReduceOp.PROD:
+        return stack.prod(0)
+    return stack.min(0) if op is ReduceOp.MIN else stack.max(0)
+
+
+def _wrap(ref, dtype):
+    """The reference as the dtype holds it (integer sums wrap around)."""
+    if dtype in ("bool",) or dtype.startswith(("float", "bfloat")):
+        return ref
+    return ref.astype(np.int64).astype(dtype).astype(np.float64)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_every_op_through_nccl(make_comm, shared_seed):
+    world = make_comm(transport="nccl")
+    group = _own_gpu_group(world)
+    n, r = group.size, group.rank
+    rng = np.random.default_rng(shared_seed + world.rank // max(n, 1))
+    problems = []
+    side = torch.cuda.Stream()  # the ops follow the caller's current stream, not the default one
+    with torch.cuda.stream(side):
+        for dtype in DTYPES:
+            count = 3 * n + 2
+            data = np.stack([_values(rng, dtype, count * n) for _ in range(n)])
+            for op in OPS:
+                if dtype == "bool" and op is ReduceOp.AVG:
+                    continue
+                x = _tensor(data[r], dtype)
+                out = torch.empty_like(x)
+                group.all_reduce(x, op, out=out)
+                want = _wrap(_ref(data, op, dtype), dtype)
+                if not np.allclose(out.double().cpu().numpy(), want, rtol=1e-2):
+                    problems.append(f"all_reduce {dtype} {op}")
+                if not np.array_equal(x.double().cpu().numpy(), data[r]):
+                    problems.append(f"all_reduce {dtype} {op}: input changed")
+                y = _tensor(data[r], dtype)
+                group.reduce(y, 0, op)
+                got = y.double().cpu().numpy()
+                if not np.allclose(got, want if r == 0 else data[r], rtol=1e-2):
+                    problems.append(f"reduce {dtype} {op}")
+                blocks = torch.empty(count, dtype=x.dtype, device="cuda")
+                group.reduce_scatter(blocks, _tensor(data[r], dtype), op)
+                if not np.allclose(blocks.double().cpu().numpy(),
+                                   want[r * count:(r + 1) * count], rtol=1e-2):  # fmt: skip
+                    problems.append(f"reduce_scatter {dtype} {op}")
+            b = _tensor(data[r], dtype)
+            group.broadcast(b, 0)
+            if not np.array_equal(b.double().cpu().numpy(), data[0]):
+                problems.append(f"broadcast {dtype}")
+            part = _tensor(data[r][:count], dtype)
+            gathered = torch.empty(count * n, dtype=part.dtype, device="cuda")
+            group.all_gather(gathered, part)
+            if not np.array_equal(gathered.double().cpu().numpy(), data[:, :count].reshape(-1)):
+                problems.append(f"all_gather {dtype}")
+            a2a = torch.empty_like(_tensor(data[r], dtype))
+            group.all_to_all(a2a, _tensor(data[r], dtype))
+            want_a2a = np.concatenate([data[i].reshape(n, count)[r] for i in range(n)])
+            if not np.array_equal(a2a.double().cpu().numpy(), want_a2a):
+                problems.append(f"all_to_all {dtype}")
+    group.barrier()
+    plan = str(group.plan)
+    if "nccl" not in plan:
+        problems.append(f"plan does not name nccl:\n{plan}")
+    assert_all_ranks(world, not problems, "; ".join(problems[:8]))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_cupy_arrays_and_async(make_comm, shared_seed):
+    world = make_comm(transport="nccl")
+    group = _own_gpu_group(world)
+    rng = np.random.default_rng(shared_seed)
+    data = rng.standard_normal((group.size, 1 << 20)).astype(np.float32)
+    x = cupy.asarray(data[group.rank])
+    work = group.all_reduce(x, async_op=True)
+    work.wait()
+    ok = np.allclose(cupy.asnumpy(x), data.sum(0), rtol=1e-5, atol=1e-5)
+    assert_all_ranks(world, ok and work.test(), "cupy all_reduce through nccl")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shared_gpu_is_refused_with_the_reason(make_comm):
+    if cupy.cuda.runtime.getDeviceCount() >= 2:
+        pytest.skip("every rank has a GPU of its own here")
+    world = make_comm(transport="nccl")
+    x = torch.ones(16, device="cuda")
+    try:
+        world.all_reduce(x)
+        message = ""
+    except TransportUnavailable as exc:
+        message = str(exc)
+    assert_all_ranks(world, "duplicate" in message and "share device" in message,
+                     f"expected a refusal naming the shared device, got {message!r}")  # fmt: skip
+    auto = make_comm()
+    assert_all_ranks(world, auto.plan.lookup("all_reduce", "device", "large")[0] != "nccl",
+                     "the automatic plan chose nccl for a shared GPU")  # fmt: skip
