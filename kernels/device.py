@@ -184,7 +184,7 @@ class StagingDevice:
         """Compile (or load) the kernels a reduction needs, before any stream waits on it."""
         self._kernel(_combine_name(dtype, "sum" if op == "avg" else op))
         if op == "avg":
-            self._kernel(_divide_name(dtype))
+            self._kernel(divide_name(dtype))
 
     def combine(self, dst: Any, src: Any, dtype: str, op: str, ready: Any) -> None:
         """dst = op(dst, src) element-wise on the GPU."""
@@ -195,7 +195,7 @@ class StagingDevice:
     def divide(self, region: Any, n: int, dtype: str, ready: Any) -> None:
         count = region.nbytes // _itemsize(dtype)
         args = (np.uint64(region.dev), np.uint64(count), np.int64(n))
-        self._launch(_divide_name(dtype), args, count, ready)
+        self._launch(divide_name(dtype), args, count, ready)
 
     def close(self) -> None:
         with self._pool_cond:
@@ -235,7 +235,7 @@ def launch_on(stream: Any, name: str, args: tuple[Any, ...], count: int,
 def divide_on(stream: Any, ptr: int, count: int, n: int, dtype: str) -> None:
     """Queue `x /= n` on `stream` for `count` elements of `dtype` at device address `ptr`."""
     args = (np.uint64(ptr), np.uint64(count), np.int64(n))
-    launch_on(stream, _divide_name(dtype), args, count)
+    launch_on(stream, divide_name(dtype), args, count)
 
 
 def _itemsize(dtype: str) -> int:
@@ -249,7 +249,7 @@ def _combine_name(dtype: str, op: str) -> str:
     return f"combine<{_CTYPES[dtype]}, {ops[op]}>"
 
 
-def _divide_name(dtype: str) -> str:
+def divide_name(dtype: str) -> str:
     if dtype in ("float16", "bfloat16"):
         return f"divide_half<{int(dtype == 'bfloat16')}>"
     return f"divide<{_CTYPES[dtype]}>"

@@ -115,3 +115,57 @@ __global__ void divide_half(u16* dst, unsigned long long n, long long d) {
         dst[i] = Half ? f32_to_bf16(c) : f32_to_f16(c);
     }
 }
+
+// Peer reductions (device-direct transport): dst[i] = op over `nsrc` (1..8) sources, in source
+// order, each a pointer that may point into another process's memory (CUDA/HIP IPC mapping).
+// Every rank reduces in the same order, so every rank gets the same bits. The source loop is
+// unrolled so the pointers stay in registers.
+#define PEER_ARGS(T) const T* s0, const T* s1, const T* s2, const T* s3, const T* s4, \
+    const T* s5, const T* s6, const T* s7, int nsrc, unsigned long long n
+
+template <typename T, typename Op>
+__global__ void reduce_peers(T* dst, PEER_ARGS(T)) {
+    const T* s[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)blockDim.x * gridDim.x) {
+        T acc = s0[i];
+#pragma unroll
+        for (int k = 1; k < 8; ++k) {
+            if (k < nsrc) acc = Op::f(acc, s[k][i]);
+        }
+        dst[i] = acc;
+    }
+}
+
+// Halves accumulate in float32 over every source and round once.
+template <int Half, typename Op>
+__global__ void reduce_peers_half(u16* dst, PEER_ARGS(u16)) {
+    const u16* s[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)blockDim.x * gridDim.x) {
+        float acc = Half ? bf16_to_f32(s0[i]) : f16_to_f32(s0[i]);
+#pragma unroll
+        for (int k = 1; k < 8; ++k) {
+            if (k < nsrc) acc = Op::f(acc, Half ? bf16_to_f32(s[k][i]) : f16_to_f32(s[k][i]));
+        }
+        dst[i] = Half ? f32_to_bf16(acc) : f32_to_f16(acc);
+    }
+}
+
+// float32 sums, the common case of gradients, 16 bytes per load (n4 = elements / 4; pointers
+// 16-byte aligned; the caller reduces the tail with reduce_peers).
+__global__ void reduce_peers_f32x4(float4* dst, PEER_ARGS(float4)) {
+    const float4* s[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)blockDim.x * gridDim.x) {
+        float4 acc = s0[i];
+#pragma unroll
+        for (int k = 1; k < 8; ++k) {
+            if (k < nsrc) {
+                float4 v = s[k][i];
+                acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+            }
+        }
+        dst[i] = acc;
+    }
+}

@@ -1,0 +1,515 @@
+"""Device-direct transport (DDC): GPUs read each other's memory; a CPU proxy drives control.
+
+Peers of one host map each other's allocations through CUDA/HIP IPC (hetcomm.transports.peer,
+each handle exchanged once). The calling thread records an event on the array's stream and
+queues the operation; one proxy thread per communicator exchanges buffer records over MPI,
+orders the GPU work on its own stream after that event, and completes the Work once the GPU is
+done. Copies run on the copy engines (cudaMemcpyAsync between mapped pointers); reductions run
+as kernels that read every peer's memory (kernels/reduce.cu, reduce_peers*).
+
+Ordering across processes relies on MPI messages sent after a stream has been synchronized, never
+on sleeps. The result is visible on the caller's stream once the Work is complete (wait()).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+from mpi4py import MPI
+
+from ..errors import InvalidArgument
+from ..ops import ReduceOp
+from ..work import Work
+from . import Transport
+from . import direct_schedule as S
+from . import peer as P
+
+if TYPE_CHECKING:
+    from ..arrays import Buffer
+    from ..topology import Topology
+
+log = logging.getLogger("hetcomm")
+
+_D2D = 3  # cudaMemcpyDeviceToDevice
+TAG_P2P = 64  # + 2 * user tag: the sender's record; + 1: the receiver's "done"
+_OPS = {ReduceOp.SUM: "Sum", ReduceOp.AVG: "Sum", ReduceOp.PROD: "Prod", ReduceOp.MIN: "Min",
+        ReduceOp.MAX: "Max"}  # fmt: skip
+_BOOL_OPS = {ReduceOp.SUM: "Or", ReduceOp.MAX: "Or", ReduceOp.PROD: "And", ReduceOp.MIN: "And"}
+_CTYPES = {"bool": "unsigned char", "uint8": "unsigned char", "int8": "signed char",
+           "int16": "short", "int32": "int", "int64": "long long", "float32": "float",
+           "float64": "double"}  # fmt: skip
+_THREADS = 512
+
+# a step of an operation waits for one of these: an MPI request, a GPU event, or nothing (None)
+Step = Generator[Any, None, None]
+
+
+def group_unavailable(hosts: list[str], real_vendors: list[str], devices: list[str | None]
+                      ) -> str | None:  # fmt: skip
+    """Why peer mapping cannot join these members (pure), or None."""
+    if len(set(hosts)) > 1:
+        return (f"members on {len(set(hosts))} hosts: peer mapping joins one host's GPUs (across "
+                "hosts direct needs a GPU-aware MPI)")  # fmt: skip
+    if any(d is None for d in devices):
+        return "some members have no device"
+    if len(set(real_vendors)) > 1:
+        return f"members' GPUs come from vendors {', '.join(sorted(set(real_vendors)))}: no IPC " \
+               "between them"  # fmt: skip
+    return None
+
+
+class _Task:
+    """One operation on the proxy: a generator of waits, and its outcome."""
+
+    __slots__ = ("done", "error", "finished", "gen", "waiting")
+
+    def __init__(self, gen: Step) -> None:
+        self.gen = gen
+        self.waiting: Any = None
+        self.done = False
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+
+    def poll(self) -> bool:
+        if self.error is not None:
+            raise self.error
+        return self.done
+
+
+def _ready(w: Any) -> bool:
+    if w is None:
+        return True
+    if isinstance(w, MPI.Request):
+        return bool(w.Test())
+    if isinstance(w, list):
+        return bool(MPI.Request.Testall(w))
+    return bool(w.done)  # a cupy Event
+
+
+class _Proxy:
+    """The thread that progresses every operation of one communicator: collectives one at a
+    time in issue order, point-to-point operations side by side with them."""
+
+    def __init__(self, device: int, cupy: Any) -> None:
+        self.cupy, self.device = cupy, device
+        self._cond = threading.Condition()
+        self._colls: deque[_Task] = deque()
+        self._p2p: list[_Task] = []
+        self._stop = False
+        self.stream: Any = None
+        self._thread = threading.Thread(target=self._loop, name="hetcomm-direct-proxy", daemon=True)
+        self._started = threading.Event()
+        self._thread.start()
+        self._started.wait()
+
+    def submit(self, task: _Task, collective: bool) -> None:
+        with self._cond:
+            (self._colls.append if collective else self._p2p.append)(task)
+            self._cond.notify()
+
+    def _advance(self, task: _Task) -> bool:
+        """Run `task` until it waits for something not yet there; True once it has ended."""
+        try:
+            while _ready(task.waiting):
+                task.waiting = next(task.gen)
+        except StopIteration:
+            task.done = True
+        except BaseException as exc:
+            task.error = exc
+        else:
+            return False
+        task.finished.set()
+        return True
+
+    def _loop(self) -> None:
+        self.cupy.cuda.Device(self.device).use()
+        self.stream = self.cupy.cuda.Stream(non_blocking=True)
+        self._started.set()
+        idle = 0
+        while True:
+            with self._cond:
+                while not self._stop and not self._colls and not self._p2p:
+                    self._cond.wait()
+                    idle = 0
+                if self._stop:
+                    return
+                head = self._colls[0] if self._colls else None
+                p2p = list(self._p2p)
+            moved = False
+            if head is not None and self._advance(head):
+                with self._cond:
+                    self._colls.popleft()
+                moved = True
+            ended = [t for t in p2p if self._advance(t)]
+            if ended:
+                with self._cond:
+                    self._p2p = [t for t in self._p2p if t not in ended]
+                moved = True
+            # waiting on other processes and on the GPU: poll, backing off while nothing moves
+            idle = 0 if moved else idle + 1
+            if idle > 64:
+                time.sleep(min(50e-6 * (idle - 64), 1e-3))
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout=5)
+
+
+class DirectTransport(Transport):
+    """Every op by peer copies and peer-reading kernels among the GPUs of one host."""
+
+    name: ClassVar[str] = "direct"
+    memory: ClassVar[tuple[str, ...]] = ("device",)
+
+    def __init__(self, comm: Any) -> None:
+        super().__init__(comm)
+        import cupy
+
+        from ..kernels import device as kd
+
+        self.cupy, self.kd = cupy, kd
+        self.rank, self.size = comm.rank, comm.size
+        self.svc: MPI.Intracomm = comm.service
+        self.device = cupy.cuda.Device().id
+        self.peers = P.PeerMap(cupy)
+        self._proxy = _Proxy(self.device, cupy)
+        self._scratch: list[Any] = []  # two one-shot input buffers, used alternately
+        self._flip = 0
+        self._others = [p for p in range(self.size) if p != self.rank]
+        self._everyone = list(range(self.size))
+
+    @classmethod
+    def unavailable(cls, topology: Topology) -> str | None:
+        ranks = topology.ranks
+        why = group_unavailable([r.host for r in ranks], [r.detected_vendor for r in ranks],
+                                [r.device for r in ranks])  # fmt: skip
+        if why is not None:
+            return why
+        if len({r.node for r in ranks}) > 1:
+            return "members on several shared-memory nodes"
+        from ..kernels.device import unavailable as device_unavailable
+
+        why = device_unavailable()
+        if why is not None:
+            return why
+        if len(ranks) > 1:
+            return P.unavailable_for([r.world_rank for r in ranks])
+        return None
+
+    # ---- the calling thread ----------------------------------------------------------------------
+
+    def _queue(self, op: str, seq: int, bufs: tuple[Buffer, ...], nbytes: int,
+               body: Callable[[], Step], collective: bool = True) -> Work:  # fmt: skip
+        for b in bufs:
+            if b.device_index != self.device:
+                raise InvalidArgument(
+                    f"{op}: group '{self.comm.name}' moves device {self.device}'s memory on "
+                    f"this rank, got {b.describe()}; use one device per rank"
+                )
+        cupy = self.cupy
+        with cupy.cuda.Device(self.device):
+            ready = cupy.cuda.Event(disable_timing=True)
+            ready.record(cupy.cuda.ExternalStream(self.kd.current_stream(bufs[0]), self.device))
+
+        def run() -> Step:
+            yield ready  # what the caller queued before the op has run
+            yield from body()
+
+        task = _Task(run())
+        self._proxy.submit(task, collective)
+        work = Work(self.comm, op, seq, task.poll, waiter=task.finished.wait)
+        work.info = {"transport": self.name, "bytes": nbytes}
+        return work
+
+    # ---- steps the proxy runs ----------------------------------------------------------------
+
+    def _exchange(self, recs: np.ndarray, into: list[np.ndarray]) -> Step:
+        """Allgather this rank's records; `into[0]` becomes the (size, len(recs)) table."""
+        table = np.empty((self.size, len(recs)), P.RECORD)
+        yield self.svc.Iallgather(recs.view(np.uint8), table.view(np.uint8))
+        into.append(table)
+
+    def _records(self, bufs: list[Buffer]) -> np.ndarray:
+        return np.concatenate([self.peers.describe(b.ptr, b.nbytes, self._others) for b in bufs])
+
+    def _addresses(self, table: np.ndarray, col: int, mine: int) -> list[int]:
+        """Our address of column `col` of every rank's records (our own: `mine`)."""
+        return [mine if p == self.rank else self.peers.resolve(p, table[p, col])
+                for p in range(self.size)]  # fmt: skip
+
+    def _sync(self) -> Step:
+        event = self.cupy.cuda.Event(disable_timing=True)
+        event.record(self._proxy.stream)
+        yield event
+
+    def _barrier(self) -> Step:
+        yield self.svc.Ibarrier()
+
+    def _copy(self, dst: int, src: int, nbytes: int) -> None:
+        if nbytes:
+            self.cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, _D2D, self._proxy.stream.ptr)
+
+    def _reduce(self, dst: int, srcs: list[int], count: int, dtype: str, op: ReduceOp) -> None:
+        """dst = op over srcs (in order), `count` elements, on the proxy's stream."""
+        if count == 0:
+            return
+        if dst in srcs[S.MAX_SOURCES :]:
+            # dst is also a source past the first batch, which overwrites dst: read it first
+            srcs = [dst, *(p for p in srcs if p != dst)]
+        for group in S.batches(list(range(len(srcs)))):
+            ptrs = [dst if i < 0 else srcs[i] for i in group]
+            self._reduce_batch(dst, ptrs, count, dtype, op)
+
+    def _reduce_batch(self, dst: int, ptrs: list[int], count: int, dtype: str,
+                      op: ReduceOp) -> None:  # fmt: skip
+        n = len(ptrs)
+        head = count
+        if dtype == "float32" and op in (ReduceOp.SUM, ReduceOp.AVG) and not (
+            dst % 16 or any(p % 16 for p in ptrs)
+        ):
+            vec = count // 4
+            if vec:
+                self._launch("reduce_peers_f32x4", dst, ptrs, n, vec)
+            head = count - vec * 4
+            if not head:
+                return
+            dst, ptrs = dst + vec * 16, [p + vec * 16 for p in ptrs]
+        if dtype in ("float16", "bfloat16"):
+            name = f"reduce_peers_half<{int(dtype == 'bfloat16')}, {_OPS[op]}>"
+        else:
+            ops = _BOOL_OPS if dtype == "bool" else _OPS
+            name = f"reduce_peers<{_CTYPES[dtype]}, {ops[op]}>"
+        self._launch(name, dst, ptrs, n, head)
+
+    def _launch(self, name: str, dst: int, ptrs: list[int], n: int, count: int) -> None:
+        padded = ptrs + [ptrs[0]] * (S.MAX_SOURCES - len(ptrs))
+        args = (np.uint64(dst), *(np.uint64(p) for p in padded), np.int32(n), np.uint64(count))
+        blocks = max(1, min(2048, (count + _THREADS - 1) // _THREADS))
+        with self._proxy.stream:
+            self.kd.kernel(name)((blocks,), (_THREADS,), args)
+
+    def _average(self, ptr: int, count: int, dtype: str) -> None:
+        if count:
+            self.kd.divide_on(self._proxy.stream, ptr, count, self.size, dtype)
+
+    def _one_shot_scratch(self) -> Any:
+        if not self._scratch:
+            self._scratch = [self.cupy.cuda.alloc(S.ONE_SHOT_BYTES) for _ in range(2)]
+        self._flip ^= 1
+        return self._scratch[self._flip]
+
+    # ---- operations ------------------------------------------------------------------------
+
+    def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
+        self._prepare(x.dtype, op)
+        if self.size == 1:
+            return self._queue("all_reduce", seq, (x, out), x.nbytes, lambda: self._alone(x, out))
+        if S.algorithm(x.nbytes, self.size) == "one-shot":
+            return self._queue("all_reduce", seq, (x, out), x.nbytes,
+                               lambda: self._one_shot(x, out, op))  # fmt: skip
+        return self._queue("all_reduce", seq, (x, out), x.nbytes,
+                           lambda: self._two_shot(x, out, op))  # fmt: skip
+
+    def _alone(self, x: Buffer, out: Buffer) -> Step:
+        if out.ptr != x.ptr:
+            self._copy(out.ptr, x.ptr, x.nbytes)
+        yield from self._sync()
+
+    def _one_shot(self, x: Buffer, out: Buffer, op: ReduceOp) -> Step:
+        # the input is copied into one of two scratch buffers first, so that `out` may be `x`
+        # and peers never read memory the caller owns; two buffers used alternately suffice,
+        # since an op's exchange completes only after every rank has ended the op before
+        scratch = self._one_shot_scratch()
+        self._copy(scratch.ptr, x.ptr, x.nbytes)
+        yield from self._sync()
+        rec = self.peers.describe(scratch.ptr, x.nbytes, self._others)
+        got: list[np.ndarray] = []
+        yield from self._exchange(rec, got)
+        srcs = self._addresses(got[0], 0, scratch.ptr)
+        self._reduce(out.ptr, srcs, x.count, x.dtype, op)
+        if op is ReduceOp.AVG:
+            self._average(out.ptr, out.count, out.dtype)
+        yield from self._sync()
+
+    def _two_shot(self, x: Buffer, out: Buffer, op: ReduceOp) -> Step:
+        got: list[np.ndarray] = []
+        yield from self._exchange(self._records([x, out]), got)
+        xs = self._addresses(got[0], 0, x.ptr)
+        outs = self._addresses(got[0], 1, out.ptr)
+        spans = S.shards(x.count, x.itemsize, self.size)
+        lo, hi = spans[self.rank]
+        item = x.itemsize
+        # reduce-scatter: this rank reduces its shard of every input into its own output
+        self._reduce(out.ptr + lo * item, [p + lo * item for p in xs], hi - lo, x.dtype, op)
+        if op is ReduceOp.AVG:
+            self._average(out.ptr + lo * item, hi - lo, x.dtype)
+        yield from self._sync()
+        yield from self._barrier()  # every shard reduced
+        # all-gather: copy every other rank's reduced shard from its output into ours
+        for p in self._others:
+            a, b = spans[p]
+            self._copy(out.ptr + a * item, outs[p] + a * item, (b - a) * item)
+        yield from self._sync()
+        yield from self._barrier()  # nobody reads our buffers any more
+
+    def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
+        self._prepare(x.dtype, op)
+
+        def body() -> Step:
+            got: list[np.ndarray] = []
+            yield from self._exchange(self._records([x]), got)
+            block = out.nbytes * self.rank
+            xs = [p + block for p in self._addresses(got[0], 0, x.ptr)]
+            self._reduce(out.ptr, xs, out.count, x.dtype, op)
+            if op is ReduceOp.AVG:
+                self._average(out.ptr, out.count, out.dtype)
+            yield from self._sync()
+            yield from self._barrier()
+
+        return self._queue("reduce_scatter", seq, (x, out), x.nbytes, body)
+
+    def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
+        self._prepare(x.dtype, op)
+
+        def body() -> Step:
+            got: list[np.ndarray] = []
+            yield from self._exchange(self._records([x]), got)
+            if self.rank == root:
+                self._reduce(x.ptr, self._addresses(got[0], 0, x.ptr), x.count, x.dtype, op)
+                if op is ReduceOp.AVG:
+                    self._average(x.ptr, x.count, x.dtype)
+                yield from self._sync()
+            yield from self._barrier()
+
+        return self._queue("reduce", seq, (x,), x.nbytes, body)
+
+    def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
+        def body() -> Step:
+            got: list[np.ndarray] = []
+            yield from self._exchange(self._records([x]), got)
+            if self.rank != root:
+                self._copy(x.ptr, self.peers.resolve(root, got[0][root, 0]), x.nbytes)
+                yield from self._sync()
+            yield from self._barrier()
+
+        return self._queue("broadcast", seq, (x,), x.nbytes, body)
+
+    def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        def body() -> Step:
+            got: list[np.ndarray] = []
+            yield from self._exchange(self._records([x]), got)
+            for p, src in enumerate(self._addresses(got[0], 0, x.ptr)):
+                self._copy(out.ptr + p * x.nbytes, src, x.nbytes)
+            yield from self._sync()
+            yield from self._barrier()
+
+        return self._queue("all_gather", seq, (x, out), out.nbytes, body)
+
+    def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        block = x.nbytes // self.size
+
+        def body() -> Step:
+            got: list[np.ndarray] = []
+            yield from self._exchange(self._records([x]), got)
+            for p, src in enumerate(self._addresses(got[0], 0, x.ptr)):
+                self._copy(out.ptr + p * block, src + self.rank * block, block)
+            yield from self._sync()
+            yield from self._barrier()
+
+        return self._queue("all_to_all", seq, (x, out), x.nbytes, body)
+
+    def barrier(self, seq: int) -> Work:
+        task = _Task(self._barrier())
+        self._proxy.submit(task, True)
+        return Work(self.comm, "barrier", seq, task.poll, waiter=task.finished.wait)
+
+    # ---- point-to-point: the receiver pulls from the sender's buffer ---------------------------
+
+    def _tags(self, tag: int, op: str) -> tuple[int, int]:
+        top = int(self.svc.Get_attr(MPI.TAG_UB) or 32767)
+        if TAG_P2P + 2 * tag + 1 > top:
+            raise InvalidArgument(f"{op}: the direct transport takes tags up to "
+                                  f"{(top - TAG_P2P - 1) // 2}, got {tag}")  # fmt: skip
+        return TAG_P2P + 2 * tag, TAG_P2P + 2 * tag + 1
+
+    def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
+        t_rec, t_done = self._tags(tag, "send")
+        self._self_check(dst, "send")
+
+        def body() -> Step:
+            rec = self.peers.describe(x.ptr, x.nbytes, [dst])
+            done = np.zeros(1, np.int64)
+            yield [self.svc.Isend(rec.view(np.uint8), dst, t_rec),
+                   self.svc.Irecv(done, dst, t_done)]  # fmt: skip
+            if done[0] != x.nbytes:
+                raise InvalidArgument(f"send: rank {dst} received {done[0]} bytes of this "
+                                      f"{x.nbytes}-byte message (recv with another size)")  # fmt: skip
+
+        return self._queue("send", seq, (x,), x.nbytes, body, collective=False)
+
+    def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
+        t_rec, t_done = self._tags(tag, "recv")
+        self._self_check(src, "recv")
+        rec = np.zeros(1, P.RECORD)
+        req = self.svc.Irecv(rec.view(np.uint8), src, t_rec)  # posted in issue order
+
+        def body() -> Step:
+            yield req
+            sent = int(rec[0]["nbytes"])
+            ok = sent == x.nbytes
+            if ok:
+                self._copy(x.ptr, self.peers.resolve(src, rec[0]), x.nbytes)
+                yield from self._sync()
+            else:
+                self.peers.resolve(src, rec[0])  # keep the caches in step
+            yield self.svc.Isend(np.array([x.nbytes if ok else -1], np.int64), src, t_done)
+            if not ok:
+                raise InvalidArgument(f"recv: rank {src} sent {sent} bytes, this buffer holds "
+                                      f"{x.nbytes} ({x.describe()})")  # fmt: skip
+
+        return self._queue("recv", seq, (x,), x.nbytes, body, collective=False)
+
+    def _self_check(self, peer: int, op: str) -> None:
+        if peer == self.rank:
+            raise InvalidArgument(f"{op}: rank {peer} is this rank; the direct transport moves "
+                                  "data between ranks")  # fmt: skip
+
+    # ---- life cycle ----------------------------------------------------------------------------
+
+    def _prepare(self, dtype: str, op: ReduceOp) -> None:
+        """Compile the kernels an op needs on the calling thread, before the proxy waits on it."""
+        if dtype in ("float16", "bfloat16"):
+            self.kd.kernel(f"reduce_peers_half<{int(dtype == 'bfloat16')}, {_OPS[op]}>")
+        else:
+            ops = _BOOL_OPS if dtype == "bool" else _OPS
+            self.kd.kernel(f"reduce_peers<{_CTYPES[dtype]}, {ops[op]}>")
+            if dtype == "float32" and op in (ReduceOp.SUM, ReduceOp.AVG):
+                self.kd.kernel("reduce_peers_f32x4")
+        if op is ReduceOp.AVG:
+            self.kd.kernel(self.kd.divide_name(dtype))
+
+    def stats(self) -> dict[str, int]:
+        """Registration cache counters: mappings opened (misses), reused (hits), held."""
+        return {"hits": self.peers.hits, "misses": self.peers.misses, "mapped": self.peers.mapped}
+
+    def close(self) -> None:
+        self._proxy.stop()
+        if self._proxy.stream is not None:
+            self._proxy.stream.synchronize()
+        self.peers.close()
+        # peers may still be reading the one-shot scratch of the last op (an op ends here once
+        # this rank's part is done): returning it to the memory pool could let a new array
+        # overwrite it under them, so it is kept until the process ends
+        _RETIRED.extend(self._scratch)
+        self._scratch = []
+
+
+_RETIRED: list[Any] = []

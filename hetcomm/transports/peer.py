@@ -1,0 +1,171 @@
+"""Peer memory mapping between processes of one host: CUDA IPC (HIP IPC on ROCm), cached.
+
+A device pointer is described by its allocation (base, size, a never-reused buffer id) and its
+offset in it. The allocation's IPC handle travels to a peer once; the peer opens it once and
+keeps the mapping until the transport closes (a registration cache on both sides). Memory of
+CuPy, torch's caching allocator and Numba all comes from cudaMalloc/hipMalloc, which IPC serves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("hetcomm")
+
+# one record per exposed buffer, exchanged over MPI as raw bytes
+RECORD = np.dtype([("id", "<u8"), ("offset", "<u8"), ("nbytes", "<u8"), ("has", "<u8"),
+                   ("handle", "V64")])  # fmt: skip
+_BUFFER_ID = 7  # CU_POINTER_ATTRIBUTE_BUFFER_ID == HIP_POINTER_ATTRIBUTE_BUFFER_ID
+_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess / hipIpcMemLazyEnablePeerAccess
+
+
+class _Driver:
+    """The two driver queries the runtime API lacks: an allocation's range and its buffer id."""
+
+    def __init__(self, hip: bool) -> None:
+        if hip:
+            lib = ctypes.CDLL("libamdhip64.so")
+            self._range = lib.hipMemGetAddressRange
+            self._attr = lib.hipPointerGetAttribute
+        else:
+            lib = ctypes.CDLL("libcuda.so.1")
+            self._range = lib.cuMemGetAddressRange_v2
+            self._attr = lib.cuPointerGetAttribute
+        self._range.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                                ctypes.c_uint64]  # fmt: skip
+        self._attr.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+
+    def allocation(self, ptr: int) -> tuple[int, int, int]:
+        """(base, size, buffer id) of the allocation holding device address `ptr`."""
+        base, size, ident = ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_uint64()
+        rc = self._range(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+        if rc != 0:
+            raise RuntimeError(f"the driver does not know device address {ptr:#x} (error {rc})")
+        rc = self._attr(ctypes.byref(ident), _BUFFER_ID, ctypes.c_uint64(ptr))
+        if rc != 0:
+            raise RuntimeError(f"no buffer id for device address {ptr:#x} (error {rc})")
+        return int(base.value), int(size.value), int(ident.value)
+
+
+class PeerMap:
+    """Exports this rank's allocations and imports peers', each once (the registration cache)."""
+
+    def __init__(self, cupy: Any) -> None:
+        self.rt = cupy.cuda.runtime
+        self.driver = _Driver(bool(getattr(self.rt, "is_hip", False)))
+        self._handles: dict[int, bytes] = {}  # buffer id -> IPC handle of our allocation
+        self._told: set[tuple[int, int]] = set()  # (peer, buffer id) that peer holds the handle of
+        self._mapped: dict[tuple[int, int], int] = {}  # (peer, buffer id) -> our mapping's base
+        self.hits = 0
+        self.misses = 0
+
+    def describe(self, ptr: int, nbytes: int, audience: Iterable[int]) -> np.ndarray:
+        """The record of `nbytes` at `ptr` for the ranks in `audience`; the handle rides along
+        only when one of them has not had it yet."""
+        rec = np.zeros(1, RECORD)
+        base, _, ident = self.driver.allocation(ptr)
+        handle = self._handles.get(ident)
+        if handle is None:
+            handle = self._handles[ident] = bytes(self.rt.ipcGetMemHandle(base))
+        rec["id"], rec["offset"], rec["nbytes"] = ident, ptr - base, nbytes
+        new = [p for p in audience if (p, ident) not in self._told]
+        if new:
+            rec["has"] = 1
+            rec["handle"] = np.frombuffer(handle, dtype="V64")[0]
+            self._told.update((p, ident) for p in new)
+        return rec
+
+    def resolve(self, peer: int, rec: np.void) -> int:
+        """Our address of the bytes `rec` (sent by `peer`) describes, opening the handle once."""
+        key = (peer, int(rec["id"]))
+        base = self._mapped.get(key)
+        if base is None:
+            if not int(rec["has"]):
+                raise RuntimeError(f"rank {peer} sent no handle for buffer {key[1]} and it is not "
+                                   "mapped here: the registration caches disagree")  # fmt: skip
+            base = int(self.rt.ipcOpenMemHandle(bytes(rec["handle"]), _LAZY_PEER_ACCESS))
+            self._mapped[key] = base
+            self.misses += 1
+        else:
+            self.hits += 1
+        return base + int(rec["offset"])
+
+    @property
+    def mapped(self) -> int:
+        return len(self._mapped)
+
+    def close(self) -> None:
+        """Unmap every peer allocation this rank opened."""
+        for base in self._mapped.values():
+            try:
+                self.rt.ipcCloseMemHandle(base)
+            except Exception as exc:  # the others must still be closed
+                log.debug("closing a peer mapping failed: %s", exc)
+        self._mapped.clear()
+        self._told.clear()
+
+
+# world rank -> None (can map its node's peers) or why not; filled by probe() at init
+_PROBED: dict[int, str | None] = {}
+
+
+def probe(mpi_comm: Any, node_of: Sequence[int], has_device: Sequence[bool]) -> None:
+    """Once per init, collective over `mpi_comm` (world ranks in order): can each rank map the
+    memory of the other device ranks of its node? Ranks alone on their node, or without a
+    device, take no part. The result feeds the plan (`unavailable_for`)."""
+    rank = mpi_comm.Get_rank()
+    nodes: dict[int, list[int]] = {}
+    for r, (node, dev) in enumerate(zip(node_of, has_device, strict=True)):
+        if dev:
+            nodes.setdefault(node, []).append(r)
+    if not any(len(v) > 1 for v in nodes.values()):
+        return  # nothing to map anywhere: no collective needed, every rank knows it
+    mine = nodes.get(node_of[rank], []) if has_device[rank] else []
+    handle, why, mem = b"", None, None
+    rt: Any = None
+    if len(mine) > 1:
+        try:
+            import cupy
+
+            rt = cupy.cuda.runtime
+            mem = cupy.cuda.alloc(256)
+            handle = bytes(rt.ipcGetMemHandle(mem.ptr))
+        except Exception as exc:
+            why = f"exporting device memory failed ({exc})"
+    handles = mpi_comm.allgather(handle)
+    if len(mine) > 1 and why is None:
+        for peer in mine:
+            if peer == rank:
+                continue
+            if not handles[peer]:
+                why = f"rank {peer} could not export its memory"
+                break
+            try:
+                ptr = rt.ipcOpenMemHandle(handles[peer], _LAZY_PEER_ACCESS)
+                rt.ipcCloseMemHandle(ptr)
+            except Exception as exc:
+                why = f"opening rank {peer}'s memory handle failed ({exc}); IPC may be " \
+                      "disabled in this container"  # fmt: skip
+                break
+    verdicts = mpi_comm.allgather(why)
+    del mem
+    _PROBED.clear()
+    for r, v in enumerate(verdicts):
+        _PROBED[r] = v
+    for r, v in enumerate(verdicts):
+        if v is not None and rank == 0:
+            log.warning("peer mapping unavailable on world rank %d: %s; the plan uses staged", r, v)
+
+
+def unavailable_for(world_ranks: Sequence[int]) -> str | None:
+    """Why these ranks cannot map each other's memory, from the probe; None when they can."""
+    for r in world_ranks:
+        why = _PROBED.get(r, "peer mapping was not probed for this rank")
+        if why is not None:
+            return f"rank {r}: {why}"
+    return None
