@@ -45,6 +45,7 @@ _CTYPES = {"bool": "unsigned char", "uint8": "unsigned char", "int8": "signed ch
            "int16": "short", "int32": "int", "int64": "long long", "float32": "float",
            "float64": "double"}  # fmt: skip
 _THREADS = 512
+_SPIN_POLLS = 2_000  # polls without a pause before the proxy starts to sleep between them
 
 # a step of an operation waits for one of these: an MPI request, a GPU event, or nothing (None)
 Step = Generator[Any, None, None]
@@ -151,10 +152,11 @@ class _Proxy:
                 with self._cond:
                     self._p2p = [t for t in self._p2p if t not in ended]
                 moved = True
-            # waiting on other processes and on the GPU: poll, backing off while nothing moves
+            # waiting on other processes and on the GPU: poll without pause for a while, then
+            # (a late peer) sleep between polls
             idle = 0 if moved else idle + 1
-            if idle > 64:
-                time.sleep(min(50e-6 * (idle - 64), 1e-3))
+            if idle > _SPIN_POLLS:
+                time.sleep(50e-6)
 
     def stop(self) -> None:
         with self._cond:
@@ -184,7 +186,7 @@ class DirectTransport(Transport):
         self._scratch: list[Any] = []  # two one-shot input buffers, used alternately
         self._flip = 0
         self._others = [p for p in range(self.size) if p != self.rank]
-        self._everyone = list(range(self.size))
+        kd.kernel("copy16")
 
     @classmethod
     def unavailable(cls, topology: Topology) -> str | None:
@@ -235,6 +237,9 @@ class DirectTransport(Transport):
         """Allgather this rank's records; `into[0]` becomes the (size, len(recs)) table."""
         table = np.empty((self.size, len(recs)), P.RECORD)
         yield self.svc.Iallgather(recs.view(np.uint8), table.view(np.uint8))
+        for p in self._others:  # handles sent to everyone are kept, even if not opened now
+            for rec in table[p]:
+                self.peers.learn(p, rec)
         into.append(table)
 
     def _records(self, bufs: list[Buffer]) -> np.ndarray:
@@ -254,8 +259,18 @@ class DirectTransport(Transport):
         yield self.svc.Ibarrier()
 
     def _copy(self, dst: int, src: int, nbytes: int) -> None:
-        if nbytes:
-            self.cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, _D2D, self._proxy.stream.ptr)
+        """Copy on the proxy's stream: 16-byte words by a kernel, the rest by cudaMemcpy."""
+        words = nbytes // 16 if not (dst % 16 or src % 16) else 0
+        if words:
+            blocks = max(1, min(2048, (words + _THREADS - 1) // _THREADS))
+            args = (np.uint64(dst), np.uint64(src), np.uint64(words))
+            with self._proxy.stream:
+                self.kd.kernel("copy16")((blocks,), (_THREADS,), args)
+        rest = nbytes - 16 * words
+        if rest:
+            done = 16 * words
+            self.cupy.cuda.runtime.memcpyAsync(dst + done, src + done, rest, _D2D,
+                                               self._proxy.stream.ptr)  # fmt: skip
 
     def _reduce(self, dst: int, srcs: list[int], count: int, dtype: str, op: ReduceOp) -> None:
         """dst = op over srcs (in order), `count` elements, on the proxy's stream."""
@@ -463,13 +478,12 @@ class DirectTransport(Transport):
 
         def body() -> Step:
             yield req
+            self.peers.learn(src, rec[0])
             sent = int(rec[0]["nbytes"])
             ok = sent == x.nbytes
             if ok:
                 self._copy(x.ptr, self.peers.resolve(src, rec[0]), x.nbytes)
                 yield from self._sync()
-            else:
-                self.peers.resolve(src, rec[0])  # keep the caches in step
             yield self.svc.Isend(np.array([x.nbytes if ok else -1], np.int64), src, t_done)
             if not ok:
                 raise InvalidArgument(f"recv: rank {src} sent {sent} bytes, this buffer holds "

@@ -137,14 +137,23 @@ class NcclTransport(Transport):
             )
 
     def _make(self, size: int, rank: int, uid: np.ndarray) -> Any:
+        # byte 0 says how this cupy spells a unique id: bytes (1) or a tuple of small ints (0)
+        commid: Any = uid[1:].tobytes() if uid[0] else tuple(int(b) for b in uid[1:])
         with self.cupy.cuda.Device(self._device):
-            return self.nccl.NcclCommunicator(size, tuple(int(b) for b in uid), rank)
+            return self.nccl.NcclCommunicator(size, commid, rank)
+
+    def _new_uid(self) -> np.ndarray:
+        raw = self.nccl.get_unique_id()
+        uid = np.zeros(129, dtype=np.int8)
+        if isinstance(raw, (bytes, bytearray)):
+            uid[0], uid[1:] = 1, np.frombuffer(raw, dtype=np.int8)
+        else:
+            uid[1:] = np.asarray(raw, dtype=np.int64).astype(np.int8)
+        return uid
 
     def _collective_comm(self) -> Any:
         if self._group is None:
-            uid = np.zeros(128, dtype=np.int8)
-            if self.rank == 0:
-                uid[:] = np.asarray(self.nccl.get_unique_id(), dtype=np.int64).astype(np.int8)
+            uid = self._new_uid() if self.rank == 0 else np.zeros(129, dtype=np.int8)
             self.comm.service.Bcast(uid, root=0)  # raw bytes over MPI
             self._group = self._make(self.size, self.rank, uid)
         return self._group
@@ -153,9 +162,9 @@ class NcclTransport(Transport):
         found = self._pairs.get(peer)
         if found is not None:
             return found
-        uid = np.zeros(128, dtype=np.int8)
+        uid = np.zeros(129, dtype=np.int8)
         if self.rank < peer:
-            uid[:] = np.asarray(self.nccl.get_unique_id(), dtype=np.int64).astype(np.int8)
+            uid = self._new_uid()
             self.comm.service.Send(uid, dest=peer, tag=TAG_UID)
         else:
             self.comm.service.Recv(uid, source=peer, tag=TAG_UID)

@@ -61,6 +61,7 @@ class PeerMap:
         self._handles: dict[int, bytes] = {}  # buffer id -> IPC handle of our allocation
         self._told: set[tuple[int, int]] = set()  # (peer, buffer id) that peer holds the handle of
         self._mapped: dict[tuple[int, int], int] = {}  # (peer, buffer id) -> our mapping's base
+        self._known: dict[tuple[int, int], bytes] = {}  # handles received, not yet opened
         self.hits = 0
         self.misses = 0
 
@@ -80,15 +81,25 @@ class PeerMap:
             self._told.update((p, ident) for p in new)
         return rec
 
+    def learn(self, peer: int, rec: np.void) -> None:
+        """Keep the handle a record carries: `peer` will not send it again."""
+        if int(rec["has"]):
+            key = (peer, int(rec["id"]))
+            if key not in self._mapped:
+                self._known[key] = bytes(rec["handle"])
+
     def resolve(self, peer: int, rec: np.void) -> int:
         """Our address of the bytes `rec` (sent by `peer`) describes, opening the handle once."""
         key = (peer, int(rec["id"]))
         base = self._mapped.get(key)
         if base is None:
-            if not int(rec["has"]):
+            handle = self._known.pop(key, None)
+            if handle is None and int(rec["has"]):
+                handle = bytes(rec["handle"])
+            if handle is None:
                 raise RuntimeError(f"rank {peer} sent no handle for buffer {key[1]} and it is not "
                                    "mapped here: the registration caches disagree")  # fmt: skip
-            base = int(self.rt.ipcOpenMemHandle(bytes(rec["handle"]), _LAZY_PEER_ACCESS))
+            base = int(self.rt.ipcOpenMemHandle(handle, _LAZY_PEER_ACCESS))
             self._mapped[key] = base
             self.misses += 1
         else:
@@ -107,6 +118,7 @@ class PeerMap:
             except Exception as exc:  # the others must still be closed
                 log.debug("closing a peer mapping failed: %s", exc)
         self._mapped.clear()
+        self._known.clear()
         self._told.clear()
 
 

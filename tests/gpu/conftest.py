@@ -22,3 +22,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "tests/gpu" in str(item.fspath):
             item.add_marker(pytest.mark.skip(reason=f"GPU test: {reason}"))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Print a failure the moment it happens: under mpirun a rank that crashes later would
+    otherwise take the end-of-run summary with it."""
+    if report.failed:
+        import sys
+
+        rank = __import__("os").environ.get("OMPI_COMM_WORLD_RANK", "?")
+        print(f"\n[rank {rank}] FAILED {report.nodeid} ({report.when}):\n{report.longreprtext[-3000:]}",
+              file=sys.stderr, flush=True)
