@@ -140,7 +140,7 @@ class Communicator:
         """The transport chosen for each operation, memory kind and size class, with reasons."""
         return planning.plan_table(
             self.topology.members(), requested=self.config.transport_for(self.name),
-            unavailable=self._unavailable, group=self.name,
+            unavailable=self._unavailable, group=self.name, direct_min=self.config.direct_min,
         )  # fmt: skip
 
     def _transport(self, op: str, buf: Buffer | None) -> Transport:
@@ -164,7 +164,7 @@ class Communicator:
             choice = planning.choose(
                 self.topology.members(), op=op, memory=memory, nbytes=nbytes,
                 requested=self.config.transport_for(self.name), unavailable=self._unavailable,
-                group=self.name,
+                group=self.name, direct_min=self.config.direct_min,
             )  # fmt: skip
             self._choices[key] = choice
             log.info("group '%s': %s on %s %s buffers -> %s (%s)", self.name, op, key[2],

@@ -28,6 +28,10 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "log": ("HETCOMM_LOG", "log level: debug, info, warning (default), error"),
     "stall": ("HETCOMM_STALL", "seconds a wait may last before one stall warning (default 60)"),
     "trace": ("HETCOMM_TRACE", "directory for per-rank Chrome traces of every operation (off)"),
+    "direct_min": (
+        "HETCOMM_DIRECT_MIN",
+        "bytes above which device messages use direct rather than staged (default 0, measured)",
+    ),
 }
 ENV_NAMES = {env: name for name, (env, _) in OPTIONS.items()}
 
@@ -45,6 +49,7 @@ class Config:
     log: str = "warning"
     stall: float = 60.0
     trace: str | None = None
+    direct_min: int = 0
     _transport_map: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -68,6 +73,9 @@ class Config:
             raise ConfigError(f"host: expected a non-empty name, got {self.host!r}")
         if not isinstance(self.rails, str) or not self.rails.strip():
             raise ConfigError(f"rails: expected 'auto' or a list of interfaces, got {self.rails!r}")
+        if isinstance(self.direct_min, bool) or not isinstance(self.direct_min, int) or \
+                self.direct_min < 0:  # fmt: skip
+            raise ConfigError(f"direct_min: expected a number of bytes >= 0, got {self.direct_min!r}")
         if self.log not in LOG_LEVELS:
             raise ConfigError(f"log: expected one of {', '.join(LOG_LEVELS)}, got {self.log!r}")
         object.__setattr__(self, "_transport_map", parse_transport(self.transport))
@@ -169,6 +177,11 @@ def _from_env(name: str, key: str, raw: str) -> Any:
         return raw.lower()
     if name == "trace":
         return raw or None  # HETCOMM_TRACE= (empty) leaves tracing off
+    if name == "direct_min":
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"{key}: expected a number of bytes, got {raw!r}") from None
     return raw
 
 

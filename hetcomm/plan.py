@@ -14,6 +14,10 @@ OPS = (
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
 # Messages at or below this many bytes form the "small" class; the plan may choose per class.
 SMALL_BYTES = 64 * 1024
+# Device messages above this many bytes go direct (peer mapping) rather than staged where both
+# can serve: on the H200 direct was faster from 8 bytes up (docs/BENCHMARKS.md, "direct"), so
+# the default is 0. HETCOMM_DIRECT_MIN overrides it; the plan applies it per size class.
+DIRECT_MIN_BYTES = 0
 SIZE_CLASSES = ("small", "large")
 
 
@@ -58,6 +62,7 @@ def choose(
     requested: str,
     unavailable: Mapping[str, str | None],
     group: str,
+    direct_min: int = DIRECT_MIN_BYTES,
 ) -> Choice:
     """Pick the transport for `op` on `memory` ('host' or 'device') of `nbytes` bytes.
 
@@ -81,7 +86,7 @@ def choose(
         return Choice(requested, "forced by HETCOMM_TRANSPORT")
     if memory == "host":
         return Choice("mpi", "host buffers: MPI moves them directly")
-    return _choose_device(members, op, nbytes, unavailable, not_aware, group)
+    return _choose_device(members, op, nbytes, unavailable, not_aware, group, direct_min)
 
 
 def _cannot(
@@ -114,6 +119,7 @@ def _choose_device(
     unavailable: Mapping[str, str | None],
     not_aware: list[int],
     group: str,
+    direct_min: int = DIRECT_MIN_BYTES,
 ) -> Choice:
     usable = {name for name, reason in unavailable.items() if reason is None}
     vendors = sorted({m.vendor for m in members})
@@ -141,10 +147,14 @@ def _choose_device(
                           f"{len(parts)} vendor islands: native inside, staged/direct between")  # fmt: skip
         rejected.append(f"hier: {unavailable.get('hier') or 'not installed'}")
     hosts = {m.host for m in members}
-    if len(hosts) == 1 and nbytes > SMALL_BYTES:
+    # the crossover applies per size class: a small message goes direct when the class can
+    large = nbytes > SMALL_BYTES
+    if len(hosts) == 1 and (nbytes > direct_min if large else direct_min < SMALL_BYTES):
         if "direct" in usable:
             return Choice("direct", "one host, peer memory mapped: GPU-to-GPU copies")
         rejected.append(f"direct: {unavailable.get('direct') or 'not installed'}")
+    elif len(hosts) == 1:
+        rejected.append(f"direct: messages up to {direct_min} bytes go staged (HETCOMM_DIRECT_MIN)")
     if not_aware:
         rejected.append(f"mpi: not GPU-aware on ranks {not_aware}")
     elif "mpi" in usable:
@@ -200,6 +210,7 @@ def plan_table(
     unavailable: Mapping[str, str | None],
     group: str,
     memories: Sequence[str] = ("host", "device"),
+    direct_min: int = DIRECT_MIN_BYTES,
 ) -> PlanTable:
     """Every (op, memory, size class) choice; a choice that raises shows as 'none' with why."""
     rows = []
@@ -210,7 +221,8 @@ def plan_table(
             for cls, nbytes in (("small", SMALL_BYTES), ("large", SMALL_BYTES * 1024)):
                 try:
                     c = choose(members, op=op, memory=memory, nbytes=nbytes,
-                               requested=requested, unavailable=unavailable, group=group)  # fmt: skip
+                               requested=requested, unavailable=unavailable, group=group,
+                               direct_min=direct_min)  # fmt: skip
                     rows.append((op, memory, cls, c.transport, c.reason))
                 except TransportUnavailable as exc:
                     why = getattr(exc, "why", None) or str(exc).partition(", but ")[2] or str(exc)

@@ -11,6 +11,7 @@ import pytest
 from hetcomm.errors import HetcommError, TransportUnavailable
 from hetcomm.plan import (
     COLLECTIVES,
+    DIRECT_MIN_BYTES,
     OPS,
     SIZE_CLASSES,
     SMALL_BYTES,
@@ -64,7 +65,10 @@ def cpu_only(n: int = 3, hosts: Sequence[str] = ("a",)) -> list[Member]:
 
 def pick(members: Sequence[Member], op: str = "all_reduce", memory: str = "device",
          nbytes: int = LARGE, requested: str = "auto",
-         unavailable: dict[str, str | None] | None = None) -> Choice:  # fmt: skip
+         unavailable: dict[str, str | None] | None = None,
+         direct_min: int = SMALL_BYTES) -> Choice:  # fmt: skip
+    """choose() with the crossover at the size-class boundary (direct for large messages only)
+    unless `direct_min` says otherwise; the default crossover has tests of its own below."""
     return choose(
         members,
         op=op,
@@ -73,6 +77,7 @@ def pick(members: Sequence[Member], op: str = "all_reduce", memory: str = "devic
         requested=requested,
         unavailable=EVERYTHING if unavailable is None else unavailable,
         group="g",
+        direct_min=direct_min,
     )
 
 
@@ -489,7 +494,7 @@ def test_plan_table_rows_cover_every_case() -> None:
 
 def test_plan_table_rows_match_choose() -> None:
     members = mixed(hosts=("a",))
-    table = plan_table(members, requested="auto", unavailable=EVERYTHING, group="g")
+    table = plan_table(members, requested="auto", unavailable=EVERYTHING, group="g", direct_min=SMALL_BYTES)
     for op, memory, cls, transport, reason in table.rows:
         nbytes = SMALL_BYTES if cls == "small" else SMALL_BYTES * 1024
         assert pick(members, op=op, memory=memory, nbytes=nbytes) == Choice(transport, reason)
@@ -502,6 +507,7 @@ def test_plan_table_rows_match_choose() -> None:
 
 def test_plan_table_memories_argument() -> None:
     table = plan_table(mixed(), requested="auto", unavailable=EVERYTHING, group="g",
+                       direct_min=SMALL_BYTES,
                        memories=("device",))  # fmt: skip
     assert [row[:3] for row in table.rows] == expected_keys(("device",))
 
@@ -529,7 +535,8 @@ def test_plan_table_forced_failure_shows_the_reason_only() -> None:
 
 
 def test_plan_table_str_merges_lines() -> None:
-    table = plan_table(mixed(hosts=("a",)), requested="auto", unavailable=EVERYTHING, group="g")
+    table = plan_table(mixed(hosts=("a",)), requested="auto", unavailable=EVERYTHING, group="g",
+                       direct_min=SMALL_BYTES)  # fmt: skip
     assert str(table) == "\n".join([
         "plan of group 'g':",
         "  host   every op -> mpi: host buffers: MPI moves them directly",
@@ -552,7 +559,7 @@ def test_plan_table_str_every_op_for_device() -> None:
 
 def test_plan_table_str_per_size_class() -> None:
     members = [Member(0, "a", "nvidia", "g", True), Member(1, "a", "nvidia", "g", True)]
-    table = plan_table(members, requested="auto", unavailable=EVERYTHING, group="g")
+    table = plan_table(members, requested="auto", unavailable=EVERYTHING, group="g", direct_min=SMALL_BYTES)
     lines = str(table).splitlines()
     assert "  device every op (small) -> mpi: the MPI library is GPU-aware on every member" in lines
     assert (
@@ -599,3 +606,25 @@ def test_plan_table_str_is_built_from_rows() -> None:
         "  device send (large) -> staged: r2",
         "  host   barrier -> mpi: r3",
     ]
+
+
+# ---- the measured crossover between direct and staged ----------------------------------------
+
+
+def test_default_crossover_sends_small_messages_direct_too() -> None:
+    members = [Member(r, "a", "nvidia", "gpu-0", False) for r in range(2)]  # a shared GPU
+    assert DIRECT_MIN_BYTES == 0
+    for nbytes in (8, SMALL_BYTES, LARGE):
+        assert pick(members, nbytes=nbytes, direct_min=DIRECT_MIN_BYTES).transport == "direct"
+
+
+def test_crossover_above_the_small_class_keeps_small_messages_staged() -> None:
+    members = [Member(r, "a", "nvidia", "gpu-0", False) for r in range(2)]
+    small = pick(members, nbytes=8, direct_min=SMALL_BYTES)
+    assert small.transport == "staged"
+    table = plan_table(members, requested="auto", unavailable=EVERYTHING, group="g",
+                       direct_min=SMALL_BYTES)  # fmt: skip
+    assert table.lookup("send", "device", "small")[0] == "staged"
+    assert table.lookup("send", "device", "large")[0] == "direct"
+    huge = pick(members, nbytes=LARGE, direct_min=LARGE * 2)
+    assert huge.transport == "staged"
