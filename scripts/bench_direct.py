@@ -56,6 +56,25 @@ def copy_rate(nbytes: int) -> float:
     return nbytes / statistics.median(times[1:])
 
 
+def kernel_copy_rate(nbytes: int) -> float:
+    """The same copy by hetcomm's 16-byte copy kernel (what direct uses between peers)."""
+    from hetcomm.kernels.device import kernel
+
+    a = cupy.ones(nbytes, dtype=cupy.uint8)
+    b = cupy.empty_like(a)
+    words = nbytes // 16
+    args = (cupy.uint64(b.data.ptr), cupy.uint64(a.data.ptr), cupy.uint64(words))
+    times = []
+    for _ in range(10):
+        s, e = cupy.cuda.Event(), cupy.cuda.Event()
+        s.record()
+        kernel("copy16")((2048,), (512,), args)
+        e.record()
+        e.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(s, e) / 1e3)
+    return nbytes / statistics.median(times[1:])
+
+
 def _comm(transport: str, r: int) -> hetcomm.Communicator:
     return hetcomm.init(config=hetcomm.Config.load(transport=transport,
                                                    vendor=("nvidia", "amd")[r % 2]))
@@ -67,6 +86,8 @@ def p2p(out: str) -> None:
     rows = []
     rate = copy_rate(256 * MiB)
     rows.append({"case": "device-to-device copy", "bytes": 256 * MiB, "GBps": rate / 1e9})
+    rows.append({"case": "copy16 kernel", "bytes": 256 * MiB,
+                 "GBps": kernel_copy_rate(256 * MiB) / 1e9})
     for transport in ("direct", "staged"):
         comm = _comm(transport, r)
         for size in (8, 64 * 1024, 1 * MiB, 16 * MiB, 256 * MiB):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -38,6 +37,7 @@ log = logging.getLogger("hetcomm")
 
 _D2D = 3  # cudaMemcpyDeviceToDevice
 TAG_P2P = 64  # + 2 * user tag: the sender's record; + 1: the receiver's "done"
+TAG_WAKE = 63  # a message the proxy sends itself to leave MPI_Waitany
 _OPS = {ReduceOp.SUM: "Sum", ReduceOp.AVG: "Sum", ReduceOp.PROD: "Prod", ReduceOp.MIN: "Min",
         ReduceOp.MAX: "Max"}  # fmt: skip
 _BOOL_OPS = {ReduceOp.SUM: "Or", ReduceOp.MAX: "Or", ReduceOp.PROD: "And", ReduceOp.MIN: "And"}
@@ -45,7 +45,6 @@ _CTYPES = {"bool": "unsigned char", "uint8": "unsigned char", "int8": "signed ch
            "int16": "short", "int32": "int", "int64": "long long", "float32": "float",
            "float64": "double"}  # fmt: skip
 _THREADS = 512
-_SPIN_POLLS = 2_000  # polls without a pause before the proxy starts to sleep between them
 
 # a step of an operation waits for one of these: an MPI request, a GPU event, or nothing (None)
 Step = Generator[Any, None, None]
@@ -83,26 +82,38 @@ class _Task:
         return self.done
 
 
-def _ready(w: Any) -> bool:
+def _mpi_ready(w: Any) -> bool:
     if w is None:
         return True
-    if isinstance(w, MPI.Request):
-        return bool(w.Test())
     if isinstance(w, list):
         return bool(MPI.Request.Testall(w))
-    return bool(w.done)  # a cupy Event
+    return bool(w.Test())
+
+
+_POKE = np.zeros(1, np.int8)
 
 
 class _Proxy:
     """The thread that progresses every operation of one communicator: collectives one at a
-    time in issue order, point-to-point operations side by side with them."""
+    time in issue order, point-to-point operations side by side with them.
 
-    def __init__(self, device: int, cupy: Any) -> None:
-        self.cupy, self.device = cupy, device
-        self._cond = threading.Condition()
+    It never spins holding the interpreter lock: GPU events are waited for with a blocking
+    synchronize (our own stream's work always finishes), and when no operation can move, the
+    thread blocks in MPI_Waitany over every request it waits for plus a message to itself that
+    each newly queued operation sends (both release the lock and wake within microseconds).
+    """
+
+    def __init__(self, device: int, cupy: Any, svc: MPI.Intracomm) -> None:
+        self.cupy, self.device, self.svc = cupy, device, svc
+        self.rank = svc.Get_rank()
+        self._lock = threading.Lock()
+        self._new: deque[tuple[_Task, bool]] = deque()
         self._colls: deque[_Task] = deque()
         self._p2p: list[_Task] = []
         self._stop = False
+        self._pokes: list[MPI.Request] = []
+        self._wake_buf = np.zeros(1, np.int8)
+        self._wake = svc.Irecv(self._wake_buf, self.rank, TAG_WAKE)
         self.stream: Any = None
         self._thread = threading.Thread(target=self._loop, name="hetcomm-direct-proxy", daemon=True)
         self._started = threading.Event()
@@ -110,21 +121,30 @@ class _Proxy:
         self._started.wait()
 
     def submit(self, task: _Task, collective: bool) -> None:
-        with self._cond:
-            (self._colls.append if collective else self._p2p.append)(task)
-            self._cond.notify()
+        with self._lock:
+            self._new.append((task, collective))
+            self._poke()
 
-    def _advance(self, task: _Task) -> bool:
-        """Run `task` until it waits for something not yet there; True once it has ended."""
+    def _poke(self) -> None:
+        """Wake the thread out of MPI_Waitany (call with the lock held)."""
+        self._pokes = [r for r in self._pokes if not r.Test()]
+        self._pokes.append(self.svc.Isend(_POKE, self.rank, TAG_WAKE))
+
+    @staticmethod
+    def _advance(task: _Task) -> bool:
+        """Run `task` until it waits for an MPI request not yet complete; True once it ended."""
         try:
-            while _ready(task.waiting):
+            while True:
+                w = task.waiting
+                if w is not None and not isinstance(w, (MPI.Request, list)):
+                    w.synchronize()  # a GPU event: finishes on its own, without the lock
+                elif not _mpi_ready(w):
+                    return False
                 task.waiting = next(task.gen)
         except StopIteration:
             task.done = True
         except BaseException as exc:
             task.error = exc
-        else:
-            return False
         task.finished.set()
         return True
 
@@ -132,37 +152,41 @@ class _Proxy:
         self.cupy.cuda.Device(self.device).use()
         self.stream = self.cupy.cuda.Stream(non_blocking=True)
         self._started.set()
-        idle = 0
         while True:
-            with self._cond:
-                while not self._stop and not self._colls and not self._p2p:
-                    self._cond.wait()
-                    idle = 0
+            with self._lock:
                 if self._stop:
                     return
-                head = self._colls[0] if self._colls else None
-                p2p = list(self._p2p)
+                while self._new:
+                    task, collective = self._new.popleft()
+                    (self._colls.append if collective else self._p2p.append)(task)
             moved = False
-            if head is not None and self._advance(head):
-                with self._cond:
-                    self._colls.popleft()
+            while self._colls and self._advance(self._colls[0]):
+                self._colls.popleft()
                 moved = True
-            ended = [t for t in p2p if self._advance(t)]
+            ended = [t for t in self._p2p if self._advance(t)]
             if ended:
-                with self._cond:
-                    self._p2p = [t for t in self._p2p if t not in ended]
+                self._p2p = [t for t in self._p2p if t not in ended]
                 moved = True
-            # waiting on other processes and on the GPU: poll without pause for a while, then
-            # (a late peer) sleep between polls
-            idle = 0 if moved else idle + 1
-            if idle > _SPIN_POLLS:
-                time.sleep(50e-6)
+            if moved:
+                continue
+            waiting: list[MPI.Request] = [self._wake]
+            for t in ([self._colls[0]] if self._colls else []) + self._p2p:
+                w = t.waiting
+                waiting.extend(w if isinstance(w, list) else [w])
+            if MPI.Request.Waitany(waiting) == 0:
+                self._wake = self.svc.Irecv(self._wake_buf, self.rank, TAG_WAKE)
 
     def stop(self) -> None:
-        with self._cond:
+        with self._lock:
             self._stop = True
-            self._cond.notify()
+            self._poke()
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            # the last wake-up receive is still posted: a message of our own completes it
+            if not self._wake.Test():
+                self.svc.Send(_POKE, self.rank, TAG_WAKE)
+                self._wake.Wait()
+            MPI.Request.Waitall(self._pokes)
 
 
 class DirectTransport(Transport):
@@ -182,7 +206,7 @@ class DirectTransport(Transport):
         self.svc: MPI.Intracomm = comm.service
         self.device = cupy.cuda.Device().id
         self.peers = P.PeerMap(cupy)
-        self._proxy = _Proxy(self.device, cupy)
+        self._proxy = _Proxy(self.device, cupy, self.svc)
         self._scratch: list[Any] = []  # two one-shot input buffers, used alternately
         self._flip = 0
         self._others = [p for p in range(self.size) if p != self.rank]
