@@ -2,6 +2,7 @@
 
 mpirun -n 2 python -m mpi4py scripts/bench_direct.py p2p OUT.json
 mpirun -n 4 python -m mpi4py scripts/bench_direct.py allreduce OUT.json
+mpirun -n 2 python -m mpi4py scripts/bench_direct.py profile OUT.json   (where the time goes)
 
 Ranks share the GPU. The copy bandwidth is that of a device-to-device cudaMemcpy of 256 MiB
 (bytes copied per second; a copy reads and writes each byte, so memory traffic is twice that).
@@ -146,6 +147,40 @@ def allreduce(out: str) -> None:
     _save(out, rows, r)
 
 
+def profile(out: str) -> None:
+    """Where the time of one direct operation goes: the proxy's waits, each stamped."""
+    from hetcomm.transports import direct
+
+    world = MPI.COMM_WORLD
+    r = world.Get_rank()
+    comm = _comm("direct", r)
+    rows = []
+    for case, size in (("send/recv", 8), ("send/recv", 256 * MiB), ("all_reduce", 1024),
+                       ("all_reduce", 256 * MiB)):  # fmt: skip
+        x = cupy.ones(max(size // 4, 2), dtype=cupy.float32)
+        y = cupy.empty_like(x)
+        for i in range(6):
+            direct.PROFILE = [] if i == 5 else None
+            world.Barrier()
+            t0 = time.perf_counter()
+            if case == "all_reduce":
+                comm.all_reduce(x)
+            elif r == 0:
+                comm.send(x, 1)
+            elif r == 1:
+                comm.recv(y, 0)
+            t1 = time.perf_counter()
+        marks = [(round((t - t0) * 1e6, 1), what) for t, what in direct.PROFILE or []]
+        rows.append({"case": f"{case} {size} B", "rank": r, "total_us": round((t1 - t0) * 1e6, 1),
+                     "marks_us": marks})
+        direct.PROFILE = None
+    every = world.gather(rows, root=0)
+    comm.close()
+    if r == 0:
+        flat = [row for rank_rows in every for row in rank_rows]
+        _save(out, sorted(flat, key=lambda row: (row["case"], row["rank"])), 0)
+
+
 def _save(out: str, rows: list[dict], rank: int) -> None:
     if rank == 0:
         with open(out, "w") as f:
@@ -155,4 +190,4 @@ def _save(out: str, rows: list[dict], rank: int) -> None:
 
 
 if __name__ == "__main__":
-    {"p2p": p2p, "allreduce": allreduce}[sys.argv[1]](sys.argv[2])
+    {"p2p": p2p, "allreduce": allreduce, "profile": profile}[sys.argv[1]](sys.argv[2])

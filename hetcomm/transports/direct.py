@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -91,6 +92,8 @@ def _mpi_ready(w: Any) -> bool:
 
 
 _POKE = np.zeros(1, np.int8)
+# None, or a list the proxy appends (perf_counter(), what it waited for) to, for profiling
+PROFILE: list[tuple[float, str]] | None = None
 
 
 class _Proxy:
@@ -140,6 +143,9 @@ class _Proxy:
                     w.synchronize()  # a GPU event: finishes on its own, without the lock
                 elif not _mpi_ready(w):
                     return False
+                if PROFILE is not None:
+                    PROFILE.append((time.perf_counter(), "start" if w is None else
+                                    "gpu" if not isinstance(w, (MPI.Request, list)) else "mpi"))
                 task.waiting = next(task.gen)
         except StopIteration:
             task.done = True
