@@ -80,6 +80,33 @@ def trace(params: dict[str, Any]) -> None:
     world.close()
 
 
+def trace_ops(params: dict[str, Any]) -> None:
+    """Every operation once (the small in-place all_reduce three times) on one transport,
+    traced by HETCOMM_TRACE; reports the size each operation should be traced with."""
+    world = hetcomm.init(config=hetcomm.Config.load(transport=params["transport"]), name="ops")
+    n, me = world.size, world.rank
+    small = np.full(4, me + 1.0)
+    for _ in range(3):  # the communicator's short path takes these when tracing is off
+        world.all_reduce(small)
+    x = np.ones(1000, dtype=np.float32)
+    out = np.zeros(1000 * n, dtype=np.float32)
+    world.all_reduce(x, out=x.copy())
+    world.reduce(x, 0)
+    world.broadcast(x, 0)
+    world.all_gather(out, x)
+    world.reduce_scatter(x[: 1000 // n], out[: 1000 // n * n])
+    world.all_to_all(out.copy(), out)
+    sent = world.send(x, (me + 1) % n, tag=1, async_op=True)
+    world.recv(x.copy(), (me - 1) % n, tag=1)
+    sent.wait()  # type: ignore[union-attr]
+    world.barrier()
+    report(ok=bool((small == (n * (n + 1) / 2) * n * n).all()),
+           bytes={"all_reduce": [32, 32, 32, 4000], "reduce": [4000], "broadcast": [4000],
+                  "all_gather": [4000 * n], "reduce_scatter": [1000 // n * n * 4],
+                  "all_to_all": [4000 * n], "send": [4000], "recv": [4000], "barrier": [0]})
+    world.close()
+
+
 # ---- stress ---------------------------------------------------------------------------------
 
 DTYPES = ("int8", "uint8", "int32", "int64", "float16", "float32", "float64")
@@ -378,7 +405,8 @@ def _large_collectives(world: Any, half: int, me: int, other: int, a: _Backing, 
         outside("all_to_all", a, b)
 
 
-SCENARIOS = {"death": death, "stall": stall, "trace": trace, "stress": stress, "large": large}
+SCENARIOS = {"death": death, "stall": stall, "trace": trace, "stress": stress, "large": large,
+             "trace_ops": trace_ops}
 
 if __name__ == "__main__":
     SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
