@@ -10,6 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import plan as planning
+from . import work as _work
 from .arrays import Buffer, as_buffer, overlap
 from .config import Config
 from .errors import CommAborted, InvalidArgument, MismatchError
@@ -261,9 +262,10 @@ class Communicator:
         if self._aborted is not None or self._closed:
             self._check_open()
         if (out is None and not async_op and timeout is None and op.__class__ is ReduceOp
-                and not self._debug):  # fmt: skip
+                and not self._debug and _work._recorder is None):  # fmt: skip
             # small in-place reductions (optimizer scalars, loss values) of numpy arrays and CPU
-            # tensors: every check below still holds, read straight off the array
+            # tensors: every check below still holds, read straight off the array. Not while
+            # tracing is on (or not yet decided): the general path makes the Work it records
             arr = x if type(x) is np.ndarray else _cpu_tensor_array(x)
             if arr is not None:
                 route = self._routes.get(("all_reduce", False, arr.nbytes <= planning.SMALL_BYTES))

@@ -6,8 +6,9 @@ becomes one complete event (`"ph": "X"`): `ts` is when the Work was made and `du
 took until it was seen complete, both in microseconds of wall-clock time (comparable between the
 ranks of one host; between hosts only as far as their clocks agree). `pid` is the rank in
 MPI_COMM_WORLD, `tid` a small number per communicator, named by a `thread_name` metadata event,
-and `args` hold `op`, `seq`, `group`, `transport` and `bytes` (the last two null until the
-transport fills `Work.info`).
+and `args` hold `op`, `seq`, `group` and what the transport put in `Work.info`: `transport`,
+`bytes` (the operation's size on this rank, as nccl-tests counts it) and `stages` (the pieces it
+moved in: MPI calls on the mpi transport, chunks sent and received over rails on staged).
 
 Events are buffered and written every `FLUSH_EVERY` events and at exit; after each write the file
 is a complete JSON document. A rank killed with SIGKILL loses the events since its last write.
@@ -18,8 +19,9 @@ Tracing is decided once per process, by the config of the communicator whose ope
 first (`HETCOMM_TRACE` is read like every option, in hetcomm.config); `enable()` and `disable()`
 switch it by hand. While it is off, a completed operation costs one check of a module variable.
 
-Not traced: operations with nothing to move (already complete when made), operations that fail,
-and the small in-place all_reduce fast path of the communicator, which makes no Work.
+Not traced: operations with nothing to move (already complete when made) and operations that
+fail. The communicator's short path for small in-place all_reduces makes no Work, so it is not
+taken while tracing is on (nor before the first completed operation has decided it).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class TraceWriter:
             tid = self._tids[group] = len(self._tids) + 1
             self._meta("thread_name", tid, {"name": group})
         args: dict[str, Any] = {"op": work.op, "seq": work.seq, "group": group,
-                                "transport": None, "bytes": None}  # fmt: skip
+                                "transport": None, "bytes": None, "stages": None}  # fmt: skip
         if work.info:
             args.update(work.info)
         event = {"name": work.op, "cat": "hetcomm", "ph": "X",

@@ -43,8 +43,9 @@ class Work:
     is complete, and optionally `finish` steps that run once, after completion, on the waiting
     thread (unpacking, averaging).
 
-    `info` is None or a dict a transport may fill with facts for the trace (HETCOMM_TRACE):
-    "transport" (its name), "bytes" (payload bytes of this rank), or anything JSON can hold.
+    `info` is None or a dict a transport fills with facts for the trace (HETCOMM_TRACE):
+    "transport" (its name), "bytes" (the operation's size on this rank), "stages" (the pieces
+    it moved in), or anything JSON can hold.
     """
 
     __slots__ = ("_comm", "_done", "_error", "_finish", "_keep", "_poll", "_t0", "_timeout",

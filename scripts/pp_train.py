@@ -4,6 +4,7 @@ Stage 0 (world ranks 0-1) holds the first layer, stage 1 (ranks 2-3) the second 
 activations go forward and their gradients back over the pp groups, and each stage averages its
 gradients over its dp group. Run under mpirun with 4 ranks (scripts/demo does). The losses and
 final weights are checked against the same model trained in one process on the whole batch.
+`--steps N` trains N steps instead of 25 (scripts/soak uses it for longer runs).
 """
 
 from __future__ import annotations
@@ -18,7 +19,17 @@ from hetcomm.cli import group_plans
 STEPS, BATCH, D_IN, D_HIDDEN, D_OUT, LR = 25, 64, 16, 64, 4, 0.05
 
 
-def make_model_and_data() -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor, torch.Tensor]:
+def steps_from_argv(argv: list[str]) -> int:
+    """N of `--steps N` (default STEPS)."""
+    if not argv:
+        return STEPS
+    if len(argv) != 2 or argv[0] != "--steps" or not argv[1].isdigit() or int(argv[1]) < 1:
+        raise SystemExit(f"usage: pp_train.py [--steps N] (N >= 1), got {' '.join(argv)}")
+    return int(argv[1])
+
+
+def make_model_and_data(steps: int = STEPS) -> tuple[torch.nn.Module, torch.nn.Module,
+                                                     torch.Tensor, torch.Tensor]:  # fmt: skip
     """The same initial weights and data on every rank (fixed seed)."""
     gen = torch.Generator().manual_seed(1234)
     first = torch.nn.Sequential(torch.nn.Linear(D_IN, D_HIDDEN), torch.nn.Tanh())
@@ -26,18 +37,18 @@ def make_model_and_data() -> tuple[torch.nn.Module, torch.nn.Module, torch.Tenso
     with torch.no_grad():
         for p in [*first.parameters(), *second.parameters()]:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    x = torch.randn(STEPS, BATCH, D_IN, generator=gen)
+    x = torch.randn(steps, BATCH, D_IN, generator=gen)
     w_true = torch.randn(D_IN, D_OUT, generator=gen)
     y = torch.sin(x @ w_true)
     return first, second, x, y
 
 
-def reference() -> tuple[list[float], list[torch.Tensor]]:
+def reference(steps: int = STEPS) -> tuple[list[float], list[torch.Tensor]]:
     """The same training in one process, on the whole batch: losses and final parameters."""
-    first, second, x, y = make_model_and_data()
+    first, second, x, y = make_model_and_data(steps)
     params = [*first.parameters(), *second.parameters()]
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         loss = torch.nn.functional.mse_loss(second(first(x[step])), y[step])
         for p in params:
             p.grad = None
@@ -50,6 +61,7 @@ def reference() -> tuple[list[float], list[torch.Tensor]]:
 
 
 def main() -> int:
+    steps = steps_from_argv(sys.argv[1:])
     world = hetcomm.init()
     if world.size != 4:
         raise SystemExit(f"this demo runs on 4 ranks (pp=2 x dp=2), got {world.size}")
@@ -60,17 +72,17 @@ def main() -> int:
     if world.rank == 0:
         print("topology:\n" + world.topology.table() + "\n")
         print(report, "\n", flush=True)
-        print(f"training on {device}: {STEPS} steps, batch {BATCH} split over dp=2, "
+        print(f"training on {device}: {steps} steps, batch {BATCH} split over dp=2, "
               f"stage 0 on ranks 0-1, stage 1 on ranks 2-3\n", flush=True)  # fmt: skip
 
-    first, second, x, y = make_model_and_data()
+    first, second, x, y = make_model_and_data(steps)
     model = (first if stage == 0 else second).to(device)
     params = list(model.parameters())
     half = BATCH // 2
     rows = slice(dp_rank * half, (dp_rank + 1) * half)
     hidden = torch.empty(half, D_HIDDEN, device=device)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         for p in params:
             p.grad = None
         if stage == 0:
@@ -94,7 +106,7 @@ def main() -> int:
             for p in params:
                 p -= LR * p.grad
 
-    ok = check(world, groups, stage, params, losses)
+    ok = check(world, groups, stage, params, losses, steps)
     groups.close()
     world.close()
     return 0 if ok else 1
@@ -116,9 +128,9 @@ def pick_device(groups: hetcomm.ParallelGroups) -> str:
 
 
 def check(world: hetcomm.Communicator, groups: hetcomm.ParallelGroups, stage: int,
-          params: list[torch.Tensor], losses: list[float]) -> bool:  # fmt: skip
+          params: list[torch.Tensor], losses: list[float], steps: int) -> bool:  # fmt: skip
     """Compare losses and parameters with the one-process run; report on rank 0."""
-    ref_losses, ref_params = reference()
+    ref_losses, ref_params = reference(steps)
     mine = ref_params[:2] if stage == 0 else ref_params[2:]
     worst = max(float((p.detach().cpu() - r).abs().max() / (r.abs().max() + 1e-12))
                 for p, r in zip(params, mine))  # fmt: skip

@@ -5,14 +5,16 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from mpi4py import MPI
 
+from ..errors import MismatchError
 from ..ops import ReduceOp
 from ..work import Work
-from . import Transport
+from . import Transport, mpi_chunks
 
 if TYPE_CHECKING:
     from ..arrays import Buffer
@@ -31,18 +33,45 @@ _DATATYPES = {
     "int32": MPI.INT32_T, "int64": MPI.INT64_T, "float32": MPI.FLOAT, "float64": MPI.DOUBLE,
     "float16": MPI.UINT16_T, "bfloat16": MPI.UINT16_T,
 }  # fmt: skip
+_INTS = ("int8", "int16", "int32", "int64", "uint8")
+
+
+def _wrong_integer_ops() -> frozenset[tuple[str, str]]:
+    """(dtype, op) pairs that this MPI library does not reduce the way C integers wrap.
+
+    Open MPI 5.0's vectorized operations (the op/avx component) saturate SUM of 8- and 16-bit
+    integers (127 + 1 gives 127, not -128) once an array holds 16 elements or more. One local
+    MPI_Reduce_local per pair, at import, finds out; hetcomm's own kernels reduce those pairs.
+    """
+    wrong = set()
+    for name in _INTS:
+        dtype = np.dtype(name)
+        big = np.iinfo(dtype).max - 1
+        for op, mpi in ((ReduceOp.SUM, MPI.SUM), (ReduceOp.PROD, MPI.PROD)):
+            a, b = np.full(64, big, dtype), np.full(64, big, dtype)
+            want = (a.astype(np.int64) * b if op is ReduceOp.PROD else a.astype(np.int64) + b)
+            mpi.Reduce_local((a, _DATATYPES[name]), (b, _DATATYPES[name]))
+            if not np.array_equal(b, want.astype(dtype)):
+                wrong.add((name, op.value))
+                if op is ReduceOp.SUM:
+                    wrong.add((name, ReduceOp.AVG.value))
+    return frozenset(wrong)
+
+
 # MPI has no bfloat16 (and float16 only as an extension): those are reduced by hetcomm's own
-# kernels inside user-defined MPI operations, one per (dtype, op), created on first use.
-_HALF_OPS: dict[tuple[str, ReduceOp], MPI.Op] = {}
+# kernels inside user-defined MPI operations, one per (dtype, op), created on first use; so are
+# the integer reductions that the MPI library gets wrong.
+_OWN_OPS: dict[tuple[str, ReduceOp], MPI.Op] = {}
+_WRONG = _wrong_integer_ops()
 _IN_PLACE = MPI.IN_PLACE
 # numpy dtype -> MPI datatype and (numpy dtype, op) -> MPI op, for the dtypes MPI reduces itself
 _FAST_TYPES = {np.dtype(d): t for d, t in _DATATYPES.items()
                if d not in ("bool", "float16", "bfloat16")}  # fmt: skip
 _FAST_OPS = {(dt, op.value): mpi for dt in _FAST_TYPES for op, mpi in _NATIVE_OPS.items()
-             if op is not ReduceOp.AVG}  # fmt: skip
+             if op is not ReduceOp.AVG and (dt.name, op.value) not in _WRONG}  # fmt: skip
 _AVG = ReduceOp.AVG
 _OPS = {(d, op.value): mpi for d in _DATATYPES if d not in ("bool", "float16", "bfloat16")
-        for op, mpi in _NATIVE_OPS.items()}  # fmt: skip
+        for op, mpi in _NATIVE_OPS.items() if (d, op.value) not in _WRONG}  # fmt: skip
 
 
 def mpi_op(dtype: str, op: ReduceOp) -> MPI.Op:
@@ -52,24 +81,22 @@ def mpi_op(dtype: str, op: ReduceOp) -> MPI.Op:
         return found
     if dtype == "bool":
         return _BOOL_OPS[op]
-    if dtype in ("float16", "bfloat16"):
-        key = (dtype, op)
-        found = _HALF_OPS.get(key)
-        if found is None:
-            found = _HALF_OPS[key] = MPI.Op.Create(_half_reducer(dtype, op), commute=True)
-        return found
-    return _NATIVE_OPS[op]
+    key = (dtype, op)
+    found = _OWN_OPS.get(key)
+    if found is None:
+        found = _OWN_OPS[key] = MPI.Op.Create(_own_reducer(dtype, op), commute=True)
+    return found
 
 
-def _half_reducer(dtype: str, op: ReduceOp) -> Callable[[Any, Any, Any], None]:
+def _own_reducer(dtype: str, op: ReduceOp) -> Callable[[Any, Any, Any], None]:
     from ..kernels import reduce as kr
 
     kind = "sum" if op is ReduceOp.AVG else op.value
-    combine = kr.combine
+    combine, storage = kr.combine, kr.storage_dtype(dtype)
 
     def reducer(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
         combine(
-            np.frombuffer(inoutbuf, dtype=np.uint16), np.frombuffer(inbuf, dtype=np.uint16),
+            np.frombuffer(inoutbuf, dtype=storage), np.frombuffer(inbuf, dtype=storage),
             kind, dtype,
         )  # fmt: skip
 
@@ -162,9 +189,28 @@ class MpiTransport(Transport):
         lane = self._lane
         with lane.lock:
             if nbytes <= LANE_BYTES and lane.idle():
-                return Work(self.comm, op, seq, nonblocking().Test, finish)
+                work = Work(self.comm, op, seq, nonblocking().Test, finish)
+                work.info = {"transport": "mpi", "bytes": nbytes, "stages": 1}
+                return work
             job = lane.submit(blocking)
-        return Work(self.comm, op, seq, job.is_set, [job.check, *finish], waiter=job.wait)
+        work = Work(self.comm, op, seq, job.is_set, [job.check, *finish], waiter=job.wait)
+        work.info = {"transport": "mpi", "bytes": nbytes, "stages": 1}
+        return work
+
+    def _start_calls(self, op: str, seq: int, nbytes: int, calls: Sequence[Callable[[], Any]],
+                     finish: Sequence[Callable[[], None]] = ()) -> Work:  # fmt: skip
+        """An operation cut into several blocking MPI calls (large counts): all of them, in
+        order, as one job of the lane."""
+
+        def run() -> None:
+            for call in calls:
+                call()
+
+        with self._lane.lock:
+            job = self._lane.submit(run)
+        work = Work(self.comm, op, seq, job.is_set, [job.check, *finish], waiter=job.wait)
+        work.info = {"transport": "mpi", "bytes": nbytes, "stages": len(calls)}
+        return work
 
     def _average(self, buf: Buffer) -> list[Callable[[], None]]:
         from ..kernels import reduce as kr
@@ -175,9 +221,16 @@ class MpiTransport(Transport):
 
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
         dt = _DATATYPES[x.dtype]
-        send = _IN_PLACE if out is x else (x.host, dt)
-        recv, mop, mpi = (out.host, dt), mpi_op(x.dtype, op), self._mpi
+        mop, mpi = mpi_op(x.dtype, op), self._mpi
         finish = self._average(out) if op is _AVG else ()
+        spans = _spans(out)
+        if len(spans) > 1:
+            xs, os_ = _flat(x), _flat(out)
+            calls = [partial(mpi.Allreduce, _IN_PLACE if out is x else (xs[s : s + n], dt),
+                             (os_[s : s + n], dt), mop) for s, n in spans]  # fmt: skip
+            return self._start_calls("all_reduce", seq, out.nbytes, calls, finish)
+        send = _IN_PLACE if out is x else (x.host, dt)
+        recv = (out.host, dt)
         return self._start("all_reduce", seq, out.nbytes, lambda: mpi.Iallreduce(send, recv, mop),
                            lambda: mpi.Allreduce(send, recv, mop), finish)  # fmt: skip
 
@@ -187,6 +240,8 @@ class MpiTransport(Transport):
         mop = _FAST_OPS.get((x.dtype, op._value_))
         flags = x.flags
         if mop is None or not flags.c_contiguous or not flags.writeable or x.nbytes > LANE_BYTES:
+            return False
+        if x.nbytes > mpi_chunks.MAX_CALL_BYTES:  # only where a test has lowered the limit
             return False
         lane = self._lane
         with lane.lock:
@@ -200,49 +255,179 @@ class MpiTransport(Transport):
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
         dt, mpi = _DATATYPES[x.dtype], self._mpi
         mop = mpi_op(x.dtype, op)
+        at_root = mpi.Get_rank() == root
+        finish = self._average(x) if at_root and op is _AVG else ()
+        spans = _spans(x)
+        if len(spans) > 1:
+            xs = _flat(x)
+            calls = [partial(mpi.Reduce, _IN_PLACE, (xs[s : s + n], dt), mop, root) if at_root
+                     else partial(mpi.Reduce, (xs[s : s + n], dt), None, mop, root)
+                     for s, n in spans]  # fmt: skip
+            return self._start_calls("reduce", seq, x.nbytes, calls, finish)
         send: Any
         recv: Any
-        if mpi.Get_rank() == root:
+        if at_root:
             send, recv = _IN_PLACE, (x.host, dt)
-            finish = self._average(x) if op is ReduceOp.AVG else ()
         else:
-            send, recv, finish = (x.host, dt), None, ()
+            send, recv = (x.host, dt), None
         return self._start("reduce", seq, x.nbytes, lambda: mpi.Ireduce(send, recv, mop, root),
                            lambda: mpi.Reduce(send, recv, mop, root), finish)  # fmt: skip
 
     def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
-        buf, mpi = (x.host, _DATATYPES[x.dtype]), self._mpi
+        dt, mpi = _DATATYPES[x.dtype], self._mpi
+        spans = _spans(x)
+        if len(spans) > 1:
+            xs = _flat(x)
+            calls = [partial(mpi.Bcast, (xs[s : s + n], dt), root) for s, n in spans]
+            return self._start_calls("broadcast", seq, x.nbytes, calls)
+        buf = (x.host, dt)
         return self._start("broadcast", seq, x.nbytes, lambda: mpi.Ibcast(buf, root),
                            lambda: mpi.Bcast(buf, root))  # fmt: skip
 
     def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
         dt, mpi = _DATATYPES[x.dtype], self._mpi
+        spans = _spans(x, mpi.Get_size())
+        if len(spans) > 1:
+            # share [s, s+n) of every rank's x lands at s of its block of out: one derived
+            # datatype per share, its extent one block, so that rank i's share goes to block i
+            xs, o = _flat(x), _flat(out)
+
+            def gather(t: MPI.Datatype, s: int, n: int) -> None:
+                mpi.Allgather((xs[s : s + n], dt), (o, 1, t))
+
+            calls = [partial(_with_block_type, dt, s, n, x.nbytes, partial(gather, s=s, n=n))
+                     for s, n in spans]  # fmt: skip
+            return self._start_calls("all_gather", seq, out.nbytes, calls)
         send, recv = (x.host, dt), (out.host, dt)
         return self._start("all_gather", seq, out.nbytes, lambda: mpi.Iallgather(send, recv),
                            lambda: mpi.Allgather(send, recv))  # fmt: skip
 
     def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
         dt, mpi = _DATATYPES[x.dtype], self._mpi
-        send, recv, mop = (x.host, dt), (out.host, dt), mpi_op(x.dtype, op)
-        finish = self._average(out) if op is ReduceOp.AVG else ()
+        mop = mpi_op(x.dtype, op)
+        finish = self._average(out) if op is _AVG else ()
+        size, me = mpi.Get_size(), mpi.Get_rank()
+        spans = _spans(out, size)
+        if len(spans) > 1:
+            # a built-in MPI operation cannot reduce a derived datatype: each share of block i
+            # is reduced into rank i's out by a reduce rooted there (x and out never overlap:
+            # the communicator copies an x that overlaps out)
+            xs, o, block = _flat(x), _flat(out), out.count
+            calls = [partial(mpi.Reduce, (xs[i * block + s : i * block + s + n], dt),
+                             (o[s : s + n], dt) if i == me else None, mop, i)
+                     for s, n in spans for i in range(size)]  # fmt: skip
+            return self._start_calls("reduce_scatter", seq, x.nbytes, calls, finish)
+        send, recv = (x.host, dt), (out.host, dt)
         return self._start("reduce_scatter", seq, x.nbytes,
                            lambda: mpi.Ireduce_scatter_block(send, recv, mop),
                            lambda: mpi.Reduce_scatter_block(send, recv, mop), finish)  # fmt: skip
 
     def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
         dt, mpi = _DATATYPES[x.dtype], self._mpi
+        size = mpi.Get_size()
+        spans = _spans(out, size, size)
+        if len(spans) > 1:
+            # share [s, s+n) of every block, on both sides: one derived datatype per share
+            xs, o, block = _flat(x), _flat(out), x.count // size
+
+            def exchange(t: MPI.Datatype) -> None:
+                mpi.Alltoall((xs, 1, t), (o, 1, t))
+
+            calls = [partial(_with_block_type, dt, s, n, block * x.itemsize, exchange)
+                     for s, n in spans]  # fmt: skip
+            return self._start_calls("all_to_all", seq, x.nbytes, calls)
         send, recv = (x.host, dt), (out.host, dt)
         return self._start("all_to_all", seq, x.nbytes, lambda: mpi.Ialltoall(send, recv),
                            lambda: mpi.Alltoall(send, recv))  # fmt: skip
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
-        req = self._mpi.Isend((x.host, _DATATYPES[x.dtype]), dst, tag)
-        return Work(self.comm, "send", seq, req.Test)
+        dt, spans = _DATATYPES[x.dtype], _spans(x)
+        if len(spans) == 1:
+            work = Work(self.comm, "send", seq, self._mpi.Isend((x.host, dt), dst, tag).Test)
+        else:
+            # MPI keeps messages of one sender, tag and communicator in order: the receiver's
+            # pieces match the sender's one by one
+            xs = _flat(x)
+            reqs = [self._mpi.Isend((xs[s : s + n], dt), dst, tag) for s, n in spans]
+            work = Work(self.comm, "send", seq, partial(MPI.Request.Testall, reqs))
+        work.info = {"transport": "mpi", "bytes": x.nbytes, "stages": len(spans)}
+        return work
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
-        req = self._mpi.Irecv((x.host, _DATATYPES[x.dtype]), src, tag)
-        return Work(self.comm, "recv", seq, req.Test)
+        spans = _spans(x)
+        work = Work(self.comm, "recv", seq, _Receive(self._mpi, x, src, tag, spans).poll)
+        work.info = {"transport": "mpi", "bytes": x.nbytes, "stages": len(spans)}
+        return work
 
     def barrier(self, seq: int) -> Work:
         mpi = self._mpi
         return self._start("barrier", seq, 0, mpi.Ibarrier, mpi.Barrier)
+
+
+class _Receive:
+    """A receive that checks the size of what arrived: a sender of another size raises
+    MismatchError naming both sizes (MPI itself accepts a shorter message silently and fails a
+    longer one with MPI_ERR_TRUNCATE). The data goes straight into the caller's array, so on a
+    mismatch it may hold the first part of the message; probing each message first would keep
+    it untouched, at the price of posting every receive late (measured: slower)."""
+
+    def __init__(self, mpi: MPI.Intracomm, x: Buffer, src: int, tag: int,
+                 spans: list[tuple[int, int]]) -> None:  # fmt: skip
+        self.src, self.nbytes, self.itemsize = src, x.nbytes, x.itemsize
+        dt = _DATATYPES[x.dtype]
+        if len(spans) == 1:
+            self.reqs = [mpi.Irecv((x.host, dt), src, tag)]
+        else:
+            # MPI keeps messages of one sender, tag and communicator in order: the receiver's
+            # pieces match the sender's one by one
+            xs = _flat(x)
+            self.reqs = [mpi.Irecv((xs[s : s + n], dt), src, tag) for s, n in spans]
+        self.spans = spans
+        self.statuses = [MPI.Status() for _ in spans]
+
+    def poll(self) -> bool:
+        try:
+            if not MPI.Request.Testall(self.reqs, self.statuses):
+                return False
+        except MPI.Exception as exc:
+            # one request fails with ERR_TRUNCATE; Testall says ERR_IN_STATUS and the status
+            # holds the reason
+            errors = {exc.Get_error_class(),
+                      *(MPI.Get_error_class(st.Get_error()) for st in self.statuses)}  # fmt: skip
+            if MPI.ERR_TRUNCATE not in errors:
+                raise
+            raise MismatchError(f"receive from rank {self.src}: the sender has more than "
+                                f"{self.nbytes} bytes, this receive takes {self.nbytes}") from None  # fmt: skip
+        for (_, n), status in zip(self.spans, self.statuses):
+            got = status.Get_count(MPI.BYTE)
+            if got != n * self.itemsize:
+                sent = got if len(self.spans) == 1 else f"a piece of {got}"
+                raise MismatchError(f"receive from rank {self.src}: the sender has {sent} "
+                                    f"bytes, this receive takes {n * self.itemsize}")  # fmt: skip
+        return True
+
+
+def _spans(buf: Buffer, blocks: int = 1, parts: int = 1) -> list[tuple[int, int]]:
+    """The calls `buf` (of `parts` equal parts, moved `blocks` at a time) is cut into: one,
+    unless an MPI count would pass 2^31 (see mpi_chunks). Device buffers are not cut."""
+    if buf.nbytes * blocks // parts <= mpi_chunks.MAX_CALL_BYTES or buf.host is None:
+        return [(0, buf.count // parts)]
+    return mpi_chunks.element_spans(buf.count // parts, buf.itemsize, blocks)
+
+
+def _flat(buf: Buffer) -> np.ndarray:
+    assert buf.host is not None and buf.contiguous, "cut calls need contiguous host buffers"
+    return buf.host.reshape(-1)
+
+
+def _with_block_type(base: MPI.Datatype, start: int, count: int, extent: int,
+                     call: Callable[[MPI.Datatype], Any]) -> None:  # fmt: skip
+    """`call(t)` with a datatype of `count` elements `start` elements into a block of `extent`
+    bytes, freed afterwards."""
+    size = base.Get_size()
+    t = base.Create_hindexed([count], [start * size]).Create_resized(0, extent)
+    t.Commit()
+    try:
+        call(t)
+    finally:
+        t.Free()

@@ -139,6 +139,7 @@ class StagedTransport(Transport):
         self._gpu: Any = None
         self.stats: dict[str, int] = {}
         self._stats_lock = threading.Lock()
+        self._counting = threading.local()  # .info: the trace facts of the op a driver runs
         self._control = threading.Thread(target=self._control_loop, daemon=True,
                                           name="hetcomm-control")  # fmt: skip
         self._control.start()
@@ -522,6 +523,8 @@ class StagedTransport(Transport):
             self.channel(peer, deadline)
         spans = chunk_spans(region.nbytes, self.chunk_bytes)
         op = _Op(peer, region, spans, ready=ready, left=len(spans))
+        if peer != self.rank:
+            self._count(len(spans))
         op_id = next(self._op_ids)
         self._ops[op_id] = op
         if not spans:
@@ -538,6 +541,7 @@ class StagedTransport(Transport):
         remote, expected = self._await_cts(peer, kind, k1, k2, deadline)
         spans = chunk_spans(region.nbytes, self.chunk_bytes)
         op = _Op(peer, region, spans, remote=remote, ready=ready, left=len(spans))
+        self._count(len(spans))
         if expected != region.nbytes:
             exc = MismatchError(f"rank {self.rank} sends {region.nbytes} bytes, rank {peer} "
                                 f"receives {expected}")  # fmt: skip
@@ -597,8 +601,12 @@ class StagedTransport(Transport):
         return Region(buf.nbytes, None, buf.ptr)
 
     def _run(self, op: str, seq: int, bufs: list[Buffer], body: Callable[[float, Any], None],
-             reduce_op: ReduceOp | None = None) -> Work:  # fmt: skip
-        """Start `body(deadline, ready)` on a driver thread; the Work completes with it."""
+             reduce_op: ReduceOp | None = None, nbytes: int | None = None) -> Work:  # fmt: skip
+        """Start `body(deadline, ready)` on a driver thread; the Work completes with it.
+
+        Its `info` (for the trace) counts as stages the chunks this rank sends and receives
+        over rails; `nbytes` is the operation's size (default: the first buffer's).
+        """
         gpu = self._device(bufs)
         ready = None
         if gpu is not None:
@@ -608,16 +616,29 @@ class StagedTransport(Transport):
             # by Work.wait() returning after every copy has finished (see docs/staged.md)
             ready = gpu.ready_event(bufs[0])
         deadline = time.monotonic() + self.timeout
+        info = {"transport": "staged", "bytes": bufs[0].nbytes if nbytes is None else nbytes,
+                "stages": 0}  # fmt: skip
 
         def task() -> None:
+            self._counting.info = info
             try:
                 body(deadline, ready)
             except PeerTimeout as exc:
                 raise CommTimeout(self.comm.name, op, seq, self.timeout, exc.ranks,
                                   str(exc)) from None  # fmt: skip
+            finally:
+                self._counting.info = None
 
         future = self._driver.submit(task)
-        return Work(self.comm, op, seq, future.done, [future.result])
+        work = Work(self.comm, op, seq, future.done, [future.result])
+        work.info = info
+        return work
+
+    def _count(self, chunks: int) -> None:
+        """Add `chunks` to the stages of the operation that this driver thread runs."""
+        info = getattr(self._counting, "info", None)
+        if info is not None:
+            info["stages"] += chunks
 
     def _device(self, bufs: list[Buffer]) -> Any:
         if not any(b.on_device for b in bufs):
@@ -677,21 +698,25 @@ class StagedTransport(Transport):
     def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
         from . import staged_collectives as C
 
-        return self._run("all_gather", seq, [out, x], C.all_gather(self, out, x, seq))
+        return self._run("all_gather", seq, [out, x], C.all_gather(self, out, x, seq),
+                         nbytes=out.nbytes)  # fmt: skip
 
     def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
         from . import staged_collectives as C
 
         return self._run("reduce_scatter", seq, [out, x],
-                         C.reduce_scatter(self, out, x, op, seq), op)  # fmt: skip
+                         C.reduce_scatter(self, out, x, op, seq), op, x.nbytes)  # fmt: skip
 
     def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
         from . import staged_collectives as C
 
-        return self._run("all_to_all", seq, [out, x], C.all_to_all(self, out, x, seq))
+        return self._run("all_to_all", seq, [out, x], C.all_to_all(self, out, x, seq),
+                         nbytes=x.nbytes)  # fmt: skip
 
     def barrier(self, seq: int) -> Work:
-        return Work(self.comm, "barrier", seq, self.svc.Ibarrier().Test, ())
+        work = Work(self.comm, "barrier", seq, self.svc.Ibarrier().Test, ())
+        work.info = {"transport": "staged", "bytes": 0, "stages": 0}
+        return work
 
     def close(self) -> None:
         if self._closed:

@@ -175,3 +175,29 @@ def test_all_to_all(comm, rng, errors, lib, dtype):
             errors += compare(x.values(), want, f"in place, {case}")
             errors.expect(x.intact(), f"in place, {case}: wrote outside x")
     errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", ["int8", "int16", "int32", "int64", "uint8"])
+def test_integer_sums_and_products_wrap(comm, rng, errors, dtype):
+    """Integers wrap around as C's do, for arrays long enough for an MPI library's vectorized
+    reductions (Open MPI 5.0's saturate 8- and 16-bit sums: 127 + 1 gave 127)."""
+    info = np.iinfo(dtype)
+    n = 1000
+    # every rank's values, large enough that their sum and product leave the dtype's range
+    stack = rng.integers(info.max // 2, info.max, size=(comm.size, n), endpoint=True)
+    for op, fold in ((ReduceOp.SUM, np.add), (ReduceOp.PROD, np.multiply)):
+        want = stack[0].astype(dtype)
+        for row in stack[1:]:
+            want = fold(want, row.astype(dtype), dtype=dtype)  # numpy wraps in the dtype
+        x = stack[comm.rank].astype(dtype)
+        if errors.run(f"all_reduce {op}", comm.all_reduce, x, op):
+            errors.expect(np.array_equal(x, want), f"all_reduce {op} {dtype}: got {x[:4]}, "
+                          f"want {want[:4]}")  # fmt: skip
+        out = np.zeros(n // comm.size, dtype)
+        full = np.resize(stack[comm.rank], (n // comm.size) * comm.size).astype(dtype)
+        if errors.run(f"reduce_scatter {op}", comm.reduce_scatter, out, full, op):
+            block = slice(comm.rank * len(out), (comm.rank + 1) * len(out))
+            errors.expect(np.array_equal(out, want[block]), f"reduce_scatter {op} {dtype}: got "
+                          f"{out[:4]}, want {want[block][:4]}")  # fmt: skip
+    errors.verify()

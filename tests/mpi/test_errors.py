@@ -75,9 +75,16 @@ def test_out_with_wrong_dtype_or_count(comm, errors):
             lambda: comm.all_to_all(odd_out, odd), (str(size * 2 + 1),)),
         "all_to_all out count": (
             lambda: comm.all_to_all(fewer, blocks), (f"got {size * 2 - 1}",)),
+        "reduce_scatter out dtype": (
+            lambda: comm.reduce_scatter(part64, even), ("float32", "float64")),
+        "all_to_all out dtype": (lambda: comm.all_to_all(blocks32, blocks), ("int64", "int32")),
+        "all_gather out empty": (lambda: comm.all_gather(empty, x), (f"{size * 5}", "got 0")),
+        "all_reduce out empty": (lambda: comm.all_reduce(x, out=empty), ("5", "got 0")),
     }  # fmt: skip
+    part64, blocks32 = np.full(3, 9.0), np.zeros(size * 2, dtype=np.int32)
+    empty = np.zeros(0, dtype=np.float32)
     buffers = (x, out64, short, t, t_out, gathered, wrong, uneven, part, even, big, odd, odd_out,
-               blocks, fewer)  # fmt: skip
+               blocks, fewer, part64, blocks32, empty)  # fmt: skip
     expect_raises(errors, hetcomm.InvalidArgument, cases, buffers)
     errors.verify()
 
@@ -123,6 +130,80 @@ def test_read_only_outputs(comm, errors):
         "recv": (lambda: comm.recv(ro, 0), ("read-only",)),
     }
     expect_raises(errors, hetcomm.InvalidArgument, cases, (x, ones, ro, ro_all, ro_one, ro_size))
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_read_only_where_only_some_ranks_write(comm, errors):
+    """reduce writes x at the root only, broadcast everywhere but the root: only the ranks
+    that would write make the bad call (the others stay out of it), and each of them raises."""
+    root = comm.size - 1
+    ro = _readonly(np.arange(4, dtype=np.float64))
+    cases: Cases = {}
+    if comm.rank == root:
+        cases["reduce at the root"] = (lambda: comm.reduce(ro, root), ("read-only", "root"))
+    else:
+        cases["broadcast off the root"] = (lambda: comm.broadcast(ro, root), ("read-only",))
+    expect_raises(errors, hetcomm.InvalidArgument, cases, (ro,))
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_arrays_on_unsupported_devices(comm, errors):
+    """A tensor on a device hetcomm cannot reach (torch's meta device), as x or as out of any
+    operation, and a sparse tensor, raise naming what arrived."""
+    size = comm.size
+    x, xs = np.zeros(4, dtype=np.float32), np.zeros(4 * size, dtype=np.float32)
+    meta, meta_all = torch.zeros(4, device="meta"), torch.zeros(4 * size, device="meta")
+    sparse = torch.zeros(4).to_sparse()
+    cases: Cases = {
+        "all_reduce x": (lambda: comm.all_reduce(meta), ("meta",)),
+        "all_reduce out": (lambda: comm.all_reduce(x, out=meta), ("meta",)),
+        "reduce x": (lambda: comm.reduce(meta, 0), ("meta",)),
+        "broadcast x": (lambda: comm.broadcast(meta, 0), ("meta",)),
+        "all_gather x": (lambda: comm.all_gather(xs, meta), ("meta",)),
+        "all_gather out": (lambda: comm.all_gather(meta_all, x), ("meta",)),
+        "reduce_scatter x": (lambda: comm.reduce_scatter(x, meta_all), ("meta",)),
+        "reduce_scatter out": (lambda: comm.reduce_scatter(meta, xs), ("meta",)),
+        "all_to_all x": (lambda: comm.all_to_all(xs, meta_all), ("meta",)),
+        "all_to_all out": (lambda: comm.all_to_all(meta_all, xs), ("meta",)),
+        "send x": (lambda: comm.send(meta, 0), ("meta",)),
+        "recv x": (lambda: comm.recv(meta, 0), ("meta",)),
+        "all_reduce sparse": (lambda: comm.all_reduce(sparse), ("sparse",)),
+    }
+    expect_raises(errors, hetcomm.InvalidArgument, cases, (x, xs))
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_receive_of_another_size_raises(comm, errors):
+    """Rank 0 sends 5 float32; rank 1 receives them into 8, then into 3: each receive raises
+    MismatchError naming the rank and the sizes (the sender either completes or raises
+    MismatchError too, depending on the transport). The staged transport, which agrees on the
+    size before sending, leaves the array as it was; the mpi transport receives straight into
+    it, so it may hold the first part of the message, but nothing else. Then a matching pair
+    works."""
+    if comm.rank == 0:
+        for _ in range(2):
+            try:
+                comm.send(np.arange(5, dtype=np.float32), 1, tag=4, timeout=30)
+            except hetcomm.MismatchError:
+                pass
+            except Exception as exc:
+                errors.append(f"send: {type(exc).__name__}: {exc}")
+        errors.run("matching send", comm.send, np.arange(5, dtype=np.float32), 1, tag=5)
+    elif comm.rank == 1:
+        for n in (8, 3):
+            y = np.full(n, -1.0, dtype=np.float32)
+            cases: Cases = {f"recv into {n}": (lambda y=y: comm.recv(y, 0, tag=4, timeout=30),
+                                               ("rank 0", f"takes {4 * n}"))}  # fmt: skip
+            expect_raises(errors, hetcomm.MismatchError, cases)
+            k = min(n, 5)
+            prefix = np.concatenate([np.arange(k), np.full(n - k, -1.0)])
+            errors.expect((y == -1).all() or (y == prefix).all(), f"recv into {n}: y is {y}")
+        y = np.zeros(5, dtype=np.float32)
+        if errors.run("matching recv", comm.recv, y, 0, tag=5):
+            errors.expect((y == np.arange(5)).all(), f"matching recv got {y}")
     errors.verify()
 
 
@@ -174,8 +255,15 @@ def test_unsupported_dtypes(comm, errors):
         name = what.split()[1]
         cases |= {
             f"all_reduce {what}": (lambda a=a: comm.all_reduce(a), (name,)),
+            f"all_reduce out {what}": (lambda a=a: comm.all_reduce(ok, out=a), (name,)),
+            f"reduce {what}": (lambda a=a: comm.reduce(a, 0), (name,)),
             f"broadcast {what}": (lambda a=a: comm.broadcast(a, 0), (name,)),
             f"all_gather out {what}": (lambda a=a: comm.all_gather(a, ok), (name,)),
+            f"all_gather x {what}": (lambda a=a: comm.all_gather(ok, a), (name,)),
+            f"reduce_scatter x {what}": (lambda a=a: comm.reduce_scatter(ok, a), (name,)),
+            f"all_to_all x {what}": (lambda a=a: comm.all_to_all(ok, a), (name,)),
+            f"send {what}": (lambda a=a: comm.send(a, 0), (name,)),
+            f"recv {what}": (lambda a=a: comm.recv(a, 0), (name,)),
         }
     expect_raises(errors, hetcomm.DtypeError, cases, (ok, *arrays.values()))
     errors.verify()

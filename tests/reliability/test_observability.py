@@ -7,6 +7,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
@@ -53,3 +55,28 @@ def test_stall_warning_in_a_job(job: Any) -> None:
     assert warnings[0].startswith("hetcomm WARNING: group 'stalled': all_reduce #1 has waited 0.")
     assert "ranks being waited for: unknown" in warnings[0]
     assert result.results[0]["waited"] > 2
+
+
+@pytest.mark.parametrize("transport", ["mpi", "staged"], ids=["on-mpi", "on-staged"])
+def test_every_operation_is_traced_with_its_transport_facts(job: Any, tmp_path: Path,
+                                                            transport: str) -> None:  # fmt: skip
+    """Each operation makes one event whose args name the transport, the operation's size and
+    its stages, on every transport; small in-place all_reduces (which take a short path
+    without a Work while tracing is off) are traced too."""
+    d = tmp_path / "traces"
+    result = job(2, "trace_ops", {"transport": transport}, 120, HETCOMM_TRACE=str(d),
+                 HETCOMM_TIMEOUT="60")  # fmt: skip
+    ranks = result.ranks(2)
+    assert result.returncode == 0 and all(r["ok"] for r in ranks), result.explain()
+    for r in ranks:
+        data = json.loads((d / f"trace-rank{r['rank']:05d}.json").read_text())
+        spans = [e for e in data["traceEvents"] if e["ph"] == "X" and e["args"]["group"] == "ops"]
+        got: dict[str, list[int]] = {}
+        for e in spans:
+            args = e["args"]
+            assert args["transport"] == transport, args
+            assert isinstance(args["stages"], int) and args["stages"] >= 0, args
+            if args["bytes"] and transport == "mpi":
+                assert args["stages"] >= 1, args
+            got.setdefault(e["name"], []).append(args["bytes"])
+        assert got == r["bytes"], f"rank {r['rank']}: traced {got}, expected {r['bytes']}"

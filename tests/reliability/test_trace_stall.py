@@ -146,7 +146,7 @@ def test_tracing_off_records_nothing(tmp_path: Path) -> None:
 def test_tracing_decided_by_the_config(tmp_path: Path) -> None:
     d = tmp_path / "traces"
     comm = fake_comm("world", trace=str(d))
-    _complete(comm, "all_reduce", 1, {"transport": "mpi", "bytes": 4096})
+    _complete(comm, "all_reduce", 1, {"transport": "mpi", "bytes": 4096, "stages": 1})
     _complete(comm, "broadcast", 2)
     writer = trace.current()
     assert writer is not None and writer.count == 2
@@ -156,8 +156,9 @@ def test_tracing_decided_by_the_config(tmp_path: Path) -> None:
     assert [e["name"] for e in spans] == ["all_reduce", "broadcast"]
     first = spans[0]
     assert first["args"] == {"op": "all_reduce", "seq": 1, "group": "world", "transport": "mpi",
-                             "bytes": 4096}  # fmt: skip
-    assert spans[1]["args"]["transport"] is None and spans[1]["args"]["bytes"] is None
+                             "bytes": 4096, "stages": 1}  # fmt: skip
+    assert {k: spans[1]["args"][k] for k in ("transport", "bytes", "stages")} == dict.fromkeys(
+        ("transport", "bytes", "stages"))  # fmt: skip
     assert first["pid"] == 0 and first["dur"] >= 0
     assert abs(first["ts"] / 1e6 - time.time()) < 60  # wall-clock microseconds
     names = {e["tid"]: e["args"]["name"] for e in data["traceEvents"]
