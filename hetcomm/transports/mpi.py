@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import MismatchError
+from ..errors import MismatchError, TransportUnavailable
 from ..ops import ReduceOp
 from ..work import Work
 from . import Transport, mpi_chunks
@@ -179,6 +179,27 @@ class MpiTransport(Transport):
         super().__init__(comm)
         self._mpi: MPI.Intracomm = comm.mpi
         self._lane = _Lane()
+        members = comm.topology.members()
+        self._not_aware = [m.rank for m in members if not m.gpu_aware]
+
+    def _mem(self, buf: Buffer) -> Any:
+        """What MPI gets for `buf`: the host view, or (a GPU-aware MPI only) the device memory,
+        once the work queued on the array's stream is done. A device pointer never reaches an
+        MPI library that is not GPU-aware: that would crash it."""
+        if buf.host is not None:
+            return buf.host
+        if self._not_aware:
+            raise TransportUnavailable(
+                f"group '{self.comm.name}': the MPI library is not GPU-aware on ranks "
+                f"{self._not_aware}; it cannot take {buf.describe()} (a device pointer would "
+                "crash it)"
+            )
+        import cupy
+
+        from ..kernels.device import current_stream
+
+        cupy.cuda.ExternalStream(current_stream(buf), buf.device_index).synchronize()
+        return MPI.buffer.fromaddress(buf.ptr, buf.nbytes)
 
     @classmethod
     def unavailable(cls, topology: Topology) -> str | None:
@@ -212,14 +233,34 @@ class MpiTransport(Transport):
         work.info = {"transport": "mpi", "bytes": nbytes, "stages": len(calls)}
         return work
 
+    def _reducible(self, buf: Buffer) -> None:
+        if buf.host is None and buf.dtype in ("float16", "bfloat16"):
+            raise TransportUnavailable(
+                f"group '{self.comm.name}': MPI cannot reduce {buf.dtype} device arrays (its "
+                "user-defined operations run on the host); use the staged or direct transport"
+            )
+
     def _average(self, buf: Buffer) -> list[Callable[[], None]]:
         from ..kernels import reduce as kr
 
-        assert buf.host is not None
+        if buf.host is None:  # device memory of a GPU-aware MPI: divide on the GPU
+            import cupy
+
+            from ..kernels.device import current_stream, divide_on
+
+            stream = cupy.cuda.ExternalStream(current_stream(buf), buf.device_index)
+            n = self._mpi.Get_size()
+
+            def divide() -> None:
+                divide_on(stream, buf.ptr, buf.count, n, buf.dtype)
+                stream.synchronize()
+
+            return [divide]
         host, dtype, n = buf.host.view(kr.storage_dtype(buf.dtype)), buf.dtype, self._mpi.Get_size()
         return [lambda: kr.divide(host, n, dtype)]
 
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
+        self._reducible(x)
         dt = _DATATYPES[x.dtype]
         mop, mpi = mpi_op(x.dtype, op), self._mpi
         finish = self._average(out) if op is _AVG else ()
@@ -229,8 +270,8 @@ class MpiTransport(Transport):
             calls = [partial(mpi.Allreduce, _IN_PLACE if out is x else (xs[s : s + n], dt),
                              (os_[s : s + n], dt), mop) for s, n in spans]  # fmt: skip
             return self._start_calls("all_reduce", seq, out.nbytes, calls, finish)
-        send = _IN_PLACE if out is x else (x.host, dt)
-        recv = (out.host, dt)
+        send = _IN_PLACE if out is x else (self._mem(x), dt)
+        recv = (self._mem(out), dt)
         return self._start("all_reduce", seq, out.nbytes, lambda: mpi.Iallreduce(send, recv, mop),
                            lambda: mpi.Allreduce(send, recv, mop), finish)  # fmt: skip
 
@@ -253,6 +294,7 @@ class MpiTransport(Transport):
         return True
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
+        self._reducible(x)
         dt, mpi = _DATATYPES[x.dtype], self._mpi
         mop = mpi_op(x.dtype, op)
         at_root = mpi.Get_rank() == root
@@ -267,9 +309,9 @@ class MpiTransport(Transport):
         send: Any
         recv: Any
         if at_root:
-            send, recv = _IN_PLACE, (x.host, dt)
+            send, recv = _IN_PLACE, (self._mem(x), dt)
         else:
-            send, recv = (x.host, dt), None
+            send, recv = (self._mem(x), dt), None
         return self._start("reduce", seq, x.nbytes, lambda: mpi.Ireduce(send, recv, mop, root),
                            lambda: mpi.Reduce(send, recv, mop, root), finish)  # fmt: skip
 
@@ -280,7 +322,7 @@ class MpiTransport(Transport):
             xs = _flat(x)
             calls = [partial(mpi.Bcast, (xs[s : s + n], dt), root) for s, n in spans]
             return self._start_calls("broadcast", seq, x.nbytes, calls)
-        buf = (x.host, dt)
+        buf = (self._mem(x), dt)
         return self._start("broadcast", seq, x.nbytes, lambda: mpi.Ibcast(buf, root),
                            lambda: mpi.Bcast(buf, root))  # fmt: skip
 
@@ -298,11 +340,12 @@ class MpiTransport(Transport):
             calls = [partial(_with_block_type, dt, s, n, x.nbytes, partial(gather, s=s, n=n))
                      for s, n in spans]  # fmt: skip
             return self._start_calls("all_gather", seq, out.nbytes, calls)
-        send, recv = (x.host, dt), (out.host, dt)
+        send, recv = (self._mem(x), dt), (self._mem(out), dt)
         return self._start("all_gather", seq, out.nbytes, lambda: mpi.Iallgather(send, recv),
                            lambda: mpi.Allgather(send, recv))  # fmt: skip
 
     def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
+        self._reducible(x)
         dt, mpi = _DATATYPES[x.dtype], self._mpi
         mop = mpi_op(x.dtype, op)
         finish = self._average(out) if op is _AVG else ()
@@ -317,7 +360,7 @@ class MpiTransport(Transport):
                              (o[s : s + n], dt) if i == me else None, mop, i)
                      for s, n in spans for i in range(size)]  # fmt: skip
             return self._start_calls("reduce_scatter", seq, x.nbytes, calls, finish)
-        send, recv = (x.host, dt), (out.host, dt)
+        send, recv = (self._mem(x), dt), (self._mem(out), dt)
         return self._start("reduce_scatter", seq, x.nbytes,
                            lambda: mpi.Ireduce_scatter_block(send, recv, mop),
                            lambda: mpi.Reduce_scatter_block(send, recv, mop), finish)  # fmt: skip
@@ -336,14 +379,14 @@ class MpiTransport(Transport):
             calls = [partial(_with_block_type, dt, s, n, block * x.itemsize, exchange)
                      for s, n in spans]  # fmt: skip
             return self._start_calls("all_to_all", seq, x.nbytes, calls)
-        send, recv = (x.host, dt), (out.host, dt)
+        send, recv = (self._mem(x), dt), (self._mem(out), dt)
         return self._start("all_to_all", seq, x.nbytes, lambda: mpi.Ialltoall(send, recv),
                            lambda: mpi.Alltoall(send, recv))  # fmt: skip
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
         dt, spans = _DATATYPES[x.dtype], _spans(x)
         if len(spans) == 1:
-            work = Work(self.comm, "send", seq, self._mpi.Isend((x.host, dt), dst, tag).Test)
+            work = Work(self.comm, "send", seq, self._mpi.Isend((self._mem(x), dt), dst, tag).Test)
         else:
             # MPI keeps messages of one sender, tag and communicator in order: the receiver's
             # pieces match the sender's one by one
@@ -355,7 +398,8 @@ class MpiTransport(Transport):
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
         spans = _spans(x)
-        work = Work(self.comm, "recv", seq, _Receive(self._mpi, x, src, tag, spans).poll)
+        work = Work(self.comm, "recv", seq,
+                    _Receive(self._mpi, x, self._mem(x), src, tag, spans).poll)  # fmt: skip
         work.info = {"transport": "mpi", "bytes": x.nbytes, "stages": len(spans)}
         return work
 
@@ -371,12 +415,12 @@ class _Receive:
     mismatch it may hold the first part of the message; probing each message first would keep
     it untouched, at the price of posting every receive late (measured: slower)."""
 
-    def __init__(self, mpi: MPI.Intracomm, x: Buffer, src: int, tag: int,
+    def __init__(self, mpi: MPI.Intracomm, x: Buffer, mem: Any, src: int, tag: int,
                  spans: list[tuple[int, int]]) -> None:  # fmt: skip
         self.src, self.nbytes, self.itemsize = src, x.nbytes, x.itemsize
         dt = _DATATYPES[x.dtype]
         if len(spans) == 1:
-            self.reqs = [mpi.Irecv((x.host, dt), src, tag)]
+            self.reqs = [mpi.Irecv((mem, dt), src, tag)]
         else:
             # MPI keeps messages of one sender, tag and communicator in order: the receiver's
             # pieces match the sender's one by one
