@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
+from . import fusion
 from . import plan as planning
 from .arrays import Buffer, as_buffer, overlap
 from .config import Config
@@ -16,7 +17,7 @@ from .errors import CommAborted, InvalidArgument, MismatchError
 from .ops import ReduceOp, as_reduce_op, check_op_for_dtype
 from .topology import Topology
 from .transports import Transport, registry
-from .work import Work
+from .work import Work, completed
 
 log = logging.getLogger("hetcomm")
 
@@ -274,6 +275,50 @@ class Communicator:
             return self._finish(work, async_op, timeout, (xb, ob, xc, oc))
         return self._finish(work, async_op, timeout, (xb, ob))
 
+    def all_reduce_coalesced(self, arrays: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM, *,
+                             async_op: bool = False,
+                             timeout: float | None = None) -> Work | None:  # fmt: skip
+        """Reduce every array of `arrays` in place, as separate all_reduce calls would, with one
+        collective per (dtype, memory) over a fused buffer. An empty list does nothing."""
+        self._check_open()
+        what = "all_reduce_coalesced"
+        rop = op if op.__class__ is ReduceOp else as_reduce_op(op, f"{what}: op")
+        if timeout is not None:
+            _check_timeout(timeout, what)
+        bufs, groups = fusion.prepare(arrays, rop, what)
+        if not groups:
+            return completed(self, "all_reduce", self._seq) if async_op else None
+        # every group's transport is chosen (and may refuse) before any array is read
+        for g in groups:
+            if g.on_device:
+                fusion.check_device(what)
+            self._transport("all_reduce", g.fused())
+        packed: list[tuple[Buffer, list[Callable[[], None]], Any]] = []
+        for g in groups:
+            if g.on_device:
+                dev = fusion.pack_device(g)
+                packed.append((g.fused(ptr=dev.ptr), [dev.unpack], dev))
+            else:
+                pool = fusion.host_buffers(self)
+                flat = pool.take(g.dtype, g.total)
+                fusion.pack_host(g, flat)
+                packed.append((g.fused(flat[: g.total]), [_unpacker(g, flat),
+                               _giver(pool, flat)], flat))  # fmt: skip
+        works = []
+        for fb, steps, holder in packed:
+            transport, seq = self._start("all_reduce", fb, timeout=timeout)
+            if fb.on_device and transport.name != "staged":
+                holder.synchronize()  # only staged orders its copies after the caller's stream
+            works.append(_then(transport.all_reduce(fb, fb, rop, seq), steps))
+        keep = (bufs, packed)
+        if len(works) == 1:
+            return self._finish(works[0], async_op, timeout, keep)
+        if not async_op:
+            for work in works:
+                self._finish(work, False, timeout)
+            return None
+        return self._finish(_all_of(self, works), True, timeout, keep)
+
     def reduce(self, x: Any, root: int, op: ReduceOp | str = ReduceOp.SUM, *,
                async_op: bool = False, timeout: float | None = None) -> Work | None:  # fmt: skip
         """Reduce `x` over the group into `x` of `root`; the others' `x` is left as it was."""
@@ -472,3 +517,25 @@ def _then(work: Work, steps: list[Callable[[], None]]) -> Work:
     if steps:
         work._finish = [*work._finish, *steps]
     return work
+
+
+def _unpacker(g: fusion.Group, flat: np.ndarray) -> Callable[[], None]:
+    return lambda: fusion.unpack_host(g, flat)
+
+
+def _giver(pool: fusion.HostBuffers, flat: np.ndarray) -> Callable[[], None]:
+    return lambda: pool.give(flat)
+
+
+def _all_of(comm: Communicator, works: list[Work]) -> Work:
+    """One Work over several, complete once each is (in order; the first failure is its own)."""
+    left = list(works)
+
+    def poll() -> bool:
+        while left:
+            if not left[0].test():
+                return False
+            left.pop(0)
+        return True
+
+    return Work(comm, "all_reduce", works[-1].seq, poll)
