@@ -279,7 +279,15 @@ class Communicator:
                              async_op: bool = False,
                              timeout: float | None = None) -> Work | None:  # fmt: skip
         """Reduce every array of `arrays` in place, as separate all_reduce calls would, with one
-        collective per (dtype, memory) over a fused buffer. An empty list does nothing."""
+        collective per (dtype, memory) over a fused buffer.
+
+        Arrays of one dtype and memory (host, or the one device of the call) are packed in list
+        order into one buffer, reduced, and unpacked; the groups run in order of first
+        appearance, so every rank must pass the same dtypes, shapes and memories in the same
+        order. Host and device arrays may be mixed; device arrays on two devices may not. An
+        empty list does nothing (None, or a completed Work). An array given twice, arrays that
+        overlap in memory and read-only arrays raise InvalidArgument before anything moves.
+        """
         self._check_open()
         what = "all_reduce_coalesced"
         rop = op if op.__class__ is ReduceOp else as_reduce_op(op, f"{what}: op")
@@ -304,11 +312,18 @@ class Communicator:
                 fusion.pack_host(g, flat)
                 packed.append((g.fused(flat[: g.total]), [_unpacker(g, flat),
                                _giver(pool, flat)], flat))  # fmt: skip
-        works = []
+        works: list[Work] = []
+        previous = None
         for fb, steps, holder in packed:
+            if previous is not None and self._transport("all_reduce", fb) is not previous:
+                # two transports progress independently: a group starts on another transport
+                # only once the groups before it are done, so every rank meets them in one order
+                for work in works:
+                    self._finish(work, False, timeout)
             transport, seq = self._start("all_reduce", fb, timeout=timeout)
-            if fb.on_device and transport.name != "staged":
-                holder.synchronize()  # only staged orders its copies after the caller's stream
+            previous = transport
+            if fb.on_device and transport.name == "mpi":
+                holder.synchronize()  # MPI reads device memory without regard to streams
             works.append(_then(transport.all_reduce(fb, fb, rop, seq), steps))
         keep = (bufs, packed)
         if len(works) == 1:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .arrays import Buffer, as_buffer, storage_dtype
+from .arrays import DTYPES, Buffer, as_buffer, storage_dtype
 from .errors import InvalidArgument, TransportUnavailable
 from .ops import ReduceOp, check_op_for_dtype
 
@@ -23,26 +23,40 @@ KEEP_BYTES = 64 << 20
 
 class Group:
     """The arrays of one dtype in one memory, and the offset (in elements) of each in the fused
-    buffer; arrays follow their order in the call, so every rank lays them out alike."""
+    buffer; arrays follow their order in the call, so every rank lays them out alike.
 
-    __slots__ = ("bufs", "contiguous", "device", "device_index", "dtype", "index", "layouts",
-                 "offsets", "total")  # fmt: skip
+    Host arrays are kept as numpy views (`hosts`: flat where `dense`, else the strided view);
+    `bufs` holds each array's Buffer, except for plain numpy arrays that needed none.
+    """
 
-    def __init__(self, b: Buffer) -> None:
-        self.dtype, self.device, self.device_index = b.dtype, b.device, b.device_index
+    __slots__ = ("bufs", "contiguous", "counts", "dense", "device", "device_index", "dtype",
+                 "hosts", "index", "layouts", "offsets", "total")  # fmt: skip
+
+    def __init__(self, dtype: str, device: str = "cpu", device_index: int | None = None) -> None:
+        self.dtype, self.device, self.device_index = dtype, device, device_index
         self.bufs: list[Buffer] = []
         self.index: list[int] = []  # position of each array in the call
+        self.hosts: list[np.ndarray] = []  # host groups only
+        self.dense: list[bool] = []
+        self.counts: list[int] = []
         self.offsets: list[int] = []
         self.layouts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # device arrays only
         self.total = 0
         self.contiguous = True
 
+    def add(self, b: Buffer, i: int) -> None:
+        self.bufs.append(b)
+        self.index.append(i)
+        self.counts.append(b.count)
+        self.dense.append(b.contiguous)
+        if b.host is not None:
+            self.hosts.append(b.host)
+
     def lay_out(self) -> None:
         """Place the arrays one after the other (offsets, total, whether all are contiguous)."""
-        counts = [b.count for b in self.bufs]
-        self.offsets = [0, *itertools.accumulate(counts)]
+        self.offsets = [0, *itertools.accumulate(self.counts)]
         self.total = self.offsets.pop()
-        self.contiguous = all(b.contiguous for b in self.bufs)
+        self.contiguous = all(self.dense)
 
     @property
     def on_device(self) -> bool:
@@ -55,20 +69,27 @@ class Group:
             return Buffer(flat, "numpy", self.dtype, (self.total,), "cpu", None,
                           int(flat.__array_interface__["data"][0]), True, False, flat,
                           self.total)  # fmt: skip
+        if not self.bufs:  # plain numpy arrays: a description for the plan
+            return Buffer(None, "numpy", self.dtype, (self.total,), "cpu", None, 0, True, False,
+                          None, self.total)  # fmt: skip
         first = self.bufs[0]
         return Buffer(first.obj, first.kind, self.dtype, (self.total,), self.device,
                       self.device_index, ptr, True, False, None, self.total)  # fmt: skip
 
 
-def prepare(arrays: Any, op: ReduceOp, what: str) -> tuple[list[Buffer], list[Group]]:
+def prepare(arrays: Any, op: ReduceOp, what: str) -> tuple[list[Any], list[Group]]:
     """Check every array (before anything moves) and group them by (dtype, memory), in order of
     first appearance. Raises InvalidArgument / DtypeError naming the offending position."""
     if not isinstance(arrays, (list, tuple)):
         raise InvalidArgument(f"{what}: expected a list or tuple of arrays, got "
                               f"{type(arrays).__module__}.{type(arrays).__qualname__}")  # fmt: skip
+    fast = _numpy_groups(arrays)
+    if fast is not None:
+        for g in fast:
+            check_op_for_dtype(op, g.dtype, f"{what}: arrays[{g.index[0]}]")
+        return list(arrays), fast
     bufs: list[Buffer] = []
     groups: dict[tuple[str, str, int | None], Group] = {}
-    # on the path of every call, once per array: keep the loop to a few attribute reads
     for i, x in enumerate(arrays):
         b = as_buffer(x, f"{what}: arrays[{i}]")
         if b.readonly:
@@ -77,9 +98,8 @@ def prepare(arrays: Any, op: ReduceOp, what: str) -> tuple[list[Buffer], list[Gr
         key = (b.dtype, b.device, b.device_index)
         group = groups.get(key)
         if group is None:
-            group = groups[key] = Group(b)
-        group.bufs.append(b)
-        group.index.append(i)
+            group = groups[key] = Group(*key)
+        group.add(b, i)
         bufs.append(b)
     devices = [g for g in groups.values() if g.on_device]
     if len({(g.device, g.device_index) for g in devices}) > 1:
@@ -97,6 +117,50 @@ def prepare(arrays: Any, op: ReduceOp, what: str) -> tuple[list[Buffer], list[Gr
         g.lay_out()
     check_disjoint(list(groups.values()), what)
     return bufs, list(groups.values())
+
+
+_NUMPY_NAMES = {storage_dtype(n): n for n in DTYPES if n != "bfloat16"}
+
+
+def _numpy_groups(arrays: Sequence[Any]) -> list[Group] | None:
+    """Groups of a call made only of plain, writable numpy arrays of hetcomm's dtypes, each of
+    its own allocation: the common case, checked without a Buffer or an address per array.
+    None for anything else (the general path then checks, and names what is wrong)."""
+    groups: dict[np.dtype, Group] = {}
+    owners: set[int] = set()
+    for i, x in enumerate(arrays):
+        if type(x) is not np.ndarray:
+            return None
+        dt = x.dtype
+        group = groups.get(dt)
+        if group is None:
+            name = _NUMPY_NAMES.get(dt)
+            if name is None:
+                return None
+            group = groups[dt] = Group(name)
+        flags = x.flags
+        if not flags.writeable:
+            return None
+        # numpy arrays of different allocations cannot overlap
+        root = x
+        while root.base is not None:
+            root = root.base
+            if type(root) is not np.ndarray:
+                return None
+        if not root.flags.owndata or id(root) in owners:
+            return None
+        owners.add(id(root))
+        group.index.append(i)
+        group.counts.append(x.size)
+        if flags.c_contiguous:
+            group.hosts.append(x if x.ndim == 1 else x.reshape(-1))
+            group.dense.append(True)
+        else:
+            group.hosts.append(x)
+            group.dense.append(False)
+    for g in groups.values():
+        g.lay_out()
+    return list(groups.values())
 
 
 # ---- aliasing -----------------------------------------------------------------------------------
@@ -274,14 +338,11 @@ def pack_host(g: Group, fused: np.ndarray) -> None:
     views)."""
     if g.contiguous:
         # contiguous host views are flat: one C loop over them all
-        assert all(b.host is not None for b in g.bufs)
-        np.concatenate([b.host for b in g.bufs], out=fused[: g.total])  # type: ignore[misc]
+        np.concatenate(g.hosts, out=fused[: g.total])
         return
-    for b, off in zip(g.bufs, g.offsets):
-        host = b.host
-        assert host is not None
-        seg = fused[off : off + b.count]
-        if b.contiguous:
+    for host, dense, off, n in zip(g.hosts, g.dense, g.offsets, g.counts):
+        seg = fused[off : off + n]
+        if dense:
             seg[...] = host
         else:
             np.copyto(seg.reshape(host.shape), host)
@@ -289,14 +350,11 @@ def pack_host(g: Group, fused: np.ndarray) -> None:
 
 def unpack_host(g: Group, fused: np.ndarray) -> None:
     """Copy each array's reduced segment of `fused` back into it (strided views included)."""
-    for b, off in zip(g.bufs, g.offsets):
-        host = b.host
-        assert host is not None
-        seg = fused[off : off + b.count]
-        if b.contiguous:
-            host[...] = seg
+    for host, dense, off, n in zip(g.hosts, g.dense, g.offsets, g.counts):
+        if dense:
+            host[...] = fused[off : off + n]
         else:
-            np.copyto(host, seg.reshape(host.shape))
+            np.copyto(host, fused[off : off + n].reshape(host.shape))
 
 
 # ---- device arrays ------------------------------------------------------------------------------

@@ -144,6 +144,19 @@ def test_groups_follow_first_appearance():
     assert not strided[0].contiguous and strided[0].total == 6
 
 
+def test_plain_numpy_arrays_need_no_buffers():
+    xs = [np.zeros(3, np.float32), np.ones((2, 2)), np.zeros(6, np.float32)[::2],
+          np.zeros(0, np.float32)]  # fmt: skip
+    kept, groups = F.prepare(xs, ReduceOp.SUM, "x")
+    assert kept == xs and all(not g.bufs for g in groups)
+    assert [(g.dtype, g.index) for g in groups] == [("float32", [0, 2, 3]), ("float64", [1])]
+    assert groups[0].offsets == [0, 3, 6] and groups[0].total == 6 and not groups[0].contiguous
+    assert groups[1].hosts[0].shape == (4,) and groups[1].contiguous
+    base = np.zeros(10)
+    _, shared = F.prepare([base[:5], base[5:]], ReduceOp.SUM, "x")  # one allocation: checked
+    assert len(shared[0].bufs) == 2 and shared[0].offsets == [0, 5]
+
+
 def test_empty_list_and_tuple():
     assert F.prepare([], ReduceOp.SUM, "x") == ([], [])
     assert F.prepare((), ReduceOp.SUM, "x") == ([], [])
