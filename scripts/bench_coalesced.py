@@ -9,7 +9,8 @@ slowest rank's (a barrier before each timing). After a warm-up, rank 0 prints th
 each way, the spread of the repeats ((max - min) / median, and the 10th-90th percentile) and the
 median of the per-repeat ratios; every result is checked against a float64 reference.
 `--parts` times the pieces of one coalesced call instead (checking, packing, the fused all_reduce,
-unpacking) beside a raw mpi4py Allreduce of the same bytes.
+unpacking) beside a raw mpi4py Allreduce of the same bytes and the fused all_reduce started from
+the calling thread rather than the mpi transport's lane thread.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from mpi4py import MPI
 
 import hetcomm
 from hetcomm import ReduceOp, fusion
+from hetcomm.transports import mpi as mpi_transport
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -100,7 +102,8 @@ def parts(args: argparse.Namespace) -> None:
     count = args.bytes // 4
     xs = [np.ones(count, dtype=np.float32) for _ in range(args.arrays)]
     flat = np.ones(count * args.arrays, dtype=np.float32)
-    names = ("check and group", "pack", "fused all_reduce", "unpack", "raw Allreduce, same bytes")
+    names = ("check and group", "pack", "fused all_reduce", "unpack", "raw Allreduce, same bytes",
+             "fused all_reduce, started from the calling thread")  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name in names}
     for repeat in range(args.warmup + args.repeats):
         world.mpi.Barrier()
@@ -121,8 +124,17 @@ def parts(args: argparse.Namespace) -> None:
         world.mpi.Allreduce(MPI.IN_PLACE, flat)
         t6 = time.perf_counter()
         flat[...] = 1
+        # the same all_reduce without the lane thread (LANE_BYTES raised for this bench only)
+        lane, mpi_transport.LANE_BYTES = mpi_transport.LANE_BYTES, 1 << 62
+        world.mpi.Barrier()
+        t7 = time.perf_counter()
+        world.all_reduce(flat)
+        t8 = time.perf_counter()
+        mpi_transport.LANE_BYTES = lane
+        flat[...] = 1
         if repeat >= args.warmup:
-            for name, dt in zip(names, (t1 - t0, t2 - t1, t3 - t2b, t4 - t3, t6 - t5)):
+            pieces = (t1 - t0, t2 - t1, t3 - t2b, t4 - t3, t6 - t5, t8 - t7)
+            for name, dt in zip(names, pieces):
                 times[name].append(dt)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     slowest = world.mpi.allreduce(list(medians.values()), op=_max_each)
