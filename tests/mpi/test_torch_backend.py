@@ -291,6 +291,7 @@ class TestCollectives:
                                   stack=s, op=ReduceOp.SUM, dtype=d)  # fmt: skip
         errors.verify()
 
+    @pytest.mark.filterwarnings("ignore:`torch.distributed.all_reduce_coalesced`:FutureWarning")
     def test_allreduce_coalesced_fused(self, rng, errors, pg) -> None:
         """One hetcomm all_reduce_coalesced per call: every op over mixed dtypes, strided views,
         empty and 0-d tensors; dist.all_reduce_coalesced async and on complex tensors; tensors
