@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
+from . import fusion
 from . import plan as planning
 from . import work as _work
 from .arrays import Buffer, as_buffer, overlap
@@ -17,7 +18,7 @@ from .errors import CommAborted, InvalidArgument, MismatchError
 from .ops import ReduceOp, as_reduce_op, check_op_for_dtype
 from .topology import Topology
 from .transports import Transport, registry
-from .work import Work
+from .work import Work, completed
 
 log = logging.getLogger("hetcomm")
 
@@ -304,6 +305,65 @@ class Communicator:
             return self._finish(work, async_op, timeout, (xb, ob, xc, oc))
         return self._finish(work, async_op, timeout, (xb, ob))
 
+    def all_reduce_coalesced(self, arrays: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM, *,
+                             async_op: bool = False,
+                             timeout: float | None = None) -> Work | None:  # fmt: skip
+        """Reduce every array of `arrays` in place, as separate all_reduce calls would, with one
+        collective per (dtype, memory) over a fused buffer.
+
+        Arrays of one dtype and memory (host, or the one device of the call) are packed in list
+        order into one buffer, reduced, and unpacked; the groups run in order of first
+        appearance, so every rank must pass the same dtypes, shapes and memories in the same
+        order. Host and device arrays may be mixed; device arrays on two devices may not. An
+        empty list does nothing (None, or a completed Work). An array given twice, arrays that
+        overlap in memory and read-only arrays raise InvalidArgument before anything moves.
+        """
+        self._check_open()
+        what = "all_reduce_coalesced"
+        rop = op if op.__class__ is ReduceOp else as_reduce_op(op, f"{what}: op")
+        if timeout is not None:
+            _check_timeout(timeout, what)
+        bufs, groups = fusion.prepare(arrays, rop, what)
+        if not groups:
+            return completed(self, "all_reduce", self._seq) if async_op else None
+        # every group's transport is chosen (and may refuse) before any array is read
+        for g in groups:
+            if g.on_device:
+                fusion.check_device(what)
+            self._transport("all_reduce", g.fused())
+        packed: list[tuple[Buffer, list[Callable[[], None]], Any]] = []
+        for g in groups:
+            if g.on_device:
+                dev = fusion.pack_device(g)
+                packed.append((g.fused(ptr=dev.ptr), [dev.unpack], dev))
+            else:
+                pool = fusion.host_buffers(self)
+                flat = pool.take(g.dtype, g.total)
+                fusion.pack_host(g, flat)
+                packed.append((g.fused(flat[: g.total]), [_unpacker(g, flat),
+                               _giver(pool, flat)], flat))  # fmt: skip
+        works: list[Work] = []
+        previous = None
+        for fb, steps, holder in packed:
+            if previous is not None and self._transport("all_reduce", fb) is not previous:
+                # two transports progress independently: a group starts on another transport
+                # only once the groups before it are done, so every rank meets them in one order
+                for work in works:
+                    self._finish(work, False, timeout)
+            transport, seq = self._start("all_reduce", fb, timeout=timeout)
+            previous = transport
+            if fb.on_device and transport.name == "mpi":
+                holder.synchronize()  # MPI reads device memory without regard to streams
+            works.append(_then(transport.all_reduce(fb, fb, rop, seq), steps))
+        keep = (bufs, packed)
+        if len(works) == 1:
+            return self._finish(works[0], async_op, timeout, keep)
+        if not async_op:
+            for work in works:
+                self._finish(work, False, timeout)
+            return None
+        return self._finish(_all_of(self, works), True, timeout, keep)
+
     def reduce(self, x: Any, root: int, op: ReduceOp | str = ReduceOp.SUM, *,
                async_op: bool = False, timeout: float | None = None) -> Work | None:  # fmt: skip
         """Reduce `x` over the group into `x` of `root`; the others' `x` is left as it was."""
@@ -502,3 +562,25 @@ def _then(work: Work, steps: list[Callable[[], None]]) -> Work:
     if steps:
         work._finish = [*work._finish, *steps]
     return work
+
+
+def _unpacker(g: fusion.Group, flat: np.ndarray) -> Callable[[], None]:
+    return lambda: fusion.unpack_host(g, flat)
+
+
+def _giver(pool: fusion.HostBuffers, flat: np.ndarray) -> Callable[[], None]:
+    return lambda: pool.give(flat)
+
+
+def _all_of(comm: Communicator, works: list[Work]) -> Work:
+    """One Work over several, complete once each is (in order; the first failure is its own)."""
+    left = list(works)
+
+    def poll() -> bool:
+        while left:
+            if not left[0].test():
+                return False
+            left.pop(0)
+        return True
+
+    return Work(comm, "all_reduce", works[-1].seq, poll)

@@ -30,7 +30,6 @@ from .tensors import (
     _pairs,
     _reducible,
     _same_dtype,
-    _unflatten,
     split_rows,
 )
 from .work import _PROGRESS, _joined, _Pending, _synchronous, _Work
@@ -183,14 +182,9 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         op = reduce_op(_opt(opts, "reduceOp"), "allreduce_coalesced")
         _nonempty(tensors, "allreduce_coalesced")
         xs = [_reducible(t, op, "allreduce_coalesced") for t in tensors]
-        if len(xs) == 1 or len({(x.dtype, x.device) for x in xs}) > 1:
-            ops = [_Op("all_reduce", (x, op), [t])
-                   for x, t in zip(xs, tensors)]  # fmt: skip
-            return self._run("allreduce_coalesced", ops, opts)
-        # one operation over the concatenation, then the pieces back in place
-        flat = torch.cat([x.reshape(-1) for x in xs])
+        # one fused all_reduce per (dtype, device), packed and unpacked by hetcomm
         return self._run("allreduce_coalesced", [_Op(
-            "all_reduce", (flat, op), list(tensors), [_unflatten(flat, xs)])], opts)  # fmt: skip
+            "all_reduce_coalesced", (xs, op), list(tensors))], opts)  # fmt: skip
 
     def broadcast(self, tensors: Any, opts: Any = None, timeout: Any = None) -> _Work:
         root = self._rank_arg(_opt(opts, "rootRank", 0), "broadcast: root")

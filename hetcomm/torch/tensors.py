@@ -125,17 +125,6 @@ def _copier(target: torch.Tensor, source: torch.Tensor) -> Callable[[], None]:
     return step
 
 
-def _unflatten(flat: torch.Tensor, xs: Sequence[torch.Tensor]) -> Callable[[], None]:
-    def step() -> None:
-        offset = 0
-        for x in xs:
-            n = x.numel()
-            x.copy_(flat[offset:offset + n].view(x.shape))
-            offset += n
-
-    return step
-
-
 def _copy_rows(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> Callable[[], None]:
     def step() -> None:
         for row, out in zip(flat, outs):

@@ -291,6 +291,54 @@ class TestCollectives:
                                   stack=s, op=ReduceOp.SUM, dtype=d)  # fmt: skip
         errors.verify()
 
+    @pytest.mark.filterwarnings("ignore:`torch.distributed.all_reduce_coalesced`:FutureWarning")
+    def test_allreduce_coalesced_fused(self, rng, errors, pg) -> None:
+        """One hetcomm all_reduce_coalesced per call: every op over mixed dtypes, strided views,
+        empty and 0-d tensors; dist.all_reduce_coalesced async and on complex tensors; tensors
+        that overlap are refused before anything moves."""
+        n, me = dist.get_world_size(), dist.get_rank()
+        shapes = ((5,), (4, 6), (0,), ())
+        for name, op in OPS.items():
+            dtypes = [d for d in ("float32", "bfloat16", "int64", "float64", "bool", "uint8")
+                      if name in ops_for(d) and not (d == "bool" and name == "AVG")]  # fmt: skip
+            stacks, ts = [], []
+            for k, d in enumerate(dtypes):
+                shape = shapes[k % len(shapes)]
+                stack = draw(rng, d, shape, n)
+                t = torch_tensor(stack[me], d)
+                if len(shape) == 2:  # a transposed view of a (6, 4) tensor
+                    t = torch_tensor(stack[me].T.copy(), d).t()
+                stacks.append(stack)
+                ts.append(t)
+            opts = dist.AllreduceCoalescedOptions()
+            opts.reduceOp = getattr(dist.ReduceOp, name)
+            pg.allreduce_coalesced(ts, opts).wait()
+            for t, s, d in zip(ts, stacks, dtypes):
+                errors += compare(logical(t), reference(s, op, d), f"coalesced {name} {d}",
+                                  stack=s, op=op, dtype=d)  # fmt: skip
+        stacks = [draw(rng, "float32", (k + 1, 3), n) for k in range(4)]
+        ts = [torch_tensor(s[me].T.copy(), "float32").t() for s in stacks]
+        dist.all_reduce_coalesced(ts, op=dist.ReduceOp.MAX, async_op=True).wait()
+        for k, (t, s) in enumerate(zip(ts, stacks)):
+            errors += compare(logical(t), s.max(axis=0), f"dist.all_reduce_coalesced MAX {k}")
+        re, im = draw(rng, "float64", (2, 3), n), draw(rng, "float64", (2, 3), n)
+        zs = [torch.complex(torch_tensor(re[me][i], "float64"), torch_tensor(im[me][i], "float64"))
+              for i in range(2)]  # fmt: skip
+        dist.all_reduce_coalesced(zs)
+        for i, z in enumerate(zs):
+            errors += compare(z.real.numpy(), re[:, i].sum(axis=0), f"complex {i} (real)",
+                              stack=re[:, i], op=ReduceOp.SUM, dtype="float64")  # fmt: skip
+            errors += compare(z.imag.numpy(), im[:, i].sum(axis=0), f"complex {i} (imaginary)",
+                              stack=im[:, i], op=ReduceOp.SUM, dtype="float64")  # fmt: skip
+        base = torch.arange(10, dtype=torch.float32)
+        try:
+            pg.allreduce_coalesced([base[:6], base[4:]], dist.AllreduceCoalescedOptions()).wait()
+            errors.append("overlapping tensors were accepted")
+        except ValueError as exc:
+            errors.expect("overlap" in str(exc), f"overlap: message {exc}")
+        errors.expect(base.tolist() == list(range(10)), f"overlap: tensor changed to {base}")
+        errors.verify()
+
     def test_broadcast(self, rng, errors) -> None:
         n, me = dist.get_world_size(), dist.get_rank()
         for root in sorted({0, n - 1}):

@@ -1,0 +1,409 @@
+"""Tensor fusion: many arrays checked, grouped by (dtype, memory) and packed into one buffer each."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .arrays import DTYPES, Buffer, as_buffer, storage_dtype
+from .errors import InvalidArgument, TransportUnavailable
+from .ops import ReduceOp, check_op_for_dtype
+
+if TYPE_CHECKING:
+    from .comm import Communicator
+
+# fused host buffers kept for reuse, per communicator and dtype, up to this size each
+KEEP_BYTES = 64 << 20
+
+
+class Group:
+    """The arrays of one dtype in one memory, and the offset (in elements) of each in the fused
+    buffer; arrays follow their order in the call, so every rank lays them out alike.
+
+    Host arrays are kept as numpy views (`hosts`: flat where `dense`, else the strided view);
+    `bufs` holds each array's Buffer, except for plain numpy arrays that needed none.
+    """
+
+    __slots__ = ("bufs", "contiguous", "counts", "dense", "device", "device_index", "dtype",
+                 "hosts", "index", "layouts", "offsets", "total")  # fmt: skip
+
+    def __init__(self, dtype: str, device: str = "cpu", device_index: int | None = None) -> None:
+        self.dtype, self.device, self.device_index = dtype, device, device_index
+        self.bufs: list[Buffer] = []
+        self.index: list[int] = []  # position of each array in the call
+        self.hosts: list[np.ndarray] = []  # host groups only
+        self.dense: list[bool] = []
+        self.counts: list[int] = []
+        self.offsets: list[int] = []
+        self.layouts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # device arrays only
+        self.total = 0
+        self.contiguous = True
+
+    def add(self, b: Buffer, i: int) -> None:
+        self.bufs.append(b)
+        self.index.append(i)
+        self.counts.append(b.count)
+        self.dense.append(b.contiguous)
+        if b.host is not None:
+            self.hosts.append(b.host)
+
+    def lay_out(self) -> None:
+        """Place the arrays one after the other (offsets, total, whether all are contiguous)."""
+        self.offsets = [0, *itertools.accumulate(self.counts)]
+        self.total = self.offsets.pop()
+        self.contiguous = all(self.dense)
+
+    @property
+    def on_device(self) -> bool:
+        return self.device != "cpu"
+
+    def fused(self, flat: np.ndarray | None = None, ptr: int = 0) -> Buffer:
+        """The fused buffer as the transports see it: a host array `flat`, or memory at `ptr`
+        with the first array's library and device (whose current stream orders device work)."""
+        if flat is not None:
+            return Buffer(flat, "numpy", self.dtype, (self.total,), "cpu", None,
+                          int(flat.__array_interface__["data"][0]), True, False, flat,
+                          self.total)  # fmt: skip
+        if not self.bufs:  # plain numpy arrays: a description for the plan
+            return Buffer(None, "numpy", self.dtype, (self.total,), "cpu", None, 0, True, False,
+                          None, self.total)  # fmt: skip
+        first = self.bufs[0]
+        return Buffer(first.obj, first.kind, self.dtype, (self.total,), self.device,
+                      self.device_index, ptr, True, False, None, self.total)  # fmt: skip
+
+
+def prepare(arrays: Any, op: ReduceOp, what: str) -> tuple[list[Any], list[Group]]:
+    """Check every array (before anything moves) and group them by (dtype, memory), in order of
+    first appearance. Raises InvalidArgument / DtypeError naming the offending position."""
+    if not isinstance(arrays, (list, tuple)):
+        raise InvalidArgument(f"{what}: expected a list or tuple of arrays, got "
+                              f"{type(arrays).__module__}.{type(arrays).__qualname__}")  # fmt: skip
+    fast = _numpy_groups(arrays)
+    if fast is not None:
+        for g in fast:
+            check_op_for_dtype(op, g.dtype, f"{what}: arrays[{g.index[0]}]")
+        return list(arrays), fast
+    bufs: list[Buffer] = []
+    groups: dict[tuple[str, str, int | None], Group] = {}
+    for i, x in enumerate(arrays):
+        b = as_buffer(x, f"{what}: arrays[{i}]")
+        if b.readonly:
+            raise InvalidArgument(f"{what}: arrays[{i}] ({b.describe()}) is read-only, but every "
+                                  "array is reduced in place")  # fmt: skip
+        key = (b.dtype, b.device, b.device_index)
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = Group(*key)
+        group.add(b, i)
+        bufs.append(b)
+    devices = [g for g in groups.values() if g.on_device]
+    if len({(g.device, g.device_index) for g in devices}) > 1:
+        first = devices[0]
+        other = next(g for g in devices
+                     if (g.device, g.device_index) != (first.device, first.device_index))  # fmt: skip
+        raise InvalidArgument(
+            f"{what}: device arrays must all live on one device; arrays[{first.index[0]}] is on "
+            f"{first.bufs[0].describe()}, arrays[{other.index[0]}] on {other.bufs[0].describe()}"
+        )
+    for g in groups.values():
+        check_op_for_dtype(op, g.dtype, f"{what}: arrays[{g.index[0]}]")
+        if g.on_device:
+            g.layouts = [device_layout(b, f"{what}: arrays[{i}]") for b, i in zip(g.bufs, g.index)]
+        g.lay_out()
+    check_disjoint(list(groups.values()), what)
+    return bufs, list(groups.values())
+
+
+_NUMPY_NAMES = {storage_dtype(n): n for n in DTYPES if n != "bfloat16"}
+
+
+def _numpy_groups(arrays: Sequence[Any]) -> list[Group] | None:
+    """Groups of a call made only of plain, writable numpy arrays of hetcomm's dtypes, each of
+    its own allocation: the common case, checked without a Buffer or an address per array.
+    None for anything else (the general path then checks, and names what is wrong)."""
+    groups: dict[np.dtype, Group] = {}
+    owners: set[int] = set()
+    for i, x in enumerate(arrays):
+        if type(x) is not np.ndarray:
+            return None
+        dt = x.dtype
+        group = groups.get(dt)
+        if group is None:
+            name = _NUMPY_NAMES.get(dt)
+            if name is None:
+                return None
+            group = groups[dt] = Group(name)
+        flags = x.flags
+        if not flags.writeable:
+            return None
+        # numpy arrays of different allocations cannot overlap
+        root = x
+        while root.base is not None:
+            root = root.base
+            if type(root) is not np.ndarray:
+                return None
+        if not root.flags.owndata or id(root) in owners:
+            return None
+        owners.add(id(root))
+        group.index.append(i)
+        group.counts.append(x.size)
+        if flags.c_contiguous:
+            group.hosts.append(x if x.ndim == 1 else x.reshape(-1))
+            group.dense.append(True)
+        else:
+            group.hosts.append(x)
+            group.dense.append(False)
+    for g in groups.values():
+        g.lay_out()
+    return list(groups.values())
+
+
+# ---- aliasing -----------------------------------------------------------------------------------
+
+
+def span(b: Buffer, layout: tuple[tuple[int, ...], tuple[int, ...]] | None) -> tuple[int, int]:
+    """[start, end) of the bytes `b` may touch; a device array's from its shape and strides."""
+    if b.contiguous:
+        ptr = b.ptr
+        return ptr, ptr + b.count * b.itemsize
+    if layout is None:
+        return b.span()
+    shape, strides = layout
+    low = sum(min(0, (n - 1) * s) for n, s in zip(shape, strides))
+    high = sum(max(0, (n - 1) * s) for n, s in zip(shape, strides))
+    return b.ptr + low * b.itemsize, b.ptr + (high + 1) * b.itemsize
+
+
+def check_disjoint(groups: Sequence[Group], what: str) -> None:
+    """InvalidArgument when two arrays share memory (each would be reduced into the other)."""
+    # numpy arrays whose memory numpy allocated can only overlap arrays of the same allocation:
+    # the common case (separately allocated arrays) needs no addresses at all
+    seen: set[int] = set()
+    for g in groups:
+        for b in g.bufs:
+            owner = _allocation(b)
+            if owner is None or owner in seen:
+                break
+            seen.add(owner)
+        else:
+            continue
+        break
+    else:
+        return
+    items: list[_Item] = []
+    for g in groups:
+        place = (g.device, g.device_index)
+        for k, (b, i) in enumerate(zip(g.bufs, g.index)):
+            if b.count:
+                items.append((place, b, i, g.layouts[k] if g.layouts else None))
+    _sweep(items, what)
+
+
+# (memory place, buffer, position in the call, device layout or None)
+_Item = tuple[tuple[str, "int | None"], Buffer, int, Any]
+
+
+def _allocation(b: Buffer) -> int | None:
+    """Identity of the numpy array that allocated `b`'s memory; None when numpy did not (or
+    cannot tell), e.g. torch tensors, arrays over foreign buffers, device memory."""
+    x = b.obj
+    if type(x) is not np.ndarray:
+        return None
+    while True:
+        base = x.base
+        if base is None:
+            return id(x) if x.flags.owndata else None
+        if type(base) is not np.ndarray:
+            return None
+        x = base
+
+
+def _sweep(items: list[_Item], what: str) -> None:
+    """Sort by start address; each array is checked against the earlier ones still open."""
+    spans = sorted((item[0], *span(item[1], item[3]), k) for k, item in enumerate(items))
+    open_: list[tuple[int, int]] = []  # (end, index into items)
+    place: Any = None
+    for where, lo, hi, k in spans:
+        if where != place:
+            place, open_ = where, []
+        open_ = [(end, j) for end, j in open_ if end > lo]
+        for _, j in open_:
+            a, b = items[j], items[k]
+            kind = _overlap(a[1], a[3], b[1], b[3])
+            if kind is None:
+                continue
+            first, second = sorted((a[2], b[2]))
+            if kind == "same":
+                raise InvalidArgument(f"{what}: arrays[{first}] and arrays[{second}] are the same "
+                                      "array; each array may appear once (it would be reduced "
+                                      "twice)")  # fmt: skip
+            raise InvalidArgument(f"{what}: arrays[{first}] and arrays[{second}] overlap in "
+                                  "memory; overlapping arrays would be reduced into each other")  # fmt: skip
+        open_.append((hi, k))
+
+
+def _overlap(a: Buffer, la: Any, b: Buffer, lb: Any) -> str | None:
+    """'same', 'partial' or None for two arrays whose byte ranges intersect."""
+    if a.contiguous and b.contiguous:
+        same = a.ptr == b.ptr and a.nbytes == b.nbytes
+        return "same" if same else "partial"
+    try:
+        shared = _shares_memory(_probe(a, la), _probe(b, lb), max_work=100_000)
+    except Exception:  # too hard to decide exactly: refuse, to be safe
+        return "partial"
+    if not shared:
+        return None
+    if a.ptr == b.ptr and a.shape == b.shape and _strides(a, la) == _strides(b, lb):
+        return "same"
+    return "partial"
+
+
+def _strides(b: Buffer, layout: Any) -> tuple[int, ...]:
+    if layout is not None:
+        return tuple(layout[1])
+    assert b.host is not None
+    return tuple(b.host.strides)
+
+
+# numpy's stubs admit only max_work -1 or 0, though any bound works
+_shares_memory: Any = np.shares_memory
+
+
+class _Interface:
+    """Describes memory to numpy without numpy ever reading it (for np.shares_memory)."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],
+                 itemsize: int) -> None:  # fmt: skip
+        self.__array_interface__ = {"data": (ptr, True), "shape": shape, "strides": strides,
+                                    "typestr": f"|V{itemsize}", "version": 3}  # fmt: skip
+
+
+def _probe(b: Buffer, layout: Any) -> np.ndarray:
+    """A numpy array over `b`'s addresses (a host view, or a description of device memory)."""
+    if layout is None:
+        assert b.host is not None
+        return b.host
+    shape, strides = layout
+    return np.asarray(_Interface(b.ptr, tuple(shape), tuple(s * b.itemsize for s in strides),
+                                 b.itemsize))  # fmt: skip
+
+
+# ---- host arrays --------------------------------------------------------------------------------
+
+
+class HostBuffers:
+    """Fused host buffers for reuse, one per dtype: taken by a call, given back at its end, so
+    an operation in flight never shares its buffer."""
+
+    def __init__(self) -> None:
+        self._free: dict[np.dtype, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def take(self, dtype: str, count: int) -> np.ndarray:
+        """A 1-D buffer of at least `count` elements of `dtype`'s storage."""
+        storage = storage_dtype(dtype)
+        with self._lock:
+            found = self._free.pop(storage, None)
+        if found is not None and found.size >= count:
+            return found
+        return np.empty(max(count, 1), dtype=storage)
+
+    def give(self, buf: np.ndarray) -> None:
+        if buf.nbytes > KEEP_BYTES:
+            return
+        with self._lock:
+            kept = self._free.get(buf.dtype)
+            if kept is None or kept.size < buf.size:
+                self._free[buf.dtype] = buf
+
+
+_HOST_BUFFERS: weakref.WeakKeyDictionary[Any, HostBuffers] = weakref.WeakKeyDictionary()
+
+
+def host_buffers(comm: Communicator) -> HostBuffers:
+    """The reusable fused buffers of `comm`."""
+    found = _HOST_BUFFERS.get(comm)
+    if found is None:
+        found = _HOST_BUFFERS[comm] = HostBuffers()
+    return found
+
+
+def pack_host(g: Group, fused: np.ndarray) -> None:
+    """Copy each array of `g` into its place in `fused` (one copy each, straight from strided
+    views)."""
+    if g.contiguous:
+        # contiguous host views are flat: one C loop over them all
+        np.concatenate(g.hosts, out=fused[: g.total])
+        return
+    for host, dense, off, n in zip(g.hosts, g.dense, g.offsets, g.counts):
+        seg = fused[off : off + n]
+        if dense:
+            seg[...] = host
+        else:
+            np.copyto(seg.reshape(host.shape), host)
+
+
+def unpack_host(g: Group, fused: np.ndarray) -> None:
+    """Copy each array's reduced segment of `fused` back into it (strided views included)."""
+    for host, dense, off, n in zip(g.hosts, g.dense, g.offsets, g.counts):
+        if dense:
+            host[...] = fused[off : off + n]
+        else:
+            np.copyto(host, fused[off : off + n].reshape(host.shape))
+
+
+# ---- device arrays ------------------------------------------------------------------------------
+
+
+def device_layout(b: Buffer, what: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, strides in elements) of a device array."""
+    obj = b.obj
+    if b.kind == "torch":
+        return tuple(obj.shape), tuple(int(s) for s in obj.stride())
+    cai = obj.__cuda_array_interface__
+    shape = tuple(int(n) for n in cai["shape"])
+    strides = cai.get("strides")
+    if strides is None:
+        return shape, _c_strides(shape)
+    if any(int(s) % b.itemsize for s in strides):
+        raise InvalidArgument(f"{what}: strides {tuple(strides)} bytes are not whole elements of "
+                              f"{b.itemsize} bytes ({b.describe()})")  # fmt: skip
+    return shape, tuple(int(s) // b.itemsize for s in strides)
+
+
+def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def device_entries(g: Group) -> list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]]:
+    """The rows of the pack/unpack table (hetcomm.kernels.fusion.table) for a device group."""
+    return [(b.ptr, off, b.count, layout[0], layout[1])
+            for b, off, layout in zip(g.bufs, g.offsets, g.layouts)]  # fmt: skip
+
+
+def check_device(what: str) -> None:
+    """TransportUnavailable when device arrays cannot be fused in this process."""
+    from .kernels import fusion
+
+    why = fusion.unavailable()
+    if why is not None:
+        raise TransportUnavailable(f"{what} on device arrays: {why}")
+
+
+def pack_device(g: Group) -> Any:
+    """Pack a device group in one launch, ordered after the work queued on every array's
+    current stream; returns the kernels' Packed (`.ptr`, `.unpack()`)."""
+    from .kernels import device, fusion
+
+    streams = list(dict.fromkeys(device.current_stream(b) for b in g.bufs))
+    return fusion.shared().pack(device_entries(g), g.total, g.bufs[0].itemsize,
+                                g.device_index, streams)  # fmt: skip

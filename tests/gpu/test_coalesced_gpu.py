@@ -1,0 +1,274 @@
+"""Tensor fusion on device arrays: the pack/unpack kernels alone, then all_reduce_coalesced under
+mpirun with ranks sharing the GPU (`mpirun -n 2 python -m mpi4py -m pytest --with-mpi tests/gpu`,
+and -n 4). Vendors are simulated, so the plan picks staged exactly as across a real boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hetcomm import InvalidArgument, ReduceOp
+from hetcomm.testing import assert_all_ranks
+
+cupy = pytest.importorskip("cupy")
+torch = pytest.importorskip("torch")
+
+OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX)
+SENTINEL = 77
+
+
+def carve(backing: Any, layout: str, n: int) -> Any:
+    """A view of `n` (or n x 3 / 2 x 3 x n) elements of `backing` in `layout`, away from its ends."""
+    if layout == "contiguous":
+        return backing[5 : 5 + n]
+    if layout == "strided":
+        return backing[5 : 5 + 2 * n : 2]
+    if layout == "reversed":
+        return backing[5 : 5 + n][::-1]
+    if layout == "transposed":
+        m = backing[5 : 5 + 3 * n].reshape(3, n)
+        return m.T if isinstance(m, cupy.ndarray) else m.t()
+    if layout == "permuted":
+        m = backing[5 : 5 + 6 * n].reshape(2, 3, n)
+        return m.transpose(2, 0, 1) if isinstance(m, cupy.ndarray) else m.permute(2, 0, 1)
+    raise ValueError(layout)
+
+
+def backing_for(lib: str, dtype: str, n: int) -> Any:
+    size = 6 * n + 10
+    if lib == "torch":
+        return torch.full((size,), SENTINEL, dtype=getattr(torch, dtype), device="cuda")
+    return cupy.full(size, SENTINEL, dtype=dtype)
+
+
+def to_host(x: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.to(torch.float64).cpu().numpy()
+    if hasattr(x, "copy_to_host"):  # numba
+        return x.copy_to_host().astype(np.float64)
+    return cupy.asnumpy(x).astype(np.float64)
+
+
+def fill(view: Any, values: np.ndarray) -> None:
+    if isinstance(view, torch.Tensor):
+        view.copy_(torch.from_numpy(values).to(view.dtype).to("cuda"))
+    else:
+        view[...] = cupy.asarray(values.astype(view.dtype))
+
+
+def small_values(rng: np.random.Generator, dtype: str, shape: tuple[int, ...], n: int) -> np.ndarray:
+    """Inputs of `n` ranks that every dtype holds exactly, and whose products stay in range."""
+    if dtype == "bool":
+        return rng.integers(0, 2, (n, *shape)).astype(np.float64)
+    low, high = (0, 3) if dtype == "uint8" else (-3, 3)
+    return rng.integers(low, high, (n, *shape), endpoint=True).astype(np.float64)
+
+
+def reduce_ref(stack: np.ndarray, op: ReduceOp, dtype: str) -> np.ndarray:
+    if dtype == "bool":
+        any_ = op in (ReduceOp.SUM, ReduceOp.MAX)
+        return (stack.any(0) if any_ else stack.all(0)).astype(np.float64)
+    if op in (ReduceOp.SUM, ReduceOp.AVG):
+        s = stack.sum(0)
+        if op is ReduceOp.AVG:
+            s = s / len(stack)
+            if dtype not in ("float16", "bfloat16", "float32", "float64"):
+                s = np.trunc(s)
+        return s
+    if op is ReduceOp.PROD:
+        return stack.prod(0)
+    return stack.min(0) if op is ReduceOp.MIN else stack.max(0)
+
+
+# ---- the kernels on one GPU (no MPI) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float16", "float32", "float64"])
+def test_pack_unpack_kernels(dtype: str) -> None:
+    """One pack launch over contiguous, strided, reversed, transposed, permuted, empty and
+    9-dim arrays gives numpy's concatenation; one unpack writes each back and nothing else."""
+    from hetcomm.kernels import fusion as K
+
+    rng = np.random.default_rng(3)
+    backings, views = [], []
+    for layout in ("contiguous", "strided", "reversed", "transposed", "permuted"):
+        for n in (1, 7, 3000):
+            b = cupy.full(6 * n + 10, SENTINEL, dtype=dtype)
+            views.append(carve(b, layout, n))
+            backings.append(b)
+    b = cupy.full(1034, SENTINEL, dtype=dtype)
+    views.append(b[5:517].reshape((2,) * 9)[:, ::-1, :, ::-1, :, ::-1, :, ::-1])  # 9 dims: slow
+    views.append(b[600:600])
+    backings.append(b)
+    for v in views:
+        v[...] = cupy.asarray(rng.integers(0, 50, v.shape).astype(dtype))
+    before = [cupy.asnumpy(x) for x in backings]
+    entries, off = [], 0
+    item = np.dtype(dtype).itemsize
+    for v in views:
+        entries.append((v.data.ptr, off, v.size, v.shape, tuple(s // item for s in v.strides)))
+        off += v.size
+    stream = cupy.cuda.get_current_stream()
+    packed = K.shared().pack(entries, off, item, None, [stream.ptr])
+    fused = cupy.ndarray((off,), dtype, cupy.cuda.MemoryPointer(
+        cupy.cuda.UnownedMemory(packed.ptr, off * item, packed), 0))  # fmt: skip
+    want = np.concatenate([cupy.asnumpy(v).reshape(-1) for v in views])
+    assert np.array_equal(cupy.asnumpy(fused), want)
+    fused[...] = fused + 1
+    packed.unpack()
+    stream.synchronize()
+    for b, old in zip(backings, before):
+        now, outside = cupy.asnumpy(b), old == SENTINEL
+        assert np.array_equal(now[outside], old[outside])
+        assert np.array_equal(now[~outside], old[~outside] + 1)
+    got = np.concatenate([cupy.asnumpy(v).reshape(-1) for v in views])
+    assert np.array_equal(got, want + 1)
+
+
+def test_pack_waits_for_every_stream() -> None:
+    """Arrays used on two streams: the pack waits for both; both see the unpacked result."""
+    from hetcomm.kernels import fusion as K
+
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s1):
+        a = torch.zeros(1 << 22, device="cuda")
+        torch.cuda._sleep(20_000_000)
+        a.add_(1)
+    with torch.cuda.stream(s2):
+        b = torch.zeros(1 << 20, device="cuda")
+        torch.cuda._sleep(20_000_000)
+        b.add_(2)
+    entries = [(a.data_ptr(), 0, a.numel(), (a.numel(),), (1,)),
+               (b.data_ptr(), a.numel(), b.numel(), (b.numel(),), (1,))]  # fmt: skip
+    total = a.numel() + b.numel()
+    packed = K.shared().pack(entries, total, 4, torch.cuda.current_device(),
+                             [s1.cuda_stream, s2.cuda_stream])  # fmt: skip
+    fused = torch.as_tensor(cupy.ndarray((total,), cupy.float32, cupy.cuda.MemoryPointer(
+        cupy.cuda.UnownedMemory(packed.ptr, total * 4, packed), 0)), device="cuda")  # fmt: skip
+    s1.synchronize()
+    assert float(fused[: a.numel()].min()) == 1.0 and float(fused[a.numel() :].min()) == 2.0
+    with torch.cuda.stream(s1):
+        fused.mul_(10)
+    packed.unpack()
+    with torch.cuda.stream(s2):
+        bb = b * 1  # queued after the unpack on s2's side
+    torch.cuda.synchronize()
+    assert float(a.min()) == 10.0 and float(bb.min()) == 20.0
+
+
+# ---- all_reduce_coalesced under mpirun ----------------------------------------------------------
+
+ARRAYS = [  # (library, dtype, layout, n)
+    ("cupy", "float32", "contiguous", 1000), ("cupy", "int32", "strided", 33),
+    ("cupy", "float64", "transposed", 5), ("torch", "bfloat16", "contiguous", 17),
+    ("torch", "float16", "permuted", 4), ("torch", "int64", "transposed", 9),
+    ("cupy", "uint8", "reversed", 12), ("torch", "bool", "strided", 10),
+    ("cupy", "float32", "contiguous", 0), ("cupy", "float32", "contiguous", 1),
+    ("torch", "float32", "contiguous", 70_000), ("numba", "int16", "contiguous", 8),
+    ("numpy", "float32", "contiguous", 6),
+]  # fmt: skip
+
+
+class Item:
+    def __init__(self, rng: np.random.Generator, size: int, rank: int, lib: str, dtype: str,
+                 layout: str, n: int) -> None:  # fmt: skip
+        self.lib, self.dtype, self.what = lib, dtype, f"{lib} {dtype} {layout} {n}"
+        if lib == "numba":
+            from numba import cuda
+
+            self.stack = small_values(rng, dtype, (n,), size)
+            self.backing = None
+            self.array: Any = cuda.to_device(self.stack[rank].astype(dtype))
+            return
+        if lib == "numpy":
+            self.stack = small_values(rng, dtype, (n,), size)
+            self.backing = None
+            self.array = self.stack[rank].astype(dtype)
+            return
+        self.backing = backing_for(lib, dtype, n)
+        self.array = carve(self.backing, layout, n)
+        self.stack = small_values(rng, dtype, tuple(self.array.shape), size)
+        fill(self.array, self.stack[rank])
+        self.before = to_host(self.backing)
+
+    def problems(self, op: ReduceOp) -> list[str]:
+        got = to_host(self.array) if self.lib != "numpy" else self.array.astype(np.float64)
+        want = reduce_ref(self.stack, op, self.dtype)
+        tol = 1e-2 if self.dtype in ("float16", "bfloat16") else 1e-6
+        out = []
+        if not np.allclose(got, want, rtol=tol, atol=tol):
+            out.append(f"{op} {self.what}: wrong result")
+        if self.backing is not None:
+            now = to_host(self.backing)
+            outside = self.before == SENTINEL
+            if not np.array_equal(now[outside], self.before[outside]):
+                out.append(f"{op} {self.what}: wrote outside the array")
+        return out
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("async_op", [False, True])
+def test_every_op_mixed_device_and_host(make_comm, shared_seed, async_op) -> None:
+    comm = make_comm(transport="staged", vendors=("nvidia", "amd"))
+    rng = np.random.default_rng(shared_seed)
+    problems: list[str] = []
+    for op in OPS:
+        items = [Item(rng, comm.size, comm.rank, *spec) for spec in ARRAYS
+                 if not (op is ReduceOp.AVG and spec[1] == "bool")]  # fmt: skip
+        work = comm.all_reduce_coalesced([i.array for i in items], op, async_op=async_op)
+        if work is not None:
+            work.wait()
+        torch.cuda.synchronize()
+        for item in items:
+            problems += item.problems(op)
+    assert_all_ranks(comm, not problems, "; ".join(problems[:6]))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_stream_order(make_comm) -> None:
+    """Work queued before the call is seen by it; work queued after wait() sees the result."""
+    comm = make_comm(transport="staged", vendors=("nvidia", "amd"))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        xs = [torch.zeros(n, device="cuda") for n in (8 << 20, 3, 1000)]
+        torch.cuda._sleep(20_000_000)  # keep the stream busy: the adds below land late
+        for x in xs:
+            x.add_(comm.rank + 1)
+        work = comm.all_reduce_coalesced([xs[0], xs[1][::2], xs[2]], async_op=True)
+        work.wait()
+        ys = [x * 2 for x in xs]  # queued after wait(): must see the reduced values
+    stream.synchronize()
+    want = 2.0 * sum(range(1, comm.size + 1))
+    ok = bool((ys[0] == want).all()) and bool((ys[2] == want).all())
+    ok = ok and ys[1].tolist() == [want, 2.0 * (comm.rank + 1), want]
+    assert_all_ranks(comm, ok, f"expected {want} after the all_reduce_coalesced")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bad_device_calls(make_comm) -> None:
+    comm = make_comm(transport="staged", vendors=("nvidia", "amd"))
+    x = cupy.arange(10, dtype=cupy.float32)
+    problems = []
+    for what, arrays in (("twice", [x, x]), ("overlap", [x[0:6], x[4:8]]),
+                         ("strided overlap", [x[::3], x[3:4]])):  # fmt: skip
+        try:
+            comm.all_reduce_coalesced(arrays)
+            problems.append(f"{what}: accepted")
+        except InvalidArgument:
+            pass
+    if cupy.asnumpy(x).tolist() != list(range(10)):
+        problems.append("an array changed")
+    if torch.cuda.device_count() > 1:
+        y = torch.zeros(3, device="cuda:1")
+        try:
+            comm.all_reduce_coalesced([torch.zeros(3, device="cuda:0"), y])
+            problems.append("two devices: accepted")
+        except InvalidArgument as exc:
+            if "one device" not in str(exc):
+                problems.append(f"two devices: {exc}")
+    interleaved = cupy.zeros(10, dtype=cupy.float32)
+    comm.all_reduce_coalesced([interleaved[::2], interleaved[1::2]])  # disjoint: accepted
+    assert_all_ranks(comm, not problems, "; ".join(problems))

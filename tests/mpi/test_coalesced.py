@@ -1,0 +1,234 @@
+"""all_reduce_coalesced: many arrays of mixed dtypes, shapes, layouts and libraries in one call.
+
+Every array is placed inside sentinels (`_data.Placed`) and checked against a float64 numpy
+reference of every rank's inputs, drawn fresh from the shared seed; arrays outside the call must
+keep their values. Bad calls are made by every rank alike, so each raises before anything moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _data import DTYPES, REDUCE_OPS, SHAPES, Placed, compare, draw, logical, reference
+
+from hetcomm import DtypeError, InvalidArgument, MismatchError, ReduceOp, Work
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+class Case:
+    """One array of a call: its inputs on every rank, the placed array, what it must become."""
+
+    def __init__(self, rng: np.random.Generator, size: int, rank: int, dtype: str, lib: str,
+                 shape: tuple[int, ...], layout: str) -> None:  # fmt: skip
+        self.dtype, self.what = dtype, f"{lib} {dtype} {layout}{list(shape)}"
+        self.stack = draw(rng, dtype, shape, size)
+        self.placed = Placed(self.stack[rank], dtype, lib, layout)
+
+    def check(self, op: ReduceOp, what: str) -> list[str]:
+        problems = compare(self.placed.values(), reference(self.stack, op, self.dtype),
+                           f"{what}: {self.what}", stack=self.stack, op=op,
+                           dtype=self.dtype)  # fmt: skip
+        if not self.placed.intact():
+            problems.append(f"{what}: {self.what}: wrote outside the array")
+        return problems
+
+
+def mixed_cases(rng: np.random.Generator, comm: Any, op: ReduceOp) -> list[Case]:
+    """Every dtype x every shape and layout of _data.SHAPES, numpy and torch alternating (torch
+    for bfloat16), in a shuffled order the same on every rank."""
+    cases = []
+    for k, dtype in enumerate(DTYPES):
+        if op is ReduceOp.AVG and dtype == "bool":
+            continue
+        for j, (shape, layout) in enumerate(SHAPES):
+            lib = "torch" if dtype == "bfloat16" or (j + k) % 2 else "numpy"
+            cases.append(Case(rng, comm.size, comm.rank, dtype, lib, shape, layout))
+    order = rng.permutation(len(cases))
+    return [cases[i] for i in order]
+
+
+def test_every_op_on_mixed_arrays(comm, rng, errors):
+    """One call per op over ~80 arrays of every dtype, shape and layout; an array outside the
+    call keeps its values."""
+    for op in REDUCE_OPS:
+        cases = mixed_cases(rng, comm, op)
+        outsider = Case(rng, comm.size, comm.rank, "float32", "numpy", (6,), "contiguous")
+        before = outsider.placed.values()
+        if errors.run(f"{op}", comm.all_reduce_coalesced, [c.placed.array for c in cases], op):
+            for c in cases:
+                errors += c.check(op, str(op))
+        errors += compare(outsider.placed.values(), before, f"{op}: an array outside the call")
+    errors.verify()
+
+
+def test_op_by_name_and_tuple(comm, rng, errors):
+    cases = [Case(rng, comm.size, comm.rank, "float64", "numpy", (5, 4), "contiguous"),
+             Case(rng, comm.size, comm.rank, "int32", "torch", (9,), "strided")]  # fmt: skip
+    if errors.run("max by name", comm.all_reduce_coalesced,
+                  tuple(c.placed.array for c in cases), "max"):  # fmt: skip
+        for c in cases:
+            errors += c.check(ReduceOp.MAX, "max by name")
+    errors.verify()
+
+
+def test_many_small_arrays(comm, rng, errors):
+    """Hundreds of arrays of one dtype (one fused collective), 1-element and empty among them."""
+    sizes = [int(n) for n in rng.integers(0, 40, size=300)] + [1, 0, 1]
+    cases = [Case(rng, comm.size, comm.rank, "float32", "numpy", (n,), "contiguous")
+             for n in sizes]  # fmt: skip
+    if errors.run("300 arrays", comm.all_reduce_coalesced, [c.placed.array for c in cases]):
+        for c in cases:
+            errors += c.check(ReduceOp.SUM, "300 arrays")
+    errors.verify()
+
+
+def test_views_of_one_buffer(comm, rng, errors):
+    """Disjoint views of one allocation, interleaved ones included (x[::2] and x[1::2]), are
+    accepted; the gaps between them keep their values."""
+    size, me = comm.size, comm.rank
+    stack = draw(rng, "float64", (64,), size)
+    base = stack[me].copy()
+    views = [base[0:10], base[10:11], base[12:30:2], base[13:30:2], base[40:64].reshape(4, 6).T]
+    index = np.arange(64)
+    used = np.concatenate([index[0:10], index[10:11], index[12:30:2], index[13:30:2],
+                           index[40:64]])  # fmt: skip
+    want = stack[me].copy()
+    want[used] = stack[:, used].sum(axis=0)
+    if errors.run("views", comm.all_reduce_coalesced, views):
+        errors += compare(base, want, "views of one buffer", stack=stack, op=ReduceOp.SUM,
+                          dtype="float64")  # fmt: skip
+    errors.verify()
+
+
+def test_async(comm, rng, errors):
+    """async_op: a Work whose completion unpacks; two calls in flight at once, a synchronous
+    one of the same dtype in between (the fused buffers are never shared)."""
+    first = [Case(rng, comm.size, comm.rank, d, lib, (33,), "strided")
+             for d, lib in (("float32", "torch"), ("bfloat16", "torch"), ("int64", "numpy"))]  # fmt: skip
+    second = [Case(rng, comm.size, comm.rank, "float32", "numpy", (300, 7), "transposed")
+              for _ in range(3)]  # fmt: skip
+    middle = [Case(rng, comm.size, comm.rank, "float32", "numpy", (500,), "contiguous")]
+    work1 = comm.all_reduce_coalesced([c.placed.array for c in first], async_op=True)
+    work2 = comm.all_reduce_coalesced([c.placed.array for c in second], ReduceOp.MIN,
+                                      async_op=True, timeout=60)  # fmt: skip
+    errors.expect(isinstance(work1, Work) and isinstance(work2, Work), "async_op returns Works")
+    comm.all_reduce_coalesced([c.placed.array for c in middle])
+    errors += middle[0].check(ReduceOp.SUM, "synchronous, between two in flight")
+    work2.wait()
+    work1.wait()
+    errors.expect(work1.test() and work2.test() and work1.exception() is None, "works done")
+    for c in first:
+        errors += c.check(ReduceOp.SUM, "async 1")
+    for c in second:
+        errors += c.check(ReduceOp.MIN, "async 2")
+    errors.verify()
+
+
+def test_sizes_grow_and_shrink(comm, rng, errors):
+    """Reused fused buffers: a small call, a large one, a small one again."""
+    for n in (10, 50_000, 3):
+        cases = [Case(rng, comm.size, comm.rank, "float16", "numpy", (n,), "contiguous"),
+                 Case(rng, comm.size, comm.rank, "float16", "torch", (n,), "strided")]  # fmt: skip
+        if errors.run(f"n={n}", comm.all_reduce_coalesced, [c.placed.array for c in cases],
+                      ReduceOp.PROD):  # fmt: skip
+            for c in cases:
+                errors += c.check(ReduceOp.PROD, f"n={n}")
+    errors.verify()
+
+
+def test_requires_grad_tensor(comm, rng, errors):
+    stack = draw(rng, "float32", (7,), comm.size)
+    t = torch.tensor(stack[comm.rank], dtype=torch.float32, requires_grad=True)
+    if errors.run("requires_grad", comm.all_reduce_coalesced, [t]):
+        errors += compare(logical(t), stack.sum(axis=0), "requires_grad", stack=stack,
+                          op=ReduceOp.SUM, dtype="float32")  # fmt: skip
+    errors.verify()
+
+
+def test_empty_list(comm, errors):
+    errors.expect(comm.all_reduce_coalesced([]) is None, "[] returns None")
+    work = comm.all_reduce_coalesced((), async_op=True)
+    errors.expect(isinstance(work, Work) and work.test(), "async [] is a completed Work")
+    x = np.full(3, float(comm.rank))
+    comm.all_reduce(x)  # the ranks are still in step
+    errors.expect((x == sum(range(comm.size))).all(), f"all_reduce after [] gave {x}")
+    errors.verify()
+
+
+# ---- bad calls ----------------------------------------------------------------------------------
+
+
+def snapshot(a: Any) -> np.ndarray:
+    if isinstance(a, torch.Tensor):
+        t = a.detach()
+        return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().copy()
+    return np.array(a, copy=True)
+
+
+def expect_error(errors, what: str, exc_type: type[Exception], call: Callable[[], Any],
+                 words: list[str], arrays: list[Any]) -> None:  # fmt: skip
+    before = [snapshot(a) for a in arrays]
+    try:
+        call()
+    except exc_type as exc:
+        missing = [w for w in words if w not in str(exc)]
+        errors.expect(not missing, f"{what}: message {str(exc)!r} lacks {missing}")
+    except Exception as exc:
+        errors.append(f"{what}: raised {type(exc).__name__}({exc}), not {exc_type.__name__}")
+    else:
+        errors.append(f"{what}: did not raise {exc_type.__name__}")
+    for i, (a, old) in enumerate(zip(arrays, before)):
+        errors.expect(np.array_equal(snapshot(a), old), f"{what}: array {i} was changed")
+
+
+def test_bad_calls_move_nothing(comm, errors):
+    f = np.arange(6, dtype=np.float32) + comm.rank
+    g = np.arange(4, dtype=np.float64) - comm.rank
+    t = torch.arange(5, dtype=torch.bfloat16)
+    flags = np.array([True, False])
+    ro = np.ones(3)
+    ro.setflags(write=False)
+    base = np.arange(20, dtype=np.int32)
+    keep = [f, g, t, flags, base]
+    ar = comm.all_reduce_coalesced
+    cases: list[tuple[str, type[Exception], Callable[[], Any], list[str]]] = [
+        ("an array, not a list", InvalidArgument, lambda: ar(f), ["list or tuple", "numpy"]),
+        ("a generator", InvalidArgument, lambda: ar(x for x in (f, g)), ["list or tuple"]),
+        ("not an array", InvalidArgument, lambda: ar([f, "g", g]), ["arrays[1]", "str"]),
+        ("None inside", InvalidArgument, lambda: ar([f, g, None]), ["arrays[2]"]),
+        ("read-only", InvalidArgument, lambda: ar([f, ro]), ["arrays[1]", "read-only"]),
+        ("twice", InvalidArgument, lambda: ar([f, g, f]), ["arrays[0]", "arrays[2]", "same"]),
+        ("overlap", InvalidArgument, lambda: ar([g, base[0:10], base[5:15]]),
+         ["arrays[1]", "arrays[2]", "overlap"]),
+        ("strided overlap", InvalidArgument, lambda: ar([base[::2], base[4:8]]),
+         ["arrays[0]", "arrays[1]", "overlap"]),
+        ("torch view of numpy", InvalidArgument, lambda: ar([f, torch.from_numpy(f)]),
+         ["arrays[0]", "arrays[1]"]),
+        ("AVG on bool", DtypeError, lambda: ar([f, flags], ReduceOp.AVG), ["arrays[1]", "bool"]),
+        ("unknown op", InvalidArgument, lambda: ar([f], "xor"), ["op", "xor"]),
+        ("bad timeout", InvalidArgument, lambda: ar([f], timeout=-1), ["timeout"]),
+        ("complex", DtypeError, lambda: ar([f, np.zeros(2, complex)]), ["arrays[1]", "complex"]),
+    ]  # fmt: skip
+    for what, exc_type, call, words in cases:
+        expect_error(errors, what, exc_type, call, words, keep)
+    # the ranks are still in step, and the arrays reduce normally afterwards
+    want = np.arange(6, dtype=np.float32) * comm.size + sum(range(comm.size))
+    comm.all_reduce_coalesced([f, t])
+    errors.expect(np.array_equal(f, want), f"after the bad calls: {f}")
+    errors.verify()
+
+
+def test_debug_mode_catches_another_order(make_comm, errors):
+    """Groups are issued in order of first appearance: ranks listing dtypes in another order
+    get MismatchError on every rank (debug mode) instead of reducing mismatched buffers."""
+    comm = make_comm(debug=True, timeout=30)
+    a, b = np.ones(4, dtype=np.float32), np.ones(4, dtype=np.int32)
+    arrays = [a, b] if comm.rank == 0 else [b, a]
+    expect_error(errors, "different order", MismatchError,
+                 lambda: comm.all_reduce_coalesced(arrays), ["dtype"], [a, b])  # fmt: skip
+    errors.verify()
