@@ -124,20 +124,11 @@ class DeviceFusion:
         import cupy
 
         self.cupy = cupy
-        self._functions: dict[tuple[int, str], Any] = {}
-        self._lock = threading.Lock()
 
     def _function(self, name: str) -> Any:
-        device = self.cupy.cuda.Device().id
-        with self._lock:
-            found = self._functions.get((device, name))
-            if found is None:
-                with open(_SOURCE) as f:
-                    code = f.read()
-                module = self.cupy.RawModule(code=code, options=("-std=c++14",),
-                                             name_expressions=[name])  # fmt: skip
-                found = self._functions[(device, name)] = module.get_function(name)
-            return found
+        from .device import kernel
+
+        return kernel(name, _SOURCE)
 
     def _launch(self, kernel: str, rows: Any, dims: tuple[int, int, int], fused_ptr: int,
                 itemsize: int, stream: Any) -> None:  # fmt: skip
