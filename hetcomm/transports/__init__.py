@@ -74,7 +74,9 @@ class Transport:
 
 def registry() -> dict[str, type[Transport]]:
     """Transport name -> class, for the transports this installation has."""
+    from .hier import HierTransport
     from .mpi import MpiTransport
     from .staged import StagedTransport
 
-    return {MpiTransport.name: MpiTransport, StagedTransport.name: StagedTransport}
+    return {MpiTransport.name: MpiTransport, StagedTransport.name: StagedTransport,
+            HierTransport.name: HierTransport}
