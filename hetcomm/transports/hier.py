@@ -114,6 +114,7 @@ class HierTransport(Transport):
         self.index, self.local = locate(self.islands, self.rank)
         self.timeout = comm.config.timeout
         svc = comm.service  # collectives on it are issued only in program order
+        _all_arrived(comm, svc)
         island_name = f"{comm.name}/island{self.index}"
         members = self.islands[self.index]
         island_mpi: Any = svc.Split(self.index, self.rank)
@@ -413,6 +414,23 @@ class HierTransport(Transport):
             self._gpu.close()
 
 
+def _all_arrived(comm: Communicator, svc: Any) -> None:
+    """Wait, bounded by the timeout, until every rank has come to make the parts: the blocking
+    Split and Dup that follow then cannot hang on a rank that never comes."""
+    req = svc.Ibarrier()
+    start = time.monotonic()
+    sleep = 10e-6
+    while not req.Test():
+        waited = time.monotonic() - start
+        if waited > comm.config.timeout:
+            exc = CommTimeout(comm.name, "hier setup", comm._seq + 1, comm.config.timeout, None,
+                              "not every rank came to set up the hier transport")  # fmt: skip
+            comm._abort(exc)
+            raise exc
+        time.sleep(sleep)
+        sleep = min(2 * sleep, 1e-3)
+
+
 def _part_config(config: Config, name: str) -> Config:
     """The parts plan for themselves: a forced 'hier' (which they cannot use) becomes 'auto';
     any other setting for their names holds."""
@@ -468,21 +486,26 @@ class _HostMemory(_Memory):
         assert buf.host is not None
         buf.host.fill(0)
 
+    # host views come as the caller's numpy dtype (float16) or as storage (bfloat16 in uint16):
+    # copies move bytes, reductions see the storage the kernels expect
+
     def copy(self, dst: Buffer, src: Buffer) -> None:
         assert dst.host is not None and src.host is not None
-        np.copyto(dst.host, src.host)
+        np.copyto(dst.host.view(np.uint8), src.host.view(np.uint8))
 
     def combine(self, dst: Buffer, src: Buffer, dtype: str, op: ReduceOp) -> None:
         from ..kernels import reduce as kr
 
         assert dst.host is not None and src.host is not None
-        kr.combine(dst.host, src.host, "sum" if op is ReduceOp.AVG else op.value, dtype)
+        sd = kr.storage_dtype(dtype)
+        kr.combine(dst.host.view(sd), src.host.view(sd), "sum" if op is ReduceOp.AVG else op.value,
+                   dtype)  # fmt: skip
 
     def divide(self, buf: Buffer, n: int, dtype: str) -> None:
         from ..kernels import reduce as kr
 
         assert buf.host is not None
-        kr.divide(buf.host, n, dtype)
+        kr.divide(buf.host.view(kr.storage_dtype(dtype)), n, dtype)
 
 
 class _DeviceMemory(_Memory):
