@@ -118,9 +118,9 @@ class HierTransport(Transport):
         island_name = f"{comm.name}/island{self.index}"
         members = self.islands[self.index]
         island_mpi: Any = svc.Split(self.index, self.rank)
-        self.island = Communicator(island_mpi,
-                                   _part_config(comm.config, island_name),
-                                   comm.topology.subset(members), island_name, exclude=EXCLUDED)  # fmt: skip
+        self.island = Communicator(island_mpi, _part_config(comm.config, island_name),
+                                   comm.topology.subset(members), island_name,
+                                   exclude=EXCLUDED)  # fmt: skip
         # islands exchange shards over `cross`; operations hier hands on whole go to `flat`, so
         # that the caller's own messages (send/recv with any tag) never meet the shards
         self.cross = self._part(comm, svc, "cross")
@@ -129,6 +129,7 @@ class HierTransport(Transport):
         self._worker: _Worker | None = None
         self._gpu: Any = None
         self._closed = False
+        self._abandoned = False  # an operation gave up with parts' operations still in flight
         log.info("hier: group '%s' islands %s; rank %d is member %d of island %d",
                  comm.name, [list(i) for i in self.islands], self.rank, self.local, self.index)  # fmt: skip
 
@@ -181,10 +182,12 @@ class HierTransport(Transport):
             sleep = 10e-6
             while not w.test():
                 if self._stopping.is_set() or self.comm._aborted is not None:
+                    self._abandoned = True
                     raise CommAborted(f"communicator '{self.comm.name}' was aborted or closed "
                                       f"during {ctx.name} #{ctx.seq}")  # fmt: skip
                 left = ctx.deadline - time.monotonic()
                 if left <= 0:
+                    self._abandoned = True
                     raise CommTimeout(self.comm.name, ctx.name, ctx.seq, self.timeout, None,
                                       f"waiting for {w.op} on group '{w._comm.name}'")  # fmt: skip
                 if w._waiter is not None:
@@ -404,11 +407,11 @@ class HierTransport(Transport):
         stopped = self._worker.stop(wait_s=5.0) if self._worker is not None else True
         aborted = self.comm._aborted
         for part in (self.island, self.cross, self.flat):
-            if aborted is not None or not stopped:
+            if aborted is not None or not stopped or self._abandoned:
                 # operations may still be in flight there: leave their MPI communicators to
                 # MPI_Finalize rather than free memory MPI may still write
                 part._abort(aborted or CommAborted("the hier transport closed with an "
-                                                   "operation still running"))  # fmt: skip
+                                                   "operation unfinished"))  # fmt: skip
             part.close()
         if self._gpu is not None:
             self._gpu.close()
