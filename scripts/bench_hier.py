@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--islands", default="2+2", help="island sizes in rank order (default 2+2)")
     ap.add_argument("--rounds", type=int, default=7, help="timed rounds per size (default 7)")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--steps", action="store_true",
+                    help="also time hier's steps as raw MPI calls at the largest size")  # fmt: skip
     args = ap.parse_args()
     world = MPI.COMM_WORLD
     rank, n = world.Get_rank(), world.Get_size()
@@ -105,6 +107,8 @@ def main() -> None:
         rows.append(row)
         if rank == 0:
             print(_line(row), flush=True)
+    if args.steps:
+        steps(world, vendor, args.rounds)
     if rank == 0:
         print(f"\nislands {args.islands} on {n} ranks, {args.rounds} rounds; hier plan: "
               f"{hier.plan.lookup('all_reduce', 'host', 'large')}")  # fmt: skip
@@ -114,6 +118,38 @@ def main() -> None:
                            "rows": rows}, f, indent=1)  # fmt: skip
     hier.close()
     flat.close()
+
+
+def steps(world: MPI.Intracomm, vendor: str, rounds: int) -> None:
+    """The steps of a hierarchical all_reduce of the largest size as raw MPI calls (islands
+    reduce-scatter, matching members swap shards, islands all-gather), beside one flat
+    Allreduce: what the hierarchy costs on this machine before any of hetcomm's own work."""
+    rank, n = world.Get_rank(), world.Get_size()
+    island = world.Split(VENDORS.index(vendor), rank)
+    size = island.Get_size()
+    count = SIZES[-1] // 4
+    x, y = np.ones(count, np.float32), np.zeros(count, np.float32)
+    shard, theirs = np.zeros(count // size, np.float32), np.zeros(count // size, np.float32)
+    # the member at the same place in the other island (2 equal islands)
+    partner = (rank + n // 2) % n
+    calls = {
+        "flat Allreduce": lambda: world.Allreduce(x, y),
+        "island Reduce_scatter_block": lambda: island.Reduce_scatter_block(x, shard),
+        "shard Sendrecv between islands": lambda: world.Sendrecv(shard, partner, 5, theirs,
+                                                                 partner, 5),
+        "island Allgather": lambda: island.Allgather(shard, y),
+    }
+    if rank == 0:
+        print(f"\nsteps at {_size(SIZES[-1])} (raw MPI; median of {rounds}, min..max):")
+    for name, call in calls.items():
+        if name.startswith("shard") and (count % size or n != 2 * size):
+            continue  # the swap needs two equal islands whose size divides the vector
+        call()
+        times = sorted(time_round(call, 1, world) for _ in range(rounds))
+        if rank == 0:
+            print(f"  {name}: {_time(statistics.median(times) * 1e6)} "
+                  f"({_time(times[0] * 1e6)}..{_time(times[-1] * 1e6)})", flush=True)  # fmt: skip
+    island.Free()
 
 
 def _size(nbytes: int) -> str:

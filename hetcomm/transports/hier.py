@@ -128,6 +128,7 @@ class HierTransport(Transport):
         self._stopping = threading.Event()
         self._worker: _Worker | None = None
         self._gpu: Any = None
+        self._host = _HostMemory()
         self._closed = False
         self._abandoned = False  # an operation gave up with parts' operations still in flight
         log.info("hier: group '%s' islands %s; rank %d is member %d of island %d",
@@ -151,7 +152,7 @@ class HierTransport(Transport):
                 body: Callable[[_Ctx], None]) -> Work:  # fmt: skip
         """Queue `body` on the worker thread; the Work completes when it has run."""
         device = next((b for b in bufs if b.on_device), None)
-        mem: _Memory = _HostMemory() if device is None else self._device_memory(device)
+        mem = self._host if device is None else self._device_memory(device)
         ready = mem.ready(device) if device is not None else None
 
         def run() -> None:
@@ -238,10 +239,10 @@ class HierTransport(Transport):
         else:
             src = x
             if n * c != count:
-                src = padded = mem.empty(n * c, x)
+                src = padded = mem.empty(n * c, x, "padded")
                 mem.copy(_sub(padded, 0, count), x)
                 mem.zero(_sub(padded, count, n * c - count))
-            shard = mem.empty(c, x)
+            shard = mem.empty(c, x, "shard")
             self._wait([self._part_op(self.island, "reduce_scatter", src,
                                       lambda t, s: t.reduce_scatter(shard, src, part_op, s))],
                        ctx)  # fmt: skip
@@ -250,7 +251,7 @@ class HierTransport(Transport):
         mine = _sub(shard, 0, width)
         if width:
             k = len(self.islands)
-            rows = mem.empty(k * width, x)
+            rows = mem.empty(k * width, x, "rows")
             works = [self._recv(_sub(rows, t.island * width + t.start - sch.start,
                                      t.stop - t.start), t.peer) for t in sch.exchanges]  # fmt: skip
             works += [self._send(_sub(mine, t.start - sch.start, t.stop - t.start), t.peer)
@@ -268,7 +269,7 @@ class HierTransport(Transport):
                 mem.divide(mine, self.size, x.dtype)
         # 4. all-gather the reduced shards inside the island
         if n > 1:
-            dst = out if n * c == count else (padded or mem.empty(n * c, x))
+            dst = out if padded is None else padded
             self._wait([self._part_op(self.island, "all_gather", shard,
                                       lambda t, s: t.all_gather(dst, shard, s))], ctx)  # fmt: skip
             if dst is not out:
@@ -286,12 +287,12 @@ class HierTransport(Transport):
         part_op = ReduceOp.SUM if op is ReduceOp.AVG else op
         n, size = sch.island_size, sch.chunk
         # 1. every island's blocks sharded over this island's members, reduced inside it
-        scratch = mem.empty(n * size, x)
+        scratch = mem.empty(n * size, x, "scratch")
         mem.zero(scratch)
         for at, pos, count in sch.layout:
             mem.copy(_sub(scratch, at, count), _sub(x, pos, count))
         if n > 1:
-            chunk = mem.empty(size, x)
+            chunk = mem.empty(size, x, "chunk")
             self._wait([self._part_op(self.island, "reduce_scatter", scratch,
                                       lambda t, s: t.reduce_scatter(chunk, scratch, part_op, s))],
                        ctx)  # fmt: skip
@@ -299,7 +300,7 @@ class HierTransport(Transport):
             chunk = scratch
         # 2. pieces of the chunk to the blocks' owners; one partial of this block per island
         k = len(self.islands)
-        rows = mem.empty(k * block, x)
+        rows = mem.empty(k * block, x, "rows")
         works = []
         for p in sch.owned:
             if p.peer != self.rank:
@@ -330,7 +331,7 @@ class HierTransport(Transport):
         sch = block_schedule(self.islands, block, self.rank)
         n, size = sch.island_size, sch.chunk
         # 1. this rank's block to its holders in every island; the pieces this rank holds
-        chunk = mem.empty(size, x)
+        chunk = mem.empty(size, x, "chunk")
         mem.zero(chunk)
         works = []
         for p in sch.held:
@@ -345,7 +346,7 @@ class HierTransport(Transport):
         self._wait(works, ctx)
         # 2. the island's chunks gathered, then put in rank order
         if n > 1:
-            scratch = mem.empty(n * size, x)
+            scratch = mem.empty(n * size, x, "scratch")
             self._wait([self._part_op(self.island, "all_gather", chunk,
                                       lambda t, s: t.all_gather(scratch, chunk, s))], ctx)  # fmt: skip
         else:
@@ -413,6 +414,7 @@ class HierTransport(Transport):
                 part._abort(aborted or CommAborted("the hier transport closed with an "
                                                    "operation unfinished"))  # fmt: skip
             part.close()
+        self._host.clear()
         if self._gpu is not None:
             self._gpu.close()
 
@@ -464,7 +466,9 @@ class _Memory:
     def enter(self, ready: Any) -> None:
         """On the worker thread, before the operation's first step."""
 
-    def empty(self, count: int, like: Buffer) -> Buffer:
+    def empty(self, count: int, like: Buffer, slot: str) -> Buffer:
+        """Scratch for `count` elements like `like`; `slot` names its use inside one operation
+        (operations run one at a time, so a slot's memory may serve the next one again)."""
         raise NotImplementedError
 
     def zero(self, buf: Buffer) -> None:
@@ -481,9 +485,23 @@ class _Memory:
 
 
 class _HostMemory(_Memory):
-    def empty(self, count: int, like: Buffer) -> Buffer:
-        host = np.empty(count, storage_dtype(like.dtype))
+    """Host scratch kept between operations, one buffer per slot (the largest asked for so far):
+    fresh pages would cost a page fault each, on every large operation."""
+
+    def __init__(self) -> None:
+        self._slots: dict[str, np.ndarray] = {}
+
+    def empty(self, count: int, like: Buffer, slot: str) -> Buffer:
+        sd = storage_dtype(like.dtype)
+        nbytes = count * sd.itemsize
+        raw = self._slots.get(slot)
+        if raw is None or raw.nbytes < nbytes:
+            raw = self._slots[slot] = np.empty(nbytes, np.uint8)
+        host = raw[:nbytes].view(sd)
         return Buffer(host, "numpy", like.dtype, (count,), "cpu", None, -1, True, False, host)
+
+    def clear(self) -> None:
+        self._slots.clear()
 
     def zero(self, buf: Buffer) -> None:
         assert buf.host is not None
@@ -530,8 +548,8 @@ class _DeviceMemory(_Memory):
         if ready is not None:
             ready.synchronize()
 
-    def empty(self, count: int, like: Buffer) -> Buffer:
-        import cupy
+    def empty(self, count: int, like: Buffer, slot: str) -> Buffer:
+        import cupy  # its memory pool keeps freed blocks for the next operation
 
         mem = cupy.empty(max(1, count * like.itemsize), dtype=cupy.uint8)
         return Buffer(mem, "cupy", like.dtype, (count,), like.device, like.device_index,
