@@ -37,6 +37,7 @@ EXCLUDED = {"hier": "inside a hier transport"}
 # operation, and operations run one after another: one tag serves them all
 _TAG = 1
 _STOP = object()
+_MAX_SLEEP_S = 200e-6
 
 
 class _Job(threading.Event):
@@ -194,8 +195,10 @@ class HierTransport(Transport):
                 if w._waiter is not None:
                     w._waiter(min(left, 0.05))
                 else:
+                    # MPI moves a non-blocking operation on only inside Test: short sleeps keep
+                    # a step of a small operation from waiting out a long one
                     time.sleep(min(sleep, left))
-                    sleep = min(2 * sleep, 1e-3)
+                    sleep = min(2 * sleep, _MAX_SLEEP_S)
 
     def _part_op(self, part: Communicator, op: str, buf: Buffer,
                  start: Callable[[Transport, int], Work]) -> Work:  # fmt: skip
