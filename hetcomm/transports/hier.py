@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from .. import plan as planning
 from ..arrays import Buffer, storage_dtype
-from ..errors import CommAborted, CommTimeout
+from ..errors import CommAborted, CommTimeout, HetcommError
 from ..ops import ReduceOp
-from ..plan import islands as find_islands
 from ..work import Work, completed
 from . import Transport
 from .hier_schedule import (
@@ -97,51 +97,85 @@ class _Ctx:
         self.name, self.seq, self.deadline, self.mem = name, seq, deadline, mem
 
 
+class _Parts:
+    """The communicators a hier transport runs its collectives on (see docs/hier.md)."""
+
+    def __init__(self, comm: Communicator, islands: list[tuple[int, ...]], index: int) -> None:
+        from ..comm import Communicator
+
+        svc = comm.service  # collectives on it are issued only in program order
+        _all_arrived(comm, svc)
+        name = f"{comm.name}/island{index}"
+        island_mpi: Any = svc.Split(index, comm.rank)
+        self.island = Communicator(island_mpi, _part_config(comm.config, name),
+                                   comm.topology.subset(islands[index]), name,
+                                   exclude=EXCLUDED)  # fmt: skip
+        # islands exchange shards over `cross`; the collectives hier hands on whole go to
+        # `flat`: neither shares a message space with the caller's own send/recv
+        self.cross, self.flat = (
+            Communicator(svc.Dup(), _part_config(comm.config, f"{comm.name}/{what}"),
+                         comm.topology, f"{comm.name}/{what}", exclude=EXCLUDED)
+            for what in ("cross", "flat"))  # fmt: skip
+
+    def all(self) -> tuple[Communicator, ...]:
+        return self.island, self.cross, self.flat
+
+
 class HierTransport(Transport):
     """Collectives across islands (members of one host and vendor): reduce-scatter inside each
     island with its own transport, partial shards exchanged between islands by every member at
-    once, all-gather inside the island. reduce, all_to_all, barrier and point-to-point go to a
-    flat communicator of the same members (on a transport other than hier)."""
+    once, all-gather inside the island. reduce, all_to_all and barrier go to a flat communicator
+    of the same members, send and recv to the group's own point-to-point transport (neither on
+    hier)."""
 
     name: ClassVar[str] = "hier"
     memory: ClassVar[tuple[str, ...]] = ("host", "device")
 
     def __init__(self, comm: Communicator) -> None:
-        from ..comm import Communicator
-
+        # nothing collective here: the first operation routed to hier may be a send, which
+        # only two ranks make; the parts wait for the first collective
         super().__init__(comm)
         self.rank, self.size = comm.rank, comm.size
-        self.islands = find_islands(comm.topology.members())
+        self.islands = planning.islands(comm.topology.members())
         self.index, self.local = locate(self.islands, self.rank)
         self.timeout = comm.config.timeout
-        svc = comm.service  # collectives on it are issued only in program order
-        _all_arrived(comm, svc)
-        island_name = f"{comm.name}/island{self.index}"
-        members = self.islands[self.index]
-        island_mpi: Any = svc.Split(self.index, self.rank)
-        self.island = Communicator(island_mpi, _part_config(comm.config, island_name),
-                                   comm.topology.subset(members), island_name,
-                                   exclude=EXCLUDED)  # fmt: skip
-        # islands exchange shards over `cross`; operations hier hands on whole go to `flat`, so
-        # that the caller's own messages (send/recv with any tag) never meet the shards
-        self.cross = self._part(comm, svc, "cross")
-        self.flat = self._part(comm, svc, "flat")
+        self._parts: _Parts | None = None
         self._stopping = threading.Event()
         self._worker: _Worker | None = None
         self._gpu: Any = None
         self._host = _HostMemory()
         self._closed = False
         self._abandoned = False  # an operation gave up with parts' operations still in flight
-        log.info("hier: group '%s' islands %s; rank %d is member %d of island %d",
-                 comm.name, [list(i) for i in self.islands], self.rank, self.local, self.index)  # fmt: skip
 
-    @staticmethod
-    def _part(comm: Communicator, svc: Any, what: str) -> Communicator:
-        from ..comm import Communicator
+    def _setup(self) -> _Parts:
+        """The parts, made by the first collective (on every rank, in program order)."""
+        if self._parts is None:
+            self._parts = _Parts(self.comm, self.islands, self.index)
+            log.info("hier: group '%s' islands %s; rank %d is member %d of island %d",
+                     self.comm.name, [list(i) for i in self.islands], self.rank, self.local,
+                     self.index)  # fmt: skip
+        return self._parts
 
-        name = f"{comm.name}/{what}"
-        return Communicator(svc.Dup(), _part_config(comm.config, name), comm.topology, name,
-                            exclude=EXCLUDED)  # fmt: skip
+    @property
+    def island(self) -> Communicator:
+        """This rank's island (made by the first collective)."""
+        return self._made().island
+
+    @property
+    def cross(self) -> Communicator:
+        """The whole group, for the shards exchanged between islands."""
+        return self._made().cross
+
+    @property
+    def flat(self) -> Communicator:
+        """The whole group, for the collectives hier hands on whole."""
+        return self._made().flat
+
+    def _made(self) -> _Parts:
+        if self._parts is None:
+            raise HetcommError(f"group '{self.comm.name}': the hier transport's parts are made "
+                               "by its first collective, and none has run yet")  # fmt: skip
+        return self._parts
 
     @classmethod
     def unavailable(cls, topology: Topology) -> str | None:
@@ -223,6 +257,7 @@ class HierTransport(Transport):
     # ---- the collectives hier shapes itself ----------------------------------------------------
 
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
+        self._setup()
         if x.count == 0:
             return completed(self.comm, "all_reduce", seq)
         return self._submit("all_reduce", seq, [x, out],
@@ -279,6 +314,7 @@ class HierTransport(Transport):
                 mem.copy(out, _sub(dst, 0, count))
 
     def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
+        self._setup()
         if out.count == 0:
             return completed(self.comm, "reduce_scatter", seq)
         return self._submit("reduce_scatter", seq, [out, x],
@@ -323,6 +359,7 @@ class HierTransport(Transport):
             mem.divide(out, self.size, x.dtype)
 
     def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        self._setup()
         if x.count == 0:
             return completed(self.comm, "all_gather", seq)
         return self._submit("all_gather", seq, [out, x],
@@ -358,6 +395,7 @@ class HierTransport(Transport):
             mem.copy(_sub(out, pos, count), _sub(scratch, at, count))
 
     def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
+        self._setup()
         if x.count == 0:
             return completed(self.comm, "broadcast", seq)
         return self._submit("broadcast", seq, [x],
@@ -378,13 +416,14 @@ class HierTransport(Transport):
             self._wait([self._part_op(self.island, "broadcast", x,
                                       lambda t, s: t.broadcast(x, local_root, s))], ctx)  # fmt: skip
 
-    # ---- operations handed to the flat communicator ------------------------------------------
+    # ---- operations handed on -------------------------------------------------------------
 
     def _flat(self, op: str, seq: int, buf: Buffer | None,
               start: Callable[[Transport, int], Work]) -> Work:  # fmt: skip
-        """Start `op` on the flat part from the calling thread (a send must not wait behind a
-        receive of the same rank); the Work follows the part's."""
-        transport, part_seq = self.flat._start(op, buf)
+        """Start `op` on the flat part from the calling thread (it needs nothing hier shapes);
+        the Work follows the part's."""
+        flat = self._setup().flat
+        transport, part_seq = flat._start(op, buf)
         inner = start(transport, part_seq)
         return Work(self.comm, op, seq, inner.test, waiter=inner._waiter)
 
@@ -394,14 +433,29 @@ class HierTransport(Transport):
     def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
         return self._flat("all_to_all", seq, x, lambda t, s: t.all_to_all(out, x, s))
 
-    def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
-        return self._flat("send", seq, x, lambda t, s: t.send(x, dst, tag, s))
-
-    def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
-        return self._flat("recv", seq, x, lambda t, s: t.recv(x, src, tag, s))
-
     def barrier(self, seq: int) -> Work:
         return self._flat("barrier", seq, None, lambda t, s: t.barrier(s))
+
+    def _point_to_point(self, op: str, buf: Buffer) -> Transport:
+        """The transport the group's plan picks for `op` when hier is left out. It is made on
+        the group itself, by whichever rank gets here first (none needs its peers to be made),
+        and the caller's tags keep their meaning: the message space is the group's own."""
+        comm = self.comm
+        choice = planning.choose(
+            comm.topology.members(), op=op, memory="device" if buf.on_device else "host",
+            nbytes=buf.nbytes, requested="auto", unavailable={**comm._unavailable, **EXCLUDED},
+            group=comm.name,
+        )  # fmt: skip
+        found = comm._transports.get(choice.transport)
+        if found is None:
+            found = comm._transports[choice.transport] = comm._available[choice.transport](comm)
+        return found
+
+    def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
+        return self._point_to_point("send", x).send(x, dst, tag, seq)
+
+    def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
+        return self._point_to_point("recv", x).recv(x, src, tag, seq)
 
     def close(self) -> None:
         if self._closed:
@@ -410,7 +464,7 @@ class HierTransport(Transport):
         self._stopping.set()
         stopped = self._worker.stop(wait_s=5.0) if self._worker is not None else True
         aborted = self.comm._aborted
-        for part in (self.island, self.cross, self.flat):
+        for part in self._parts.all() if self._parts is not None else ():
             if aborted is not None or not stopped or self._abandoned:
                 # operations may still be in flight there: leave their MPI communicators to
                 # MPI_Finalize rather than free memory MPI may still write
