@@ -16,11 +16,12 @@ import pytest
 from hetcomm.testing import MpiJob, clean_environ, run_mpi_job
 
 JOB = Path(__file__).resolve().parent / "_job.py"
+MPI_TESTS = Path(__file__).resolve().parent.parent / "mpi"
 
 
-def mpmd_argv(prefix: list[str], ranks: Sequence[tuple[int, str, str]], scenario: str,
-              params: dict[str, Any], variables: dict[str, str]) -> list[str]:  # fmt: skip
-    """mpirun -n N1 env VENDOR/HOST/VARS python -m mpi4py _job.py ... : -n N2 env ... for each
+def mpmd_argv(prefix: list[str], ranks: Sequence[tuple[int, str, str]], program: list[str],
+              variables: dict[str, str]) -> list[str]:  # fmt: skip
+    """mpirun -n N1 env VENDOR/HOST/VARS python -m mpi4py PROGRAM... : -n N2 env ... for each
     (count, vendor, host) of `ranks`, in rank order."""
     argv = list(prefix)
     for i, (count, vendor, host) in enumerate(ranks):
@@ -28,7 +29,7 @@ def mpmd_argv(prefix: list[str], ranks: Sequence[tuple[int, str, str]], scenario
             argv.append(":")
         settings = {"HETCOMM_VENDOR": vendor, "HETCOMM_HOST": host, **variables}
         argv += ["-n", str(count), "env", *(f"{k}={v}" for k, v in settings.items()),
-                 sys.executable, "-m", "mpi4py", str(JOB), scenario, json.dumps(params)]  # fmt: skip
+                 sys.executable, "-m", "mpi4py", *program]  # fmt: skip
     return argv
 
 
@@ -42,7 +43,24 @@ def hier_job(mpirun: tuple[list[str], dict[str, str]]) -> Any:
               **variables: str) -> MpiJob:  # fmt: skip
         prefix, mpi_env = mpirun
         settings = {"HETCOMM_TRANSPORT": "hier", "HETCOMM_TIMEOUT": "60", **variables}
-        argv = mpmd_argv(prefix, ranks, scenario, params or {}, settings)
+        program = [str(JOB), scenario, json.dumps(params or {})]
+        argv = mpmd_argv(prefix, ranks, program, settings)
+        return run_mpi_job(argv, clean_environ(**mpi_env), limit)
+
+    return start
+
+
+@pytest.fixture
+def hier_pytest(mpirun: tuple[list[str], dict[str, str]]) -> Any:
+    """hier_pytest(ranks, files, limit) -> MpiJob: test files of tests/mpi run under mpirun on
+    those simulated islands, with hier forced for every group."""
+
+    def start(ranks: Sequence[tuple[int, str, str]], files: Sequence[str],
+              limit: float = 150) -> MpiJob:  # fmt: skip
+        prefix, mpi_env = mpirun
+        program = ["-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
+                   *(str(MPI_TESTS / f) for f in files)]  # fmt: skip
+        argv = mpmd_argv(prefix, ranks, program, {"HETCOMM_TRANSPORT": "hier"})
         return run_mpi_job(argv, clean_environ(**mpi_env), limit)
 
     return start

@@ -9,19 +9,20 @@ rank's all_reduce results are bitwise identical and that the plan and the parts 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-# bfloat16 and float16 everywhere (hetcomm's own kernels reduce them); the other dtypes spread
-# over the layouts so that each runs somewhere without every job running all of them
-DTYPES_A = ["float64", "float32", "float16", "bfloat16", "int32", "bool"]
-DTYPES_B = ["float32", "float16", "bfloat16", "int8", "uint8"]
+# float16 everywhere and bfloat16 in most jobs (hetcomm's own kernels reduce them); the other
+# dtypes spread over the layouts, and test_mpi_suite_on_hier runs every dtype on 3 + 1
+DTYPES = ["float64", "float32", "float16", "bfloat16", "int32", "uint8", "bool"]
 FEW_DTYPES = ["float32", "float16", "bfloat16", "int64"]
-NO_TORCH = ["float32", "float16", "int64"]  # jobs without bfloat16 need not load torch
+NO_TORCH = ["float32", "float16", "int8"]  # jobs without bfloat16 need not load torch
 # (ranks, vendor, host) in rank order -> islands; the dtypes and counts each job runs. 70_001
 # float32 elements take the MPI transport's large-message path inside the islands.
 LAYOUTS = {
-    "2+2": ([(2, "nvidia", "ha"), (2, "amd", "ha")], DTYPES_A, [0, 1, 3, 7, 1001], 70_001),
-    "3+1": ([(3, "nvidia", "ha"), (1, "amd", "ha")], DTYPES_B, [0, 1, 2, 7, 1001], 70_001),
+    "2+2": ([(2, "nvidia", "ha"), (2, "amd", "ha")], DTYPES, [0, 1, 3, 7, 1001], 70_001),
+    "3+1": ([(3, "nvidia", "ha"), (1, "amd", "ha")], NO_TORCH, [0, 1, 2, 7, 1001], 70_001),
     "1+1": ([(1, "nvidia", "ha"), (1, "amd", "ha")], NO_TORCH, [0, 1, 7, 1001], 70_001),
     "1+2+1": ([(1, "nvidia", "ha"), (2, "amd", "ha"), (1, "cpu", "hb")], FEW_DTYPES,
               [1, 3, 7, 1001], 0),
@@ -77,3 +78,17 @@ def test_timeouts_abort_and_close(hier_job) -> None:
         assert found["seconds"] < 10, (case, found)
         assert found["then"] == "CommAborted", (case, found)
     assert lone["close_s"] < 10, lone
+
+
+def test_mpi_suite_on_hier(hier_pytest) -> None:
+    """The collectives and point-to-point tests of tests/mpi (every dtype, numpy and torch, empty,
+    0-d, strided and transposed arrays, sentinels around every output), on islands 3 + 1 with
+    hier forced: every rank's pytest passes."""
+    job = hier_pytest([(3, "nvidia", "ha"), (1, "amd", "ha")],
+                      ["test_collectives.py", "test_p2p.py"])  # fmt: skip
+    text = re.sub(r"\x1b\[[0-9;]*m", "", job.stdout)  # pytest's colours
+    summaries = [line for line in text.splitlines()
+                 if "passed" in line and re.search(r" in [\d.]+s", line)]  # fmt: skip
+    assert job.returncode == 0 and len(summaries) == 4, job.explain()
+    for line in summaries:
+        assert "failed" not in line and "error" not in line, job.explain()
