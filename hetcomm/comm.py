@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,8 @@ class Communicator:
     """
 
     def __init__(self, mpi_comm: MPI.Intracomm, config: Config, topology: Topology,
-                 name: str = "world") -> None:  # fmt: skip
+                 name: str = "world", *,
+                 exclude: Mapping[str, str] | None = None) -> None:  # fmt: skip
         self.mpi = mpi_comm
         # a second communicator for transports' own messages (control, rails), so that they
         # can never match the caller's point-to-point traffic
@@ -66,6 +67,9 @@ class Communicator:
         self._unavailable = {n: cls.unavailable(topology) for n, cls in self._available.items()}
         for other in ("nccl", "direct", "staged", "hier"):
             self._unavailable.setdefault(other, "not part of this version of hetcomm")
+        # transports this communicator must not use, with the reason the plan shows (the parts
+        # of a hier transport exclude hier itself)
+        self._unavailable.update(exclude or {})
 
     # ---- life cycle -------------------------------------------------------------------------
 
