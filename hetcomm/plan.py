@@ -141,11 +141,8 @@ def _choose_device(
     else:
         rejected.append("nccl: CPU-only members" if vendors == ["cpu"]
                         else f"nccl: members span vendors {', '.join(vendors)}")
-    if len(parts) > 1 and op in COLLECTIVES:
-        if "hier" in usable:
-            return Choice("hier",
-                          f"{len(parts)} vendor islands: native inside, staged/direct between")  # fmt: skip
-        rejected.append(f"hier: {unavailable.get('hier') or 'not installed'}")
+    # one host whose GPUs map each other's memory: one hop over memory beats any hierarchy, even
+    # across (simulated) vendor islands; real islands of two vendors cannot map each other
     hosts = {m.host for m in members}
     # the crossover applies per size class: a small message goes direct when the class can
     large = nbytes > SMALL_BYTES
@@ -155,6 +152,11 @@ def _choose_device(
         rejected.append(f"direct: {unavailable.get('direct') or 'not installed'}")
     elif len(hosts) == 1:
         rejected.append(f"direct: messages up to {direct_min} bytes go staged (HETCOMM_DIRECT_MIN)")
+    if len(parts) > 1 and op in COLLECTIVES:
+        if "hier" in usable:
+            return Choice("hier",
+                          f"{len(parts)} vendor islands: native inside, staged/direct between")  # fmt: skip
+        rejected.append(f"hier: {unavailable.get('hier') or 'not installed'}")
     if not_aware:
         rejected.append(f"mpi: not GPU-aware on ranks {not_aware}")
     elif "mpi" in usable:

@@ -304,9 +304,22 @@ def test_nccl_unavailable_falls_through() -> None:
 @pytest.mark.parametrize("op", COLLECTIVES)
 @pytest.mark.parametrize("hosts", [("a", "b"), ("a",)])
 def test_mixed_vendors_collective_is_hier(op: str, hosts: tuple[str, ...]) -> None:
+    """Across hosts, or on one host whose GPUs cannot map each other (two real vendors)."""
+    no_peer = available("mpi", "nccl", "staged", "hier",
+                        direct="GPUs of vendors amd, nvidia: no IPC between them")
     for nbytes in (1, LARGE):
-        c = pick(mixed(hosts=hosts), op=op, nbytes=nbytes)
+        c = pick(mixed(hosts=hosts), op=op, nbytes=nbytes, unavailable=no_peer)
         assert c == Choice("hier", "2 vendor islands: native inside, staged/direct between")
+
+
+@pytest.mark.parametrize("op", COLLECTIVES)
+def test_islands_of_one_host_that_map_each_other_go_direct(op: str) -> None:
+    """Simulated vendors on one GPU: one hop over mapped memory beats the hierarchy."""
+    for nbytes, direct_min in ((1, 0), (LARGE, 0), (LARGE, SMALL_BYTES)):
+        c = pick(mixed(hosts=("a",)), op=op, nbytes=nbytes, direct_min=direct_min)
+        assert c.transport == "direct"
+    # small messages kept off direct by the crossover fall back to the hierarchy
+    assert pick(mixed(hosts=("a",)), op=op, nbytes=1).transport == "hier"
 
 
 def test_hier_reason_counts_islands() -> None:
@@ -540,11 +553,11 @@ def test_plan_table_str_merges_lines() -> None:
     assert str(table) == "\n".join([
         "plan of group 'g':",
         "  host   every op -> mpi: host buffers: MPI moves them directly",
-        "  device all_reduce, reduce, broadcast, all_gather, reduce_scatter, all_to_all -> hier: "
-        "2 vendor islands: native inside, staged/direct between",
+        "  device all_reduce, reduce, broadcast, all_gather, reduce_scatter, all_to_all (small) -> "
+        "hier: 2 vendor islands: native inside, staged/direct between",
+        "  device every op (large) -> direct: one host, peer memory mapped: GPU-to-GPU copies",
         "  device send, recv (small) -> staged: no native library or GPU-aware MPI serves these "
         "members: staged copies through pinned host memory",
-        "  device send, recv (large) -> direct: one host, peer memory mapped: GPU-to-GPU copies",
     ])  # fmt: skip
 
 
