@@ -178,3 +178,72 @@ __global__ void copy16(uint4* dst, const uint4* src, unsigned long long n) {
         dst[i] = src[i];
     }
 }
+
+// Ranks sharing one GPU: one rank reduces every input and writes every output in a single pass
+// (each element read once from each source and written once to each output; in place is safe,
+// since a thread reads all sources of element i before it writes element i). `div` > 0 divides
+// the reduction (AVG): floats divide, integers truncate toward zero like C.
+#define OUT_ARGS(T) T* d0, T* d1, T* d2, T* d3, T* d4, T* d5, T* d6, T* d7
+
+template <typename T, typename Op>
+__global__ void reduce_peers_all(OUT_ARGS(T), PEER_ARGS(T), long long div) {
+    const T* s[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
+    T* d[8] = {d0, d1, d2, d3, d4, d5, d6, d7};
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)blockDim.x * gridDim.x) {
+        T acc = s0[i];
+#pragma unroll
+        for (int k = 1; k < 8; ++k) {
+            if (k < nsrc) acc = Op::f(acc, s[k][i]);
+        }
+        if (div > 0) acc = (T)(acc / (T)div);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            if (k < nsrc) d[k][i] = acc;
+        }
+    }
+}
+
+template <int Half, typename Op>
+__global__ void reduce_peers_all_half(OUT_ARGS(u16), PEER_ARGS(u16), long long div) {
+    const u16* s[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
+    u16* d[8] = {d0, d1, d2, d3, d4, d5, d6, d7};
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)blockDim.x * gridDim.x) {
+        float acc = Half ? bf16_to_f32(s0[i]) : f16_to_f32(s0[i]);
+#pragma unroll
+        for (int k = 1; k < 8; ++k) {
+            if (k < nsrc) acc = Op::f(acc, Half ? bf16_to_f32(s[k][i]) : f16_to_f32(s[k][i]));
+        }
+        if (div > 0) acc = acc / (float)div;
+        u16 out = Half ? f32_to_bf16(acc) : f32_to_f16(acc);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            if (k < nsrc) d[k][i] = out;
+        }
+    }
+}
+
+__global__ void reduce_peers_all_f32x4(OUT_ARGS(float4), PEER_ARGS(float4), long long div) {
+    const float4* s[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
+    float4* d[8] = {d0, d1, d2, d3, d4, d5, d6, d7};
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)blockDim.x * gridDim.x) {
+        float4 acc = s0[i];
+#pragma unroll
+        for (int k = 1; k < 8; ++k) {
+            if (k < nsrc) {
+                float4 v = s[k][i];
+                acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+            }
+        }
+        if (div > 0) {
+            float q = (float)div;
+            acc.x /= q; acc.y /= q; acc.z /= q; acc.w /= q;
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            if (k < nsrc) d[k][i] = acc;
+        }
+    }
+}

@@ -6,9 +6,9 @@ mpirun -n 2 python -m mpi4py scripts/bench_direct.py profile OUT.json   (where t
 
 Ranks share the GPU. The copy bandwidth is that of a device-to-device cudaMemcpy of 256 MiB
 (bytes copied per second; a copy reads and writes each byte, so memory traffic is twice that).
-The all-reduce floor is the memory traffic every rank must do (read its input's shards of every
-rank and write its shard, then read the others' reduced shards and write them), summed over the
-ranks, since kernels of different processes share the GPU in turns, at twice the copy rate.
+The all-reduce floor is the memory traffic the operation cannot avoid: every rank's input read
+once and its output written once (2 x size bytes per rank), summed over the ranks, since they
+share one GPU's memory, at the copy's traffic rate (twice the copy rate: a copy reads and writes).
 """
 
 from __future__ import annotations
@@ -133,12 +133,20 @@ def allreduce(out: str) -> None:
                    "time_us": med * 1e6, "algbw": nbytes / med / 1e9,
                    "busbw": nbytes / med / 1e9 * factor, "spread": round(spread, 3), "ok": ok}
             if transport == "direct" and nbytes >= 64 * MiB:
-                # per rank: read n shards of N/n and write N/n, then read and write (n-1) N/n
-                traffic = n * (nbytes + nbytes / n + 2 * nbytes * (n - 1) / n)
-                floor = traffic / (2 * rate)
+                floor = n * 2 * nbytes / (2 * rate)  # each input read once, each output written once
                 row["floor_us"] = floor * 1e6
                 row["x_floor"] = med / floor
             rows.append(row)
+            if transport == "direct" and nbytes == 256 * MiB:
+                # the same with every rank reducing its own shard (ranks on separate GPUs)
+                t = comm._transports["direct"]
+                t.shared, shared = False, t.shared
+                med2, spread2 = median_time(lambda comm=comm, x=x: comm.all_reduce(x), world, reps)
+                t.shared = shared
+                rows.append({**row, "case": "direct all_reduce (two-shot, no leader)",
+                             "time_us": med2 * 1e6, "algbw": nbytes / med2 / 1e9,
+                             "busbw": nbytes / med2 / 1e9 * factor, "spread": round(spread2, 3),
+                             "x_floor": med2 / floor})  # fmt: skip
             del x
         if transport == "direct":
             t = comm._transports.get("direct")

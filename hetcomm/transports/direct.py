@@ -216,6 +216,10 @@ class DirectTransport(Transport):
         self._scratch: list[Any] = []  # two one-shot input buffers, used alternately
         self._flip = 0
         self._others = [p for p in range(self.size) if p != self.rank]
+        # ranks that share one GPU: the leader (rank 0) does a reduction for all of them in one
+        # pass from one process, which saves the GPU the switches between processes' kernels
+        devices = {r.device for r in comm.topology.ranks}
+        self.shared = len(devices) == 1 and 1 < self.size <= S.MAX_SOURCES
         kd.kernel("copy16")
 
     @classmethod
@@ -357,11 +361,54 @@ class DirectTransport(Transport):
         self._prepare(x.dtype, op)
         if self.size == 1:
             return self._queue("all_reduce", seq, (x, out), x.nbytes, lambda: self._alone(x, out))
+        if self.shared:
+            return self._queue("all_reduce", seq, (x, out), x.nbytes,
+                               lambda: self._leader_all_reduce(x, out, op))  # fmt: skip
         if S.algorithm(x.nbytes, self.size) == "one-shot":
             return self._queue("all_reduce", seq, (x, out), x.nbytes,
                                lambda: self._one_shot(x, out, op))  # fmt: skip
         return self._queue("all_reduce", seq, (x, out), x.nbytes,
                            lambda: self._two_shot(x, out, op))  # fmt: skip
+
+    def _leader_all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp) -> Step:
+        got: list[np.ndarray] = []
+        yield from self._exchange(self._records([x, out]), got)
+        if self.rank == 0:
+            xs = self._addresses(got[0], 0, x.ptr)
+            outs = self._addresses(got[0], 1, out.ptr)
+            self._reduce_all(outs, xs, x.count, x.dtype, op)
+            yield from self._sync()
+        yield from self._barrier()  # the leader is done: every output is written
+
+    def _reduce_all(self, outs: list[int], srcs: list[int], count: int, dtype: str,
+                    op: ReduceOp) -> None:  # fmt: skip
+        """outs[k] = op over srcs for every k, one pass (AVG divides in the same pass)."""
+        if count == 0:
+            return
+        n = len(srcs)
+        div = np.int64(self.size if op is ReduceOp.AVG else 0)
+        if dtype == "float32" and op in (ReduceOp.SUM, ReduceOp.AVG) and not any(
+            p % 16 for p in (*outs, *srcs)
+        ):
+            vec = count // 4
+            if vec:
+                self._launch_all("reduce_peers_all_f32x4", outs, srcs, n, vec, div)
+            if count == vec * 4:
+                return
+            outs = [p + vec * 16 for p in outs]
+            srcs = [p + vec * 16 for p in srcs]
+            count -= vec * 4
+        self._launch_all(_all_name(dtype, op), outs, srcs, n, count, div)
+
+    def _launch_all(self, name: str, outs: list[int], srcs: list[int], n: int, count: int,
+                    div: np.int64) -> None:  # fmt: skip
+        pad = S.MAX_SOURCES
+        args = (*(np.uint64(p) for p in outs + [outs[0]] * (pad - n)),
+                *(np.uint64(p) for p in srcs + [srcs[0]] * (pad - n)),
+                np.int32(n), np.uint64(count), div)  # fmt: skip
+        blocks = max(1, min(2048, (count + _THREADS - 1) // _THREADS))
+        with self._proxy.stream:
+            self.kd.kernel(name)((blocks,), (_THREADS,), args)
 
     def _alone(self, x: Buffer, out: Buffer) -> Step:
         if out.ptr != x.ptr:
@@ -407,6 +454,9 @@ class DirectTransport(Transport):
 
     def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
         self._prepare(x.dtype, op)
+        if self.shared:
+            return self._queue("reduce_scatter", seq, (x, out), x.nbytes,
+                               lambda: self._leader_reduce_scatter(out, x, op))  # fmt: skip
 
         def body() -> Step:
             got: list[np.ndarray] = []
@@ -420,6 +470,19 @@ class DirectTransport(Transport):
             yield from self._barrier()
 
         return self._queue("reduce_scatter", seq, (x, out), x.nbytes, body)
+
+    def _leader_reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp) -> Step:
+        got: list[np.ndarray] = []
+        yield from self._exchange(self._records([x, out]), got)
+        if self.rank == 0:
+            xs = self._addresses(got[0], 0, x.ptr)
+            outs = self._addresses(got[0], 1, out.ptr)
+            for r, dst in enumerate(outs):
+                self._reduce(dst, [p + r * out.nbytes for p in xs], out.count, x.dtype, op)
+                if op is ReduceOp.AVG:
+                    self._average(dst, out.count, out.dtype)
+            yield from self._sync()
+        yield from self._barrier()
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
         self._prepare(x.dtype, op)
@@ -539,6 +602,10 @@ class DirectTransport(Transport):
                 self.kd.kernel("reduce_peers_f32x4")
         if op is ReduceOp.AVG:
             self.kd.kernel(self.kd.divide_name(dtype))
+        if self.shared:
+            self.kd.kernel(_all_name(dtype, op))
+            if dtype == "float32" and op in (ReduceOp.SUM, ReduceOp.AVG):
+                self.kd.kernel("reduce_peers_all_f32x4")
 
     def stats(self) -> dict[str, int]:
         """Registration cache counters: mappings opened (misses), reused (hits), held."""
@@ -557,3 +624,11 @@ class DirectTransport(Transport):
 
 
 _RETIRED: list[Any] = []
+
+
+def _all_name(dtype: str, op: ReduceOp) -> str:
+    """The single-pass kernel that reduces into every output, for `dtype` and `op`."""
+    if dtype in ("float16", "bfloat16"):
+        return f"reduce_peers_all_half<{int(dtype == 'bfloat16')}, {_OPS[op]}>"
+    ops = _BOOL_OPS if dtype == "bool" else _OPS
+    return f"reduce_peers_all<{_CTYPES[dtype]}, {ops[op]}>"

@@ -63,10 +63,24 @@ def _close(got, want, dtype):
     return np.allclose(got, want, rtol=tol, atol=tol)
 
 
+def _direct(comm, mode: str):
+    """The communicator's direct transport, made now; mode 'peers' turns off the shared-GPU
+    leader so that every rank reduces its part (the path of ranks on different GPUs)."""
+    from hetcomm.arrays import as_buffer
+
+    t = comm._transport("all_reduce", as_buffer(cupy.zeros(1)))
+    assert t.name == "direct"
+    if mode == "peers":
+        t.shared = False
+    return t
+
+
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", ["leader", "peers"])
 @pytest.mark.parametrize("count", [SMALL, LARGE], ids=["one-shot", "two-shot"])
-def test_all_reduce_every_dtype_and_op(make_comm, shared_seed, count):
+def test_all_reduce_every_dtype_and_op(make_comm, shared_seed, count, mode):
     comm = make_comm(transport="direct")
+    _direct(comm, mode)
     n, r = comm.size, comm.rank
     rng = np.random.default_rng(shared_seed)
     problems = []
@@ -99,8 +113,10 @@ def test_all_reduce_every_dtype_and_op(make_comm, shared_seed, count):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_other_collectives(make_comm, shared_seed):
+@pytest.mark.parametrize("mode", ["leader", "peers"])
+def test_other_collectives(make_comm, shared_seed, mode):
     comm = make_comm(transport="direct")
+    _direct(comm, mode)
     n, r = comm.size, comm.rank
     rng = np.random.default_rng(shared_seed)
     problems = []
@@ -167,8 +183,8 @@ def test_registration_cache_hits_misses_and_close(make_comm, shared_seed):
     n = comm.size
     big = direct_schedule.ONE_SHOT_BYTES  # two-shot: the caller's own buffers are mapped
     x = cupy.ones(big, cupy.float32)
+    t = _direct(comm, "peers")  # every rank maps its peers' buffers
     comm.all_reduce(x)
-    t = comm._transports["direct"]
     first = t.stats()
     for _ in range(3):
         comm.all_reduce(x)  # the same buffer: hits only
