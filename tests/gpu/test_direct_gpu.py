@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _refs import reference as _ref
+from _refs import wrapped as _wrap
 
 from hetcomm import InvalidArgument, ReduceOp
 from hetcomm.testing import assert_all_ranks
@@ -35,27 +37,6 @@ def _tensor(values, dtype):
 
 def _host(t):
     return t.double().cpu().numpy()
-
-
-def _ref(stack, op, dtype):
-    if dtype == "bool":
-        return (stack.any(0) if op in (ReduceOp.SUM, ReduceOp.MAX) else stack.all(0)).astype(float)
-    if op in (ReduceOp.SUM, ReduceOp.AVG):
-        s = stack.sum(0)
-        if op is ReduceOp.AVG:
-            s = s / len(stack)
-            if not dtype.startswith(("float", "bfloat")):
-                s = np.trunc(s)
-        return s
-    if op is ReduceOp.PROD:
-        return stack.prod(0)
-    return stack.min(0) if op is ReduceOp.MIN else stack.max(0)
-
-
-def _wrap(ref, dtype):
-    if dtype == "bool" or dtype.startswith(("float", "bfloat")):
-        return ref
-    return ref.astype(np.int64).astype(dtype).astype(np.float64)
 
 
 def _close(got, want, dtype):

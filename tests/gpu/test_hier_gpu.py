@@ -12,6 +12,8 @@ import hashlib
 
 import numpy as np
 import pytest
+from _refs import reference as _reduce
+from _refs import small_values as _values
 
 from hetcomm import ReduceOp
 from hetcomm.testing import assert_all_ranks
@@ -30,14 +32,6 @@ SETUPS = {
 }
 
 
-def _values(rng: np.random.Generator, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    """float64 values every dtype holds exactly (small integers): sums and products are exact."""
-    if dtype == "bool":
-        return rng.integers(0, 2, shape).astype(np.float64)
-    low, high = (0, 4) if dtype == "uint8" else (-3, 4)
-    return rng.integers(low, high, shape).astype(np.float64)
-
-
 def _to_device(values: np.ndarray, dtype: str, kind: str) -> object:
     if kind == "torch":
         return torch.from_numpy(values).to(getattr(torch, dtype)).to("cuda")
@@ -54,21 +48,6 @@ def _bits(x: object) -> bytes:
     if isinstance(x, torch.Tensor):
         return x.cpu().view(torch.uint8).numpy().tobytes()
     return cupy.asnumpy(x).tobytes()
-
-
-def _reduce(stack: np.ndarray, op: ReduceOp, dtype: str) -> np.ndarray:
-    if dtype == "bool":
-        return (stack.any(0) if op in (ReduceOp.SUM, ReduceOp.MAX) else stack.all(0)).astype(float)
-    if op in (ReduceOp.SUM, ReduceOp.AVG):
-        s = stack.sum(0)
-        if op is ReduceOp.AVG:
-            s = s / len(stack)
-            if not dtype.startswith(("float", "bfloat")):
-                s = np.trunc(s)
-        return s
-    if op is ReduceOp.PROD:
-        return stack.prod(0)
-    return stack.min(0) if op is ReduceOp.MIN else stack.max(0)
 
 
 def _close(got: np.ndarray, want: np.ndarray, dtype: str, op: ReduceOp) -> bool:

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _refs import reference as _ref
+from _refs import small_values as _values
+from _refs import wrapped as _wrap
 
 from hetcomm import ReduceOp, TransportUnavailable
 from hetcomm.testing import assert_all_ranks
@@ -32,36 +35,8 @@ def _own_gpu_group(world):
     return world.split(world.rank, name=f"solo{world.rank}")
 
 
-def _values(rng, dtype, n):
-    if dtype == "bool":
-        return rng.integers(0, 2, n).astype(np.float64)
-    return rng.integers(0 if dtype == "uint8" else -3, 4, n).astype(np.float64)
-
-
 def _tensor(values, dtype):
     return torch.from_numpy(values).to(getattr(torch, dtype)).cuda()
-
-
-def _ref(stack, op, dtype):
-    if dtype == "bool":
-        return (stack.any(0) if op in (ReduceOp.SUM, ReduceOp.MAX) else stack.all(0)).astype(float)
-    if op in (ReduceOp.SUM, ReduceOp.AVG):
-        s = stack.sum(0)
-        if op is ReduceOp.AVG:
-            s = s / len(stack)
-            if not dtype.startswith(("float", "bfloat")):
-                s = np.trunc(s)
-        return s
-    if op is ReduceOp.PROD:
-        return stack.prod(0)
-    return stack.min(0) if op is ReduceOp.MIN else stack.max(0)
-
-
-def _wrap(ref, dtype):
-    """The reference as the dtype holds it (integer sums wrap around)."""
-    if dtype in ("bool",) or dtype.startswith(("float", "bfloat")):
-        return ref
-    return ref.astype(np.int64).astype(dtype).astype(np.float64)
 
 
 @pytest.mark.mpi(min_size=1)
