@@ -48,8 +48,9 @@ def init(
 ) -> Communicator:
     """A Communicator over a Dup of `comm` (default MPI.COMM_WORLD); collective over `comm`.
 
-    `config` defaults to Config.load() (HETCOMM_* variables, then defaults). The caller keeps
-    `comm`; hetcomm owns and frees only its Dup.
+    `config` defaults to Config.load() (HETCOMM_* variables, then defaults); values that
+    `hetcomm tune` measured for this topology fill what the configuration leaves open. The
+    caller keeps `comm`; hetcomm owns and frees only its Dup.
     """
     from mpi4py import MPI
 
@@ -73,6 +74,13 @@ def init(
         from .transports.peer import probe
 
         probe(dup, [r.node for r in topo.ranks], [r.device_index is not None for r in topo.ranks])
+        from . import tune
+
+        # values `hetcomm tune` measured for this topology, the same on every rank; a config
+        # that already carries some (a sub-communicator's) keeps them
+        tuned = config.tuned if config.tuned is not None else tune.lookup(
+            dup, topo.fingerprint(), config)  # fmt: skip
+        config = tune.adopt(config, tuned)
     except BaseException:
         dup.Free()
         raise

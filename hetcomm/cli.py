@@ -1,4 +1,4 @@
-"""The `hetcomm` command: `hetcomm info` (more subcommands live in their own modules)."""
+"""The `hetcomm` command: `hetcomm info` (run, bench and tune live in their own modules)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,25 @@ def group_plans(world: Any, groups: Any) -> str | None:
             seen.add((dim, members))
             lines.append(f"{dim} group of world ranks {list(members)}:\n" + text.partition("\n")[2])
     return "\n".join(lines)
+
+
+def tuning_report(world: Any) -> str:
+    """Whether values of `hetcomm tune` are in use for this topology, and which."""
+    from .config import Config
+    from .transports.staged import CHUNK_BYTES, SLOTS
+    from .tune import cache_dir, cache_path, resolve_direct_min
+
+    tuned = world.config.tuned
+    fp = world.topology.fingerprint()
+    value, source = resolve_direct_min(Config.load().direct_min, tuned)
+    if tuned is not None:
+        return f"in use for topology {fp}\n{tuned.summary()}\ndirect_min in effect: {value} " \
+               f"({source})"  # fmt: skip
+    directory = cache_dir(world.config)
+    where = ("HETCOMM_TUNE_DIR is off" if directory is None
+             else f"no valid {cache_path(directory, fp)}")  # fmt: skip
+    return (f"none for topology {fp} ({where}): built-in defaults, chunk bytes {CHUNK_BYTES}, "
+            f"slots {SLOTS}, no rail weights, direct_min {value} ({source})")
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -57,6 +76,8 @@ def _info(args: argparse.Namespace) -> int:
         print("  " + world.config.describe().replace("\n", "\n  "))
         print("\ntopology:")
         print("  " + world.topology.table().replace("\n", "\n  "))
+        print("\ntuning:")
+        print("  " + tuning_report(world).replace("\n", "\n  "))
         print()
         print(world.plan)
         if report:
@@ -86,6 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .bench import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    from .tune import add_parser as add_tune_parser
+
+    add_tune_parser(sub)
     args = parser.parse_args(argv)
     code: int = args.func(args)
     return code

@@ -6,9 +6,12 @@ import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .tune import Tuning
 
 VENDORS = ("nvidia", "amd", "cpu")
 TRANSPORT_NAMES = ("auto", "mpi", "nccl", "direct", "staged", "hier")
@@ -30,9 +33,14 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "trace": ("HETCOMM_TRACE", "directory for per-rank Chrome traces of every operation (off)"),
     "direct_min": (
         "HETCOMM_DIRECT_MIN",
-        "bytes above which device messages use direct rather than staged (default 0, measured)",
+        "bytes above which device messages use direct rather than staged (default: tuned, else 0)",
+    ),
+    "tune_dir": (
+        "HETCOMM_TUNE_DIR",
+        "directory of `hetcomm tune` results, one file per topology ('off': never read)",
     ),
 }
+DEFAULT_TUNE_DIR = "~/.cache/hetcomm/tune"
 ENV_NAMES = {env: name for name, (env, _) in OPTIONS.items()}
 
 
@@ -49,7 +57,10 @@ class Config:
     log: str = "warning"
     stall: float = 60.0
     trace: str | None = None
-    direct_min: int = 0
+    direct_min: int | None = None  # None: the tuned value, else plan.DIRECT_MIN_BYTES
+    tune_dir: str = DEFAULT_TUNE_DIR
+    # what `hetcomm tune` measured for this topology: set by hetcomm.init(), not an option
+    _tuned: Tuning | None = field(default=None, repr=False, compare=False)
     _transport_map: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -73,9 +84,12 @@ class Config:
             raise ConfigError(f"host: expected a non-empty name, got {self.host!r}")
         if not isinstance(self.rails, str) or not self.rails.strip():
             raise ConfigError(f"rails: expected 'auto' or a list of interfaces, got {self.rails!r}")
-        if isinstance(self.direct_min, bool) or not isinstance(self.direct_min, int) or \
-                self.direct_min < 0:  # fmt: skip
+        if self.direct_min is not None and (isinstance(self.direct_min, bool) or
+                                            not isinstance(self.direct_min, int) or
+                                            self.direct_min < 0):  # fmt: skip
             raise ConfigError(f"direct_min: expected a number of bytes >= 0, got {self.direct_min!r}")
+        if not isinstance(self.tune_dir, str) or not self.tune_dir.strip():
+            raise ConfigError(f"tune_dir: expected a directory name or 'off', got {self.tune_dir!r}")
         if self.log not in LOG_LEVELS:
             raise ConfigError(f"log: expected one of {', '.join(LOG_LEVELS)}, got {self.log!r}")
         object.__setattr__(self, "_transport_map", parse_transport(self.transport))
@@ -110,6 +124,11 @@ class Config:
         if unknown:
             raise TypeError(f"unknown option(s) {unknown}; known: {', '.join(OPTIONS)}")
         return replace(self, **changes)
+
+    @property
+    def tuned(self) -> Tuning | None:
+        """The values `hetcomm tune` measured for this topology, or None (built-in defaults)."""
+        return self._tuned
 
     def transport_for(self, group: str) -> str:
         """The transport asked for `group` ('auto' unless configured)."""
@@ -182,11 +201,14 @@ def _from_env(name: str, key: str, raw: str) -> Any:
             return int(raw)
         except ValueError:
             raise ConfigError(f"{key}: expected a number of bytes, got {raw!r}") from None
+    if name == "tune_dir":
+        return raw or "off"  # HETCOMM_TUNE_DIR= (empty) reads no tuning
     return raw
 
 
 def option_table() -> list[tuple[str, str, str]]:
     """(variable, default, meaning) for every option, for docs and `hetcomm info`."""
-    shown = {"vendor": "detected", "host": "host name", "debug": "0", "trace": "off"}
-    defaults = {f.name: shown.get(f.name, str(f.default)) for f in fields(Config)}
+    shown = {"vendor": "detected", "host": "host name", "debug": "0", "trace": "off",
+             "direct_min": "tuned, else 0"}
+    defaults = {f.name: shown.get(f.name, str(f.default)) for f in fields(Config) if f.name in OPTIONS}
     return [(env, defaults[name], text) for name, (env, text) in OPTIONS.items()]

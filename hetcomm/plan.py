@@ -16,7 +16,8 @@ COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatte
 SMALL_BYTES = 64 * 1024
 # Device messages above this many bytes go direct (peer mapping) rather than staged where both
 # can serve: on the H200 direct was faster from 8 bytes up (docs/BENCHMARKS.md, "direct"), so
-# the default is 0. HETCOMM_DIRECT_MIN overrides it; the plan applies it per size class.
+# the default is 0. A value `hetcomm tune` measured for the topology replaces it, and
+# HETCOMM_DIRECT_MIN overrides both; the plan applies it per size class.
 DIRECT_MIN_BYTES = 0
 SIZE_CLASSES = ("small", "large")
 
@@ -62,7 +63,7 @@ def choose(
     requested: str,
     unavailable: Mapping[str, str | None],
     group: str,
-    direct_min: int = DIRECT_MIN_BYTES,
+    direct_min: int | None = DIRECT_MIN_BYTES,
 ) -> Choice:
     """Pick the transport for `op` on `memory` ('host' or 'device') of `nbytes` bytes.
 
@@ -73,6 +74,8 @@ def choose(
     """
     if op not in OPS:
         raise ValueError(f"unknown operation {op!r}")
+    if direct_min is None:  # a Config that hetcomm.init() has not resolved
+        direct_min = DIRECT_MIN_BYTES
     if memory not in ("host", "device"):
         raise ValueError(f"memory must be 'host' or 'device', got {memory!r}")
     not_aware = [m.rank for m in members if not m.gpu_aware]
@@ -212,7 +215,7 @@ def plan_table(
     unavailable: Mapping[str, str | None],
     group: str,
     memories: Sequence[str] = ("host", "device"),
-    direct_min: int = DIRECT_MIN_BYTES,
+    direct_min: int | None = DIRECT_MIN_BYTES,
 ) -> PlanTable:
     """Every (op, memory, size class) choice; a choice that raises shows as 'none' with why."""
     rows = []

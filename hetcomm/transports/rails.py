@@ -68,7 +68,8 @@ class Link:
         self._send_lock = threading.Lock()
         # chunks sent on this link and not yet acknowledged: (receiver op id, chunk) -> item
         self.unacked: dict[tuple[int, int], Any] = {}
-        self.unacked_lock = threading.Lock()
+        # notified when an acknowledgement or a failure empties `unacked` (rail windows)
+        self.unacked_lock = threading.Condition()
         sock.settimeout(None)
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -22,7 +22,7 @@ from ..work import Work
 from . import Transport
 from . import rails as R
 from .staged_ops import _STOP, PeerTimeout, Region, _Drivers, _Op
-from .staged_schedule import choose_rails, chunk_spans, slots_that_fit
+from .staged_schedule import choose_rails, chunk_spans, rail_key, rail_windows, slots_that_fit
 
 if TYPE_CHECKING:
     from ..arrays import Buffer
@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hetcomm")
 
-# Chunk size and slots per shared segment: measured on the H200 (docs/BENCHMARKS.md); both
-# can be changed per transport through `StagedTransport.chunk_bytes` / `.slots`.
+# Chunk size and slots per shared segment: measured on the H200 (docs/BENCHMARKS.md). Values
+# that `hetcomm tune` measured for the job's topology replace them; both can also be changed
+# per transport through `StagedTransport.chunk_bytes` / `.slots` before its first operation.
 CHUNK_BYTES = 8 << 20
 SLOTS = 8
 SHM_LANES = 2  # threads feeding one shm rail, so that one stages while the other signals
@@ -51,6 +52,10 @@ class _Channel:
         self.threads: list[threading.Thread] = []
         self.dead: list[str] = []
         self.uses_mpi = any(s.kind == "mpi" for s in specs)
+        # tcp rail index -> chunks it may hold unacknowledged (tuned rail weights), else no limit
+        keys = [rail_key(s) for s in specs]
+        self.windows = {s.index: w for s, w in zip(specs, rail_windows(keys, owner.rail_weights))
+                        if w is not None and s.kind == "tcp"}  # fmt: skip
         self._signals: queue.Queue[Any] | None = None
         self._completions: queue.Queue[Any] | None = None
         self._lock = threading.Lock()
@@ -115,8 +120,10 @@ class StagedTransport(Transport):
         super().__init__(comm)
         self.rank, self.size = comm.rank, comm.size
         self.svc: MPI.Intracomm = comm.service
-        self.chunk_bytes = CHUNK_BYTES
-        self.slots = SLOTS
+        tuned = comm.config.tuned
+        self.chunk_bytes = CHUNK_BYTES if tuned is None else tuned.chunk_bytes
+        self.slots = SLOTS if tuned is None else tuned.slots
+        self.rail_weights: dict[str, float] = {} if tuned is None else dict(tuned.rail_weights)
         self.timeout = comm.config.timeout
         self.mode, addrs = _rail_addresses(comm)
         self.token = R.new_token()
@@ -273,7 +280,13 @@ class StagedTransport(Transport):
     # ---- the rail threads ----------------------------------------------------------------------
 
     def _send_loop(self, ch: _Channel, link: R.Link | None) -> None:
+        window = ch.windows.get(link.spec.index) if link is not None else None
         while True:
+            if window is not None:
+                assert link is not None
+                with link.unacked_lock:
+                    while len(link.unacked) >= window and link.alive and not self._closed:
+                        link.unacked_lock.wait(0.05)
             item = ch.queue.get()
             if item is _STOP:
                 ch.queue.put(_STOP)  # let the channel's other threads see it too
@@ -388,6 +401,7 @@ class StagedTransport(Transport):
                 if kind == R.ACK:
                     with link.unacked_lock:
                         acked = link.unacked.pop((op_id, idx), None)
+                        link.unacked_lock.notify_all()
                     if acked is not None:
                         acked[0].count(idx)
                     continue
@@ -594,6 +608,16 @@ class StagedTransport(Transport):
                     del self._ops[key]
 
     # ---- operations --------------------------------------------------------------------------
+
+    def bytes_per_rail(self) -> dict[str, int]:
+        """Bytes sent so far per rail (`stats`), keyed by rail_key: the same names on every run."""
+        names = {str(s): rail_key(s) for ch in self._channels.values() for s in ch.specs}
+        with self._stats_lock:
+            per: dict[str, int] = {}
+            for name, n in self.stats.items():
+                key = names.get(name, name)
+                per[key] = per.get(key, 0) + n
+        return per
 
     def _region(self, buf: Buffer) -> Region:
         if buf.host is not None:

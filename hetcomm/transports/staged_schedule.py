@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import rails as R
@@ -47,6 +48,34 @@ def choose_rails(me: dict[str, Any], peer: dict[str, Any], mode: str) -> list[R.
     specs = [R.RailSpec("tcp", i, a, b, peer["ports"][b]) for i, (a, b) in
              enumerate(zip(mine, theirs))]  # fmt: skip
     return specs or [R.RailSpec("mpi", 0)]
+
+
+# Chunks the fastest tcp rail of a channel may have sent and not yet acknowledged when rail
+# weights are known; a slower rail gets fewer, in proportion to its weight.
+RAIL_DEPTH = 4
+
+
+def rail_key(spec: R.RailSpec) -> str:
+    """A rail's name without its port (ports change from run to run): 'shm', 'mpi',
+    'tcp 10.0.0.5->10.0.0.6'."""
+    if spec.kind == "tcp":
+        return f"tcp {spec.local}->{spec.remote}"
+    return spec.kind
+
+
+def rail_windows(keys: Sequence[str], weights: Mapping[str, float],
+                 depth: int = RAIL_DEPTH) -> list[int | None]:  # fmt: skip
+    """Unacknowledged chunks each rail of one channel may hold: `depth` times its weight over
+    the fastest of these rails, at least 1. None (no limit) for every rail unless the channel
+    has two or more tcp rails, all with a weight.
+
+    Without a limit a rail takes the next chunk as soon as its socket buffer has room, so a slow
+    rail hoards chunks and finishes last (docs/rails.md); the limit keeps its share near its speed.
+    """
+    if len(keys) < 2 or any(not k.startswith("tcp ") or k not in weights for k in keys):
+        return [None] * len(keys)
+    top = max(weights[k] for k in keys)
+    return [max(1, round(depth * weights[k] / top)) for k in keys]
 
 
 def _pair_by_subnet(me: dict[str, Any], peer: dict[str, Any]) -> tuple[list[str], list[str]]:

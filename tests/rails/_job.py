@@ -9,6 +9,7 @@ HETCOMM_TRANSPORT=staged. Each rank stands for its own host when the parameters 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import threading
@@ -142,9 +143,14 @@ def stripe(params: dict[str, Any]) -> dict[str, Any]:
     """Rank 0 sends params['mib'] MiB to rank 1 in small chunks: which rails carried them?"""
     comm = open_comm(params)
     t = staged(comm, params.get("chunk_bytes", 256 << 10))
+    if "weights" in params:  # one per rail of HETCOMM_RAILS, as `hetcomm tune` gives them
+        addrs = os.environ["HETCOMM_RAILS"].split(",")  # the same list on both ranks
+        t.rail_weights = {f"tcp {a}->{a}": w for a, w in zip(addrs, params["weights"])}
     n = int(params.get("mib", 16) * MiB)
     data = pattern(n, 5)
     errors: list[str] = []
+    comm.barrier()
+    start = time.monotonic()
     if comm.rank == 0:
         comm.send(data, 1)
     else:
@@ -153,7 +159,7 @@ def stripe(params: dict[str, Any]) -> dict[str, Any]:
         why = first_difference(got, data)
         if why:
             errors.append(why)
-    result = {"errors": errors, "rails": rail_bytes(t)}
+    result = {"errors": errors, "rails": rail_bytes(t), "seconds": time.monotonic() - start}
     close(comm, result)
     return result
 

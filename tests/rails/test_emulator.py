@@ -131,5 +131,23 @@ def test_two_rails_beat_one(emulator, mpirun):
     assert min(two["shares"]) > 0.25, f"bytes per rail: {rows}"
 
 
+def test_tuned_rail_weights_keep_the_slow_rails_share_near_its_speed(emulator, mpirun):
+    """A 400 Mbit/s and a 100 Mbit/s rail with the weights `hetcomm tune` would give them (1 and
+    0.25): the slow rail may hold one unacknowledged 1 MiB chunk against the fast rail's four,
+    so it carries at most a quarter of 16 MiB (without weights it took 5-6 chunks of 16)."""
+    prefix, mpi_env = mpirun
+    params = {"hosts": True, "mib": 16, "chunk_bytes": 1 << 20, "weights": [1.0, 0.25]}
+    argv = [str(emulator), "--rails", "2", "--rate", "400mbit,100mbit", "--", "env",
+            "HETCOMM_TRANSPORT=staged", "HETCOMM_TIMEOUT=60", *prefix, "-n", "2",
+            sys.executable, "-m", "mpi4py", str(JOB), "stripe", json.dumps(params)]  # fmt: skip
+    done = run(argv, clean_environ(**mpi_env), limit=120)
+    sender, receiver = done.ranks()
+    assert receiver["errors"] == [], done.explain()
+    rails = sender["rails"]
+    assert sum(rails.values()) == 16 << 20, f"bytes per rail: {rails}"
+    assert 0 < rails.get("tcp1", 0) <= 4 << 20, f"bytes per rail: {rails}"
+    assert done.returncode == 0, done.explain()
+
+
 def test_emulator_is_executable():
     assert (ROOT / "scripts" / "emulate-rails").stat().st_mode & 0o111
