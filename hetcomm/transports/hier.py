@@ -36,6 +36,13 @@ EXCLUDED = {"hier": "inside a hier transport"}
 # every message of one operation between two ranks is the only one between them in that
 # operation, and operations run one after another: one tag serves them all
 _TAG = 1
+# Pieces between two ranks in one operation travel with tags of their own (from the element
+# offset both ends know), so that no transport has to keep same-tag messages in order.
+_TAG_SPAN = 1 << 20
+
+
+def _tag(offset: int) -> int:
+    return _TAG + offset % _TAG_SPAN
 _STOP = object()
 _MAX_SLEEP_S = 200e-6
 
@@ -246,13 +253,13 @@ class HierTransport(Transport):
             return self.island, members.index(peer)
         return self.cross, peer
 
-    def _send(self, buf: Buffer, peer: int) -> Work:
+    def _send(self, buf: Buffer, peer: int, tag: int = _TAG) -> Work:
         part, dst = self._route(peer)
-        return self._part_op(part, "send", buf, lambda t, s: t.send(buf, dst, _TAG, s))
+        return self._part_op(part, "send", buf, lambda t, s: t.send(buf, dst, tag, s))
 
-    def _recv(self, buf: Buffer, peer: int) -> Work:
+    def _recv(self, buf: Buffer, peer: int, tag: int = _TAG) -> Work:
         part, src = self._route(peer)
-        return self._part_op(part, "recv", buf, lambda t, s: t.recv(buf, src, _TAG, s))
+        return self._part_op(part, "recv", buf, lambda t, s: t.recv(buf, src, tag, s))
 
     # ---- the collectives hier shapes itself ----------------------------------------------------
 
@@ -291,9 +298,10 @@ class HierTransport(Transport):
             k = len(self.islands)
             rows = mem.empty(k * width, x, "rows")
             works = [self._recv(_sub(rows, t.island * width + t.start - sch.start,
-                                     t.stop - t.start), t.peer) for t in sch.exchanges]  # fmt: skip
-            works += [self._send(_sub(mine, t.start - sch.start, t.stop - t.start), t.peer)
-                      for t in sch.exchanges]  # fmt: skip
+                                     t.stop - t.start), t.peer, _tag(t.start))
+                     for t in sch.exchanges]  # fmt: skip
+            works += [self._send(_sub(mine, t.start - sch.start, t.stop - t.start), t.peer,
+                                 _tag(t.start)) for t in sch.exchanges]  # fmt: skip
             self._wait(works, ctx)
             # 3. reduce the partials in island order: every island's owner of an element folds
             # the same values in the same order, so every rank ends with the same bits
@@ -343,13 +351,14 @@ class HierTransport(Transport):
         works = []
         for p in sch.owned:
             if p.peer != self.rank:
-                works.append(self._recv(_sub(rows, p.island * block + p.block, p.count), p.peer))
+                works.append(self._recv(_sub(rows, p.island * block + p.block, p.count), p.peer,
+                                        _tag(p.block)))  # fmt: skip
         for p in sch.held:
             piece = _sub(chunk, p.chunk, p.count)
             if p.peer == self.rank:
                 mem.copy(_sub(rows, sch.island * block + p.block, p.count), piece)
             else:
-                works.append(self._send(piece, p.peer))
+                works.append(self._send(piece, p.peer, _tag(p.block)))
         self._wait(works, ctx)
         # 3. the partials folded in island order
         mem.copy(out, _sub(rows, 0, block))
@@ -379,10 +388,10 @@ class HierTransport(Transport):
             if p.peer == self.rank:
                 mem.copy(piece, _sub(x, p.block, p.count))
             else:
-                works.append(self._recv(piece, p.peer))
+                works.append(self._recv(piece, p.peer, _tag(p.block)))
         for p in sch.owned:
             if p.peer != self.rank:
-                works.append(self._send(_sub(x, p.block, p.count), p.peer))
+                works.append(self._send(_sub(x, p.block, p.count), p.peer, _tag(p.block)))
         self._wait(works, ctx)
         # 2. the island's chunks gathered, then put in rank order
         if n > 1:

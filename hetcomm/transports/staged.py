@@ -141,6 +141,7 @@ class StagedTransport(Transport):
         self._op_ids = itertools.count(1)
         self._inbox: dict[tuple[int, int, int, int], list[tuple[int, int]]] = {}
         self._inbox_cond = threading.Condition()
+        self._p2p_counts: dict[tuple[str, int, int], int] = {}
         self._driver = _Drivers(4, f"hetcomm-staged-{self.rank}")
         self._closed = False
         self._gpu: Any = None
@@ -676,19 +677,31 @@ class StagedTransport(Transport):
             self._gpu = device.StagingDevice(self.chunk_bytes, self.slots)
         return self._gpu
 
+    def _p2p_number(self, direction: str, peer: int, tag: int) -> int:
+        """The how-many-th message to or from `peer` with `tag` this is, counted when the call
+        is made: message k of a sender matches receive k of its receiver, as MPI matches them,
+        however the driver threads that run the bodies happen to be scheduled."""
+        key = (direction, peer, tag)
+        with self._lock:
+            k = self._p2p_counts.get(key, 0)
+            self._p2p_counts[key] = k + 1
+        return k
+
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
         region = self._region(x)
+        k = self._p2p_number("send", dst, tag)
 
         def body(deadline: float, ready: Any) -> None:
-            self.start_send(dst, region, CTS_P2P, tag, 0, deadline, ready).wait(deadline)
+            self.start_send(dst, region, CTS_P2P, tag, k, deadline, ready).wait(deadline)
 
         return self._run("send", seq, [x], body)
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
         region = self._region(x)
+        k = self._p2p_number("recv", src, tag)
 
         def body(deadline: float, ready: Any) -> None:
-            op = self.post_recv(src, region, CTS_P2P, tag, 0, deadline, ready)
+            op = self.post_recv(src, region, CTS_P2P, tag, k, deadline, ready)
             self.finish_recv(op, deadline)
 
         return self._run("recv", seq, [x], body)

@@ -87,3 +87,26 @@ def test_dup_has_its_own_message_space(comm, errors):
             )
         twin.barrier()
     errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_same_tag_messages_match_in_order(comm, rng, errors):
+    """Several messages in flight between two ranks with one tag match in the order they were
+    posted, as in MPI, whatever their sizes (a transport that starts them on several threads
+    must not let a later one overtake an earlier one)."""
+    if comm.rank > 1:
+        errors.verify()
+        return
+    sizes = [int(n) for n in rng.integers(1, 300_000, 6)]
+    for _ in range(3):
+        if comm.rank == 0:
+            xs = [np.full(n, i + 1, np.int8) for i, n in enumerate(sizes)]
+            for w in [comm.send(x, 1, tag=5, async_op=True) for x in xs]:
+                w.wait()
+        else:
+            ys = [np.zeros(n, np.int8) for n in sizes]
+            for w in [comm.recv(y, 0, tag=5, async_op=True) for y in ys]:
+                w.wait()
+            for i, y in enumerate(ys):
+                errors += compare(y, np.full(sizes[i], i + 1, np.int8), f"message {i}")
+    errors.verify()
