@@ -163,6 +163,13 @@ class StagingDevice:
         else:
             self._copy(dst.dev, src.dev, dst.nbytes, 3, ready)  # cudaMemcpyDeviceToDevice
 
+    def zero(self, ptr: int, nbytes: int) -> None:
+        """Zero device memory on this thread's copy stream, in order with its copies, and wait."""
+        if nbytes:
+            stream = self._stream()
+            self.cupy.cuda.runtime.memsetAsync(ptr, 0, nbytes, stream.ptr)
+            stream.synchronize()
+
     def alloc(self, nbytes: int) -> tuple[Any, int]:
         self.cupy.cuda.runtime.setDevice(self.device)
         mem = self.cupy.cuda.alloc(max(nbytes, 1))

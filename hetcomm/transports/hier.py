@@ -622,10 +622,9 @@ class _DeviceMemory(_Memory):
                       int(mem.data.ptr), True, False, None)  # fmt: skip
 
     def zero(self, buf: Buffer) -> None:
-        import cupy
-
-        if buf.count:
-            cupy.cuda.runtime.memset(buf.ptr, 0, buf.nbytes)
+        # on the copy stream (non-blocking), so that a copy into the same memory right after
+        # cannot run before the zeroing has finished
+        self.gpu.zero(buf.ptr, buf.nbytes)
 
     def copy(self, dst: Buffer, src: Buffer) -> None:
         if dst.count:
