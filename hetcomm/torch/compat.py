@@ -56,6 +56,28 @@ def fully_shard(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError(f"this torch ({torch.__version__}) has no FSDP2 fully_shard")
 
 
+def device_being_bound() -> Any:
+    """The device torch is binding the group under construction to (init_process_group(
+    device_id=...), or new_group inheriting it), or None.
+
+    torch sets `bound_device_id` on a ProcessGroup of its own and then, for a backend whose
+    creator returns a ProcessGroup subclass (as hetcomm's does), uses the returned object in
+    its place, so the binding is lost (torch 2.4 to 2.13). The creator reads it from the frame
+    of torch's helper that calls it; any surprise there means "not bound".
+    """
+    import sys
+
+    try:
+        frame: Any = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_name == "_new_process_group_helper":
+                return frame.f_locals.get("device_id")
+            frame = frame.f_back
+    except Exception:  # an interpreter without frames: no binding
+        return None
+    return None
+
+
 def dist_function(canonical: str) -> Callable[..., Any]:
     """The torch.distributed function for `canonical` under the name this torch uses."""
     for name in API_NAMES.get(canonical, (canonical,)):

@@ -535,7 +535,7 @@ def _create_group(opts: Any, backend_options: Any = None) -> ProcessGroupHetcomm
         world = hetcomm.init(name=f"torch{group_id}")
         _State.world = world
         log.info("hetcomm.torch: default group over %d ranks", world.size)
-        return ProcessGroupHetcomm(world, _timeout_s(opts.timeout, world.config.timeout))
+        return _bound(ProcessGroupHetcomm(world, _timeout_s(opts.timeout, world.config.timeout)))
     torch_rank = dist.get_rank()
     if torch_rank != world_rank or ranks[rank] != world_rank:
         raise ValueError(
@@ -557,4 +557,14 @@ def _create_group(opts: Any, backend_options: Any = None) -> ProcessGroupHetcomm
     else:
         comm = hetcomm.init(sub, name=name)
         sub.Free()
-    return ProcessGroupHetcomm(comm, _timeout_s(opts.timeout, comm.config.timeout))
+    return _bound(ProcessGroupHetcomm(comm, _timeout_s(opts.timeout, comm.config.timeout)))
+
+
+def _bound(pg: ProcessGroupHetcomm) -> ProcessGroupHetcomm:
+    """`pg` bound to the device torch meant to bind the new group to, if any."""
+    from .compat import device_being_bound
+
+    device = device_being_bound()
+    if device is not None:
+        pg.bound_device_id = device
+    return pg
