@@ -151,8 +151,8 @@ def _us(value: float) -> str:
 
 # ---- the sweep of `hetcomm bench`: nccl-tests' columns for hetcomm's transports and baselines --
 
-TRANSPORTS = ("auto", "mpi", "staged")
-BASELINES = ("mpi4py", "gloo", "naive")
+TRANSPORTS = ("auto", "mpi", "staged", "direct", "nccl", "hier")
+BASELINES = ("mpi4py", "gloo", "naive", "nccl")
 _MPI_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "float32", "float64")  # + bool: no redop
 _TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-12}
 
@@ -182,8 +182,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--transport", default="auto",
                    help="comma list of hetcomm transports to run, each in its own communicator "
-                   "(auto, mpi, staged); 'none' for baselines only")  # fmt: skip
-    p.add_argument("--baselines", default="mpi4py,gloo,naive",
+                   "(auto, mpi, staged, direct, nccl, hier); 'none' for baselines only")  # fmt: skip
+    p.add_argument("--baselines", default="mpi4py,gloo,naive,nccl",
                    help="comma list of mpi4py, gloo, naive; 'none' for none")  # fmt: skip
     p.add_argument("--json", help="write {'rows': [...]} to this file (rank 0)")
     p.add_argument("--plot", help="draw busbw against size into this PNG (rank 0)")
@@ -415,9 +415,11 @@ class _Gloo(_Impl):
         self.own = not dist.is_initialized()
         self.dist = _torch_gloo(raw) if self.own else dist
         self.size, self.rank = raw.Get_size(), raw.Get_rank()
+        self.group: Any = None  # the default group
 
     def prepare(self, case: _Case, x: Any, y: Any) -> tuple[Callable[[], Any], Any]:
-        dist, op, root = self.dist, case.op, case.root
+        op, root, g = case.op, case.root, self.group
+        dist = _InGroup(self.dist, g)
         ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
                "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}  # fmt: skip
         if op in REDUCING and case.redop not in ops:
@@ -449,6 +451,41 @@ class _Gloo(_Impl):
     def close(self) -> None:
         if self.own:
             self.dist.destroy_process_group()
+
+
+class _InGroup:
+    """torch.distributed's calls with `group=` filled in."""
+
+    def __init__(self, dist: Any, group: Any) -> None:
+        self._dist, self._group = dist, group
+        self.ReduceOp = dist.ReduceOp
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        fn = getattr(self._dist, name)
+        return lambda *a, **k: fn(*a, group=self._group, **k)
+
+
+class _TorchNccl(_Gloo):
+    """NCCL through torch.distributed (a group beside gloo's default group): the baseline where
+    every rank has a GPU of its own; NCCL refuses two ranks on one GPU."""
+
+    name = "nccl"
+
+    def __init__(self, raw: Any) -> None:
+        import torch
+        from mpi4py import MPI
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        local = raw.Split_type(MPI.COMM_TYPE_SHARED)
+        sharing = local.Get_size()
+        local.Free()
+        if gpus == 0:
+            raise RuntimeError("no CUDA device: NCCL moves CUDA tensors only")
+        if sharing > gpus:
+            raise RuntimeError(f"{sharing} ranks share {gpus} GPU(s) on this host; NCCL needs "
+                               "a GPU of its own per rank")  # fmt: skip
+        super().__init__(raw)
+        self.group = self.dist.new_group(backend="nccl")
 
 
 def _agree(raw: Any, reason: str | None) -> str | None:
@@ -528,7 +565,7 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     for b in _names(args.baselines, BASELINES, "baseline"):
         why = None
         try:
-            impl = {"mpi4py": _Mpi4py, "gloo": _Gloo, "naive": _Naive}[b](raw)
+            impl = {"mpi4py": _Mpi4py, "gloo": _Gloo, "naive": _Naive, "nccl": _TorchNccl}[b](raw)
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
         if _agree(raw, why) is None:
