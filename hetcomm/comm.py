@@ -29,6 +29,7 @@ _DTYPE_CODES = {name: i for i, name in enumerate(
 
 
 _AVG = ReduceOp.AVG
+_SMALL_BYTES = planning.SMALL_BYTES
 _POINT_TO_POINT = frozenset(("send", "recv"))
 
 
@@ -59,6 +60,9 @@ class Communicator:
         self._transports: dict[str, Transport] = {}
         self._choices: dict[tuple[str, str, str], planning.Choice] = {}
         self._routes: dict[tuple[str, bool, bool], Transport] = {}
+        # the short path of small in-place host all-reduces: (transport, its in-place method)
+        # for small and for large messages, once their routes are known
+        self._short: dict[bool, tuple[Transport, Callable[..., bool]]] = {}
         # the ordering guard: the transport of the latest collective, and the asynchronous
         # collectives not yet seen complete (see _order)
         self._last: Transport | None = None
@@ -159,6 +163,9 @@ class Communicator:
         if found is not None:
             return found
         found = self._routes[route] = self._resolve(op, buf)
+        fast = getattr(found, "all_reduce_in_place", None)
+        if op == "all_reduce" and not route[1] and fast is not None:
+            self._short[route[2]] = (found, fast)
         return found
 
     def _resolve(self, op: str, buf: Buffer | None) -> Transport:
@@ -273,10 +280,9 @@ class Communicator:
             # tracing is on (or not yet decided): the general path makes the Work it records
             arr = x if type(x) is np.ndarray else _cpu_tensor_array(x)
             if arr is not None:
-                route = self._routes.get(("all_reduce", False, arr.nbytes <= planning.SMALL_BYTES))
-                fast = getattr(route, "all_reduce_in_place", None)
-                if (fast is not None and route is self._last
-                        and fast(arr, op, self._seq + 1)):  # fmt: skip
+                short = self._short.get(arr.nbytes <= _SMALL_BYTES)
+                if (short is not None and short[0] is self._last
+                        and short[1](arr, op, self._seq + 1)):  # fmt: skip
                     self._seq += 1
                     return None
         xb = as_buffer(x, "all_reduce: x")

@@ -64,11 +64,12 @@ def _wrong_integer_ops() -> frozenset[tuple[str, str]]:
 _OWN_OPS: dict[tuple[str, ReduceOp], MPI.Op] = {}
 _WRONG = _wrong_integer_ops()
 _IN_PLACE = MPI.IN_PLACE
-# numpy dtype -> MPI datatype and (numpy dtype, op) -> MPI op, for the dtypes MPI reduces itself
+# (numpy dtype, op) -> (MPI op, MPI datatype), for the pairs MPI reduces itself (the short path)
 _FAST_TYPES = {np.dtype(d): t for d, t in _DATATYPES.items()
                if d not in ("bool", "float16", "bfloat16")}  # fmt: skip
-_FAST_OPS = {(dt, op.value): mpi for dt in _FAST_TYPES for op, mpi in _NATIVE_OPS.items()
-             if op is not ReduceOp.AVG and (dt.name, op.value) not in _WRONG}  # fmt: skip
+_FAST = {(dt, op.value): (mpi, _FAST_TYPES[dt]) for dt in _FAST_TYPES
+         for op, mpi in _NATIVE_OPS.items()
+         if op is not ReduceOp.AVG and (dt.name, op.value) not in _WRONG}  # fmt: skip
 _AVG = ReduceOp.AVG
 _OPS = {(d, op.value): mpi for d in _DATATYPES if d not in ("bool", "float16", "bfloat16")
         for op, mpi in _NATIVE_OPS.items() if (d, op.value) not in _WRONG}  # fmt: skip
@@ -108,6 +109,8 @@ def _own_reducer(dtype: str, op: ReduceOp) -> Callable[[Any, Any, Any], None]:
 # MPI's non-blocking all-reduce of 16 MiB on 2 ranks takes about twice as long), and a thread
 # hand-off costs microseconds. Smaller ones are started non-blocking from the calling thread.
 LANE_BYTES = 256 * 1024
+# polls of a small in-place all-reduce before it is handed to a Work and its bounded wait
+_QUICK_TESTS = 32
 
 
 class _Job(threading.Event):
@@ -278,19 +281,23 @@ class MpiTransport(Transport):
     def all_reduce_in_place(self, x: np.ndarray, op: ReduceOp, seq: int) -> bool:
         """A small in-place all-reduce of a numpy array, done and waited for; False (nothing
         started) when the array or the lane calls for the general path."""
-        mop = _FAST_OPS.get((x.dtype, op._value_))
-        flags = x.flags
-        if mop is None or not flags.c_contiguous or not flags.writeable or x.nbytes > LANE_BYTES:
+        fast = _FAST.get((x.dtype, op._value_))
+        n = x.nbytes
+        if fast is None or n > LANE_BYTES or n > mpi_chunks.MAX_CALL_BYTES:
             return False
-        if x.nbytes > mpi_chunks.MAX_CALL_BYTES:  # only where a test has lowered the limit
+        flags = x.flags
+        if not (flags.c_contiguous and flags.writeable):
             return False
         lane = self._lane
         with lane.lock:
-            if not lane.idle():
+            if lane._busy or lane._jobs:  # lane.idle(), inline: this path is all overhead
                 return False
-            req = self._mpi.Iallreduce(_IN_PLACE, (x, _FAST_TYPES[x.dtype]), mop)
-        if not req.Test():
-            Work(self.comm, "all_reduce", seq, req.Test).wait()
+            req = self._mpi.Iallreduce(_IN_PLACE, (x, fast[1]), fast[0])
+        test = req.Test
+        for _ in range(_QUICK_TESTS):  # most small reductions end within a few polls
+            if test():
+                return True
+        Work(self.comm, "all_reduce", seq, test).wait()  # the bounded wait
         return True
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
