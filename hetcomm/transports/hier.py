@@ -205,7 +205,10 @@ class HierTransport(Transport):
         if self._worker is None:
             self._worker = _Worker(f"hetcomm-hier-{self.rank}", self._stopping)
         job = self._worker.submit(run)
-        return Work(self.comm, op, seq, job.is_set, [job.check], waiter=job.wait)
+        work = Work(self.comm, op, seq, job.is_set, [job.check], waiter=job.wait)
+        work.info = {"transport": self.name, "bytes": max(b.nbytes for b in bufs),
+                     "islands": len(self.islands)}  # fmt: skip
+        return work
 
     def _device_memory(self, like: Buffer) -> _Memory:
         if self._gpu is None:
