@@ -101,15 +101,18 @@ class _Proxy:
     time in issue order, point-to-point operations side by side with them.
 
     It never spins holding the interpreter lock: GPU events are waited for with a blocking
-    synchronize (our own stream's work always finishes), and when no operation can move, the
-    thread blocks in MPI_Waitany over every request it waits for plus a message to itself that
-    each newly queued operation sends (both release the lock and wake within microseconds).
+    synchronize (our own stream's work always finishes). With nothing to do it sleeps on a
+    condition that queueing an operation signals; while operations wait for other processes it
+    blocks in MPI_Waitany over every request they wait for, plus a message to itself that an
+    operation queued meanwhile sends to wake it.
     """
 
     def __init__(self, device: int, cupy: Any, svc: MPI.Intracomm) -> None:
         self.cupy, self.device, self.svc = cupy, device, svc
         self.rank = svc.Get_rank()
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._in_mpi = False  # blocked in MPI_Waitany: a new operation must send the message
         self._new: deque[tuple[_Task, bool]] = deque()
         self._colls: deque[_Task] = deque()
         self._p2p: list[_Task] = []
@@ -126,7 +129,10 @@ class _Proxy:
     def submit(self, task: _Task, collective: bool) -> None:
         with self._lock:
             self._new.append((task, collective))
-            self._poke()
+            if self._in_mpi:
+                self._poke()
+            else:
+                self._idle.notify()
 
     def _poke(self) -> None:
         """Wake the thread out of MPI_Waitany (call with the lock held)."""
@@ -179,13 +185,24 @@ class _Proxy:
             for t in ([self._colls[0]] if self._colls else []) + self._p2p:
                 w = t.waiting
                 waiting.extend(w if isinstance(w, list) else [w])
-            if MPI.Request.Waitany(waiting) == 0:
+            with self._lock:
+                if self._new or self._stop:
+                    continue
+                if len(waiting) == 1:  # nothing in flight: sleep until an operation comes
+                    self._idle.wait()
+                    continue
+                self._in_mpi = True
+            woke = MPI.Request.Waitany(waiting)
+            with self._lock:
+                self._in_mpi = False
+            if woke == 0:
                 self._wake = self.svc.Irecv(self._wake_buf, self.rank, TAG_WAKE)
 
     def stop(self) -> None:
         with self._lock:
             self._stop = True
             self._poke()
+            self._idle.notify()
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
             # the last wake-up receive is still posted: a message of our own completes it
@@ -260,6 +277,8 @@ class DirectTransport(Transport):
             yield from body()
 
         task = _Task(run())
+        if PROFILE is not None:
+            PROFILE.append((time.perf_counter(), "queued"))
         self._proxy.submit(task, collective)
         work = Work(self.comm, op, seq, task.poll, waiter=task.finished.wait)
         work.info = {"transport": self.name, "bytes": nbytes}
