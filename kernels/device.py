@@ -214,13 +214,19 @@ _MODULES_LOCK = threading.Lock()
 
 
 def kernel(name: str, source: str = _SOURCE) -> Any:
-    """Function `name` of a CUDA C++ source, compiled on first use by CuPy (NVRTC or hiprtc).
+    """Function `name` of a CUDA C++ source for the current device, compiled on first use by
+    CuPy (NVRTC or hiprtc) and looked up once per device.
 
     One small module per kernel (and cached on disk by CuPy): compiling every instantiation of
-    a source up front takes long enough to stall a first call.
+    a source up front takes long enough to stall a first call. The function objects are kept,
+    since asking a module for one again costs tens of microseconds on every launch.
     """
     import cupy
 
+    key = (source, name, cupy.cuda.runtime.getDevice())
+    found = _FUNCTIONS.get(key)
+    if found is not None:
+        return found
     with _MODULES_LOCK:
         module = _MODULES.get((source, name))
         if module is None:
@@ -228,7 +234,11 @@ def kernel(name: str, source: str = _SOURCE) -> Any:
                 code = f.read()
             module = _MODULES[source, name] = cupy.RawModule(
                 code=code, options=("-std=c++14",), name_expressions=[name])
-        return module.get_function(name)
+        found = _FUNCTIONS[key] = module.get_function(name)
+        return found
+
+
+_FUNCTIONS: dict[tuple[str, str, int], Any] = {}
 
 
 def launch_on(stream: Any, name: str, args: tuple[Any, ...], count: int,

@@ -231,6 +231,8 @@ class DirectTransport(Transport):
         self.peers = P.PeerMap(cupy)
         self._proxy = _Proxy(self.device, cupy, self.svc)
         self._scratch: list[Any] = []  # two one-shot input buffers, used alternately
+        self._streams: dict[int, Any] = {}  # the callers' streams, by handle
+        self._prepared: set[tuple[str, ReduceOp, bool]] = set()
         self._flip = 0
         self._others = [p for p in range(self.size) if p != self.rank]
         # ranks that share one GPU: the leader (rank 0) does a reduction for all of them in one
@@ -268,9 +270,13 @@ class DirectTransport(Transport):
                     f"this rank, got {b.describe()}; use one device per rank"
                 )
         cupy = self.cupy
+        ptr = self.kd.current_stream(bufs[0])
+        stream = self._streams.get(ptr)
+        if stream is None:
+            stream = self._streams[ptr] = cupy.cuda.ExternalStream(ptr, self.device)
         with cupy.cuda.Device(self.device):
             ready = cupy.cuda.Event(disable_timing=True)
-            ready.record(cupy.cuda.ExternalStream(self.kd.current_stream(bufs[0]), self.device))
+            ready.record(stream)
 
         def run() -> Step:
             yield ready  # what the caller queued before the op has run
@@ -612,6 +618,9 @@ class DirectTransport(Transport):
 
     def _prepare(self, dtype: str, op: ReduceOp) -> None:
         """Compile the kernels an op needs on the calling thread, before the proxy waits on it."""
+        key = (dtype, op, self.shared)
+        if key in self._prepared:
+            return
         if dtype in ("float16", "bfloat16"):
             self.kd.kernel(f"reduce_peers_half<{int(dtype == 'bfloat16')}, {_OPS[op]}>")
         else:
@@ -625,6 +634,7 @@ class DirectTransport(Transport):
             self.kd.kernel(_all_name(dtype, op))
             if dtype == "float32" and op in (ReduceOp.SUM, ReduceOp.AVG):
                 self.kd.kernel("reduce_peers_all_f32x4")
+        self._prepared.add(key)
 
     def stats(self) -> dict[str, int]:
         """Registration cache counters: mappings opened (misses), reused (hits), held."""
