@@ -63,6 +63,26 @@ def current_stream(buf: Any) -> int:
     return int(cupy.cuda.get_current_stream().ptr)
 
 
+_EXTERNAL: dict[tuple[int, int], Any] = {}
+
+
+def external_stream(ptr: int, device: int | None = None) -> Any:
+    """A cupy stream object for the raw stream handle `ptr` (a caller's stream), made once per
+    (handle, device) and kept: making one costs microseconds on every operation."""
+    import cupy
+
+    key = (ptr, -1 if device is None else device)
+    found = _EXTERNAL.get(key)
+    if found is None:
+        found = _EXTERNAL[key] = cupy.cuda.ExternalStream(*key)
+    return found
+
+
+def caller_stream(buf: Any) -> Any:
+    """The stream object of the stream the caller's array is used on."""
+    return external_stream(current_stream(buf), buf.device_index)
+
+
 class StagingDevice:
     """Per-transport device state: pinned bounce buffers, a copy stream per thread, kernels."""
 
@@ -93,7 +113,7 @@ class StagingDevice:
         cupy = self.cupy
         cupy.cuda.runtime.setDevice(self.device)
         ready = cupy.cuda.Event(disable_timing=True)
-        ready.record(cupy.cuda.ExternalStream(current_stream(buf)))
+        ready.record(external_stream(current_stream(buf)))
         return ready
 
     # ---- copies ------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from .device import external_stream
+
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fusion.cu")
 DIMS = 6  # FUSION_DIMS in fusion.cu: strided arrays of up to this many (collapsed) dims
 COLS = 4 + 2 * DIMS  # FUSION_COLS
@@ -97,7 +99,7 @@ class Packed:
         """Block until the pack has finished (for consumers that ignore stream order)."""
         cupy = self._owner.cupy
         with cupy.cuda.Device(self._device):
-            cupy.cuda.ExternalStream(self._streams[0]).synchronize()
+            external_stream(self._streams[0]).synchronize()
 
 
     def unpack(self) -> None:
@@ -106,7 +108,7 @@ class Packed:
         them out again only to work queued after the unpack."""
         cupy = self._owner.cupy
         with cupy.cuda.Device(self._device):
-            main = cupy.cuda.ExternalStream(self._streams[0])
+            main = external_stream(self._streams[0])
             with main:
                 self._owner._launch("fusion_unpack", self._rows, self._dims, self.ptr,
                                     self._itemsize, main)  # fmt: skip
@@ -164,10 +166,10 @@ class DeviceFusion:
             device = int(cupy.cuda.Device().id)
         dims = (len(rows_host), *grid(rows_host))
         with cupy.cuda.Device(device):
-            main = cupy.cuda.ExternalStream(streams[0])
+            main = external_stream(streams[0])
             for other in streams[1:]:
                 event = cupy.cuda.Event(disable_timing=True)
-                event.record(cupy.cuda.ExternalStream(other))
+                event.record(external_stream(other))
                 main.wait_event(event)
             with main:
                 fused = cupy.empty(max(total, 1) * itemsize, dtype=cupy.uint8)
@@ -186,7 +188,7 @@ def _join(cupy: Any, main: Any, others: Sequence[int]) -> None:
     event = cupy.cuda.Event(disable_timing=True)
     event.record(main)
     for other in others:
-        cupy.cuda.ExternalStream(other).wait_event(event)
+        external_stream(other).wait_event(event)
 
 
 _SHARED: DeviceFusion | None = None

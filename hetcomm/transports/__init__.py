@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from ..arrays import Buffer
@@ -70,6 +72,28 @@ class Transport:
 
     def close(self) -> None:
         """Release what the transport holds (nothing by default)."""
+
+
+class Job(threading.Event):
+    """A call queued on a transport's own thread; set once it has returned or raised."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        super().__init__()
+        self.call = call
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        """Make the call on the calling thread (the transport's), keep its error, then set."""
+        try:
+            self.call()
+        except BaseException as exc:
+            self.error = exc
+        self.set()
+
+    def check(self) -> None:
+        """Raise the error the call ended with, if any (on the waiting thread)."""
+        if self.error is not None:
+            raise self.error
 
 
 def registry() -> dict[str, type[Transport]]:

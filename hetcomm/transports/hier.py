@@ -16,7 +16,7 @@ from ..arrays import Buffer, storage_dtype
 from ..errors import CommAborted, CommTimeout, HetcommError
 from ..ops import ReduceOp
 from ..work import Work, completed
-from . import Transport
+from . import Job, Transport
 from .hier_schedule import (
     all_reduce_schedule,
     block_schedule,
@@ -43,21 +43,10 @@ _TAG_SPAN = 1 << 20
 
 def _tag(offset: int) -> int:
     return _TAG + offset % _TAG_SPAN
+
+
 _STOP = object()
 _MAX_SLEEP_S = 200e-6
-
-
-class _Job(threading.Event):
-    """One operation queued on the worker; set once it has finished (or failed)."""
-
-    def __init__(self, call: Callable[[], None]) -> None:
-        super().__init__()
-        self.call = call
-        self.error: BaseException | None = None
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
 
 
 class _Worker:
@@ -70,8 +59,8 @@ class _Worker:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, call: Callable[[], None]) -> _Job:
-        job = _Job(call)
+    def submit(self, call: Callable[[], None]) -> Job:
+        job = Job(call)
         self._queue.put(job)
         return job
 
@@ -83,12 +72,9 @@ class _Worker:
             if self._stopping.is_set():
                 # closed before it started: start nothing that could not be waited for
                 job.error = CommAborted("the hier transport was closed before this operation ran")
+                job.set()
             else:
-                try:
-                    job.call()
-                except BaseException as exc:
-                    job.error = exc
-            job.set()
+                job.run()
 
     def stop(self, wait_s: float) -> bool:
         """Ask the thread to end; True when it has."""

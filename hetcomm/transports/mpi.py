@@ -14,7 +14,7 @@ from mpi4py import MPI
 from ..errors import MismatchError, TransportUnavailable
 from ..ops import ReduceOp
 from ..work import Work
-from . import Transport, mpi_chunks
+from . import Job, Transport, mpi_chunks
 
 if TYPE_CHECKING:
     from ..arrays import Buffer
@@ -113,19 +113,6 @@ LANE_BYTES = 256 * 1024
 _QUICK_TESTS = 32
 
 
-class _Job(threading.Event):
-    """A blocking MPI call queued on a lane; set once it has returned."""
-
-    def __init__(self, call: Callable[[], Any]) -> None:
-        super().__init__()
-        self.call = call
-        self.error: BaseException | None = None
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-
 class _Lane:
     """One thread running a communicator's large collectives in the order they were issued.
 
@@ -137,7 +124,7 @@ class _Lane:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._cond = threading.Condition(self.lock)
-        self._jobs: deque[_Job] = deque()
+        self._jobs: deque[Job] = deque()
         self._busy = False
         self._thread: threading.Thread | None = None
 
@@ -145,9 +132,9 @@ class _Lane:
         """Call with `lock` held."""
         return not self._busy and not self._jobs
 
-    def submit(self, call: Callable[[], Any]) -> _Job:
+    def submit(self, call: Callable[[], Any]) -> Job:
         """Call with `lock` held."""
-        job = _Job(call)
+        job = Job(call)
         self._jobs.append(job)
         self._busy = True
         if self._thread is None:
@@ -164,11 +151,7 @@ class _Lane:
                     self._busy = False
                     self._cond.wait()
                 job = self._jobs.popleft()
-            try:
-                job.call()
-            except BaseException as exc:
-                job.error = exc
-            job.set()
+            job.run()
 
 
 class MpiTransport(Transport):
@@ -197,11 +180,9 @@ class MpiTransport(Transport):
                 f"{self._not_aware}; it cannot take {buf.describe()} (a device pointer would "
                 "crash it)"
             )
-        import cupy
+        from ..kernels.device import caller_stream
 
-        from ..kernels.device import current_stream
-
-        cupy.cuda.ExternalStream(current_stream(buf), buf.device_index).synchronize()
+        caller_stream(buf).synchronize()
         return MPI.buffer.fromaddress(buf.ptr, buf.nbytes)
 
     @classmethod
@@ -247,11 +228,9 @@ class MpiTransport(Transport):
         from ..kernels import reduce as kr
 
         if buf.host is None:  # device memory of a GPU-aware MPI: divide on the GPU
-            import cupy
+            from ..kernels.device import caller_stream, divide_on
 
-            from ..kernels.device import current_stream, divide_on
-
-            stream = cupy.cuda.ExternalStream(current_stream(buf), buf.device_index)
+            stream = caller_stream(buf)
             n = self._mpi.Get_size()
 
             def divide() -> None:

@@ -103,7 +103,6 @@ class NcclTransport(Transport):
         self._pairs: dict[int, Any] = {}  # peer -> two-rank communicator for send/recv
         self._device: int | None = None
         self._scratch: Any = None
-        self._streams: dict[int, Any] = {}
 
     @classmethod
     def unavailable(cls, topology: Topology) -> str | None:
@@ -174,13 +173,9 @@ class NcclTransport(Transport):
     # ---- enqueueing ----------------------------------------------------------------------------
 
     def _stream(self, buf: Buffer) -> Any:
-        from ..kernels.device import current_stream
+        from ..kernels.device import current_stream, external_stream
 
-        ptr = current_stream(buf)
-        stream = self._streams.get(ptr)
-        if stream is None:
-            stream = self._streams[ptr] = self.cupy.cuda.ExternalStream(ptr, self._device)
-        return stream
+        return external_stream(current_stream(buf), self._device)
 
     def _run(self, op: str, seq: int, buf: Buffer, nbytes: int,
              body: Callable[[Any, int], tuple[Any, ...]]) -> Work:  # fmt: skip
@@ -219,16 +214,10 @@ class NcclTransport(Transport):
         if op is None:
             return buf.ptr, buf.nbytes, _UINT8, None, ()
         cupy = self.cupy
-        mem = cupy.cuda.UnownedMemory(buf.ptr, buf.nbytes, buf.obj, self._device)
-        view = cupy.ndarray((buf.count,), cupy.int16, cupy.cuda.MemoryPointer(mem, 0))
         with stream:
-            wide = view.astype(cupy.int32)
-
-        def back() -> None:
-            with stream:
-                view[...] = wide.astype(cupy.int16)
-
-        return int(wide.data.ptr), buf.count, _TYPES["int32"], back, (wide, view)
+            wide = _int16_view(cupy, buf, self._device).astype(cupy.int32)
+        return (int(wide.data.ptr), buf.count, _TYPES["int32"],
+                lambda: _narrow_into(cupy, wide, buf, stream, self._device), (wide,))  # fmt: skip
 
     def _average(self, buf: Buffer, stream: Any) -> None:
         from ..kernels.device import divide_on
@@ -383,12 +372,16 @@ class NcclTransport(Transport):
                 c.abort() if aborted else c.destroy()
         self._group = None
         self._pairs.clear()
-        self._streams.clear()
+
+
+def _int16_view(cupy: Any, buf: Buffer, device: int | None) -> Any:
+    """A cupy int16 array over `buf`'s memory (which the caller's array keeps alive)."""
+    mem = cupy.cuda.UnownedMemory(buf.ptr, buf.nbytes, buf.obj, device)
+    return cupy.ndarray((buf.count,), cupy.int16, cupy.cuda.MemoryPointer(mem, 0))
 
 
 def _narrow_into(cupy: Any, wide: Any, out: Buffer, stream: Any, device: int | None) -> None:
-    mem = cupy.cuda.UnownedMemory(out.ptr, out.nbytes, out.obj, device)
-    view = cupy.ndarray((out.count,), cupy.int16, cupy.cuda.MemoryPointer(mem, 0))
+    """`out` = `wide` (int32) narrowed to int16, queued on `stream`."""
     with stream:
-        view[...] = wide.astype(cupy.int16)
+        _int16_view(cupy, out, device)[...] = wide.astype(cupy.int16)
 
