@@ -116,100 +116,45 @@ __global__ void divide_half(u16* dst, unsigned long long n, long long d) {
     }
 }
 
-// Peer reductions (device-direct transport): dst[i] = op over `nsrc` (1..8) sources, in source
-// order, each a pointer that may point into another process's memory (CUDA/HIP IPC mapping).
-// Every rank reduces in the same order, so every rank gets the same bits. The source loop is
-// unrolled so the pointers stay in registers.
-#define PEER_ARGS(T) const T* s0, const T* s1, const T* s2, const T* s3, const T* s4, \
-    const T* s5, const T* s6, const T* s7, int nsrc, unsigned long long n
+// Peer reductions (device-direct transport): acc = op over `nsrc` (1..8) sources, in source
+// order, each a pointer that may point into another process's memory (CUDA/HIP IPC mapping);
+// then acc is written to `nout` (1..8) outputs. Every rank reduces in the same order, so every
+// rank gets the same bits. One rank serving ranks that share its GPU writes every output in the
+// same pass (each element read once from each source, written once to each output; in place is
+// safe, since a thread reads all sources of element i before it writes element i). `div` > 0
+// divides the reduction (AVG): floats divide, integers truncate toward zero like C. The loops
+// over sources and outputs are unrolled so the pointers stay in registers.
+#define PEER_ARGS(T) T* d0, T* d1, T* d2, T* d3, T* d4, T* d5, T* d6, T* d7, int nout, \
+    const T* s0, const T* s1, const T* s2, const T* s3, const T* s4, const T* s5, \
+    const T* s6, const T* s7, int nsrc, unsigned long long n, long long div
+#define PEER_POINTERS(T) \
+    const T* s[8] = {s0, s1, s2, s3, s4, s5, s6, s7}; \
+    T* d[8] = {d0, d1, d2, d3, d4, d5, d6, d7}
+#define FOR_EACH_ELEMENT \
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n; \
+         i += (unsigned long long)blockDim.x * gridDim.x)
+#define STORE_ALL(value) \
+    _Pragma("unroll") for (int k = 0; k < 8; ++k) { if (k < nout) d[k][i] = (value); }
 
 template <typename T, typename Op>
-__global__ void reduce_peers(T* dst, PEER_ARGS(T)) {
-    const T* s[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)blockDim.x * gridDim.x) {
-        T acc = s0[i];
-#pragma unroll
-        for (int k = 1; k < 8; ++k) {
-            if (k < nsrc) acc = Op::f(acc, s[k][i]);
-        }
-        dst[i] = acc;
-    }
-}
-
-// Halves accumulate in float32 over every source and round once.
-template <int Half, typename Op>
-__global__ void reduce_peers_half(u16* dst, PEER_ARGS(u16)) {
-    const u16* s[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)blockDim.x * gridDim.x) {
-        float acc = Half ? bf16_to_f32(s0[i]) : f16_to_f32(s0[i]);
-#pragma unroll
-        for (int k = 1; k < 8; ++k) {
-            if (k < nsrc) acc = Op::f(acc, Half ? bf16_to_f32(s[k][i]) : f16_to_f32(s[k][i]));
-        }
-        dst[i] = Half ? f32_to_bf16(acc) : f32_to_f16(acc);
-    }
-}
-
-// float32 sums, the common case of gradients, 16 bytes per load (n4 = elements / 4; pointers
-// 16-byte aligned; the caller reduces the tail with reduce_peers).
-__global__ void reduce_peers_f32x4(float4* dst, PEER_ARGS(float4)) {
-    const float4* s[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)blockDim.x * gridDim.x) {
-        float4 acc = s0[i];
-#pragma unroll
-        for (int k = 1; k < 8; ++k) {
-            if (k < nsrc) {
-                float4 v = s[k][i];
-                acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
-            }
-        }
-        dst[i] = acc;
-    }
-}
-
-// Peer copies by the SMs, 16 bytes per load: between IPC-mapped allocations of one GPU this runs
-// at the memory's bandwidth, where cudaMemcpy's copy engines reach a fraction of it.
-__global__ void copy16(uint4* dst, const uint4* src, unsigned long long n) {
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)blockDim.x * gridDim.x) {
-        dst[i] = src[i];
-    }
-}
-
-// Ranks sharing one GPU: one rank reduces every input and writes every output in a single pass
-// (each element read once from each source and written once to each output; in place is safe,
-// since a thread reads all sources of element i before it writes element i). `div` > 0 divides
-// the reduction (AVG): floats divide, integers truncate toward zero like C.
-#define OUT_ARGS(T) T* d0, T* d1, T* d2, T* d3, T* d4, T* d5, T* d6, T* d7
-
-template <typename T, typename Op>
-__global__ void reduce_peers_all(OUT_ARGS(T), PEER_ARGS(T), long long div) {
-    const T* s[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
-    T* d[8] = {d0, d1, d2, d3, d4, d5, d6, d7};
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)blockDim.x * gridDim.x) {
+__global__ void reduce_peers(PEER_ARGS(T)) {
+    PEER_POINTERS(T);
+    FOR_EACH_ELEMENT {
         T acc = s0[i];
 #pragma unroll
         for (int k = 1; k < 8; ++k) {
             if (k < nsrc) acc = Op::f(acc, s[k][i]);
         }
         if (div > 0) acc = (T)(acc / (T)div);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            if (k < nsrc) d[k][i] = acc;
-        }
+        STORE_ALL(acc)
     }
 }
 
+// Halves accumulate in float32 over every source and round once.
 template <int Half, typename Op>
-__global__ void reduce_peers_all_half(OUT_ARGS(u16), PEER_ARGS(u16), long long div) {
-    const u16* s[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
-    u16* d[8] = {d0, d1, d2, d3, d4, d5, d6, d7};
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)blockDim.x * gridDim.x) {
+__global__ void reduce_peers_half(PEER_ARGS(u16)) {
+    PEER_POINTERS(u16);
+    FOR_EACH_ELEMENT {
         float acc = Half ? bf16_to_f32(s0[i]) : f16_to_f32(s0[i]);
 #pragma unroll
         for (int k = 1; k < 8; ++k) {
@@ -217,18 +162,15 @@ __global__ void reduce_peers_all_half(OUT_ARGS(u16), PEER_ARGS(u16), long long d
         }
         if (div > 0) acc = acc / (float)div;
         u16 out = Half ? f32_to_bf16(acc) : f32_to_f16(acc);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            if (k < nsrc) d[k][i] = out;
-        }
+        STORE_ALL(out)
     }
 }
 
-__global__ void reduce_peers_all_f32x4(OUT_ARGS(float4), PEER_ARGS(float4), long long div) {
-    const float4* s[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
-    float4* d[8] = {d0, d1, d2, d3, d4, d5, d6, d7};
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)blockDim.x * gridDim.x) {
+// float32 sums, the common case of gradients, 16 bytes per load (n = elements / 4; pointers
+// 16-byte aligned; the caller reduces the tail with reduce_peers).
+__global__ void reduce_peers_f32x4(PEER_ARGS(float4)) {
+    PEER_POINTERS(float4);
+    FOR_EACH_ELEMENT {
         float4 acc = s0[i];
 #pragma unroll
         for (int k = 1; k < 8; ++k) {
@@ -241,9 +183,15 @@ __global__ void reduce_peers_all_f32x4(OUT_ARGS(float4), PEER_ARGS(float4), long
             float q = (float)div;
             acc.x /= q; acc.y /= q; acc.z /= q; acc.w /= q;
         }
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            if (k < nsrc) d[k][i] = acc;
-        }
+        STORE_ALL(acc)
+    }
+}
+
+// Peer copies by the SMs, 16 bytes per load: between IPC-mapped allocations of one GPU this runs
+// at the memory's bandwidth, where cudaMemcpy's copy engines reach a fraction of it.
+__global__ void copy16(uint4* dst, const uint4* src, unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)blockDim.x * gridDim.x) {
+        dst[i] = src[i];
     }
 }

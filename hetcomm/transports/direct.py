@@ -231,8 +231,7 @@ class DirectTransport(Transport):
         self.peers = P.PeerMap(cupy)
         self._proxy = _Proxy(self.device, cupy, self.svc)
         self._scratch: list[Any] = []  # two one-shot input buffers, used alternately
-        self._streams: dict[int, Any] = {}  # the callers' streams, by handle
-        self._prepared: set[tuple[str, ReduceOp, bool]] = set()
+        self._prepared: set[tuple[str, ReduceOp]] = set()
         self._flip = 0
         self._others = [p for p in range(self.size) if p != self.rank]
         # ranks that share one GPU: the leader (rank 0) does a reduction for all of them in one
@@ -270,10 +269,7 @@ class DirectTransport(Transport):
                     f"this rank, got {b.describe()}; use one device per rank"
                 )
         cupy = self.cupy
-        ptr = self.kd.current_stream(bufs[0])
-        stream = self._streams.get(ptr)
-        if stream is None:
-            stream = self._streams[ptr] = cupy.cuda.ExternalStream(ptr, self.device)
+        stream = self.kd.external_stream(self.kd.current_stream(bufs[0]), self.device)
         with cupy.cuda.Device(self.device):
             ready = cupy.cuda.Event(disable_timing=True)
             ready.record(stream)
@@ -340,32 +336,26 @@ class DirectTransport(Transport):
             srcs = [dst, *(p for p in srcs if p != dst)]
         for group in S.batches(list(range(len(srcs)))):
             ptrs = [dst if i < 0 else srcs[i] for i in group]
-            self._reduce_batch(dst, ptrs, count, dtype, op)
+            self._reduce_into([dst], ptrs, count, dtype, op, 0)
 
-    def _reduce_batch(self, dst: int, ptrs: list[int], count: int, dtype: str,
-                      op: ReduceOp) -> None:  # fmt: skip
-        n = len(ptrs)
-        head = count
-        if dtype == "float32" and op in (ReduceOp.SUM, ReduceOp.AVG) and not (
-            dst % 16 or any(p % 16 for p in ptrs)
-        ):
-            vec = count // 4
-            if vec:
-                self._launch("reduce_peers_f32x4", dst, ptrs, n, vec)
-            head = count - vec * 4
-            if not head:
-                return
-            dst, ptrs = dst + vec * 16, [p + vec * 16 for p in ptrs]
-        if dtype in ("float16", "bfloat16"):
-            name = f"reduce_peers_half<{int(dtype == 'bfloat16')}, {_OPS[op]}>"
-        else:
-            ops = _BOOL_OPS if dtype == "bool" else _OPS
-            name = f"reduce_peers<{_CTYPES[dtype]}, {ops[op]}>"
-        self._launch(name, dst, ptrs, n, head)
+    def _reduce_into(self, outs: list[int], srcs: list[int], count: int, dtype: str,
+                     op: ReduceOp, div: int) -> None:  # fmt: skip
+        """Every one of `outs` = op over `srcs` (divided by `div` when > 0), one pass."""
+        vector = dtype == "float32" and op in (ReduceOp.SUM, ReduceOp.AVG) and not any(
+            p % 16 for p in (*outs, *srcs))  # fmt: skip
+        head = count // 4 if vector else 0  # float32 sums of aligned memory: 4 per thread
+        if head:
+            self._launch("reduce_peers_f32x4", outs, srcs, head, div)
+        if count > 4 * head:
+            skip = 16 * head
+            self._launch(_kernel_name(dtype, op), [p + skip for p in outs],
+                         [p + skip for p in srcs], count - 4 * head, div)  # fmt: skip
 
-    def _launch(self, name: str, dst: int, ptrs: list[int], n: int, count: int) -> None:
-        padded = ptrs + [ptrs[0]] * (S.MAX_SOURCES - len(ptrs))
-        args = (np.uint64(dst), *(np.uint64(p) for p in padded), np.int32(n), np.uint64(count))
+    def _launch(self, name: str, outs: list[int], srcs: list[int], count: int, div: int) -> None:
+        pad = S.MAX_SOURCES
+        args = (*(np.uint64(p) for p in outs + [outs[0]] * (pad - len(outs))), np.int32(len(outs)),
+                *(np.uint64(p) for p in srcs + [srcs[0]] * (pad - len(srcs))), np.int32(len(srcs)),
+                np.uint64(count), np.int64(div))  # fmt: skip
         blocks = max(1, min(2048, (count + _THREADS - 1) // _THREADS))
         with self._proxy.stream:
             self.kd.kernel(name)((blocks,), (_THREADS,), args)
@@ -408,32 +398,8 @@ class DirectTransport(Transport):
     def _reduce_all(self, outs: list[int], srcs: list[int], count: int, dtype: str,
                     op: ReduceOp) -> None:  # fmt: skip
         """outs[k] = op over srcs for every k, one pass (AVG divides in the same pass)."""
-        if count == 0:
-            return
-        n = len(srcs)
-        div = np.int64(self.size if op is ReduceOp.AVG else 0)
-        if dtype == "float32" and op in (ReduceOp.SUM, ReduceOp.AVG) and not any(
-            p % 16 for p in (*outs, *srcs)
-        ):
-            vec = count // 4
-            if vec:
-                self._launch_all("reduce_peers_all_f32x4", outs, srcs, n, vec, div)
-            if count == vec * 4:
-                return
-            outs = [p + vec * 16 for p in outs]
-            srcs = [p + vec * 16 for p in srcs]
-            count -= vec * 4
-        self._launch_all(_all_name(dtype, op), outs, srcs, n, count, div)
-
-    def _launch_all(self, name: str, outs: list[int], srcs: list[int], n: int, count: int,
-                    div: np.int64) -> None:  # fmt: skip
-        pad = S.MAX_SOURCES
-        args = (*(np.uint64(p) for p in outs + [outs[0]] * (pad - n)),
-                *(np.uint64(p) for p in srcs + [srcs[0]] * (pad - n)),
-                np.int32(n), np.uint64(count), div)  # fmt: skip
-        blocks = max(1, min(2048, (count + _THREADS - 1) // _THREADS))
-        with self._proxy.stream:
-            self.kd.kernel(name)((blocks,), (_THREADS,), args)
+        if count:
+            self._reduce_into(outs, srcs, count, dtype, op, self.size if op is ReduceOp.AVG else 0)
 
     def _alone(self, x: Buffer, out: Buffer) -> Step:
         if out.ptr != x.ptr:
@@ -618,22 +584,14 @@ class DirectTransport(Transport):
 
     def _prepare(self, dtype: str, op: ReduceOp) -> None:
         """Compile the kernels an op needs on the calling thread, before the proxy waits on it."""
-        key = (dtype, op, self.shared)
+        key = (dtype, op)
         if key in self._prepared:
             return
-        if dtype in ("float16", "bfloat16"):
-            self.kd.kernel(f"reduce_peers_half<{int(dtype == 'bfloat16')}, {_OPS[op]}>")
-        else:
-            ops = _BOOL_OPS if dtype == "bool" else _OPS
-            self.kd.kernel(f"reduce_peers<{_CTYPES[dtype]}, {ops[op]}>")
-            if dtype == "float32" and op in (ReduceOp.SUM, ReduceOp.AVG):
-                self.kd.kernel("reduce_peers_f32x4")
+        self.kd.kernel(_kernel_name(dtype, op))
+        if dtype == "float32" and op in (ReduceOp.SUM, ReduceOp.AVG):
+            self.kd.kernel("reduce_peers_f32x4")
         if op is ReduceOp.AVG:
             self.kd.kernel(self.kd.divide_name(dtype))
-        if self.shared:
-            self.kd.kernel(_all_name(dtype, op))
-            if dtype == "float32" and op in (ReduceOp.SUM, ReduceOp.AVG):
-                self.kd.kernel("reduce_peers_all_f32x4")
         self._prepared.add(key)
 
     def stats(self) -> dict[str, int]:
@@ -655,9 +613,9 @@ class DirectTransport(Transport):
 _RETIRED: list[Any] = []
 
 
-def _all_name(dtype: str, op: ReduceOp) -> str:
-    """The single-pass kernel that reduces into every output, for `dtype` and `op`."""
+def _kernel_name(dtype: str, op: ReduceOp) -> str:
+    """The peer-reduction kernel for `dtype` and `op` (kernels/reduce.cu)."""
     if dtype in ("float16", "bfloat16"):
-        return f"reduce_peers_all_half<{int(dtype == 'bfloat16')}, {_OPS[op]}>"
+        return f"reduce_peers_half<{int(dtype == 'bfloat16')}, {_OPS[op]}>"
     ops = _BOOL_OPS if dtype == "bool" else _OPS
-    return f"reduce_peers_all<{_CTYPES[dtype]}, {ops[op]}>"
+    return f"reduce_peers<{_CTYPES[dtype]}, {ops[op]}>"
