@@ -11,7 +11,7 @@ sentinel, so that a test can check that an operation wrote its output and nothin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -244,3 +244,35 @@ def compare(
         f"{tuple(int(i) for i in w)}: got {got[tuple(w)]}, want {want[tuple(w)]}" for w in where
     )
     return [f"{what}: {int(bad.sum())} of {bad.size} elements differ ({shown})"]
+
+
+# ---- bad calls -----------------------------------------------------------------------------------
+
+# what the call was -> (the call, words its error message must hold)
+Cases = dict[str, tuple[Callable[[], Any], Sequence[str]]]
+
+
+def expect_raises(errors, exc_type: type[Exception], cases: Cases,
+                  untouched: Sequence[Any] = ()) -> None:  # fmt: skip
+    """Each call of `cases` must raise `exc_type` with every one of its words in the message,
+    and leave every array of `untouched` with the contents it had before."""
+    for what, (call, words) in cases.items():
+        before = [snapshot(a) for a in untouched]
+        try:
+            call()
+        except exc_type as exc:
+            missing = [w for w in words if w not in str(exc)]
+            errors.expect(not missing, f"{what}: message {str(exc)!r} lacks {missing}")
+        except Exception as exc:
+            errors.append(f"{what}: raised {type(exc).__name__}({exc}), not {exc_type.__name__}")
+        else:
+            errors.append(f"{what}: did not raise {exc_type.__name__}")
+        for i, (a, old) in enumerate(zip(untouched, before)):
+            errors.expect(np.array_equal(snapshot(a), old), f"{what}: buffer {i} was changed")
+
+
+def snapshot(a: Any) -> np.ndarray:
+    if isinstance(a, torch.Tensor):
+        t = a.detach()
+        return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().copy()
+    return np.array(a, copy=True)

@@ -4,44 +4,13 @@ a collective."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
-
 import numpy as np
 import pytest
 import torch
+from _data import Cases, expect_raises
 
 import hetcomm
 from hetcomm import ReduceOp
-
-# what the call was -> (the call, words its error message must hold)
-Cases = dict[str, tuple[Callable[[], Any], Sequence[str]]]
-
-
-def expect_raises(errors, exc_type: type[Exception], cases: Cases,
-                  untouched: Sequence[Any] = ()) -> None:  # fmt: skip
-    """Each call of `cases` must raise `exc_type` with every one of its words in the message,
-    and leave every array of `untouched` with the contents it had before."""
-    for what, (call, words) in cases.items():
-        before = [_snapshot(a) for a in untouched]
-        try:
-            call()
-        except exc_type as exc:
-            missing = [w for w in words if w not in str(exc)]
-            errors.expect(not missing, f"{what}: message {str(exc)!r} lacks {missing}")
-        except Exception as exc:
-            errors.append(f"{what}: raised {type(exc).__name__}({exc}), not {exc_type.__name__}")
-        else:
-            errors.append(f"{what}: did not raise {exc_type.__name__}")
-        for i, (a, old) in enumerate(zip(untouched, before)):
-            errors.expect(np.array_equal(_snapshot(a), old), f"{what}: buffer {i} was changed")
-
-
-def _snapshot(a: Any) -> np.ndarray:
-    if isinstance(a, torch.Tensor):
-        t = a.detach()
-        return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().copy()
-    return np.array(a, copy=True)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
