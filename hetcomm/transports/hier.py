@@ -235,6 +235,11 @@ class HierTransport(Transport):
         transport, seq = part._start(op, buf)
         return start(transport, seq)
 
+    def _in_island(self, ctx: _Ctx, op: str, buf: Buffer,
+                   start: Callable[[Transport, int], Work]) -> None:  # fmt: skip
+        """Run one collective of the island's communicator to its end."""
+        self._wait([self._part_op(self.island, op, buf, start)], ctx)
+
     def _route(self, peer: int) -> tuple[Communicator, int]:
         """The part that reaches group rank `peer`, and peer's rank there."""
         members = self.islands[self.index]
@@ -277,9 +282,8 @@ class HierTransport(Transport):
                 mem.copy(_sub(padded, 0, count), x)
                 mem.zero(_sub(padded, count, n * c - count))
             shard = mem.empty(c, x, "shard")
-            self._wait([self._part_op(self.island, "reduce_scatter", src,
-                                      lambda t, s: t.reduce_scatter(shard, src, part_op, s))],
-                       ctx)  # fmt: skip
+            self._in_island(ctx, "reduce_scatter", src,
+                            lambda t, s: t.reduce_scatter(shard, src, part_op, s))  # fmt: skip
         # 2. every other island's partial of this shard, from the ranks whose shards overlap it
         width = sch.stop - sch.start
         mine = _sub(shard, 0, width)
@@ -305,8 +309,7 @@ class HierTransport(Transport):
         # 4. all-gather the reduced shards inside the island
         if n > 1:
             dst = out if padded is None else padded
-            self._wait([self._part_op(self.island, "all_gather", shard,
-                                      lambda t, s: t.all_gather(dst, shard, s))], ctx)  # fmt: skip
+            self._in_island(ctx, "all_gather", shard, lambda t, s: t.all_gather(dst, shard, s))
             if dst is not out:
                 mem.copy(out, _sub(dst, 0, count))
 
@@ -329,9 +332,8 @@ class HierTransport(Transport):
             mem.copy(_sub(scratch, at, count), _sub(x, pos, count))
         if n > 1:
             chunk = mem.empty(size, x, "chunk")
-            self._wait([self._part_op(self.island, "reduce_scatter", scratch,
-                                      lambda t, s: t.reduce_scatter(chunk, scratch, part_op, s))],
-                       ctx)  # fmt: skip
+            self._in_island(ctx, "reduce_scatter", scratch,
+                            lambda t, s: t.reduce_scatter(chunk, scratch, part_op, s))  # fmt: skip
         else:
             chunk = scratch
         # 2. pieces of the chunk to the blocks' owners; one partial of this block per island
@@ -385,8 +387,7 @@ class HierTransport(Transport):
         # 2. the island's chunks gathered, then put in rank order
         if n > 1:
             scratch = mem.empty(n * size, x, "scratch")
-            self._wait([self._part_op(self.island, "all_gather", chunk,
-                                      lambda t, s: t.all_gather(scratch, chunk, s))], ctx)  # fmt: skip
+            self._in_island(ctx, "all_gather", chunk, lambda t, s: t.all_gather(scratch, chunk, s))
         else:
             scratch = chunk
         for at, pos, count in sch.layout:
@@ -411,8 +412,7 @@ class HierTransport(Transport):
         members = self.islands[self.index]
         if len(members) > 1:
             local_root = members.index(entries[self.index])
-            self._wait([self._part_op(self.island, "broadcast", x,
-                                      lambda t, s: t.broadcast(x, local_root, s))], ctx)  # fmt: skip
+            self._in_island(ctx, "broadcast", x, lambda t, s: t.broadcast(x, local_root, s))
 
     # ---- operations handed on -------------------------------------------------------------
 
