@@ -21,6 +21,18 @@ from typing import Any
 
 import numpy as np
 
+from .bench_impls import (
+    Case,
+    Gloo,
+    Hetcomm,
+    Impl,
+    Mpi4py,
+    Naive,
+    Skip,
+    TorchNccl,
+    to_tensor,
+    torch_gloo,
+)
 from .bench_report import (
     REDUCING,
     ROOTED,
@@ -57,23 +69,6 @@ def _calls_for(nbytes: int) -> int:
     return 2000 if nbytes <= 4096 else 10
 
 
-def _torch_gloo(mpi: Any) -> Any:
-    """torch.distributed with gloo over loopback, rendezvous address agreed over MPI."""
-    import socket
-
-    import torch.distributed as dist
-
-    port = None
-    if mpi.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = mpi.bcast(port, root=0)
-    store = dist.TCPStore("127.0.0.1", port, mpi.Get_size(), mpi.Get_rank() == 0, use_libuv=False)
-    dist.init_process_group("gloo", store=store, rank=mpi.Get_rank(), world_size=mpi.Get_size())
-    return dist
-
-
 def _bind(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
     return lambda: fn(*args)
 
@@ -87,7 +82,7 @@ def overhead(rounds: int = 7) -> list[dict[str, Any]]:
 
     world = hetcomm.init(name="bench")
     raw = MPI.COMM_WORLD.Dup()
-    dist = _torch_gloo(raw)
+    dist = torch_gloo(raw)
     rows = []
     for label, dtype, nbytes in OVERHEAD_CASES:
         tdtype = getattr(torch, dtype)
@@ -153,14 +148,6 @@ def _us(value: float) -> str:
 
 TRANSPORTS = ("auto", "mpi", "staged", "direct", "nccl", "hier")
 BASELINES = ("mpi4py", "gloo", "naive", "nccl")
-_MPI_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "float32", "float64")  # + bool: no redop
-_TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-12}
-
-
-class _Skip(Exception):
-    """This implementation cannot run this op here; the message says why."""
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `hetcomm bench` (and of `python -m hetcomm.bench` without a study)."""
     from .arrays import DTYPES
@@ -199,293 +186,6 @@ def _names(text: str, known: Sequence[str], what: str) -> list[str]:
         raise SystemExit(f"hetcomm bench: unknown {what} {', '.join(bad)}; "
                          f"expected {', '.join(known)}")  # fmt: skip
     return list(dict.fromkeys(names))
-
-
-class _Case:
-    """One op at one size: every rank's inputs and this rank's expected output, in float64."""
-
-    def __init__(self, op: str, count: int, dtype: str, redop: str, root: int, rank: int,
-                 ranks: int) -> None:  # fmt: skip
-        self.op, self.count, self.dtype, self.redop = op, count, dtype, redop
-        self.root, self.rank, self.ranks = root, rank, ranks
-        blocked = op == "all_gather"
-        self.in_count = count // ranks if blocked else count
-        self.out_count = count // ranks if op == "reduce_scatter" else count
-
-    def input(self, r: int) -> np.ndarray:
-        i = np.arange(self.in_count, dtype=np.int64)
-        if self.dtype == "bool":
-            return ((i + r) % 2).astype(np.float64)
-        if self.redop == "prod":  # small factors: no overflow in int8 or float16
-            return ((i + r) % 2 + 1).astype(np.float64)
-        return ((i * 3 + r * 7) % 7 + 1).astype(np.float64)
-
-    def expected(self) -> np.ndarray | None:
-        """This rank's correct output (None where the op defines none, as reduce off the root)."""
-        op, n, r = self.op, self.ranks, self.rank
-        if op == "broadcast":
-            return self.input(self.root)
-        if op == "sendrecv":
-            return self.input((r - 1) % n)
-        if op == "all_gather":
-            return np.concatenate([self.input(q) for q in range(n)])
-        if op == "all_to_all":
-            b = self.count // n
-            return np.concatenate([self.input(q)[r * b : (r + 1) * b] for q in range(n)])
-        if op == "reduce" and r != self.root:
-            return None
-        stack = np.stack([self.input(q) for q in range(n)])
-        fn: dict[str, Callable[..., Any]] = {
-            "sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max, "avg": np.mean,
-        }  # fmt: skip
-        out = fn[self.redop](stack, axis=0)
-        if self.dtype == "bool":
-            out = (out != 0).astype(np.float64)
-        if op == "reduce_scatter":
-            b = self.out_count
-            out = out[r * b : (r + 1) * b]
-        return np.asarray(out, dtype=np.float64)
-
-    def wrong(self, got: Any) -> int:
-        """Elements of `got` (a tensor or array) that differ from expected()."""
-        want = self.expected()
-        if want is None:
-            return 0
-        g = _float64(got)
-        if self.dtype == "bool":
-            return int(np.count_nonzero((g != 0) != (want != 0)))
-        if self.dtype in _TOLERANCE:
-            ok = np.isclose(g, want, rtol=_TOLERANCE[self.dtype], atol=0)
-        else:  # integers: exact, but an integer average may round either way
-            ok = np.abs(g - want) <= (1 if self.redop == "avg" else 0)
-        return int(g.size - np.count_nonzero(ok))
-
-
-def _float64(x: Any) -> np.ndarray:
-    if isinstance(x, np.ndarray):
-        return x.astype(np.float64).ravel()
-    import torch
-
-    return x.detach().to("cpu", torch.float64).numpy().ravel()
-
-
-def _tensor(values: np.ndarray, dtype: str, device: str) -> Any:
-    import torch
-
-    return torch.from_numpy(values).to(getattr(torch, dtype)).to(device)
-
-
-class _Impl:
-    """One way of running the ops: `prepare` gives (call, output) for a case or raises _Skip."""
-
-    name = ""
-    kind = "baseline"
-    on_device = True  # buffers on the benchmark's device (else on the host)
-
-    def prepare(self, case: _Case, x: Any, y: Any) -> tuple[Callable[[], Any], Any]:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-
-class _Hetcomm(_Impl):
-    kind = "hetcomm"
-
-    def __init__(self, transport: str) -> None:
-        import hetcomm
-
-        self.name = transport
-        self.comm = hetcomm.init(config=hetcomm.Config.load(transport=transport), name="bench")
-
-    def prepare(self, case: _Case, x: Any, y: Any) -> tuple[Callable[[], Any], Any]:
-        c, op, red, root = self.comm, case.op, case.redop, case.root
-        if op == "all_reduce":
-            return (lambda: c.all_reduce(x, red, out=y)), y
-        if op == "all_gather":
-            return (lambda: c.all_gather(y, x)), y
-        if op == "reduce_scatter":
-            return (lambda: c.reduce_scatter(y, x, red)), y
-        if op == "all_to_all":
-            return (lambda: c.all_to_all(y, x)), y
-        if op == "broadcast":
-            return (lambda: c.broadcast(x, root)), x
-        if op == "reduce":
-            return (lambda: c.reduce(x, root, red)), x
-        dst, src = (c.rank + 1) % c.size, (c.rank - 1) % c.size
-
-        def sendrecv() -> None:
-            s = c.send(x, dst, async_op=True)
-            r = c.recv(y, src, async_op=True)
-            assert s is not None and r is not None
-            r.wait()
-            s.wait()
-
-        return sendrecv, y
-
-    def close(self) -> None:
-        self.comm.close()
-
-
-def _mpi_dtype(case: _Case) -> None:
-    if case.dtype not in _MPI_DTYPES and not (case.dtype == "bool" and case.op not in REDUCING):
-        raise _Skip(f"no MPI datatype for {case.dtype} here")
-
-
-def _mpi_call(raw: Any, case: _Case, a: np.ndarray, b: np.ndarray) -> Callable[[], Any]:
-    """The raw mpi4py call of `case` from numpy `a` into numpy `b` (a for broadcast)."""
-    from mpi4py import MPI
-
-    _mpi_dtype(case)
-    ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
-    if case.op in REDUCING and case.redop not in ops:
-        raise _Skip(f"MPI has no {case.redop} reduction")
-    mop, root, n = ops.get(case.redop, MPI.SUM), case.root, raw.Get_size()
-    op = case.op
-    if op == "all_reduce":
-        return lambda: raw.Allreduce(a, b, op=mop)
-    if op == "all_gather":
-        return lambda: raw.Allgather(a, b)
-    if op == "reduce_scatter":
-        return lambda: raw.Reduce_scatter_block(a, b, op=mop)
-    if op == "all_to_all":
-        return lambda: raw.Alltoall(a, b)
-    if op == "broadcast":
-        return lambda: raw.Bcast(a, root=root)
-    if op == "reduce":
-        return lambda: raw.Reduce(a, b, op=mop, root=root)
-    me = raw.Get_rank()
-    return lambda: raw.Sendrecv(a, (me + 1) % n, 0, b, (me - 1) % n, 0)
-
-
-class _Mpi4py(_Impl):
-    """Raw mpi4py collectives on numpy arrays (host memory, whatever --device says)."""
-
-    name = "mpi4py"
-    on_device = False
-
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
-
-    def prepare(self, case: _Case, x: Any, y: Any) -> tuple[Callable[[], Any], Any]:
-        _mpi_dtype(case)
-        a, b = x.numpy(), y.numpy()
-        out = a if case.op == "broadcast" else b
-        return _mpi_call(self.raw, case, a, b), out
-
-
-class _Naive(_Impl):
-    """Copy device->host (pageable), MPI on the host copy, copy the result back."""
-
-    name = "naive"
-
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
-
-    def prepare(self, case: _Case, x: Any, y: Any) -> tuple[Callable[[], Any], Any]:
-        import torch
-
-        _mpi_dtype(case)
-        if case.op == "broadcast":
-            y = x
-        hx = np.empty(x.shape, _np_dtype(case.dtype))
-        hy = hx if case.op == "broadcast" else np.empty(y.shape, _np_dtype(case.dtype))
-        mpi = _mpi_call(self.raw, case, hx, hy)
-
-        def naive() -> None:
-            hx[...] = x.to("cpu").numpy()  # device -> pageable host (a numpy copy on the CPU)
-            mpi()
-            y.copy_(torch.from_numpy(hy))
-
-        return naive, y
-
-
-def _np_dtype(dtype: str) -> Any:
-    return np.bool_ if dtype == "bool" else np.dtype(dtype)
-
-
-class _Gloo(_Impl):
-    """torch.distributed with gloo, rendezvous on 127.0.0.1 (port chosen by rank 0, over MPI)."""
-
-    name = "gloo"
-
-    def __init__(self, raw: Any) -> None:
-        import torch.distributed as dist
-
-        self.own = not dist.is_initialized()
-        self.dist = _torch_gloo(raw) if self.own else dist
-        self.size, self.rank = raw.Get_size(), raw.Get_rank()
-        self.group: Any = None  # the default group
-
-    def prepare(self, case: _Case, x: Any, y: Any) -> tuple[Callable[[], Any], Any]:
-        op, root, g = case.op, case.root, self.group
-        dist = _InGroup(self.dist, g)
-        ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
-               "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}  # fmt: skip
-        if op in REDUCING and case.redop not in ops:
-            raise _Skip(f"gloo has no {case.redop} reduction")
-        red = ops.get(case.redop, dist.ReduceOp.SUM)
-        if op == "all_reduce":
-            return (lambda: dist.all_reduce(x, red)), x
-        if op == "all_gather":
-            blocks = list(y.chunk(self.size))
-            return (lambda: dist.all_gather(blocks, x)), y
-        if op == "reduce_scatter":
-            return (lambda: dist.reduce_scatter_tensor(y, x, red)), y
-        if op == "all_to_all":
-            return (lambda: dist.all_to_all_single(y, x)), y
-        if op == "broadcast":
-            return (lambda: dist.broadcast(x, src=root)), x
-        if op == "reduce":
-            return (lambda: dist.reduce(x, dst=root, op=red)), x
-        dst, src = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-
-        def sendrecv() -> None:
-            s = dist.isend(x, dst)
-            r = dist.irecv(y, src)
-            r.wait()
-            s.wait()
-
-        return sendrecv, y
-
-    def close(self) -> None:
-        if self.own:
-            self.dist.destroy_process_group()
-
-
-class _InGroup:
-    """torch.distributed's calls with `group=` filled in."""
-
-    def __init__(self, dist: Any, group: Any) -> None:
-        self._dist, self._group = dist, group
-        self.ReduceOp = dist.ReduceOp
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        fn = getattr(self._dist, name)
-        return lambda *a, **k: fn(*a, group=self._group, **k)
-
-
-class _TorchNccl(_Gloo):
-    """NCCL through torch.distributed (a group beside gloo's default group): the baseline where
-    every rank has a GPU of its own; NCCL refuses two ranks on one GPU."""
-
-    name = "nccl"
-
-    def __init__(self, raw: Any) -> None:
-        import torch
-        from mpi4py import MPI
-
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        local = raw.Split_type(MPI.COMM_TYPE_SHARED)
-        sharing = local.Get_size()
-        local.Free()
-        if gpus == 0:
-            raise RuntimeError("no CUDA device: NCCL moves CUDA tensors only")
-        if sharing > gpus:
-            raise RuntimeError(f"{sharing} ranks share {gpus} GPU(s) on this host; NCCL needs "
-                               "a GPU of its own per rank")  # fmt: skip
-        super().__init__(raw)
-        self.group = self.dist.new_group(backend="nccl")
 
 
 def _agree(raw: Any, reason: str | None) -> str | None:
@@ -556,16 +256,16 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
         local.Free()
         device = f"cuda:{torch.cuda.current_device()}"
     say = print if rank == 0 else (lambda *a, **k: None)
-    impls: list[_Impl] = []
+    impls: list[Impl] = []
     for t in _names(args.transport, TRANSPORTS, "transport"):
         try:
-            impls.append(_Hetcomm(t))
+            impls.append(Hetcomm(t))
         except TransportUnavailable as exc:
             say(f"# skipping transport {t}: {exc}")
     for b in _names(args.baselines, BASELINES, "baseline"):
         why = None
         try:
-            impl = {"mpi4py": _Mpi4py, "gloo": _Gloo, "naive": _Naive, "nccl": _TorchNccl}[b](raw)
+            impl = {"mpi4py": Mpi4py, "gloo": Gloo, "naive": Naive, "nccl": TorchNccl}[b](raw)
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
         if _agree(raw, why) is None:
@@ -582,7 +282,7 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
             root = args.root if op in ROOTED else None
             for size in sizes:
                 count = element_count(op, size, itemsize, ranks)
-                case = _Case(op, count, args.dtype, redop, args.root, rank, ranks)
+                case = Case(op, count, args.dtype, redop, args.root, rank, ranks)
                 for impl in impls:
                     if (impl.name, op) not in skipped:
                         row = _measure(raw, impl, case, device, timer, args)
@@ -607,21 +307,21 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def _measure(raw: Any, impl: _Impl, case: _Case, device: str,
+def _measure(raw: Any, impl: Impl, case: Case, device: str,
              timer: Callable[[Callable[[], Any]], float],
              args: argparse.Namespace) -> tuple[float, int | None] | str:  # fmt: skip
     """(median over iterations of the slowest rank's seconds, #wrong or None), or why not."""
     from .errors import HetcommError
 
     where = device if impl.on_device else "cpu"
-    x = _tensor(case.input(case.rank), case.dtype, where)
-    y = _tensor(np.zeros(case.out_count), case.dtype, where)
+    x = to_tensor(case.input(case.rank), case.dtype, where)
+    y = to_tensor(np.zeros(case.out_count), case.dtype, where)
     why = None
     try:
         call, out = impl.prepare(case, x, y)
         call()  # the first call: opens connections, and tells whether this can run at all
         if args.check:  # again from fresh inputs (in-place ops changed them)
-            x.copy_(_tensor(case.input(case.rank), case.dtype, where))
+            x.copy_(to_tensor(case.input(case.rank), case.dtype, where))
             y.zero_()
             raw.Barrier()
             call()
@@ -629,7 +329,7 @@ def _measure(raw: Any, impl: _Impl, case: _Case, device: str,
                 import torch
 
                 torch.cuda.synchronize()
-    except (_Skip, HetcommError, RuntimeError, NotImplementedError, ValueError,
+    except (Skip, HetcommError, RuntimeError, NotImplementedError, ValueError,
             TypeError) as exc:  # fmt: skip
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     why = _agree(raw, why)
