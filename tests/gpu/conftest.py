@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
 
@@ -28,8 +31,6 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Print a failure the moment it happens: under mpirun a rank that crashes later would
     otherwise take the end-of-run summary with it."""
     if report.failed:
-        import sys
-
-        rank = __import__("os").environ.get("OMPI_COMM_WORLD_RANK", "?")
+        rank = os.environ.get("OMPI_COMM_WORLD_RANK", "?")
         print(f"\n[rank {rank}] FAILED {report.nodeid} ({report.when}):\n{report.longreprtext[-3000:]}",
               file=sys.stderr, flush=True)
