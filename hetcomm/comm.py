@@ -69,8 +69,6 @@ class Communicator:
         self._inflight: list[Work] = []
         self._available: dict[str, type[Transport]] = registry()
         self._unavailable = {n: cls.unavailable(topology) for n, cls in self._available.items()}
-        for other in ("nccl", "direct", "staged", "hier"):
-            self._unavailable.setdefault(other, "not part of this version of hetcomm")
         # transports this communicator must not use, with the reason the plan shows (the parts
         # of a hier transport exclude hier itself)
         self._unavailable.update(exclude or {})
@@ -232,7 +230,8 @@ class Communicator:
                 inflight = self._inflight
                 if len(inflight) >= 64:
                     inflight[:] = [w for w in inflight if not w._done]
-                inflight.append(work)
+                if not inflight or inflight[-1] is not work:
+                    inflight.append(work)
             return work
         if not work.test():
             work.wait()
@@ -353,18 +352,17 @@ class Communicator:
                 packed.append((g.fused(flat[: g.total]), [_unpacker(g, flat),
                                _giver(pool, flat)], flat))  # fmt: skip
         works: list[Work] = []
-        previous = None
         for fb, steps, holder in packed:
-            if previous is not None and self._transport("all_reduce", fb) is not previous:
-                # two transports progress independently: a group starts on another transport
-                # only once the groups before it are done, so every rank meets them in one order
-                for work in works:
-                    self._finish(work, False, timeout)
+            # a group on another transport than the one before starts once the groups before it
+            # are done (the ordering guard of _start waits for the collectives in flight)
             transport, seq = self._start("all_reduce", fb, timeout=timeout)
-            previous = transport
             if fb.on_device and transport.name == "mpi":
                 holder.synchronize()  # MPI reads device memory without regard to streams
-            works.append(_then(transport.all_reduce(fb, fb, rop, seq), steps))
+            work = _then(transport.all_reduce(fb, fb, rop, seq), steps)
+            if timeout is not None:
+                work._timeout = float(timeout)
+            self._inflight.append(work)
+            works.append(work)
         keep = (bufs, packed)
         if len(works) == 1:
             return self._finish(works[0], async_op, timeout, keep)

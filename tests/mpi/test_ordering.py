@@ -61,3 +61,23 @@ def test_point_to_point_is_not_held_back(comm, errors):
         comm.recv(x, 0)
         errors += compare(x, np.full(1000, 7.0), "received")
     errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_coalesced_groups_on_two_transports(comm, shared_seed, errors):
+    """A fused call whose groups go through two transports (a large float64 group through
+    staged, a small int64 group through mpi, routes set by hand): the second starts only once
+    the first has completed, and both results are right."""
+    staged = comm._transports["staged"] = StagedTransport(comm)
+    comm._routes[("all_reduce", False, False)] = staged
+    comm._routes[("all_reduce", False, True)] = comm._transports["mpi"] = MpiTransport(comm)
+    rng = np.random.default_rng(shared_seed)
+    n, r = comm.size, comm.rank
+    big, small = rng.standard_normal((n, 30_000)), rng.integers(-9, 9, (n, 7))
+    xb, xs = big[r].copy(), small[r].copy()
+    comm.all_reduce_coalesced([xb, xs])
+    errors.expect(comm._last is comm._transports["mpi"], "the last group did not go through mpi")
+    errors.expect(all(w._done for w in comm._inflight), "a group is still in flight")
+    errors += compare(xb, big.sum(0), "staged group", stack=big, op=ReduceOp.SUM, dtype="float64")
+    errors += compare(xs, small.sum(0), "mpi group")
+    errors.verify()
