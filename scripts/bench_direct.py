@@ -4,6 +4,13 @@ mpirun -n 2 python -m mpi4py scripts/bench_direct.py p2p OUT.json
 mpirun -n 4 python -m mpi4py scripts/bench_direct.py allreduce OUT.json
 mpirun -n 2 python -m mpi4py scripts/bench_direct.py profile OUT.json   (where the time goes)
 
+Two timings per case: one operation at a time (barrier, the call, synchronize; the slowest
+rank's time), and back to back as nccl-tests times (K operations issued with async_op=True,
+then all waited for; the time per operation), where one operation's fixed costs overlap the
+data movement of the others. The steady state is the time each further operation adds: from
+back-to-back runs of K1 and K2 operations, (T(K2) - T(K1)) / (K2 - K1), which leaves out the
+latency of the first operation and the wait for the last.
+
 Ranks share the GPU. The copy bandwidth is that of a device-to-device cudaMemcpy of 256 MiB
 (bytes copied per second; a copy reads and writes each byte, so memory traffic is twice that).
 The all-reduce floor is the memory traffic the operation cannot avoid: every rank's input read
@@ -76,12 +83,62 @@ def kernel_copy_rate(nbytes: int) -> float:
     return nbytes / statistics.median(times[1:])
 
 
+def ipc_copy_rates(world: MPI.Intracomm, nbytes: int) -> dict[str, float]:
+    """Rank 1 copies rank 0's buffer through a CUDA IPC mapping: bytes per second by
+    cudaMemcpyAsync and by the copy16 kernel (median of 9, events)."""
+    from hetcomm.kernels.device import kernel
+
+    r = world.Get_rank()
+    a = cupy.ones(nbytes, dtype=cupy.uint8)
+    handle = world.bcast(cupy.cuda.runtime.ipcGetMemHandle(a.data.ptr) if r == 0 else None)
+    rates = {}
+    if r == 1:
+        src = cupy.cuda.runtime.ipcOpenMemHandle(handle)
+        b = cupy.empty_like(a)
+        stream = cupy.cuda.get_current_stream()
+        copies = {
+            "memcpy": lambda: cupy.cuda.runtime.memcpyAsync(b.data.ptr, src, nbytes, 3,
+                                                            stream.ptr),
+            "kernel": lambda: kernel("copy16")((2048,), (512,), (
+                cupy.uint64(b.data.ptr), cupy.uint64(src), cupy.uint64(nbytes // 16))),
+        }  # fmt: skip
+        for name, copy in copies.items():
+            times = []
+            for _ in range(10):
+                s, e = cupy.cuda.Event(), cupy.cuda.Event()
+                s.record()
+                copy()
+                e.record()
+                e.synchronize()
+                times.append(cupy.cuda.get_elapsed_time(s, e) / 1e3)
+            rates[name] = nbytes / statistics.median(times[1:])
+        cupy.cuda.runtime.ipcCloseMemHandle(src)
+    world.Barrier()
+    return world.bcast(rates, root=1)
+
+
+def back_to_back(start, comm: MPI.Intracomm, k: int, repeats: int) -> tuple[float, float]:
+    """Seconds per operation with `k` operations in flight: `start()` issues one and returns
+    its Work (or None on ranks without a part); all are waited for at the end."""
+
+    def run() -> None:
+        works = [start() for _ in range(k)]
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    med, spread = median_time(run, comm, repeats)
+    return med / k, spread
+
+
 def _comm(transport: str, r: int) -> hetcomm.Communicator:
     return hetcomm.init(config=hetcomm.Config.load(transport=transport,
                                                    vendor=("nvidia", "amd")[r % 2]))
 
 
 def p2p(out: str) -> None:
+    from hetcomm.transports import direct
+
     world = MPI.COMM_WORLD
     r = world.Get_rank()
     rows = []
@@ -89,24 +146,47 @@ def p2p(out: str) -> None:
     rows.append({"case": "device-to-device copy", "bytes": 256 * MiB, "GBps": rate / 1e9})
     rows.append({"case": "copy16 kernel", "bytes": 256 * MiB,
                  "GBps": kernel_copy_rate(256 * MiB) / 1e9})
-    for transport in ("direct", "staged"):
+    for how, ipc_rate in ipc_copy_rates(world, 256 * MiB).items():
+        rows.append({"case": f"copy through the IPC mapping ({how})", "bytes": 256 * MiB,
+                     "GBps": ipc_rate / 1e9})  # fmt: skip
+    for transport, how in (("direct", "kernel"), ("direct", "memcpy"), ("staged", "")):
+        direct.PEER_COPY = how or direct.PEER_COPY
         comm = _comm(transport, r)
+        name = f"{transport} ({how} copy)" if how else transport
         for size in (8, 64 * 1024, 1 * MiB, 16 * MiB, 256 * MiB):
             x = cupy.arange(size, dtype=cupy.uint8)
             y = cupy.zeros(size, dtype=cupy.uint8)
 
-            def once(comm: hetcomm.Communicator = comm, x=x, y=y) -> None:
+            def start(comm: hetcomm.Communicator = comm, x=x, y=y, async_op: bool = False):
                 if r == 0:
-                    comm.send(x, 1)
-                elif r == 1:
-                    comm.recv(y, 0)
+                    return comm.send(x, 1, async_op=async_op)
+                if r == 1:
+                    return comm.recv(y, 0, async_op=async_op)
+                return None
 
-            med, spread = median_time(once, world, 25 if size <= MiB else 9)
+            med, spread = median_time(start, world, 25 if size <= MiB else 9)
             ok = r != 1 or bool((y == x).all())
-            rows.append({"case": f"{transport} send/recv", "bytes": size, "time_us": med * 1e6,
+            rows.append({"case": f"{name} send/recv", "bytes": size, "time_us": med * 1e6,
                          "GBps": size / med / 1e9, "spread": round(spread, 3),
                          "ok": bool(world.allreduce(ok, op=MPI.LAND))})  # fmt: skip
+            if size >= 64 * 1024:
+                y[:] = 0
+                few, many = (2, 6) if transport == "staged" and size > 16 * MiB else (8, 32)
+                reps = 9 if size <= 16 * MiB else 5
+                def go(start=start):
+                    return start(async_op=True)
+
+                p1, _ = back_to_back(go, world, few, reps)
+                per, spread = back_to_back(go, world, many, reps)
+                ok = r != 1 or bool((y == x).all())
+                steady = (many * per - few * p1) / (many - few)
+                rows.append({"case": f"{name} send/recv, {many} back to back", "bytes": size,
+                             "time_us": per * 1e6, "GBps": size / per / 1e9,
+                             "steady_us": steady * 1e6, "steady_GBps": size / steady / 1e9,
+                             "spread": round(spread, 3),
+                             "ok": bool(world.allreduce(ok, op=MPI.LAND))})  # fmt: skip
         comm.close()
+    direct.PEER_COPY = "kernel"
     _save(out, rows, r)
 
 
@@ -137,6 +217,18 @@ def allreduce(out: str) -> None:
                 row["floor_us"] = floor * 1e6
                 row["x_floor"] = med / floor
             rows.append(row)
+            if transport == "direct" and nbytes >= 256 * MiB:
+                def go(comm=comm, x=x):
+                    return comm.all_reduce(x, async_op=True)
+
+                p1, _ = back_to_back(go, world, 2, reps)
+                per, spread3 = back_to_back(go, world, 8, reps)
+                steady = (8 * per - 2 * p1) / 6
+                rows.append({**row, "case": "direct all_reduce, 8 back to back",
+                             "time_us": per * 1e6, "algbw": nbytes / per / 1e9,
+                             "busbw": nbytes / per / 1e9 * factor, "spread": round(spread3, 3),
+                             "x_floor": per / floor, "steady_us": steady * 1e6,
+                             "steady_x_floor": steady / floor})  # fmt: skip
             if transport == "direct" and nbytes == 256 * MiB:
                 # the same with every rank reducing its own shard (ranks on separate GPUs)
                 t = comm._transports["direct"]

@@ -46,6 +46,9 @@ _CTYPES = {"bool": "unsigned char", "uint8": "unsigned char", "int8": "signed ch
            "int16": "short", "int32": "int", "int64": "long long", "float32": "float",
            "float64": "double"}  # fmt: skip
 _THREADS = 512
+# how peer memory is copied: "memcpy" (cudaMemcpyAsync) or "kernel" (copy16). On the H200,
+# 256 MiB through an IPC mapping: cudaMemcpyAsync 1987 GB/s, the kernel 1849 GB/s (2026-11-29)
+PEER_COPY = "memcpy"
 
 # a step of an operation waits for one of these: an MPI request, a GPU event, or nothing (None)
 Step = Generator[Any, None, None]
@@ -68,10 +71,11 @@ def group_unavailable(hosts: list[str], real_vendors: list[str], devices: list[s
 class _Task:
     """One operation on the proxy: a generator of waits, and its outcome."""
 
-    __slots__ = ("done", "error", "finished", "gen", "waiting")
+    __slots__ = ("done", "error", "finished", "gen", "here", "waiting")
 
     def __init__(self, gen: Step) -> None:
         self.gen = gen
+        self.here = True  # may still run on the calling thread (_Proxy.wait)
         self.waiting: Any = None
         self.done = False
         self.error: BaseException | None = None
@@ -92,6 +96,9 @@ def _mpi_ready(w: Any) -> bool:
 
 
 _POKE = np.zeros(1, np.int8)
+# how long the calling thread runs an operation itself while it waits for another rank, before
+# handing it to the proxy (Proxy.wait)
+_INLINE_S = 2e-3
 # None, or a list the proxy appends (perf_counter(), what it waited for) to, for profiling
 PROFILE: list[tuple[float, str]] | None = None
 
@@ -113,6 +120,7 @@ class _Proxy:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._in_mpi = False  # blocked in MPI_Waitany: a new operation must send the message
+        self._inline = False  # the calling thread runs an operation itself (see wait)
         self._new: deque[tuple[_Task, bool]] = deque()
         self._colls: deque[_Task] = deque()
         self._p2p: list[_Task] = []
@@ -141,14 +149,17 @@ class _Proxy:
 
     @staticmethod
     def _advance(task: _Task) -> bool:
-        """Run `task` until it waits for an MPI request not yet complete; True once it ended."""
+        """Run `task` until it waits for something not yet complete (an MPI request, or GPU work
+        still running); True once it ended."""
         try:
             while True:
                 w = task.waiting
-                if w is not None and not isinstance(w, (MPI.Request, list)):
-                    w.synchronize()  # a GPU event: finishes on its own, without the lock
-                elif not _mpi_ready(w):
-                    return False
+                if w is not None:
+                    if not isinstance(w, (MPI.Request, list)):
+                        if not w.done:  # a GPU event: the proxy synchronizes it when idle
+                            return False
+                    elif not _mpi_ready(w):
+                        return False
                 if PROFILE is not None:
                     PROFILE.append((time.perf_counter(), "start" if w is None else
                                     "gpu" if not isinstance(w, (MPI.Request, list)) else "mpi"))
@@ -160,6 +171,49 @@ class _Proxy:
         task.finished.set()
         return True
 
+    def wait(self, task: _Task, collective: bool, seconds: float) -> bool:
+        """Wait up to `seconds` for `task`; the Work's waiter.
+
+        When the proxy has nothing else to do and has not picked `task` up yet, the calling
+        thread, which would only sleep, runs it itself: a blocking operation then pays no
+        hand-off to the proxy thread and back. Issue order is kept, since nothing else is in
+        flight. If it is still waiting on another rank after a short while, it goes back to the
+        proxy, so the wait stays bounded and the calling thread does not spin.
+        """
+        with self._lock:
+            alone = (task.here and not self._inline and not self._colls and not self._p2p
+                     and len(self._new) == 1 and self._new[0][0] is task)  # fmt: skip
+            if alone:
+                self._new.popleft()
+                self._inline = True
+                task.here = False  # once: if it goes back to the proxy, it stays there
+        if not alone:
+            return task.finished.wait(seconds)
+        ended = False
+        try:
+            with self.cupy.cuda.Device(self.device):
+                ended = self._drive(task, time.monotonic() + min(seconds, _INLINE_S))
+        finally:
+            with self._lock:
+                self._inline = False
+                if not ended:
+                    self._new.appendleft((task, collective))
+                if self._in_mpi:
+                    self._poke()
+                else:
+                    self._idle.notify()
+        return ended
+
+    def _drive(self, task: _Task, until: float) -> bool:
+        """Advance `task` on this thread until it ends (True) or `until` passes (False)."""
+        while not self._advance(task):
+            w = task.waiting
+            if not isinstance(w, (MPI.Request, list)):
+                w.synchronize()  # our own or the caller's GPU work: it finishes on its own
+            elif time.monotonic() > until:
+                return False
+        return True
+
     def _loop(self) -> None:
         self.cupy.cuda.Device(self.device).use()
         self.stream = self.cupy.cuda.Stream(non_blocking=True)
@@ -168,7 +222,7 @@ class _Proxy:
             with self._lock:
                 if self._stop:
                     return
-                while self._new:
+                while self._new and not self._inline:
                     task, collective = self._new.popleft()
                     (self._colls.append if collective else self._p2p.append)(task)
             moved = False
@@ -181,12 +235,22 @@ class _Proxy:
                 moved = True
             if moved:
                 continue
+            active = ([self._colls[0]] if self._colls else []) + self._p2p
+            gpu = next((t.waiting for t in active
+                        if not isinstance(t.waiting, (MPI.Request, list))), None)  # fmt: skip
+            if gpu is not None:
+                # every other operation waits for GPU work or for another rank: the GPU work
+                # finishes on its own, so waiting for it blocks nobody for long. Operations
+                # that launched their GPU work and wait for it no longer hold back the ones
+                # behind them (back-to-back copies queue on the stream together)
+                gpu.synchronize()
+                continue
             waiting: list[MPI.Request] = [self._wake]
-            for t in ([self._colls[0]] if self._colls else []) + self._p2p:
+            for t in active:
                 w = t.waiting
                 waiting.extend(w if isinstance(w, list) else [w])
             with self._lock:
-                if self._new or self._stop:
+                if (self._new and not self._inline) or self._stop:
                     continue
                 if len(waiting) == 1:  # nothing in flight: sleep until an operation comes
                     self._idle.wait()
@@ -234,6 +298,8 @@ class DirectTransport(Transport):
         self._prepared: set[tuple[str, ReduceOp]] = set()
         self._flip = 0
         self._others = [p for p in range(self.size) if p != self.rank]
+        self._tag_ub = int(self.svc.Get_attr(MPI.TAG_UB) or 32767)
+        self._done_flag = np.zeros(1, np.int8)  # the leader's "done" broadcast
         # ranks that share one GPU: the leader (rank 0) does a reduction for all of them in one
         # pass from one process, which saves the GPU the switches between processes' kernels
         devices = {r.device for r in comm.topology.ranks}
@@ -269,20 +335,28 @@ class DirectTransport(Transport):
                     f"this rank, got {b.describe()}; use one device per rank"
                 )
         cupy = self.cupy
-        stream = self.kd.external_stream(self.kd.current_stream(bufs[0]), self.device)
-        with cupy.cuda.Device(self.device):
-            ready = cupy.cuda.Event(disable_timing=True)
-            ready.record(stream)
+        ptr = self.kd.current_stream(bufs[0])
+        stream = self.kd.external_stream(ptr, self.device)
+        ready = None
+        # a stream of the caller's own with nothing left to run: there is nothing to wait for
+        # (the legacy default stream, 0 or 1, also waits for other streams: always an event)
+        if ptr in (0, 1) or not stream.done:
+            with cupy.cuda.Device(self.device):
+                ready = cupy.cuda.Event(disable_timing=True)
+                ready.record(stream)
 
         def run() -> Step:
-            yield ready  # what the caller queued before the op has run
+            if ready is not None:
+                yield ready  # what the caller queued before the op has run
             yield from body()
 
         task = _Task(run())
         if PROFILE is not None:
             PROFILE.append((time.perf_counter(), "queued"))
-        self._proxy.submit(task, collective)
-        work = Work(self.comm, op, seq, task.poll, waiter=task.finished.wait)
+        proxy = self._proxy
+        proxy.submit(task, collective)
+        work = Work(self.comm, op, seq, task.poll,
+                    waiter=lambda seconds: proxy.wait(task, collective, seconds))
         work.info = {"transport": self.name, "bytes": nbytes}
         return work
 
@@ -297,8 +371,14 @@ class DirectTransport(Transport):
                 self.peers.learn(p, rec)
         into.append(table)
 
-    def _records(self, bufs: list[Buffer]) -> np.ndarray:
-        return np.concatenate([self.peers.describe(b.ptr, b.nbytes, self._others) for b in bufs])
+    def _records(self, bufs: list[Buffer], audience: list[int] | None = None) -> np.ndarray:
+        """Records of `bufs` for the ranks of `audience` (default: every other rank); a rank
+        never sends itself a handle."""
+        if audience is None:
+            audience = self._others
+        elif self.rank in audience:
+            audience = [p for p in audience if p != self.rank]
+        return np.concatenate([self.peers.describe(b.ptr, b.nbytes, audience) for b in bufs])
 
     def _addresses(self, table: np.ndarray, col: int, mine: int) -> list[int]:
         """Our address of column `col` of every rank's records (our own: `mine`)."""
@@ -314,8 +394,9 @@ class DirectTransport(Transport):
         yield self.svc.Ibarrier()
 
     def _copy(self, dst: int, src: int, nbytes: int) -> None:
-        """Copy on the proxy's stream: 16-byte words by a kernel, the rest by cudaMemcpy."""
-        words = nbytes // 16 if not (dst % 16 or src % 16) else 0
+        """Copy on the proxy's stream: by cudaMemcpyAsync, or (PEER_COPY = "kernel") 16-byte
+        words by a kernel and the rest by cudaMemcpyAsync."""
+        words = nbytes // 16 if PEER_COPY == "kernel" and not (dst % 16 or src % 16) else 0
         if words:
             blocks = max(1, min(2048, (words + _THREADS - 1) // _THREADS))
             args = (np.uint64(dst), np.uint64(src), np.uint64(words))
@@ -387,13 +468,31 @@ class DirectTransport(Transport):
 
     def _leader_all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp) -> Step:
         got: list[np.ndarray] = []
-        yield from self._exchange(self._records([x, out]), got)
+        yield from self._to_leader(self._records([x, out], [0]), got)
         if self.rank == 0:
             xs = self._addresses(got[0], 0, x.ptr)
             outs = self._addresses(got[0], 1, out.ptr)
             self._reduce_all(outs, xs, x.count, x.dtype, op)
             yield from self._sync()
-        yield from self._barrier()  # the leader is done: every output is written
+        yield from self._leader_done()
+
+    def _to_leader(self, recs: np.ndarray, into: list[np.ndarray]) -> Step:
+        """Gather every rank's records at rank 0 (`into[0]` there: the table); the others only
+        send theirs, which is one message instead of an allgather's rounds."""
+        if self.rank != 0:
+            yield self.svc.Igather(recs.view(np.uint8), None, root=0)
+            return
+        table = np.empty((self.size, len(recs)), P.RECORD)
+        yield self.svc.Igather(recs.view(np.uint8), table.view(np.uint8), root=0)
+        for p in self._others:
+            for rec in table[p]:
+                self.peers.learn(p, rec)
+        into.append(table)
+
+    def _leader_done(self) -> Step:
+        """Rank 0 tells the others its GPU work has finished (every output is written, no input
+        is read any more); one broadcast instead of a barrier's rounds."""
+        yield self.svc.Ibcast(self._done_flag, root=0)
 
     def _reduce_all(self, outs: list[int], srcs: list[int], count: int, dtype: str,
                     op: ReduceOp) -> None:  # fmt: skip
@@ -464,7 +563,7 @@ class DirectTransport(Transport):
 
     def _leader_reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp) -> Step:
         got: list[np.ndarray] = []
-        yield from self._exchange(self._records([x, out]), got)
+        yield from self._to_leader(self._records([x, out], [0]), got)
         if self.rank == 0:
             xs = self._addresses(got[0], 0, x.ptr)
             outs = self._addresses(got[0], 1, out.ptr)
@@ -473,7 +572,7 @@ class DirectTransport(Transport):
                 if op is ReduceOp.AVG:
                     self._average(dst, out.count, out.dtype)
             yield from self._sync()
-        yield from self._barrier()
+        yield from self._leader_done()
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
         self._prepare(x.dtype, op)
@@ -527,13 +626,15 @@ class DirectTransport(Transport):
 
     def barrier(self, seq: int) -> Work:
         task = _Task(self._barrier())
-        self._proxy.submit(task, True)
-        return Work(self.comm, "barrier", seq, task.poll, waiter=task.finished.wait)
+        proxy = self._proxy
+        proxy.submit(task, True)
+        return Work(self.comm, "barrier", seq, task.poll,
+                    waiter=lambda seconds: proxy.wait(task, True, seconds))
 
     # ---- point-to-point: the receiver pulls from the sender's buffer ---------------------------
 
     def _tags(self, tag: int, op: str) -> tuple[int, int]:
-        top = int(self.svc.Get_attr(MPI.TAG_UB) or 32767)
+        top = self._tag_ub
         if TAG_P2P + 2 * tag + 1 > top:
             raise InvalidArgument(f"{op}: the direct transport takes tags up to "
                                   f"{(top - TAG_P2P - 1) // 2}, got {tag}")  # fmt: skip
