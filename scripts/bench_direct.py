@@ -149,10 +149,16 @@ def p2p(out: str) -> None:
     for how, ipc_rate in ipc_copy_rates(world, 256 * MiB).items():
         rows.append({"case": f"copy through the IPC mapping ({how})", "bytes": 256 * MiB,
                      "GBps": ipc_rate / 1e9})  # fmt: skip
-    for transport, how in (("direct", "kernel"), ("direct", "memcpy"), ("staged", "")):
+    # the caller's arrays on the default stream, or on a stream of its own (then an operation
+    # queued while the stream is idle waits for no event of it)
+    own = cupy.cuda.Stream(non_blocking=True)
+    for transport, how, stream in (("direct", "kernel", None), ("direct", "memcpy", None),
+                                   ("direct", "memcpy", own), ("staged", "", None)):  # fmt: skip
         direct.PEER_COPY = how or direct.PEER_COPY
         comm = _comm(transport, r)
-        name = f"{transport} ({how} copy)" if how else transport
+        name = f"{transport} ({how} copy{', own stream' if stream else ''})" if how else transport
+        if stream is not None:
+            stream.use()
         for size in (8, 64 * 1024, 1 * MiB, 16 * MiB, 256 * MiB):
             x = cupy.arange(size, dtype=cupy.uint8)
             y = cupy.zeros(size, dtype=cupy.uint8)
@@ -185,8 +191,9 @@ def p2p(out: str) -> None:
                              "steady_us": steady * 1e6, "steady_GBps": size / steady / 1e9,
                              "spread": round(spread, 3),
                              "ok": bool(world.allreduce(ok, op=MPI.LAND))})  # fmt: skip
+        cupy.cuda.Stream.null.use()
         comm.close()
-    direct.PEER_COPY = "kernel"
+    direct.PEER_COPY = "memcpy"
     _save(out, rows, r)
 
 

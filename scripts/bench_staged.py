@@ -10,9 +10,11 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 import cupy
 import numpy as np
+from bench_direct import back_to_back
 from mpi4py import MPI
 
 import hetcomm
@@ -51,12 +53,33 @@ def pinned_copy_rate(nbytes: int) -> float:
     return nbytes / statistics.median(times[1:])
 
 
+def pinned_both_ways(nbytes: int) -> float:
+    """Device->pinned host and pinned host->device at once, on two streams of one process:
+    bytes per second each way (median of 5); what PCIe gives when both directions are busy."""
+    src = cupy.ones(nbytes, dtype=cupy.uint8)
+    back = cupy.empty_like(src)
+    down = cupy.cuda.alloc_pinned_memory(nbytes)
+    up = cupy.cuda.alloc_pinned_memory(nbytes)
+    a, b = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    times = []
+    for _ in range(6):
+        cupy.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        cupy.cuda.runtime.memcpyAsync(down.ptr, src.data.ptr, nbytes, 2, a.ptr)
+        cupy.cuda.runtime.memcpyAsync(back.data.ptr, up.ptr, nbytes, 1, b.ptr)
+        a.synchronize()
+        b.synchronize()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[1:])
+
+
 def p2p(out: str) -> None:
     world = MPI.COMM_WORLD
     r = world.Get_rank()
     rows = []
     nbytes = 256 * MiB
     copy = pinned_copy_rate(nbytes)
+    both = pinned_both_ways(nbytes)
     x = cupy.arange(nbytes, dtype=cupy.uint8)
     y = cupy.zeros(nbytes, dtype=cupy.uint8)
     for chunk in (1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB):
@@ -77,6 +100,19 @@ def p2p(out: str) -> None:
                      "time_ms": med * 1e3, "GBps": nbytes / med / 1e9, "spread": spread,
                      "ok": bool(world.allreduce(ok, op=MPI.LAND)),
                      })
+        if chunk >= 4 * MiB:
+            # back to back: the time each further operation adds (see bench_direct.py)
+            def start(comm: hetcomm.Communicator = comm) -> Any:
+                if r == 0:
+                    return comm.send(x, 1, async_op=True)
+                return comm.recv(y, 0, async_op=True) if r == 1 else None
+
+            p2, _ = back_to_back(start, world, 2, 5)
+            p6, spread = back_to_back(start, world, 6, 5)
+            steady = (6 * p6 - 2 * p2) / 4
+            rows.append({"case": "staged send/recv, steady state back to back",
+                         "chunk_MiB": chunk // MiB, "bytes": nbytes, "time_ms": steady * 1e3,
+                         "GBps": nbytes / steady / 1e9, "spread": spread, "ok": True})
         comm.close()
     for size in (64 * 1024, 1 * MiB, 16 * MiB):
         comm = hetcomm.init(config=hetcomm.Config.load(
@@ -107,6 +143,8 @@ def p2p(out: str) -> None:
     rows.append({"case": "naive (pageable copy, MPI, copy back)", "bytes": nbytes,
                  "time_ms": med * 1e3, "GBps": nbytes / med / 1e9, "spread": spread, "ok": True})
     rows.append({"case": "pinned device->host copy", "bytes": nbytes, "GBps": copy / 1e9})
+    rows.append({"case": "pinned copies both ways at once (each way)", "bytes": nbytes,
+                 "GBps": both / 1e9})
     if r == 0:
         with open(out, "w") as f:
             json.dump({"rows": rows}, f, indent=1)
