@@ -3,6 +3,7 @@
 mpirun -n 2 python -m mpi4py scripts/bench_direct.py p2p OUT.json
 mpirun -n 4 python -m mpi4py scripts/bench_direct.py allreduce OUT.json
 mpirun -n 2 python -m mpi4py scripts/bench_direct.py profile OUT.json   (where the time goes)
+python scripts/bench_direct.py calls OUT.json   (the calling thread's costs, one rank)
 
 Two timings per case: one operation at a time (barrier, the call, synchronize; the slowest
 rank's time), and back to back as nccl-tests times (K operations issued with async_op=True,
@@ -288,6 +289,64 @@ def profile(out: str) -> None:
         _save(out, sorted(flat, key=lambda row: (row["case"], row["rank"])), 0)
 
 
+def calls(out: str) -> None:
+    """What the calling thread spends per operation: the pieces it is made of, each timed alone
+    (median of 5 rounds of 2000), and a cProfile of blocking all_reduces on a one-rank group."""
+    import cProfile
+    import io
+    import pstats
+
+    from hetcomm.kernels import device as kd
+
+    from hetcomm.arrays import as_buffer
+
+    comm = hetcomm.init(MPI.COMM_SELF, config=hetcomm.Config.load(transport="direct"))
+    x = cupy.ones(256, dtype=cupy.float32)
+    buf = as_buffer(x)
+    stream = kd.external_stream(kd.current_stream(buf), buf.device_index)
+    dev = cupy.cuda.Device(buf.device_index)
+
+    def event() -> None:
+        with dev:
+            cupy.cuda.Event(disable_timing=True).record(stream)
+
+    def device() -> None:
+        with dev:
+            pass
+
+    pieces = {
+        "as_buffer(cupy array)": lambda: as_buffer(x),
+        "__cuda_array_interface__": lambda: x.__cuda_array_interface__,
+        "current_stream + external_stream": lambda: kd.external_stream(
+            kd.current_stream(buf), buf.device_index),
+        "stream.done": lambda: stream.done,
+        "with Device(d)": device,
+        "Event() + record": event,
+        "comm._transport (route lookup)": lambda: comm._transport("all_reduce", buf),
+        "all_reduce, 1 rank, blocking": lambda: comm.all_reduce(x),
+        "all_reduce, 1 rank, async + wait": lambda: comm.all_reduce(x, async_op=True).wait(),
+    }  # fmt: skip
+    rows = []
+    for name, fn in pieces.items():
+        rounds = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(2000):
+                fn()
+            rounds.append((time.perf_counter() - t0) / 2000)
+        rows.append({"case": name, "us": statistics.median(rounds) * 1e6})
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(2000):
+        comm.all_reduce(x)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    rows.append({"case": "cProfile, 2000 blocking all_reduces", "text": text.getvalue()})
+    comm.close()
+    _save(out, rows, 0)
+
+
 def _save(out: str, rows: list[dict], rank: int) -> None:
     if rank == 0:
         with open(out, "w") as f:
@@ -297,4 +356,5 @@ def _save(out: str, rows: list[dict], rank: int) -> None:
 
 
 if __name__ == "__main__":
-    {"p2p": p2p, "allreduce": allreduce, "profile": profile}[sys.argv[1]](sys.argv[2])
+    {"p2p": p2p, "allreduce": allreduce, "profile": profile, "calls": calls}[sys.argv[1]](
+        sys.argv[2])
