@@ -39,6 +39,9 @@ log = logging.getLogger("hetcomm")
 _D2D = 3  # cudaMemcpyDeviceToDevice
 TAG_P2P = 64  # + 2 * user tag: the sender's record; + 1: the receiver's "done"
 TAG_WAKE = 63  # a message the proxy sends itself to leave MPI_Waitany
+# the top 2 * LEAD_TAGS tags: records sent to the one-GPU leader and its "done" replies, by
+# collective number modulo LEAD_TAGS (same-tag messages between two ranks stay in order)
+LEAD_TAGS = 1024
 _OPS = {ReduceOp.SUM: "Sum", ReduceOp.AVG: "Sum", ReduceOp.PROD: "Prod", ReduceOp.MIN: "Min",
         ReduceOp.MAX: "Max"}  # fmt: skip
 _BOOL_OPS = {ReduceOp.SUM: "Or", ReduceOp.MAX: "Or", ReduceOp.PROD: "And", ReduceOp.MIN: "And"}
@@ -299,7 +302,8 @@ class DirectTransport(Transport):
         self._flip = 0
         self._others = [p for p in range(self.size) if p != self.rank]
         self._tag_ub = int(self.svc.Get_attr(MPI.TAG_UB) or 32767)
-        self._done_flag = np.zeros(1, np.int8)  # the leader's "done" broadcast
+        self._lead_tag = self._tag_ub - 2 * LEAD_TAGS + 1
+        self._done_flag = np.zeros(1, np.int8)  # the leader's "done" message
         # ranks that share one GPU: the leader (rank 0) does a reduction for all of them in one
         # pass from one process, which saves the GPU the switches between processes' kernels
         devices = {r.device for r in comm.topology.ranks}
@@ -371,14 +375,8 @@ class DirectTransport(Transport):
                 self.peers.learn(p, rec)
         into.append(table)
 
-    def _records(self, bufs: list[Buffer], audience: list[int] | None = None) -> np.ndarray:
-        """Records of `bufs` for the ranks of `audience` (default: every other rank); a rank
-        never sends itself a handle."""
-        if audience is None:
-            audience = self._others
-        elif self.rank in audience:
-            audience = [p for p in audience if p != self.rank]
-        return np.concatenate([self.peers.describe(b.ptr, b.nbytes, audience) for b in bufs])
+    def _records(self, bufs: list[Buffer]) -> np.ndarray:
+        return np.concatenate([self.peers.describe(b.ptr, b.nbytes, self._others) for b in bufs])
 
     def _addresses(self, table: np.ndarray, col: int, mine: int) -> list[int]:
         """Our address of column `col` of every rank's records (our own: `mine`)."""
@@ -458,41 +456,57 @@ class DirectTransport(Transport):
         if self.size == 1:
             return self._queue("all_reduce", seq, (x, out), x.nbytes, lambda: self._alone(x, out))
         if self.shared:
-            return self._queue("all_reduce", seq, (x, out), x.nbytes,
-                               lambda: self._leader_all_reduce(x, out, op))  # fmt: skip
+
+            def all_reduce(table: np.ndarray) -> None:
+                xs = self._addresses(table, 0, x.ptr)
+                outs = self._addresses(table, 1, out.ptr)
+                self._reduce_all(outs, xs, x.count, x.dtype, op)
+
+            return self._leader_op("all_reduce", seq, (x, out), x.nbytes, all_reduce)
         if S.algorithm(x.nbytes, self.size) == "one-shot":
             return self._queue("all_reduce", seq, (x, out), x.nbytes,
                                lambda: self._one_shot(x, out, op))  # fmt: skip
         return self._queue("all_reduce", seq, (x, out), x.nbytes,
                            lambda: self._two_shot(x, out, op))  # fmt: skip
 
-    def _leader_all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp) -> Step:
-        got: list[np.ndarray] = []
-        yield from self._to_leader(self._records([x, out], [0]), got)
-        if self.rank == 0:
-            xs = self._addresses(got[0], 0, x.ptr)
-            outs = self._addresses(got[0], 1, out.ptr)
-            self._reduce_all(outs, xs, x.count, x.dtype, op)
-            yield from self._sync()
-        yield from self._leader_done()
+    def _leader_op(self, name: str, seq: int, bufs: tuple[Buffer, ...], nbytes: int,
+                   launch: Callable[[np.ndarray], None]) -> Work:  # fmt: skip
+        """A collective that rank 0 does alone for every rank sharing its GPU.
 
-    def _to_leader(self, recs: np.ndarray, into: list[np.ndarray]) -> Step:
-        """Gather every rank's records at rank 0 (`into[0]` there: the table); the others only
-        send theirs, which is one message instead of an allgather's rounds."""
+        Each other rank sends rank 0 its buffers' records once its stream is ready and waits for
+        rank 0's "done"; rank 0 waits for every record, queues the GPU work (`launch(table)`),
+        waits for it, and sends "done". Point-to-point messages tagged by the collective's
+        number, posted as soon as the operation is called, so that the other ranks' records of
+        the next operation are already there when rank 0 ends this one: back-to-back operations
+        do not pay a round trip between them. The other ranks' side runs beside their other
+        operations; rank 0's keeps its place among the collectives.
+        """
+        t_rec = self._lead_tag + 2 * (seq % LEAD_TAGS)
+        t_done = t_rec + 1
         if self.rank != 0:
-            yield self.svc.Igather(recs.view(np.uint8), None, root=0)
-            return
-        table = np.empty((self.size, len(recs)), P.RECORD)
-        yield self.svc.Igather(recs.view(np.uint8), table.view(np.uint8), root=0)
-        for p in self._others:
-            for rec in table[p]:
-                self.peers.learn(p, rec)
-        into.append(table)
+            rec = np.concatenate([self.peers.describe(b.ptr, b.nbytes, [0], full=True)
+                                  for b in bufs])  # fmt: skip
+            done = np.zeros(1, np.int8)
+            finished = self.svc.Irecv(done, 0, t_done)
 
-    def _leader_done(self) -> Step:
-        """Rank 0 tells the others its GPU work has finished (every output is written, no input
-        is read any more); one broadcast instead of a barrier's rounds."""
-        yield self.svc.Ibcast(self._done_flag, root=0)
+            def member(done: np.ndarray = done) -> Step:  # `done` lives until it arrived
+                yield self.svc.Isend(rec.view(np.uint8), 0, t_rec)
+                yield finished
+
+            return self._queue(name, seq, bufs, nbytes, member, collective=False)
+        table = np.zeros((self.size, len(bufs)), P.RECORD)
+        arrived = [self.svc.Irecv(table[p].view(np.uint8), p, t_rec) for p in self._others]
+
+        def leader() -> Step:
+            yield arrived
+            for p in self._others:
+                for rec in table[p]:
+                    self.peers.learn(p, rec)
+            launch(table)
+            yield from self._sync()
+            yield [self.svc.Isend(self._done_flag, p, t_done) for p in self._others]
+
+        return self._queue(name, seq, bufs, nbytes, leader)
 
     def _reduce_all(self, outs: list[int], srcs: list[int], count: int, dtype: str,
                     op: ReduceOp) -> None:  # fmt: skip
@@ -545,8 +559,16 @@ class DirectTransport(Transport):
     def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
         self._prepare(x.dtype, op)
         if self.shared:
-            return self._queue("reduce_scatter", seq, (x, out), x.nbytes,
-                               lambda: self._leader_reduce_scatter(out, x, op))  # fmt: skip
+
+            def reduce_scatter(table: np.ndarray) -> None:
+                xs = self._addresses(table, 0, x.ptr)
+                outs = self._addresses(table, 1, out.ptr)
+                for r, dst in enumerate(outs):
+                    self._reduce(dst, [p + r * out.nbytes for p in xs], out.count, x.dtype, op)
+                    if op is ReduceOp.AVG:
+                        self._average(dst, out.count, out.dtype)
+
+            return self._leader_op("reduce_scatter", seq, (x, out), x.nbytes, reduce_scatter)
 
         def body() -> Step:
             got: list[np.ndarray] = []
@@ -560,19 +582,6 @@ class DirectTransport(Transport):
             yield from self._barrier()
 
         return self._queue("reduce_scatter", seq, (x, out), x.nbytes, body)
-
-    def _leader_reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp) -> Step:
-        got: list[np.ndarray] = []
-        yield from self._to_leader(self._records([x, out], [0]), got)
-        if self.rank == 0:
-            xs = self._addresses(got[0], 0, x.ptr)
-            outs = self._addresses(got[0], 1, out.ptr)
-            for r, dst in enumerate(outs):
-                self._reduce(dst, [p + r * out.nbytes for p in xs], out.count, x.dtype, op)
-                if op is ReduceOp.AVG:
-                    self._average(dst, out.count, out.dtype)
-            yield from self._sync()
-        yield from self._leader_done()
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
         self._prepare(x.dtype, op)
@@ -634,7 +643,7 @@ class DirectTransport(Transport):
     # ---- point-to-point: the receiver pulls from the sender's buffer ---------------------------
 
     def _tags(self, tag: int, op: str) -> tuple[int, int]:
-        top = self._tag_ub
+        top = self._lead_tag - 1
         if TAG_P2P + 2 * tag + 1 > top:
             raise InvalidArgument(f"{op}: the direct transport takes tags up to "
                                   f"{(top - TAG_P2P - 1) // 2}, got {tag}")  # fmt: skip

@@ -65,9 +65,11 @@ class PeerMap:
         self.hits = 0
         self.misses = 0
 
-    def describe(self, ptr: int, nbytes: int, audience: Iterable[int]) -> np.ndarray:
+    def describe(self, ptr: int, nbytes: int, audience: Iterable[int],
+                 full: bool = False) -> np.ndarray:  # fmt: skip
         """The record of `nbytes` at `ptr` for the ranks in `audience`; the handle rides along
-        only when one of them has not had it yet."""
+        only when one of them has not had it yet, or always (`full`: for records that may
+        overtake or be overtaken by others, which cannot rely on an earlier one)."""
         rec = np.zeros(1, RECORD)
         base, _, ident = self.driver.allocation(ptr)
         handle = self._handles.get(ident)
@@ -75,7 +77,10 @@ class PeerMap:
             handle = self._handles[ident] = bytes(self.rt.ipcGetMemHandle(base))
         rec["id"], rec["offset"], rec["nbytes"] = ident, ptr - base, nbytes
         new = [p for p in audience if (p, ident) not in self._told]
-        if new:
+        if full:
+            rec["has"] = 1
+            rec["handle"] = np.frombuffer(handle, dtype="V64")[0]
+        elif new:
             rec["has"] = 1
             rec["handle"] = np.frombuffer(handle, dtype="V64")[0]
             self._told.update((p, ident) for p in new)

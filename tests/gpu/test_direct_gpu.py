@@ -133,6 +133,52 @@ def test_other_collectives(make_comm, shared_seed, mode):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", ["leader", "peers"])
+def test_back_to_back_async_collectives(make_comm, shared_seed, mode):
+    """Many collectives in flight at once, mixed kinds, some on buffers whose producing kernels
+    are still queued on a busy stream: each result matches its reference, the output's
+    neighbours are untouched, and nothing waits on another rank's later operation."""
+    comm = make_comm(transport="direct")
+    _direct(comm, mode)
+    n, r = comm.size, comm.rank
+    rng = np.random.default_rng(shared_seed)
+    count = 4099  # odd: the float32 vector kernel's tail runs too
+    rounds = 12
+    data = rng.integers(-8, 8, (rounds, n, count)).astype(np.float64) / 4
+    stream = cupy.cuda.Stream(non_blocking=True)
+    works, checks = [], []
+    pad = 4  # guard elements on each side (16 bytes: x stays aligned for the vector kernel)
+    with stream:
+        for k in range(rounds):
+            padded = cupy.full(count + 2 * pad, 7.0, dtype=cupy.float32)
+            if k % 3 == 0:  # keep the stream busy: the operation must wait for this work
+                busy = cupy.ones(1 << 24, dtype=cupy.float32)
+                for _ in range(8):
+                    busy *= 1.0001
+            padded[pad:-pad] = cupy.asarray(data[k, r], dtype=cupy.float32)
+            x = padded[pad:-pad]
+            if k % 4 == 3:
+                works.append(comm.broadcast(x, k % n, async_op=True))
+                want = data[k, k % n]
+            else:
+                op = (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.AVG)[k % 3]
+                works.append(comm.all_reduce(x, op, async_op=True))
+                want = _ref(data[k], op, "float32")
+            checks.append((k, padded, want))
+    for w in works:
+        w.wait()
+    comm.barrier()
+    problems = []
+    for k, padded, want in checks:
+        got = cupy.asnumpy(padded).astype(np.float64)
+        if not (np.all(got[:pad] == 7.0) and np.all(got[-pad:] == 7.0)):
+            problems.append(f"round {k}: a neighbour of the output changed")
+        if not np.allclose(got[pad:-pad], want, rtol=1e-6, atol=1e-6):
+            problems.append(f"round {k}: wrong result")
+    assert_all_ranks(comm, not problems, "; ".join(problems[:6]))
+
+
+@pytest.mark.mpi(min_size=2)
 def test_send_recv_ring_cupy_and_size_mismatch(make_comm, shared_seed):
     comm = make_comm(transport="direct")
     n, r = comm.size, comm.rank
