@@ -130,11 +130,11 @@ class _Proxy:
     """The thread that progresses every operation of one communicator: collectives one at a
     time in issue order, point-to-point operations side by side with them.
 
-    It never spins holding the interpreter lock: GPU events are waited for with a blocking
-    synchronize (our own stream's work always finishes). With nothing to do it sleeps on a
-    condition that queueing an operation signals; while operations wait for other processes it
-    blocks in MPI_Waitany over every request they wait for, plus a message to itself that an
-    operation queued meanwhile sends to wake it.
+    It never spins holding the interpreter lock. It advances every operation that can move;
+    when none can, it blocks on the oldest GPU work waited for (a synchronize: GPU work finishes
+    on its own), or, when all wait for other processes, in MPI_Waitany over every request they
+    wait for plus a message to itself that an operation queued meanwhile sends to wake it. With
+    nothing to do it sleeps on a condition that queueing an operation signals.
     """
 
     def __init__(self, device: int, cupy: Any, svc: MPI.Intracomm) -> None:
