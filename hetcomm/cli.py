@@ -47,6 +47,20 @@ def tuning_report(world: Any) -> str:
             f"slots {SLOTS}, no rail weights, direct_min {value} ({source})")
 
 
+def persistent_report(limit: int) -> str:
+    """Whether small all-reduces of the mpi transport run as persistent requests, and why not."""
+    from .transports.mpi import LANE_BYTES
+    from .transports.mpi_persistent import unavailable
+
+    why = unavailable()
+    if why is not None:
+        return f"no: {why}"
+    if limit == 0:
+        return "off (HETCOMM_PERSISTENT_MAX=0)"
+    return (f"mpi all-reduces up to {min(limit, LANE_BYTES)} bytes run as cached MPI-4 "
+            "persistent requests")  # fmt: skip
+
+
 def _info(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
@@ -71,6 +85,7 @@ def _info(args: argparse.Namespace) -> int:
         print(f"MPI flavour:  {launch_mpi.flavour(banner)} {launch_mpi.version(banner) or ''}")
         print(f"thread level: {levels.get(MPI.Query_thread(), MPI.Query_thread())}")
         print(f"GPU-aware:    {'yes' if aware else 'no'} ({how})")
+        print(f"persistent:   {persistent_report(world.config.persistent_max)}")
         print(f"ranks:        {world.size}")
         print("\nconfiguration:")
         print("  " + world.config.describe().replace("\n", "\n  "))

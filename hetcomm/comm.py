@@ -129,6 +129,7 @@ class Communicator:
         if key is not None and (isinstance(key, bool) or not isinstance(key, int)):
             raise InvalidArgument(f"split: key must be an int or None, got {key!r}")
         mpi_color = MPI.UNDEFINED if color is None or color < 0 else color
+        self._drain("split")
         new: Any = self.mpi.Split(mpi_color, self.rank if key is None else key)
         if new == MPI.COMM_NULL:
             return None
@@ -139,6 +140,7 @@ class Communicator:
     def dup(self, name: str | None = None) -> Communicator:
         """A new communicator with the same members and its own message space. Collective."""
         self._check_open()
+        self._drain("dup")
         return Communicator(self.mpi.Dup(), self.config, self.topology, name or self.name)
 
     # ---- the plan ---------------------------------------------------------------------------
@@ -246,7 +248,15 @@ class Communicator:
             )
         return int(root)
 
+    def _drain(self, op: str) -> None:
+        """Before `op`, a call on this MPI communicator outside the transports: let each
+        transport make the calls it still has queued there, so that `op` comes after them on
+        every rank (MPI matches collectives by the order they are called in)."""
+        for transport in self._transports.values():
+            transport.drain(op, self._seq)
+
     def _compare_fingerprints(self, op: str, buf: Buffer | None, root: int) -> None:
+        self._drain(f"{op} fingerprint")
         mine = np.array([self._seq, _OP_CODES[op], _DTYPE_CODES[buf.dtype] if buf else -1,
                          buf.count if buf else 0, root], dtype=np.int64)  # fmt: skip
         every = np.empty((self.size, 5), dtype=np.int64)

@@ -70,6 +70,12 @@ class Transport:
         """Complete once every rank has entered the barrier."""
         raise NotImplementedError
 
+    def drain(self, op: str, seq: int) -> None:
+        """Return once every MPI call the transport queued on the communicator's own MPI
+        communicator has been made (nothing is queued by default), so that a call the
+        communicator makes there itself (`op`: split, dup, a debug fingerprint) comes after
+        them on every rank."""
+
     def close(self) -> None:
         """Release what the transport holds (nothing by default)."""
 

@@ -14,7 +14,7 @@ from mpi4py import MPI
 from ..errors import MismatchError, TransportUnavailable
 from ..ops import ReduceOp
 from ..work import Work
-from . import Job, Transport, mpi_chunks
+from . import Job, Transport, mpi_chunks, mpi_persistent
 
 if TYPE_CHECKING:
     from ..arrays import Buffer
@@ -64,13 +64,37 @@ def _wrong_integer_ops() -> frozenset[tuple[str, str]]:
 _OWN_OPS: dict[tuple[str, ReduceOp], MPI.Op] = {}
 _WRONG = _wrong_integer_ops()
 _IN_PLACE = MPI.IN_PLACE
-# (numpy dtype, op) -> (MPI op, MPI datatype), for the pairs MPI reduces itself (the short path)
-_FAST_TYPES = {np.dtype(d): t for d, t in _DATATYPES.items()
-               if d not in ("bool", "float16", "bfloat16")}  # fmt: skip
-_FAST = {(dt, op.value): (mpi, _FAST_TYPES[dt]) for dt in _FAST_TYPES
-         for op, mpi in _NATIVE_OPS.items()
-         if op is not ReduceOp.AVG and (dt.name, op.value) not in _WRONG}  # fmt: skip
 _AVG = ReduceOp.AVG
+
+
+def _persistent_kinds() -> dict[tuple[str, str], mpi_persistent.Kind]:
+    """(dtype name, op) -> the kind of persistent all-reduce that serves it, for every pair MPI
+    reduces with a predefined operation (bool as uint8; AVG reduces as SUM, then divides, and
+    shares SUM's kind)."""
+    kinds: dict[tuple[str, str], mpi_persistent.Kind] = {}
+    made = 0
+    for name, datatype in _DATATYPES.items():
+        if name in ("float16", "bfloat16"):
+            continue
+        for op in ReduceOp:
+            reduce_as = ReduceOp.SUM if op is _AVG else op
+            if (name, reduce_as.value) in _WRONG or (name == "bool" and op is _AVG):
+                continue
+            kind = kinds.get((name, reduce_as.value))
+            if kind is None:
+                mop = _BOOL_OPS[reduce_as] if name == "bool" else _NATIVE_OPS[reduce_as]
+                kind = mpi_persistent.Kind(made, np.dtype(name), datatype, mop)
+                made += 1
+            kinds[(name, op.value)] = kinds[(name, reduce_as.value)] = kind
+    return kinds
+
+
+_PERSISTENT = _persistent_kinds()
+_KINDS = len({kind.index for kind in _PERSISTENT.values()})
+# (numpy dtype, op) -> kind, for the pairs of the short path: those MPI reduces itself, AVG and
+# bool aside; kind.op and kind.datatype serve its Iallreduce too
+_FAST = {(kind.dtype, op): kind for (name, op), kind in _PERSISTENT.items()
+         if name != "bool" and op != _AVG.value}  # fmt: skip
 _OPS = {(d, op.value): mpi for d in _DATATYPES if d not in ("bool", "float16", "bfloat16")
         for op, mpi in _NATIVE_OPS.items() if (d, op.value) not in _WRONG}  # fmt: skip
 
@@ -107,7 +131,10 @@ def _own_reducer(dtype: str, op: ReduceOp) -> Callable[[Any, Any, Any], None]:
 # Above this size a collective runs as a blocking MPI call on the communicator's lane thread:
 # MPI libraries tune their blocking algorithms far better than their non-blocking ones (Open
 # MPI's non-blocking all-reduce of 16 MiB on 2 ranks takes about twice as long), and a thread
-# hand-off costs microseconds. Smaller ones are started non-blocking from the calling thread.
+# hand-off costs microseconds. Smaller ones are started non-blocking from the calling thread, or
+# on the lane behind its jobs, still non-blocking: MPI never matches a blocking collective with a
+# non-blocking one (Open MPI 5 waits forever), so which kind a call is may depend on its size,
+# which every rank agrees on, and never on the state of this rank's lane.
 LANE_BYTES = 256 * 1024
 # polls of a small in-place all-reduce before it is handed to a Work and its bounded wait
 _QUICK_TESTS = 32
@@ -117,8 +144,10 @@ class _Lane:
     """One thread running a communicator's large collectives in the order they were issued.
 
     Collectives must start in the same order on every rank. A small one is started directly only
-    while the lane is idle (nothing queued, nothing running), under the same lock that queues
-    jobs, so that a direct start can never overtake a queued one.
+    while the lane is idle (nothing queued, nothing running), so that a direct start can never
+    overtake a queued one: seen under the same lock that queues jobs, or, on the persistent
+    short path, without it, since only the issuing thread queues jobs and the lane thread only
+    ever goes from busy to idle.
     """
 
     def __init__(self) -> None:
@@ -131,6 +160,11 @@ class _Lane:
     def idle(self) -> bool:
         """Call with `lock` held."""
         return not self._busy and not self._jobs
+
+    def drained(self) -> bool:
+        """Whether every job queued so far has run (takes `lock`)."""
+        with self.lock:
+            return self.idle()
 
     def submit(self, call: Callable[[], Any]) -> Job:
         """Call with `lock` held."""
@@ -156,7 +190,8 @@ class _Lane:
 
 class MpiTransport(Transport):
     """Every operation as MPI calls on the communicator's own MPI communicator: small ones
-    non-blocking from the calling thread, large collectives blocking on a lane thread."""
+    non-blocking from the calling thread, large collectives blocking on a lane thread, small
+    all-reduces through cached persistent requests (see mpi_persistent)."""
 
     name: ClassVar[str] = "mpi"
     memory: ClassVar[tuple[str, ...]] = ("host", "device")
@@ -167,6 +202,25 @@ class MpiTransport(Transport):
         self._lane = _Lane()
         members = comm.topology.members()
         self._not_aware = [m.rank for m in members if not m.gpu_aware]
+        # all-reduces up to this many bytes run as cached persistent requests (0: none); the
+        # configuration and the MPI library are the same on every rank, so is this. Larger
+        # ones than the lane's threshold stay blocking calls on the lane (see LANE_BYTES).
+        self.persistent_off = mpi_persistent.unavailable()
+        limit = min(comm.config.persistent_max, LANE_BYTES)
+        self._persistent_max = 0 if self.persistent_off else limit
+        self.requests = mpi_persistent.Requests(comm, self._mpi, _KINDS)
+
+    def drain(self, op: str, seq: int) -> None:
+        """Wait (within the timeout) until the lane has run every job queued on it. Open MPI
+        numbers every non-blocking collective of a communicator, every persistent one at its
+        init, and the collectives inside MPI_Comm_split and MPI_Comm_dup, from one counter, and
+        a small collective queued on the lane takes its number when it runs there."""
+        drained = self._lane.drained
+        if not drained():
+            Work(self.comm, f"{op} after the mpi lane", seq, drained).wait()
+
+    def close(self) -> None:
+        self.requests.close()
 
     def _mem(self, buf: Buffer) -> Any:
         """What MPI gets for `buf`: the host view, or (a GPU-aware MPI only) the device memory,
@@ -191,13 +245,17 @@ class MpiTransport(Transport):
 
     def _start(self, op: str, seq: int, nbytes: int, nonblocking: Callable[[], MPI.Request],
                blocking: Callable[[], Any], finish: Sequence[Callable[[], None]] = ()) -> Work:  # fmt: skip
+        """One MPI call: up to LANE_BYTES non-blocking, from this thread while the lane is idle
+        and else on the lane behind its jobs (see LANE_BYTES); larger ones blocking on the
+        lane."""
         lane = self._lane
+        small = nbytes <= LANE_BYTES
         with lane.lock:
-            if nbytes <= LANE_BYTES and lane.idle():
+            if small and lane.idle():
                 work = Work(self.comm, op, seq, nonblocking().Test, finish)
                 work.info = {"transport": "mpi", "bytes": nbytes, "stages": 1}
                 return work
-            job = lane.submit(blocking)
+            job = lane.submit(partial(_to_the_end, nonblocking) if small else blocking)
         work = Work(self.comm, op, seq, job.is_set, [job.check, *finish], waiter=job.wait)
         work.info = {"transport": "mpi", "bytes": nbytes, "stages": 1}
         return work
@@ -243,6 +301,10 @@ class MpiTransport(Transport):
 
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
         self._reducible(x)
+        if 0 < out.nbytes <= self._persistent_max:
+            kind = _PERSISTENT.get((x.dtype, op._value_))
+            if kind is not None:
+                return self._all_reduce_persistent(x, out, op, seq, kind)
         dt = _DATATYPES[x.dtype]
         mop, mpi = mpi_op(x.dtype, op), self._mpi
         finish = self._average(out) if op is _AVG else ()
@@ -257,12 +319,85 @@ class MpiTransport(Transport):
         return self._start("all_reduce", seq, out.nbytes, lambda: mpi.Iallreduce(send, recv, mop),
                            lambda: mpi.Allreduce(send, recv, mop), finish)  # fmt: skip
 
+    def _all_reduce_persistent(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int,
+                               kind: mpi_persistent.Kind) -> Work:  # fmt: skip
+        """A small all-reduce through the cached persistent request of (dtype, count, op):
+        started from this thread while the lane is idle, else queued on the lane behind its
+        jobs, so that it keeps its place in issue order either way."""
+        if x.host is None:
+            # refuses device memory where the MPI is not GPU-aware (the same answer as the
+            # other operations), else waits for the work queued on the array's stream
+            self._mem(x)
+        slot = self.requests.take(kind, x.count)
+        if x.host is None:
+            _device_copy(_address(slot.scratch), x.ptr, x.nbytes)
+        else:
+            slot.scratch[...] = x.host
+        number = slot.begin(partial(_copy_out, slot.scratch, out), seq)
+        poll = partial(slot.poll, number)
+        finish = self._average(out) if op is _AVG else ()
+        lane = self._lane
+        with lane.lock:
+            if lane.idle():
+                slot.make().Start()
+                work = Work(self.comm, "all_reduce", seq, poll, finish)
+            else:
+                job = slot.job = lane.submit(slot.run)
+                work = Work(self.comm, "all_reduce", seq, poll, finish, waiter=job.wait)
+        work.info = {"transport": "mpi", "bytes": out.nbytes, "stages": 1, "persistent": True}
+        return work
+
     def all_reduce_in_place(self, x: np.ndarray, op: ReduceOp, seq: int) -> bool:
         """A small in-place all-reduce of a numpy array, done and waited for; False (nothing
-        started) when the array or the lane calls for the general path."""
-        fast = _FAST.get((x.dtype, op._value_))
+        started) when the array or the lane calls for the general path.
+
+        Up to the persistent limit it runs through the cached persistent request, inline here
+        since this path is all overhead. The general path goes through the same request, so
+        handing a call over to it (the lane is busy, the array is read-only) changes nothing
+        that the other ranks can see. Any layout will do: the copies in and out of the scratch
+        take strided arrays as they are.
+        """
+        kind = _FAST.get((x.dtype, op._value_))
+        if kind is None:
+            return False
         n = x.nbytes
-        if fast is None or n > LANE_BYTES or n > mpi_chunks.MAX_CALL_BYTES:
+        if not (n <= self._persistent_max and n):
+            return self._in_place_nonblocking(x, kind, seq)
+        if not x.flags.writeable:
+            return False
+        slot = self.requests.take(kind, x.size)
+        view = slot.view
+        try:
+            view[...] = x
+        except ValueError:  # another shape than the latest call's
+            view = slot.copy_in(x)
+        # lane.idle(), inline and without the lock (a tenth of this path): only the issuing
+        # thread queues jobs, so a lane seen idle stays idle until it queues one, and a lane
+        # seen busy sends the call to the general path, which looks again under the lock
+        lane = self._lane
+        if lane._busy or lane._jobs:
+            return False
+        request = slot.request
+        if request is None:
+            request = slot.make()
+        slot.active = True
+        request.Start()
+        # most small reductions end within a few polls (a `while` calling the method directly
+        # costs half of a `for` over a bound method)
+        polls = _QUICK_TESTS
+        while not request.Test():
+            polls -= 1
+            if not polls:
+                Work(self.comm, "all_reduce", seq, slot.test).wait()  # the bounded wait
+                break
+        slot.active = False
+        x[...] = view
+        return True
+
+    def _in_place_nonblocking(self, x: np.ndarray, kind: mpi_persistent.Kind, seq: int) -> bool:
+        """all_reduce_in_place as an Iallreduce on the caller's array."""
+        n = x.nbytes
+        if n > LANE_BYTES or n > mpi_chunks.MAX_CALL_BYTES:
             return False
         flags = x.flags
         if not (flags.c_contiguous and flags.writeable):
@@ -271,7 +406,7 @@ class MpiTransport(Transport):
         with lane.lock:
             if lane._busy or lane._jobs:  # lane.idle(), inline: this path is all overhead
                 return False
-            req = self._mpi.Iallreduce(_IN_PLACE, (x, fast[1]), fast[0])
+            req = self._mpi.Iallreduce(_IN_PLACE, (x, kind.datatype), kind.op)
         test = req.Test
         for _ in range(_QUICK_TESTS):  # most small reductions end within a few polls
             if test():
@@ -443,6 +578,31 @@ def _spans(buf: Buffer, blocks: int = 1, parts: int = 1) -> list[tuple[int, int]
     if buf.nbytes * blocks // parts <= mpi_chunks.MAX_CALL_BYTES or buf.host is None:
         return [(0, buf.count // parts)]
     return mpi_chunks.element_spans(buf.count // parts, buf.itemsize, blocks)
+
+
+def _to_the_end(start: Callable[[], MPI.Request]) -> None:
+    """Start a non-blocking call and wait for it (on the lane, as its blocking calls do)."""
+    start().Wait()
+
+
+def _copy_out(scratch: np.ndarray, out: Buffer) -> None:
+    if out.host is None:
+        _device_copy(out.ptr, _address(scratch), out.nbytes)
+    else:
+        out.host[...] = scratch
+
+
+def _device_copy(dst: int, src: int, nbytes: int) -> None:
+    """Copy between host and device memory (either way; the runtime tells them apart), done
+    when this returns: a persistent request's scratch lives on the host."""
+    import cupy
+
+    rt = cupy.cuda.runtime
+    rt.memcpy(dst, src, nbytes, rt.memcpyDefault)
+
+
+def _address(arr: np.ndarray) -> int:
+    return int(arr.__array_interface__["data"][0])
 
 
 def _flat(buf: Buffer) -> np.ndarray:

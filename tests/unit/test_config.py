@@ -13,6 +13,7 @@ from hetcomm.config import (
     ENV_NAMES,
     LOG_LEVELS,
     OPTIONS,
+    PERSISTENT_MAX_BYTES,
     TRANSPORT_NAMES,
     VENDORS,
     Config,
@@ -513,3 +514,17 @@ def test_option_table_lists_every_option() -> None:
 def test_names_are_case_insensitive() -> None:
     c = Config(vendor="NVIDIA", log="DEBUG", transport="DP:NCCL")
     assert (c.vendor, c.log, c.transport_for("dp")) == ("nvidia", "debug", "nccl")
+
+
+def test_persistent_max_from_the_environment() -> None:
+    assert Config().persistent_max == PERSISTENT_MAX_BYTES
+    assert Config.load({"HETCOMM_PERSISTENT_MAX": " 0 "}).persistent_max == 0
+    assert Config.load({"HETCOMM_PERSISTENT_MAX": "4096"}, persistent_max=8).persistent_max == 8
+    with pytest.raises(ConfigError, match="HETCOMM_PERSISTENT_MAX: expected a number of bytes"):
+        Config.load({"HETCOMM_PERSISTENT_MAX": "4k"})
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "64"])
+def test_persistent_max_must_be_bytes(bad: Any) -> None:
+    with pytest.raises(ConfigError, match="persistent_max: expected a number of bytes >= 0"):
+        Config(persistent_max=bad)

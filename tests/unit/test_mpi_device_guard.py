@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hetcomm.arrays import Buffer
+from hetcomm.config import Config
 from hetcomm.errors import TransportUnavailable
 from hetcomm.ops import ReduceOp
 from hetcomm.plan import Member
@@ -30,7 +31,8 @@ class _Calls:
 
 def _transport(aware: list[bool]) -> MpiTransport:
     members = [Member(r, "h", "nvidia", f"gpu{r}", a) for r, a in enumerate(aware)]
-    comm = SimpleNamespace(mpi=_Calls(), name="dp", topology=SimpleNamespace(members=lambda: members))
+    comm = SimpleNamespace(mpi=_Calls(), name="dp", config=Config(),
+                           topology=SimpleNamespace(members=lambda: members))
     return MpiTransport(comm)
 
 

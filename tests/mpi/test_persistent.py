@@ -1,0 +1,353 @@
+"""Small all-reduces of the mpi transport through cached MPI-4 persistent requests.
+
+A persistent all-reduce matches only the same persistent all-reduce on the other ranks: ranks
+that disagree about taking one hang (or, bounded by the communicator's timeout, fail). So here
+each rank calls with arrays of its own form, drawn from a generator of its own (numpy or torch,
+in place or out=, contiguous or strided, blocking or asynchronous, its lane busy or idle), while
+the sequence of dtypes, counts and ops is the same everywhere; every result is checked against a
+float64 numpy reference of every rank's inputs, with sentinels around each array. The MPI calls
+of the transport are counted: a small all-reduce of a kind MPI reduces itself never becomes an
+Iallreduce or an Allreduce.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from functools import partial
+from typing import Any
+
+import numpy as np
+import pytest
+from _data import Placed, compare, draw, reference
+from mpi4py import MPI
+
+from hetcomm import ReduceOp
+from hetcomm.transports import mpi_persistent
+from hetcomm.transports.mpi import _PERSISTENT, LANE_BYTES, MpiTransport
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+# dtypes of the sequence: bool, integers and the floats MPI has go the persistent path (but for
+# the integer ops MPI gets wrong); float16, reduced by hetcomm's own kernels, does not
+_DTYPES = ("bool", "int8", "uint8", "int32", "int64", "float32", "float64", "float16")
+_LIMIT = 16 * 1024  # HETCOMM_PERSISTENT_MAX of these tests
+_COUNTS = (1, 2, 3, 6, 8, 15, 64, 1000)  # 1000 float64: 8000 bytes, within the limit
+_LARGE = LANE_BYTES // 8 + 1000  # float64 elements of an all-reduce that runs on the lane
+
+
+# where this MPI has no persistent collectives (Open MPI 4.1: MPI 3.1), why; the tests of the
+# cache itself skip, the sequences run on the non-persistent path
+_NO_PERSISTENT = mpi_persistent.unavailable()
+_needs_persistent = pytest.mark.skipif(_NO_PERSISTENT is not None,
+                                       reason=f"no persistent collectives: {_NO_PERSISTENT}")
+
+
+@pytest.fixture(autouse=True)
+def _mpi_transport_runs() -> None:
+    if os.environ.get("HETCOMM_TRANSPORT", "auto") not in ("auto", "mpi"):
+        # these tests ask for the mpi transport themselves: the same run as without the variable
+        pytest.skip("covers the mpi transport: runs where HETCOMM_TRANSPORT is unset")
+
+
+class _Counting:
+    """The transport's MPI communicator, counting the calls made on it by name."""
+
+    def __init__(self, mpi: MPI.Intracomm) -> None:
+        self._mpi = mpi
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._mpi, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def counted(comm: Any) -> tuple[MpiTransport, Counter[str]]:
+    """The communicator's mpi transport, made here so that its MPI calls are counted."""
+    transport = comm._transports["mpi"] = MpiTransport(comm)
+    counting = _Counting(transport._mpi)
+    transport._mpi = transport.requests._mpi = counting
+    return transport, counting.calls
+
+
+def ops_for(dtype: str) -> list[ReduceOp]:
+    return [op for op in ReduceOp if not (dtype == "bool" and op is ReduceOp.AVG)]
+
+
+class Call:
+    """One small all-reduce, the same on every rank but for the form this rank gives it."""
+
+    def __init__(self, shared: np.random.Generator, mine: np.random.Generator, size: int,
+                 rank: int) -> None:  # fmt: skip
+        self.rank = rank
+        self.dtype = str(shared.choice(_DTYPES))
+        count = int(shared.choice(_COUNTS))
+        ops = ops_for(self.dtype)
+        self.op = ops[int(shared.integers(len(ops)))]
+        # this rank's form: 2-D shapes allow a transposed layout, 1-D ones a strided one
+        two_d = count % 3 == 0 and count > 3 and mine.random() < 0.5
+        shape = (3, count // 3) if two_d else (count,)
+        layout = str(mine.choice(["contiguous", "transposed" if two_d else "strided"]))
+        lib = str(mine.choice(["numpy", "torch"]))
+        self.form = str(mine.choice(["in place", "in place", "out=", "out=x"]))
+        self.async_op = bool(mine.random() < 0.3)
+        self.stack = draw(shared, self.dtype, shape, size)
+        self.x = Placed(self.stack[rank], self.dtype, lib, layout)
+        self.out = (Placed(draw(mine, self.dtype, shape, 1)[0], self.dtype, lib, layout)
+                    if self.form == "out=" else None)  # fmt: skip
+        self.what = (f"{self.op} of {lib} {self.dtype}{list(shape)} {layout} {self.form}"
+                     + (" async" if self.async_op else ""))  # fmt: skip
+
+    def start(self, comm: Any) -> Any:
+        out = {"out=": self.out.array if self.out else None, "out=x": self.x.array}.get(self.form)
+        return comm.all_reduce(self.x.array, self.op, out=out, async_op=self.async_op)
+
+    def check(self) -> list[str]:
+        got = self.out if self.out is not None else self.x
+        want = reference(self.stack, self.op, self.dtype)
+        found = compare(got.values(), want, self.what, stack=self.stack, op=self.op,
+                        dtype=self.dtype)  # fmt: skip
+        if self.out is not None:
+            found += compare(self.x.values(), self.stack[self.rank], f"{self.what}: x changed")
+        if not (self.x.intact() and (self.out is None or self.out.intact())):
+            found.append(f"{self.what}: wrote outside the array")
+        return found
+
+    @property
+    def persistent(self) -> bool:
+        """Whether the mpi transport runs this one as a persistent request: MPI reduces its
+        (dtype, op) with a predefined operation (every size of _COUNTS is within _LIMIT)."""
+        return (self.dtype, self.op.value) in _PERSISTENT
+
+
+def _large(comm: Any, rng: np.random.Generator) -> tuple[Any, np.ndarray, np.ndarray]:
+    """An asynchronous all-reduce that runs on the lane thread. Odd ranks issue it late and wait
+    for it, even ranks go on at once: the calls that come next find the lane idle on odd ranks
+    and busy (blocked in this one) on even ranks."""
+    stack = rng.standard_normal((comm.size, _LARGE))
+    x = stack[comm.rank].copy()
+    if comm.rank % 2:
+        time.sleep(0.005)
+    work = comm.all_reduce(x, async_op=True)
+    if comm.rank % 2:
+        work.wait()
+    return work, x, stack
+
+
+def _broadcast(comm: Any, rng: np.random.Generator, what: str) -> list[str]:
+    """A small broadcast: not an all-reduce, and non-blocking whatever the lane's state."""
+    root = int(rng.integers(comm.size))
+    sent = rng.integers(-9, 9, size=5)  # drawn on every rank: the sequence stays one
+    b = sent.copy() if comm.rank == root else np.zeros(5, np.int64)
+    comm.broadcast(b, root)
+    return compare(b, sent, f"{what}: broadcast from {root}")
+
+
+def _behind_the_lane(comm: Any, rng: np.random.Generator, count: int, what: str) -> list[str]:
+    """Right after _large, while the lane is busy on even ranks only: an asynchronous
+    broadcast, then a small all-reduce of a count not seen before (its request is made now,
+    within _LIMIT) in place, then one out of place, then the broadcast is waited for."""
+    root = int(rng.integers(comm.size))
+    sent = rng.integers(-9, 9, size=5)
+    b = sent.copy() if comm.rank == root else np.zeros(5, np.int64)
+    work = comm.broadcast(b, root, async_op=True)
+    stack = rng.integers(-99, 99, (comm.size, count))
+    x = stack[comm.rank].copy()
+    comm.all_reduce(x)
+    found = compare(x, stack.sum(0), f"{what}: new request behind the lane")
+    y = np.zeros(count, np.int64)
+    comm.all_reduce(stack[comm.rank], out=y)
+    found += compare(y, stack.sum(0), f"{what}: out= behind the lane")
+    work.wait()
+    return found + compare(b, sent, f"{what}: asynchronous broadcast from {root}")
+
+
+def test_every_rank_its_own_form(make_comm, shared_seed, errors):
+    """Small all-reduces of every kind, each rank in forms of its own, among broadcasts,
+    float16 all-reduces (not persistent) and large ones on the lane (see the module's
+    docstring); a mismatch between ranks fails within the communicator's timeout."""
+    comm = make_comm(transport="mpi", name="persistent-forms", timeout=20, persistent_max=_LIMIT)
+    transport, calls = counted(comm)
+    shared = np.random.default_rng(shared_seed)
+    mine = np.random.default_rng([shared_seed, comm.rank])
+    pending: list[tuple[Any, Call]] = []
+    larges, others = [], 0
+    for i in range(160):
+        step = shared.random()
+        if step < 0.06:
+            larges.append(_large(comm, shared))
+            others += 1
+            errors += _behind_the_lane(comm, shared, 1000 + i, f"step {i}")
+            continue
+        if step < 0.1:
+            errors += _broadcast(comm, shared, f"step {i}")
+            continue
+        call = Call(shared, mine, comm.size, comm.rank)
+        others += not call.persistent
+        if not errors.run(f"step {i}: {call.what}",
+                          lambda c=call: pending.append((c.start(comm), c))):  # fmt: skip
+            continue
+        # each rank waits for its asynchronous calls at moments of its own
+        if pending and mine.random() < 0.3:
+            for work, done in pending:
+                if work is not None:
+                    errors.run(f"wait: {done.what}", work.wait)
+                errors += done.check()
+            pending.clear()
+    for work, done in pending:
+        if work is not None:
+            errors.run(f"wait: {done.what}", work.wait)
+        errors += done.check()
+    for j, (work, x, stack) in enumerate(larges):
+        work.wait()
+        errors += compare(x, stack.sum(0), f"large all_reduce {j}", stack=stack,
+                          op=ReduceOp.SUM, dtype="float64")  # fmt: skip
+    if _NO_PERSISTENT is None:  # else: the same sequence on the non-persistent path
+        # every small one of a kind MPI reduces itself went through a persistent request
+        plain = calls["Iallreduce"] + calls["Allreduce"]
+        errors.expect(plain == others, f"{plain} Iallreduce/Allreduce calls for {others} "
+                                       f"all-reduces outside the persistent path ({dict(calls)})")
+        errors.expect(calls["Allreduce_init"] == transport.requests.made > 0,
+                      f"requests made: {transport.requests.made}, "
+                      f"inits: {calls['Allreduce_init']}")  # fmt: skip
+    errors.verify()
+
+
+@_needs_persistent
+def test_more_keys_than_the_cache_holds(make_comm, shared_seed, errors):
+    """Cycling through more keys than the cache holds evicts (and frees) the least recently
+    used one each time; a key used between every two others stays. An asynchronous call still
+    in flight when its request is evicted completes first, with its result."""
+    comm = make_comm(transport="mpi", name="persistent-lru", timeout=60, persistent_max=_LIMIT)
+    transport, calls = counted(comm)
+    requests, cap = transport.requests, mpi_persistent.CAPACITY
+    rng = np.random.default_rng(shared_seed)
+    n, me = comm.size, comm.rank
+    first = rng.integers(-50, 50, (n, 500))
+    early = first[me].astype(np.int32)
+    work = comm.all_reduce(early, async_op=True)
+    # the hot key is of the kind made first (int32 SUM, like the early call), the cold ones of
+    # another (int32 MAX): the eviction order must be by use, not by kind or by age
+    hot_stack = rng.integers(-50, 50, (n, 999))
+    counts = range(1, cap + 11)
+    for rnd in range(2):
+        for k in counts:
+            hot = hot_stack[me].astype(np.int32)
+            comm.all_reduce(hot)
+            errors += compare(hot, hot_stack.sum(0), f"round {rnd}: hot key")
+            stack = rng.integers(-50, 50, (n, k))
+            x = stack[me].astype(np.int32)
+            comm.all_reduce(x, ReduceOp.MAX)
+            errors += compare(x, stack.max(0), f"round {rnd}: {k} elements")
+        if rnd == 0:
+            work.wait()
+            errors += compare(early, first.sum(0), "the call evicted in flight")
+    cold = 2 * len(counts) + 1  # every cold key, twice (each evicted before its next use) + 500
+    errors.expect(requests.made == cold + 1, f"made {requests.made}, expected {cold + 1}")
+    errors.expect(requests.freed == requests.made - cap and len(requests) == cap,
+                  f"freed {requests.freed}, cached {len(requests)} of {requests.made}")  # fmt: skip
+    errors.expect(calls["Iallreduce"] + calls["Allreduce"] == 0, f"plain calls: {dict(calls)}")
+    errors.verify()
+
+
+@_needs_persistent
+def test_requests_are_reused_and_freed_on_close(make_comm, errors):
+    """One request serves every call of its key, on the short path and the general one alike;
+    closing the communicator frees it."""
+    comm = make_comm(transport="mpi", name="persistent-close", persistent_max=_LIMIT)
+    transport, calls = counted(comm)
+    n = comm.size
+    for i in range(50):
+        x = np.full(2, float(i), np.float32)
+        comm.all_reduce(x)
+        errors.expect((x == i * n).all(), f"in place {i}: {x}")
+    for i in range(20):
+        x, out = np.full(2, float(i), np.float32), np.zeros(2, np.float32)
+        comm.all_reduce(x, out=out)
+        errors.expect((out == i * n).all(), f"out= {i}: {out}")
+    x = np.full(2, 3.0, np.float32)
+    comm.all_reduce(x, ReduceOp.AVG)
+    errors.expect((x == 3).all(), f"AVG through SUM's request: {x}")
+    requests = transport.requests
+    errors.expect(requests.made == 1 and requests.uses >= 71,
+                  f"made {requests.made}, uses {requests.uses}")  # fmt: skip
+    errors.expect(calls["Allreduce_init"] == 1 and calls["Iallreduce"] == 0,
+                  f"MPI calls: {dict(calls)}")  # fmt: skip
+    slots = [s for by_count in requests._by_kind for s in by_count.values()]
+    comm.close()
+    errors.expect(requests.freed == 1 and len(requests) == 0,
+                  f"after close: freed {requests.freed}, cached {len(requests)}")  # fmt: skip
+    errors.expect(all(s.request == MPI.REQUEST_NULL for s in slots), "a request was not freed")
+    errors.verify()
+
+
+@pytest.mark.parametrize("why", ["limit 0", "no persistent collectives"])
+def test_off(make_comm, errors, monkeypatch, why):
+    """With HETCOMM_PERSISTENT_MAX=0, or an MPI without persistent collectives, small
+    all-reduces are Iallreduce calls on the caller's arrays, as before."""
+    options: dict[str, Any] = {}
+    if why == "limit 0":
+        options["persistent_max"] = 0
+    else:
+        monkeypatch.setattr(mpi_persistent, "unavailable", lambda: "MPI 3.1")
+    comm = make_comm(transport="mpi", name="persistent-off", **options)
+    transport, calls = counted(comm)
+    errors.expect((transport.persistent_off == "MPI 3.1") == (why != "limit 0"),
+                  f"reason: {transport.persistent_off}")  # fmt: skip
+    for i in range(5):
+        x = np.full(3, float(i))
+        comm.all_reduce(x)
+        y = np.zeros(3)
+        comm.all_reduce(x, out=y)
+        errors.expect((x == i * comm.size).all() and (y == i * comm.size**2).all(), f"{i}: {x}")
+    errors.expect(calls["Allreduce_init"] == 0 and calls["Iallreduce"] == 10,
+                  f"MPI calls: {dict(calls)}")  # fmt: skip
+    errors.verify()
+
+
+@pytest.mark.parametrize("then", ["dup", "split", "fingerprint"])
+def test_calls_outside_the_transport_come_after_the_lane(make_comm, shared_seed, errors, then):
+    """MPI_Comm_dup, MPI_Comm_split and the debug fingerprints are collectives of the
+    communicator's MPI communicator too: made while the lane still holds small collectives on
+    some ranks only, they must come after those everywhere. Even ranks' lanes are kept busy by
+    a job of their own (a sleep), so that the small collectives queue there and run at once on
+    odd ranks."""
+    comm = make_comm(transport="mpi", name="persistent-outside", timeout=20,
+                     persistent_max=_LIMIT, debug=then == "fingerprint")  # fmt: skip
+    transport, _ = counted(comm)
+    lane = transport._lane
+    rng = np.random.default_rng(shared_seed)
+    n, me = comm.size, comm.rank
+    for i in range(3):
+        if me % 2 == 0:
+            with lane.lock:
+                lane.submit(partial(time.sleep, 0.05))
+        sent = rng.integers(-9, 9, size=4)
+        b = sent.copy() if me == 0 else np.zeros(4, np.int64)
+        wb = comm.broadcast(b, 0, async_op=True)
+        stack = rng.integers(-99, 99, (n, 100 + i))  # a new count: its request is made now
+        x = stack[me].copy()
+        wx = comm.all_reduce(x, async_op=True)
+        y = np.full(3, float(me))
+        if then == "fingerprint":
+            other = None
+            comm.all_reduce(y)  # its fingerprint is exchanged first
+        else:
+            other = comm.dup(name="outside") if then == "dup" else comm.split(0, name="outside")
+            other.all_reduce(y)
+        errors.expect((y == n * (n - 1) / 2).all(), f"{then} {i}: {y}")
+        for w in (wb, wx):
+            w.wait()
+        errors += compare(b, sent, f"{then} {i}: broadcast")
+        errors += compare(x, stack.sum(0), f"{then} {i}: all_reduce")
+        if other is not None:
+            other.close()
+    errors.verify()
