@@ -154,3 +154,20 @@ def test_plot_writes_png(tmp_path):
     path = tmp_path / "bw.png"
     plot(rows, str(path), ranks=2, when="2025-01-01")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_overhead_table_ratios():
+    """The overhead table's ratios come from the rows: medians, and the per-round pairs."""
+    from hetcomm.bench import overhead_table
+
+    def row(impl, us, **extra):
+        return {"case": "8 B float32", "impl": impl, "ranks": 2, "median_us": us,
+                "spread": 0.25, **extra}  # fmt: skip
+
+    rows = [row("hetcomm", 6.0), row("gloo", 420.0), row("hetcomm numpy", 3.0, paired_ratio=2.4),
+            row("mpi4py", 1.2)]
+    line = overhead_table(rows).splitlines()[2]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[6:] == ["2.50x", "2.40x", "70.00x", "25%"]
+    no_numpy = overhead_table([row("hetcomm", 6.0), row("gloo", 12.0)]).splitlines()[2]
+    assert [c.strip() for c in no_numpy.strip("|").split("|")][6:] == ["-", "-", "2.00x", "25%"]
