@@ -34,7 +34,7 @@ import hetcomm
 MiB = 1 << 20
 
 
-def median_time(fn, comm: MPI.Intracomm, repeats: int) -> tuple[float, float]:
+def median_time(fn, comm: MPI.Intracomm, repeats: int = 7) -> tuple[float, float]:
     """Median seconds of `fn` (slowest rank each time) over repeats, and the relative spread."""
     fn()
     fn()
@@ -49,46 +49,50 @@ def median_time(fn, comm: MPI.Intracomm, repeats: int) -> tuple[float, float]:
     return med, (max(times) - min(times)) / med
 
 
+def gpu_seconds(fn, runs: int = 10) -> float:
+    """Median seconds of the GPU work `fn` queues on the current stream, timed with events;
+    the first run is a warm-up and is left out."""
+    times = []
+    for _ in range(runs):
+        s, e = cupy.cuda.Event(), cupy.cuda.Event()
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(s, e) / 1e3)
+    return statistics.median(times[1:])
+
+
+def memcpy(dst: int, src: int, nbytes: int, kind: int = 3) -> None:
+    """cudaMemcpyAsync on the current stream (kind 3: device to device)."""
+    cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, kind, cupy.cuda.get_current_stream().ptr)
+
+
+def copy16(dst: int, src: int, nbytes: int) -> None:
+    """hetcomm's 16-byte copy kernel on the current stream."""
+    from hetcomm.kernels.device import kernel
+
+    kernel("copy16")((2048,), (512,), (cupy.uint64(dst), cupy.uint64(src),
+                                       cupy.uint64(nbytes // 16)))  # fmt: skip
+
+
 def copy_rate(nbytes: int) -> float:
     """Device-to-device copy: bytes copied per second (median of 9, events)."""
     a = cupy.ones(nbytes, dtype=cupy.uint8)
     b = cupy.empty_like(a)
-    times = []
-    for _ in range(10):
-        s, e = cupy.cuda.Event(), cupy.cuda.Event()
-        s.record()
-        cupy.cuda.runtime.memcpyAsync(b.data.ptr, a.data.ptr, nbytes, 3,
-                                      cupy.cuda.get_current_stream().ptr)
-        e.record()
-        e.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(s, e) / 1e3)
-    return nbytes / statistics.median(times[1:])
+    return nbytes / gpu_seconds(lambda: memcpy(b.data.ptr, a.data.ptr, nbytes))
 
 
 def kernel_copy_rate(nbytes: int) -> float:
-    """The same copy by hetcomm's 16-byte copy kernel (what direct uses between peers)."""
-    from hetcomm.kernels.device import kernel
-
+    """The same copy by hetcomm's 16-byte copy kernel."""
     a = cupy.ones(nbytes, dtype=cupy.uint8)
     b = cupy.empty_like(a)
-    words = nbytes // 16
-    args = (cupy.uint64(b.data.ptr), cupy.uint64(a.data.ptr), cupy.uint64(words))
-    times = []
-    for _ in range(10):
-        s, e = cupy.cuda.Event(), cupy.cuda.Event()
-        s.record()
-        kernel("copy16")((2048,), (512,), args)
-        e.record()
-        e.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(s, e) / 1e3)
-    return nbytes / statistics.median(times[1:])
+    return nbytes / gpu_seconds(lambda: copy16(b.data.ptr, a.data.ptr, nbytes))
 
 
 def ipc_copy_rates(world: MPI.Intracomm, nbytes: int) -> dict[str, float]:
     """Rank 1 copies rank 0's buffer through a CUDA IPC mapping: bytes per second by
     cudaMemcpyAsync and by the copy16 kernel (median of 9, events)."""
-    from hetcomm.kernels.device import kernel
-
     r = world.Get_rank()
     a = cupy.ones(nbytes, dtype=cupy.uint8)
     handle = world.bcast(cupy.cuda.runtime.ipcGetMemHandle(a.data.ptr) if r == 0 else None)
@@ -96,23 +100,8 @@ def ipc_copy_rates(world: MPI.Intracomm, nbytes: int) -> dict[str, float]:
     if r == 1:
         src = cupy.cuda.runtime.ipcOpenMemHandle(handle)
         b = cupy.empty_like(a)
-        stream = cupy.cuda.get_current_stream()
-        copies = {
-            "memcpy": lambda: cupy.cuda.runtime.memcpyAsync(b.data.ptr, src, nbytes, 3,
-                                                            stream.ptr),
-            "kernel": lambda: kernel("copy16")((2048,), (512,), (
-                cupy.uint64(b.data.ptr), cupy.uint64(src), cupy.uint64(nbytes // 16))),
-        }  # fmt: skip
-        for name, copy in copies.items():
-            times = []
-            for _ in range(10):
-                s, e = cupy.cuda.Event(), cupy.cuda.Event()
-                s.record()
-                copy()
-                e.record()
-                e.synchronize()
-                times.append(cupy.cuda.get_elapsed_time(s, e) / 1e3)
-            rates[name] = nbytes / statistics.median(times[1:])
+        for name, copy in (("memcpy", memcpy), ("kernel", copy16)):
+            rates[name] = nbytes / gpu_seconds(lambda copy=copy: copy(b.data.ptr, src, nbytes))
         cupy.cuda.runtime.ipcCloseMemHandle(src)
     world.Barrier()
     return world.bcast(rates, root=1)
@@ -257,7 +246,7 @@ def allreduce(out: str) -> None:
 
 def profile(out: str) -> None:
     """Where the time of one direct operation goes: the proxy's waits, each stamped."""
-    from hetcomm.transports import direct
+    from hetcomm.transports import direct_proxy
 
     world = MPI.COMM_WORLD
     r = world.Get_rank()
@@ -268,7 +257,7 @@ def profile(out: str) -> None:
         x = cupy.ones(max(size // 4, 2), dtype=cupy.float32)
         y = cupy.empty_like(x)
         for i in range(6):
-            direct.PROFILE = [] if i == 5 else None
+            direct_proxy.PROFILE = [] if i == 5 else None
             world.Barrier()
             t0 = time.perf_counter()
             if case == "all_reduce":
@@ -278,10 +267,10 @@ def profile(out: str) -> None:
             elif r == 1:
                 comm.recv(y, 0)
             t1 = time.perf_counter()
-        marks = [(round((t - t0) * 1e6, 1), what) for t, what in direct.PROFILE or []]
+        marks = [(round((t - t0) * 1e6, 1), what) for t, what in direct_proxy.PROFILE or []]
         rows.append({"case": f"{case} {size} B", "rank": r, "total_us": round((t1 - t0) * 1e6, 1),
                      "marks_us": marks})
-        direct.PROFILE = None
+        direct_proxy.PROFILE = None
     every = world.gather(rows, root=0)
     comm.close()
     if r == 0:

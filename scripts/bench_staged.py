@@ -14,43 +14,19 @@ from typing import Any
 
 import cupy
 import numpy as np
-from bench_direct import back_to_back
+from bench_direct import back_to_back, gpu_seconds, median_time, memcpy
 from mpi4py import MPI
 
 import hetcomm
 
 MiB = 1 << 20
-REPEATS = 7
-
-
-def median_time(fn, comm: MPI.Intracomm, repeats: int = REPEATS) -> tuple[float, float]:
-    """Median seconds of `fn` over repeats (slowest rank each time), and the spread."""
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        cupy.cuda.Device().synchronize()
-        times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    med = statistics.median(times)
-    return med, (max(times) - min(times)) / med
 
 
 def pinned_copy_rate(nbytes: int) -> float:
     """Device->pinned host bytes per second (median of 5)."""
     src = cupy.ones(nbytes, dtype=cupy.uint8)
     dst = cupy.cuda.alloc_pinned_memory(nbytes)
-    times = []
-    for _ in range(6):
-        s = cupy.cuda.Event()
-        e = cupy.cuda.Event()
-        s.record()
-        cupy.cuda.runtime.memcpyAsync(dst.ptr, src.data.ptr, nbytes, 2, cupy.cuda.get_current_stream().ptr)
-        e.record()
-        e.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(s, e) / 1e3)
-    return nbytes / statistics.median(times[1:])
+    return nbytes / gpu_seconds(lambda: memcpy(dst.ptr, src.data.ptr, nbytes, 2), runs=6)
 
 
 def pinned_both_ways(nbytes: int) -> float:

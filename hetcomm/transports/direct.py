@@ -14,10 +14,8 @@ on sleeps. The result is visible on the caller's stream once the Work is complet
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -27,8 +25,10 @@ from ..errors import InvalidArgument
 from ..ops import ReduceOp
 from ..work import Work
 from . import Transport
+from . import direct_proxy as DP
 from . import direct_schedule as S
 from . import peer as P
+from .direct_proxy import Step
 
 if TYPE_CHECKING:
     from ..arrays import Buffer
@@ -38,7 +38,6 @@ log = logging.getLogger("hetcomm")
 
 _D2D = 3  # cudaMemcpyDeviceToDevice
 TAG_P2P = 64  # + 2 * user tag: the sender's record; + 1: the receiver's "done"
-TAG_WAKE = 63  # a message the proxy sends itself to leave MPI_Waitany
 # the top 2 * LEAD_TAGS tags: records sent to the one-GPU leader and its "done" replies, by
 # collective number modulo LEAD_TAGS (same-tag messages between two ranks stay in order)
 LEAD_TAGS = 1024
@@ -53,8 +52,6 @@ _THREADS = 512
 # 256 MiB through an IPC mapping: cudaMemcpyAsync 1987 GB/s, the kernel 1849 GB/s (2026-11-29)
 PEER_COPY = "memcpy"
 
-# a step of an operation waits for one of these: an MPI request, a GPU event, or nothing (None)
-Step = Generator[Any, None, None]
 
 
 def group_unavailable(hosts: list[str], real_vendors: list[str], devices: list[str | None]
@@ -69,272 +66,6 @@ def group_unavailable(hosts: list[str], real_vendors: list[str], devices: list[s
         return f"members' GPUs come from vendors {', '.join(sorted(set(real_vendors)))}: no IPC " \
                "between them"  # fmt: skip
     return None
-
-
-class _Task:
-    """One operation on the proxy: a generator of waits, and its outcome."""
-
-    __slots__ = ("done", "error", "finished", "gen", "here", "waiting")
-
-    def __init__(self, gen: Step) -> None:
-        self.gen = gen
-        self.here = True  # may still run on the calling thread (_Proxy.wait)
-        self.waiting: Any = None
-        self.done = False
-        self.error: BaseException | None = None
-        self.finished = threading.Event()
-
-    def poll(self) -> bool:
-        if self.error is not None:
-            raise self.error
-        return self.done
-
-
-def _mpi_ready(w: Any) -> bool:
-    if w is None:
-        return True
-    if isinstance(w, list):
-        return bool(MPI.Request.Testall(w))
-    return bool(w.Test())
-
-
-_POKE = np.zeros(1, np.int8)
-# how long the calling thread runs an operation itself while it waits for another rank, before
-# handing it to the proxy (Proxy.wait)
-_INLINE_S = 2e-3
-_NEVER = 1 << 62
-# from this size, queueing an operation behind others hands the interpreter to the proxy
-# (_Proxy.submit). On the H200, 32 back-to-back 256 MiB receives on the default stream:
-# 1502 -> 1685 GB/s with it; at 64 KiB - 16 MiB it made each operation 30-70 us slower
-_YIELD_BYTES = 64 << 20
-# None, or a list the proxy appends (perf_counter(), what it waited for) to, for profiling
-PROFILE: list[tuple[float, str]] | None = None
-
-
-class _Mark:
-    """A point on the proxy's stream: its event and its number in the stream's order. Work on
-    one stream completes in order, so once mark n is known reached every earlier one is, and
-    while it is not, no later one is: the proxy asks the GPU about one mark per pass instead of
-    about every operation in flight."""
-
-    __slots__ = ("event", "n")
-
-    def __init__(self, event: Any, n: int) -> None:
-        self.event, self.n = event, n
-
-    def synchronize(self) -> None:
-        self.event.synchronize()
-
-
-class _Proxy:
-    """The thread that progresses every operation of one communicator: collectives one at a
-    time in issue order, point-to-point operations side by side with them.
-
-    It never spins holding the interpreter lock. It advances every operation that can move;
-    when none can, it blocks on the oldest GPU work waited for (a synchronize: GPU work finishes
-    on its own), or, when all wait for other processes, in MPI_Waitany over every request they
-    wait for plus a message to itself that an operation queued meanwhile sends to wake it. With
-    nothing to do it sleeps on a condition that queueing an operation signals.
-    """
-
-    def __init__(self, device: int, cupy: Any, svc: MPI.Intracomm) -> None:
-        self.cupy, self.device, self.svc = cupy, device, svc
-        self.rank = svc.Get_rank()
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._in_mpi = False  # blocked in MPI_Waitany: a new operation must send the message
-        self._inline = False  # the calling thread runs an operation itself (see wait)
-        self._marks = 0  # marks put on the proxy's stream so far
-        self._reached = 0  # every mark up to this one is complete
-        self._busy = _NEVER  # in this pass: a mark known not reached (later ones are not either)
-        self._new: deque[tuple[_Task, bool]] = deque()
-        self._colls: deque[_Task] = deque()
-        self._p2p: list[_Task] = []
-        self._stop = False
-        self._pokes: list[MPI.Request] = []
-        self._wake_buf = np.zeros(1, np.int8)
-        self._wake = svc.Irecv(self._wake_buf, self.rank, TAG_WAKE)
-        self.stream: Any = None
-        self._thread = threading.Thread(target=self._loop, name="hetcomm-direct-proxy", daemon=True)
-        self._started = threading.Event()
-        self._thread.start()
-        self._started.wait()
-
-    def submit(self, task: _Task, collective: bool, nbytes: int = 0) -> None:
-        with self._lock:
-            self._new.append((task, collective))
-            busy = self._colls or self._p2p or len(self._new) > 1
-            if self._in_mpi:
-                self._poke()
-            else:
-                self._idle.notify()
-        if busy and nbytes >= _YIELD_BYTES:
-            # large operations issued back to back: let the proxy have the interpreter now, so
-            # that it starts the earlier ones' GPU work while this thread issues the next (else
-            # it waits for the interpreter's switch interval and the GPU idles). Not for small
-            # ones, whose GPU work is shorter than the two thread switches this costs, and not
-            # when the proxy is idle: then a blocking call runs the operation itself (wait)
-            time.sleep(0)
-
-    def _poke(self) -> None:
-        """Wake the thread out of MPI_Waitany (call with the lock held)."""
-        self._pokes = [r for r in self._pokes if not r.Test()]
-        self._pokes.append(self.svc.Isend(_POKE, self.rank, TAG_WAKE))
-
-    def mark(self) -> _Mark:
-        """A new mark at the end of the proxy's stream (recorded by whichever thread runs the
-        operation: the proxy, or the calling thread while the proxy is idle)."""
-        event = self.cupy.cuda.Event(disable_timing=True)
-        event.record(self.stream)
-        self._marks += 1
-        return _Mark(event, self._marks)
-
-    def _gpu_done(self, w: Any) -> bool:
-        if w.__class__ is not _Mark:
-            return bool(w.done)  # an event on the caller's stream
-        if w.n <= self._reached:
-            return True
-        if w.n >= self._busy or not w.event.done:
-            self._busy = min(self._busy, w.n)
-            return False
-        self._reached = w.n
-        return True
-
-    def _advance(self, task: _Task) -> bool:
-        """Run `task` until it waits for something not yet complete (an MPI request, or GPU work
-        still running); True once it ended."""
-        try:
-            while True:
-                w = task.waiting
-                if w is not None:
-                    if not isinstance(w, (MPI.Request, list)):
-                        if not self._gpu_done(w):  # the proxy synchronizes it when idle
-                            return False
-                    elif not _mpi_ready(w):
-                        return False
-                if PROFILE is not None:
-                    PROFILE.append((time.perf_counter(), "start" if w is None else
-                                    "gpu" if not isinstance(w, (MPI.Request, list)) else "mpi"))
-                task.waiting = next(task.gen)
-        except StopIteration:
-            task.done = True
-        except BaseException as exc:
-            task.error = exc
-        task.finished.set()
-        return True
-
-    def _synchronize(self, w: Any) -> None:
-        """Wait for GPU work (our own or the caller's: it finishes on its own)."""
-        w.synchronize()
-        if w.__class__ is _Mark:
-            self._reached = max(self._reached, w.n)
-
-    def wait(self, task: _Task, collective: bool, seconds: float) -> bool:
-        """Wait up to `seconds` for `task`; the Work's waiter.
-
-        When the proxy has nothing else to do and has not picked `task` up yet, the calling
-        thread, which would only sleep, runs it itself: a blocking operation then pays no
-        hand-off to the proxy thread and back. Issue order is kept, since nothing else is in
-        flight. If it is still waiting on another rank after a short while, it goes back to the
-        proxy, so the wait stays bounded and the calling thread does not spin.
-        """
-        with self._lock:
-            alone = (task.here and not self._inline and not self._colls and not self._p2p
-                     and len(self._new) == 1 and self._new[0][0] is task)  # fmt: skip
-            if alone:
-                self._new.popleft()
-                self._inline = True
-                task.here = False  # once: if it goes back to the proxy, it stays there
-        if not alone:
-            return task.finished.wait(seconds)
-        ended = False
-        try:
-            with self.cupy.cuda.Device(self.device):
-                ended = self._drive(task, time.monotonic() + min(seconds, _INLINE_S))
-        finally:
-            with self._lock:
-                self._inline = False
-                if not ended:
-                    self._new.appendleft((task, collective))
-                if self._in_mpi:
-                    self._poke()
-                else:
-                    self._idle.notify()
-        return ended
-
-    def _drive(self, task: _Task, until: float) -> bool:
-        """Advance `task` on this thread until it ends (True) or `until` passes (False)."""
-        while True:
-            self._busy = _NEVER
-            if self._advance(task):
-                return True
-            w = task.waiting
-            if not isinstance(w, (MPI.Request, list)):
-                self._synchronize(w)
-            elif time.monotonic() > until:
-                return False
-
-    def _loop(self) -> None:
-        self.cupy.cuda.Device(self.device).use()
-        self.stream = self.cupy.cuda.Stream(non_blocking=True)
-        self._started.set()
-        while True:
-            with self._lock:
-                if self._stop:
-                    return
-                while self._new and not self._inline:
-                    task, collective = self._new.popleft()
-                    (self._colls.append if collective else self._p2p.append)(task)
-            moved = False
-            self._busy = _NEVER
-            while self._colls and self._advance(self._colls[0]):
-                self._colls.popleft()
-                moved = True
-            ended = [t for t in self._p2p if self._advance(t)]
-            if ended:
-                self._p2p = [t for t in self._p2p if t not in ended]
-                moved = True
-            if moved:
-                continue
-            active = ([self._colls[0]] if self._colls else []) + self._p2p
-            gpu = next((t.waiting for t in active
-                        if not isinstance(t.waiting, (MPI.Request, list))), None)  # fmt: skip
-            if gpu is not None:
-                # every other operation waits for GPU work or for another rank: the GPU work
-                # finishes on its own, so waiting for it blocks nobody for long. Operations
-                # that launched their GPU work and wait for it no longer hold back the ones
-                # behind them (back-to-back copies queue on the stream together)
-                self._synchronize(gpu)
-                continue
-            waiting: list[MPI.Request] = [self._wake]
-            for t in active:
-                w = t.waiting
-                waiting.extend(w if isinstance(w, list) else [w])
-            with self._lock:
-                if (self._new and not self._inline) or self._stop:
-                    continue
-                if len(waiting) == 1:  # nothing in flight: sleep until an operation comes
-                    self._idle.wait()
-                    continue
-                self._in_mpi = True
-            woke = MPI.Request.Waitany(waiting)
-            with self._lock:
-                self._in_mpi = False
-            if woke == 0:
-                self._wake = self.svc.Irecv(self._wake_buf, self.rank, TAG_WAKE)
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stop = True
-            self._poke()
-            self._idle.notify()
-        self._thread.join(timeout=5)
-        if not self._thread.is_alive():
-            # the last wake-up receive is still posted: a message of our own completes it
-            if not self._wake.Test():
-                self.svc.Send(_POKE, self.rank, TAG_WAKE)
-                self._wake.Wait()
-            MPI.Request.Waitall(self._pokes)
 
 
 class DirectTransport(Transport):
@@ -354,7 +85,7 @@ class DirectTransport(Transport):
         self.svc: MPI.Intracomm = comm.service
         self.device = cupy.cuda.Device().id
         self.peers = P.PeerMap(cupy)
-        self._proxy = _Proxy(self.device, cupy, self.svc)
+        self._proxy = DP.Proxy(self.device, cupy, self.svc)
         self._scratch: list[Any] = []  # two one-shot input buffers, used alternately
         self._prepared: set[tuple[str, ReduceOp]] = set()
         self._flip = 0
@@ -412,9 +143,9 @@ class DirectTransport(Transport):
                 yield ready  # what the caller queued before the op has run
             yield from body()
 
-        task = _Task(run())
-        if PROFILE is not None:
-            PROFILE.append((time.perf_counter(), "queued"))
+        task = DP.Task(run())
+        if DP.PROFILE is not None:
+            DP.PROFILE.append((time.perf_counter(), "queued"))
         proxy = self._proxy
         proxy.submit(task, collective, nbytes)
         work = Work(self.comm, op, seq, task.poll,
@@ -690,7 +421,7 @@ class DirectTransport(Transport):
         return self._queue("all_to_all", seq, (x, out), x.nbytes, body)
 
     def barrier(self, seq: int) -> Work:
-        task = _Task(self._barrier())
+        task = DP.Task(self._barrier())
         proxy = self._proxy
         proxy.submit(task, True)
         return Work(self.comm, "barrier", seq, task.poll,

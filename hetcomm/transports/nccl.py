@@ -40,18 +40,14 @@ TAG_UID = 21
 def library_unavailable() -> str | None:
     """None when CuPy's NCCL (or RCCL) binding is importable and usable here, else why not."""
     try:
-        import cupy
         from cupy.cuda import nccl
     except ImportError as exc:
         return f"cupy with NCCL is not installed ({exc}); pip install 'hetcomm[cuda]'"
     if not getattr(nccl, "available", True):
         return "this cupy was built without NCCL/RCCL"
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return "no GPU visible to cupy"
-    except Exception as exc:
-        return f"the GPU runtime is not usable ({exc})"
-    return None
+    from ..kernels.device import unavailable
+
+    return unavailable()  # a usable GPU runtime with a device
 
 
 def group_unavailable(devices: Sequence[tuple[int, str | None]], vendors: Sequence[str]) -> str | None:
