@@ -13,17 +13,17 @@ import types
 import numpy as np
 import pytest
 
-from hetcomm.transports.direct import _Proxy, _Task
+from hetcomm.transports.direct_proxy import Proxy, Task
 
 _NO_GPU = types.SimpleNamespace(cuda=types.SimpleNamespace(
     Device=lambda d: types.SimpleNamespace(use=lambda: None), Stream=lambda non_blocking: None))  # fmt: skip
 
 
 def _proxy(comm):
-    return _Proxy(0, _NO_GPU, comm.mpi.Dup())
+    return Proxy(0, _NO_GPU, comm.mpi.Dup())
 
 
-def _wait(task: _Task) -> None:
+def _wait(task: Task) -> None:
     assert task.finished.wait(20), "the proxy never finished the operation"
     if task.error is not None:
         raise task.error
@@ -44,7 +44,7 @@ def test_ring_of_operations_with_idle_spells(comm, errors):
     try:
         for i in range(60):
             mpi.Barrier()
-            task = _Task(ring(i))
+            task = Task(ring(i))
             p.submit(task, True)
             _wait(task)
             if i % 20 == 0:
@@ -75,7 +75,7 @@ def test_point_to_point_progresses_beside_a_waiting_collective(comm, errors):
 
     try:
         if r == 0:
-            coll, pt = _Task(barrier()), _Task(send())
+            coll, pt = Task(barrier()), Task(send())
             p.submit(coll, True)
             time.sleep(0.05)  # the barrier is waiting in MPI_Waitany when the send arrives
             p.submit(pt, False)
@@ -83,10 +83,10 @@ def test_point_to_point_progresses_beside_a_waiting_collective(comm, errors):
             _wait(coll)
         else:
             if r == 1:
-                pt = _Task(recv())
+                pt = Task(recv())
                 p.submit(pt, False)
                 _wait(pt)
-            coll = _Task(barrier())
+            coll = Task(barrier())
             p.submit(coll, True)
             _wait(coll)
     finally:
@@ -111,10 +111,10 @@ def test_collectives_run_in_issue_order_and_errors_reach_the_caller(comm, errors
         raise ValueError("broken step")
 
     try:
-        tasks = [_Task(step(i)) for i in range(5)]
+        tasks = [Task(step(i)) for i in range(5)]
         for t in tasks:
             p.submit(t, True)
-        bad = _Task(broken())
+        bad = Task(broken())
         p.submit(bad, True)
         for t in tasks:
             _wait(t)
