@@ -24,11 +24,12 @@ log = logging.getLogger("hetcomm")
 # Every message on a rail starts with this header: kind, slot, op id, chunk index, byte offset,
 # byte count. DATA is followed by the payload on the same link; SLOT says the payload lies in
 # shared slot `slot`; FREE hands a shared slot back; ERROR fails the op on the receiver; BYE
-# closes the link. Nothing on a rail is ever unpickled: headers are fixed binary structs.
+# closes the link; CTS is a receive's clear-to-send (its kind in `slot`, its two keys in `chunk`
+# and `offset`). Nothing on a rail is ever unpickled: headers are fixed binary structs.
 HEADER = struct.Struct("<Bxxxi4Q")
 # ACK: the receiver has written chunk `chunk` of its op `op`; until then the sender keeps the
 # chunk, and puts it back for the other rails if this link dies in either direction.
-DATA, SLOT, FREE, ERROR, BYE, ACK = 1, 2, 3, 4, 5, 6
+DATA, SLOT, FREE, ERROR, BYE, ACK, CTS = 1, 2, 3, 4, 5, 6, 7
 # The first bytes of a connection: the listener's token, the connecting rank, the rail index.
 HELLO = struct.Struct("<16sII")
 TOKEN_BYTES = 16

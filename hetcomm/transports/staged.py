@@ -11,6 +11,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent import futures
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -37,7 +38,11 @@ CHUNK_BYTES = 8 << 20
 SLOTS = 8
 SHM_LANES = 2  # threads feeding one shm rail, so that one stages while the other signals
 TAG_CTRL, TAG_HELLO, TAG_HEAD, TAG_BODY = 11, 12, 13, 14
-CTS_P2P, CTS_COLL, CTS_STOP = 1, 2, 99
+CTS_P2P, CTS_COLL = 1, 2
+# a sender waiting for a clear-to-send over MPI polls for it, first after this many seconds,
+# doubling up to the second value (only between hosts: a host's ranks ring the shm doorbell);
+# the mpi rail's receiving thread polls for chunks the same way
+_CTS_POLL_S, _CTS_POLL_MAX_S = 20e-6, 500e-6
 
 
 class _Channel:
@@ -108,9 +113,9 @@ class _Channel:
 class StagedTransport(Transport):
     """CPU-forwarding: device -> pinned host -> rails -> pinned host -> device, chunk by chunk.
 
-    A receive posts a clear-to-send (over MPI) naming its op id; the sender then streams its
-    chunks over every rail to that peer at once, each rail taking the next chunk when it is
-    free, so that faster rails carry more. Collectives are rings of these messages.
+    A receive posts a clear-to-send (over the shm rail's socket, else MPI) naming its op id;
+    the sender then streams its chunks over every rail to that peer at once, each rail taking
+    the next chunk when it is free, so that faster rails carry more. Collectives are rings of these messages.
     """
 
     name: ClassVar[str] = "staged"
@@ -148,35 +153,64 @@ class StagedTransport(Transport):
         self.stats: dict[str, int] = {}
         self._stats_lock = threading.Lock()
         self._counting = threading.local()  # .info: the trace facts of the op a driver runs
-        self._control = threading.Thread(target=self._control_loop, daemon=True,
-                                          name="hetcomm-control")  # fmt: skip
-        self._control.start()
         _LIVE.add(self)
 
     @classmethod
     def unavailable(cls, topology: Topology) -> str | None:
         return None  # host memory always works; device memory needs cupy (checked per call)
 
-    # ---- control: clear-to-send messages over MPI -------------------------------------------
+    # ---- control: clear-to-send messages --------------------------------------------------
+    # A receive tells its sender "clear to send" over the unix socket of their shm rail where
+    # they have one, and the socket's reader thread files it: no polling, no MPI. Between
+    # hosts it goes over MPI, and the sender's waiting thread receives it there itself, so no
+    # thread of this transport sits in a blocking MPI call: one would keep a core spinning for
+    # as long as it waits (and on a machine with fewer cores than threads, stall the rest).
 
-    def _control_loop(self) -> None:
+    def _file_cts(self, src: int, kind: int, k1: int, k2: int, op_id: int, nbytes: int) -> None:
+        with self._inbox_cond:
+            self._inbox.setdefault((src, kind, k1, k2), []).append((op_id, nbytes))
+            self._inbox_cond.notify_all()
+
+    def _doorbell(self, peer: int) -> R.Link | None:
+        """The link that carries `peer`'s clear-to-send messages: the shm rail's socket, or
+        None (MPI). Both ranks of a pair see the same rails, so they agree on it."""
+        ch = self._channels.get(peer)
+        if ch is not None:
+            for link in ch.links:
+                if link.spec.kind == "shm":
+                    return link
+        return None
+
+    def _send_cts(self, peer: int, kind: int, k1: int, k2: int, op_id: int, nbytes: int) -> None:
+        if peer == self.rank:
+            self._file_cts(peer, kind, k1, k2, op_id, nbytes)
+            return
+        link = self._doorbell(peer)
+        if link is not None:
+            link.send(R.CTS, kind, op_id, k1, k2, nbytes)
+            return
+        self.svc.Send(np.array([kind, k1, k2, op_id, nbytes, 0], dtype=np.int64), peer, TAG_CTRL)
+
+    def _take_mpi_cts(self) -> int:
+        """File every clear-to-send that has arrived over MPI; how many there were. Matched
+        probes, so that several waiting threads never receive the same message."""
+        taken = 0
         msg = np.zeros(6, dtype=np.int64)
         status = MPI.Status()
         while True:
-            self.svc.Recv(msg, source=MPI.ANY_SOURCE, tag=TAG_CTRL, status=status)
+            found = self.svc.Improbe(source=MPI.ANY_SOURCE, tag=TAG_CTRL, status=status)
+            if found is None:
+                return taken
+            found.Recv(msg)
             kind, k1, k2, op_id, nbytes = (int(v) for v in msg[:5])
-            src = status.Get_source()
-            if kind == CTS_STOP and src == self.rank:
-                return
-            with self._inbox_cond:
-                self._inbox.setdefault((src, kind, k1, k2), []).append((op_id, nbytes))
-                self._inbox_cond.notify_all()
+            self._file_cts(status.Get_source(), kind, k1, k2, op_id, nbytes)
+            taken += 1
 
-    def _send_cts(self, peer: int, kind: int, k1: int, k2: int, op_id: int, nbytes: int) -> None:
-        self.svc.Send(np.array([kind, k1, k2, op_id, nbytes, 0], dtype=np.int64), peer, TAG_CTRL)
-
-    def _await_cts(self, peer: int, kind: int, k1: int, k2: int, deadline: float) -> tuple[int, int]:
+    def _await_cts(self, peer: int, kind: int, k1: int, k2: int,
+                   deadline: float) -> tuple[int, int]:  # fmt: skip
         key = (peer, kind, k1, k2)
+        by_mpi = peer != self.rank and self._doorbell(peer) is None
+        pause = _CTS_POLL_S
         with self._inbox_cond:
             while not self._inbox.get(key):
                 if self._closed:
@@ -184,7 +218,17 @@ class StagedTransport(Transport):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise PeerTimeout([peer], f"rank {peer} never posted the matching receive")
-                self._inbox_cond.wait(min(left, 0.5))
+                if not by_mpi:
+                    self._inbox_cond.wait(min(left, 0.5))
+                    continue
+                self._inbox_cond.release()
+                try:
+                    taken = self._take_mpi_cts()
+                finally:
+                    self._inbox_cond.acquire()
+                if not taken and not self._inbox.get(key):
+                    self._inbox_cond.wait(min(left, pause))
+                    pause = min(2 * pause, _CTS_POLL_MAX_S)
             entry = self._inbox[key].pop(0)
             if not self._inbox[key]:
                 del self._inbox[key]
@@ -409,6 +453,9 @@ class StagedTransport(Transport):
                 if kind == R.BYE:
                     link.alive = False
                     return
+                if kind == R.CTS:  # slot: the kind; chunk, offset: its two keys
+                    self._file_cts(ch.peer, slot, idx, off, op_id, n)
+                    continue
                 op = self._ops.get(op_id)
                 if kind == R.ERROR:
                     if op is not None:
@@ -485,8 +532,13 @@ class StagedTransport(Transport):
         status = MPI.Status()
         while True:
             # close() ends it with a BYE sent to this very rank, so no thread is left inside
-            # MPI when the process finalizes it
-            self.svc.Recv(head, source=MPI.ANY_SOURCE, tag=TAG_HEAD, status=status)
+            # MPI when the process finalizes it. Polled, not a blocking receive: that would
+            # keep a core spinning for as long as the rail is idle
+            request = self.svc.Irecv(head, source=MPI.ANY_SOURCE, tag=TAG_HEAD)
+            pause = _CTS_POLL_S
+            while not request.Test(status):
+                time.sleep(pause)
+                pause = min(2 * pause, _CTS_POLL_MAX_S)
             peer = status.Get_source()
             kind, op_id, idx, off, n = (int(v) for v in head)
             if kind == BYE_MPI:
@@ -655,7 +707,10 @@ class StagedTransport(Transport):
                 self._counting.info = None
 
         future = self._driver.submit(task)
-        work = Work(self.comm, op, seq, future.done, [future.result])
+        # the waiting thread sleeps until the driver ends the body: no spinning while the
+        # transport's own threads need the interpreter
+        work = Work(self.comm, op, seq, future.done, [future.result],
+                    waiter=lambda seconds: bool(futures.wait((future,), seconds).done))  # fmt: skip
         work.info = info
         return work
 
@@ -777,8 +832,6 @@ class StagedTransport(Transport):
             ch.queue.put(_STOP)  # draining took the stop signal out too
         with self._inbox_cond:
             self._inbox_cond.notify_all()
-        self.svc.Send(np.array([CTS_STOP, 0, 0, 0, 0, 0], np.int64), self.rank, TAG_CTRL)
-        self._control.join(timeout=5)
         self._driver.shutdown(wait_s=2.0)
         for ch in self._channels.values():
             for t in ch.threads:
