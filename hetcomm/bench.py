@@ -3,8 +3,8 @@
 `hetcomm bench` (or `python -m hetcomm.bench --op ...`) sweeps sizes nccl-tests style over
 hetcomm's transports and the baselines; see docs/bench.md. The overhead study runs under mpirun:
 `mpirun -n 2 python -m mpi4py -m hetcomm.bench overhead` (scripts/bench).
-Each case times every implementation in turn, round after round, so that noise on the machine
-falls on all of them alike; the tables report the median per call and the spread of the rounds.
+Each case times every implementation in turn, round after round (each round starting with the
+next one), so that noise on the machine falls on all of them alike; the tables report the median per call and the spread of the rounds.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _bind(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
     return lambda: fn(*args)
 
 
-def overhead(rounds: int = 7) -> list[dict[str, Any]]:
+def overhead(rounds: int = 15) -> list[dict[str, Any]]:
     """all_reduce: hetcomm vs raw mpi4py Allreduce vs torch gloo, per OVERHEAD_CASES."""
     import torch
     from mpi4py import MPI
@@ -101,9 +101,12 @@ def overhead(rounds: int = 7) -> list[dict[str, Any]]:
             for _ in range(3):
                 fn()
         samples: dict[str, list[float]] = {k: [] for k in impls}
-        for _ in range(rounds):
-            for name, fn in impls.items():
-                samples[name].append(time_calls(fn, calls, raw.Barrier))
+        names = list(impls)
+        for i in range(rounds):
+            # each round starts with the next implementation: none always follows another (gloo
+            # leaves threads behind, a large all-reduce leaves the caches cold)
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                samples[name].append(time_calls(impls[name], calls, raw.Barrier))
         # every rank measured; the slowest rank's time is the operation's time
         worst_of = {name: np.max(raw.allgather(values), axis=0)
                     for name, values in samples.items()}  # fmt: skip
@@ -392,7 +395,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def _overhead_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m hetcomm.bench", description=__doc__)
     parser.add_argument("study", choices=["overhead"])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--json", help="write the rows to this file (rank 0)")
     args = parser.parse_args(argv)
     rows = overhead(args.rounds)

@@ -80,21 +80,51 @@ class Transport:
         """Release what the transport holds (nothing by default)."""
 
 
-class Job(threading.Event):
-    """A call queued on a transport's own thread; set once it has returned or raised."""
+class Job:
+    """A call queued on a transport's own thread; set once it has returned or raised.
+
+    Completion is one lock, held from creation until `set`: a waiter blocks on it directly and
+    wakes with one hand-off, where an Event's waiter also waits for the Event's own lock after
+    being notified (measurable per call for collectives of a few hundred microseconds).
+    """
+
+    __slots__ = ("_done", "_lock", "call", "error")
 
     def __init__(self, call: Callable[[], Any]) -> None:
-        super().__init__()
         self.call = call
         self.error: BaseException | None = None
+        self._done = False
+        self._lock = threading.Lock()
+        self._lock.acquire()
 
     def run(self) -> None:
         """Make the call on the calling thread (the transport's), keep its error, then set."""
+        self.call_only()
+        self.set()
+
+    def call_only(self) -> None:
+        """Make the call and keep its error, without setting (the caller sets when ready)."""
         try:
             self.call()
         except BaseException as exc:
             self.error = exc
-        self.set()
+
+    def set(self) -> None:
+        """Mark the job done and wake its waiters (call once, from the job's thread)."""
+        if not self._done:
+            self._done = True
+            self._lock.release()
+
+    def is_set(self) -> bool:
+        return self._done
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done or `timeout` seconds have passed; whether it is done."""
+        if self._done:
+            return True
+        if self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            self._lock.release()  # let the next waiter through
+        return self._done
 
     def check(self) -> None:
         """Raise the error the call ended with, if any (on the waiting thread)."""

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import queue
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -147,45 +147,44 @@ class _Lane:
     while the lane is idle (nothing queued, nothing running), so that a direct start can never
     overtake a queued one: seen under the same lock that queues jobs, or, on the persistent
     short path, without it, since only the issuing thread queues jobs and the lane thread only
-    ever goes from busy to idle.
+    ever lowers `pending`. The thread takes jobs from a SimpleQueue (one wake-up per job, no
+    lock of ours to win first) and counts each out before setting it, so that its waiter finds
+    the lane idle.
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self._cond = threading.Condition(self.lock)
-        self._jobs: deque[Job] = deque()
-        self._busy = False
+        self._queue: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self.pending = 0  # jobs queued or running
         self._thread: threading.Thread | None = None
 
     def idle(self) -> bool:
         """Call with `lock` held."""
-        return not self._busy and not self._jobs
+        return not self.pending
 
     def drained(self) -> bool:
         """Whether every job queued so far has run (takes `lock`)."""
         with self.lock:
-            return self.idle()
+            return not self.pending
 
     def submit(self, call: Callable[[], Any]) -> Job:
         """Call with `lock` held."""
         job = Job(call)
-        self._jobs.append(job)
-        self._busy = True
+        self.pending += 1
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="hetcomm-mpi-lane",
                                             daemon=True)  # fmt: skip
             self._thread.start()
-        self._cond.notify()
+        self._queue.put(job)
         return job
 
     def _loop(self) -> None:
         while True:
+            job = self._queue.get()
+            job.call_only()
             with self.lock:
-                while not self._jobs:
-                    self._busy = False
-                    self._cond.wait()
-                job = self._jobs.popleft()
-            job.run()
+                self.pending -= 1
+            job.set()
 
 
 class MpiTransport(Transport):
@@ -375,7 +374,7 @@ class MpiTransport(Transport):
         # thread queues jobs, so a lane seen idle stays idle until it queues one, and a lane
         # seen busy sends the call to the general path, which looks again under the lock
         lane = self._lane
-        if lane._busy or lane._jobs:
+        if lane.pending:
             return False
         request = slot.request
         if request is None:
@@ -404,7 +403,7 @@ class MpiTransport(Transport):
             return False
         lane = self._lane
         with lane.lock:
-            if lane._busy or lane._jobs:  # lane.idle(), inline: this path is all overhead
+            if lane.pending:  # lane.idle(), inline: this path is all overhead
                 return False
             req = self._mpi.Iallreduce(_IN_PLACE, (x, kind.datatype), kind.op)
         test = req.Test
