@@ -257,6 +257,23 @@ def test_pack_and_unpack_host_views():
     assert (t == 0).all()
 
 
+def test_pack_and_unpack_separate_contiguous_arrays():
+    rng = np.random.default_rng()
+    xs = [rng.standard_normal(n).astype(np.float32) for n in (7, 0, 1, 64)]
+    xs.append(rng.standard_normal((3, 5)).astype(np.float32))
+    before = [x.copy() for x in xs]
+    _, (g,) = F.prepare(xs, ReduceOp.SUM, "x")
+    assert g.contiguous and not g.bufs and g.offsets == [0, 7, 7, 8, 72] and g.total == 87
+    fused = np.full(g.total + 5, np.nan, np.float32)  # a reused buffer may be longer
+    F.pack_host(g, fused)
+    want = np.concatenate([b.reshape(-1) for b in before])
+    assert np.array_equal(fused[: g.total], want) and np.isnan(fused[g.total :]).all()
+    fused[: g.total] *= 3
+    F.unpack_host(g, fused)
+    for x, b in zip(xs, before):
+        assert x.shape == b.shape and np.array_equal(x, 3 * b)
+
+
 def test_host_buffers_are_taken_and_given():
     pool = F.HostBuffers()
     a = pool.take("float32", 100)
