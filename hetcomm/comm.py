@@ -359,7 +359,7 @@ class Communicator:
                 pool = fusion.host_buffers(self)
                 flat = pool.take(g.dtype, g.total)
                 fusion.pack_host(g, flat)
-                packed.append((g.fused(flat[: g.total]), [_unpacker(g, flat),
+                packed.append((g.fused(flat[: g.total]), [_unpacker(g, flat, pool),
                                _giver(pool, flat)], flat))  # fmt: skip
         works: list[Work] = []
         for fb, steps, holder in packed:
@@ -582,8 +582,10 @@ def _then(work: Work, steps: list[Callable[[], None]]) -> Work:
     return work
 
 
-def _unpacker(g: fusion.Group, flat: np.ndarray) -> Callable[[], None]:
-    return lambda: fusion.unpack_host(g, flat)
+def _unpacker(g: fusion.Group, flat: np.ndarray, pool: fusion.HostBuffers) -> Callable[[], None]:
+    if not g.contiguous:
+        return lambda: fusion.unpack_host(g, flat)
+    return lambda: fusion.unpack_host(g, flat, pool.segments(flat, g))
 
 
 def _giver(pool: fusion.HostBuffers, flat: np.ndarray) -> Callable[[], None]:

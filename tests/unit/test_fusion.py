@@ -288,3 +288,27 @@ def test_host_buffers_are_taken_and_given():
     huge = np.empty((F.KEEP_BYTES // 4) + 1, np.float32)
     pool.give(huge)
     assert pool.take("float32", 10) is not huge
+
+
+def test_segment_views_are_kept_per_buffer_and_layout():
+    rng = np.random.default_rng()
+    pool = F.HostBuffers()
+    xs = [rng.standard_normal(n).astype(np.float32) for n in (5, 3, 8)]
+    _, (g,) = F.prepare(xs, ReduceOp.SUM, "x")
+    flat = pool.take("float32", g.total + 4)
+    first = pool.segments(flat, g)
+    assert [v.base is flat or v.base is flat.base for v in first] == [True] * 3
+    assert [(v.size, v.__array_interface__["data"][0] - flat.__array_interface__["data"][0])
+            for v in first] == [(5, 0), (3, 20), (8, 32)]  # fmt: skip
+    assert pool.segments(flat, g) is first  # same buffer, same layout: the same views
+    _, (other,) = F.prepare([x.copy() for x in reversed(xs)], ReduceOp.SUM, "x")
+    assert pool.segments(flat, other) is not first  # another layout
+    assert pool.segments(flat.copy(), g) is not pool.segments(flat, g)  # another buffer
+    # unpacking through the kept views writes each array and nothing else
+    flat[:] = rng.standard_normal(flat.size).astype(np.float32)
+    tail = flat[g.total :].copy()
+    F.unpack_host(g, flat, pool.segments(flat, g))
+    assert np.array_equal(np.concatenate(xs), flat[: g.total])
+    assert np.array_equal(flat[g.total :], tail)
+    huge = np.zeros(F.KEEP_BYTES // 4 + 16, np.float32)
+    assert pool.segments(huge, g) is not pool.segments(huge, g)  # not kept: the pool would not
