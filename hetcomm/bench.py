@@ -83,6 +83,9 @@ def overhead(rounds: int = 15) -> list[dict[str, Any]]:
     world = hetcomm.init(name="bench")
     raw = MPI.COMM_WORLD.Dup()
     dist = torch_gloo(raw)
+    # each rank its share of the cores: torch's idle worker threads spin for a while after a
+    # parallel operation and would take them from whichever implementation runs next
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world.size))
     rows = []
     for label, dtype, nbytes in OVERHEAD_CASES:
         tdtype = getattr(torch, dtype)
