@@ -3,8 +3,8 @@
 `hetcomm bench` (or `python -m hetcomm.bench --op ...`) sweeps sizes nccl-tests style over
 hetcomm's transports and the baselines; see docs/bench.md. The overhead study runs under mpirun:
 `mpirun -n 2 python -m mpi4py -m hetcomm.bench overhead` (scripts/bench).
-Each case times every implementation in turn, round after round (each round starting with the
-next one), so that noise on the machine falls on all of them alike; the tables report the median per call and the spread of the rounds.
+Each case times every implementation in turn, round after round (each round in a random order,
+the same on every rank), so that noise on the machine falls on all of them alike; the tables report the median per call and the spread of the rounds.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def overhead(rounds: int = 15) -> list[dict[str, Any]]:
     # each rank its share of the cores: torch's idle worker threads spin for a while after a
     # parallel operation and would take them from whichever implementation runs next
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world.size))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for label, dtype, nbytes in OVERHEAD_CASES:
         tdtype = getattr(torch, dtype)
         count = max(1, nbytes // torch.tensor([], dtype=tdtype).element_size())
@@ -105,11 +105,12 @@ def overhead(rounds: int = 15) -> list[dict[str, Any]]:
                 fn()
         samples: dict[str, list[float]] = {k: [] for k in impls}
         names = list(impls)
-        for i in range(rounds):
-            # each round starts with the next implementation: none always follows another (gloo
-            # leaves threads behind, a large all-reduce leaves the caches cold)
-            for name in names[i % len(names):] + names[: i % len(names)]:
-                samples[name].append(time_calls(impls[name], calls, raw.Barrier))
+        order = np.random.default_rng(len(rows))  # one seed on every rank: the same orders
+        for _ in range(rounds):
+            # each round in its own random order: no implementation keeps running right after
+            # another (after gloo's calls, the next implementation ran 5-10% slower here)
+            for k in order.permutation(len(names)):
+                samples[names[k]].append(time_calls(impls[names[k]], calls, raw.Barrier))
         # every rank measured; the slowest rank's time is the operation's time
         worst_of = {name: np.max(raw.allgather(values), axis=0)
                     for name, values in samples.items()}  # fmt: skip
