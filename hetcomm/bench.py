@@ -73,6 +73,17 @@ def _bind(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
     return lambda: fn(*args)
 
 
+def _share_cores(torch: Any, comm: Any) -> None:
+    """Give torch this rank's share of the cores its host's ranks run on: torch's idle worker
+    threads spin for a while after a parallel operation, and with more threads than cores
+    they take the cores from whichever implementation runs next."""
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local.Get_size()))
+    local.Free()
+
+
 def overhead(rounds: int = 15) -> list[dict[str, Any]]:
     """all_reduce: hetcomm vs raw mpi4py Allreduce vs torch gloo, per OVERHEAD_CASES."""
     import torch
@@ -83,9 +94,7 @@ def overhead(rounds: int = 15) -> list[dict[str, Any]]:
     world = hetcomm.init(name="bench")
     raw = MPI.COMM_WORLD.Dup()
     dist = torch_gloo(raw)
-    # each rank its share of the cores: torch's idle worker threads spin for a while after a
-    # parallel operation and would take them from whichever implementation runs next
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world.size))
+    _share_cores(torch, raw)
     rows: list[dict[str, Any]] = []
     for label, dtype, nbytes in OVERHEAD_CASES:
         tdtype = getattr(torch, dtype)
@@ -256,6 +265,7 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     raw = MPI.COMM_WORLD.Dup()
     rank, ranks = raw.Get_rank(), raw.Get_size()
+    _share_cores(torch, raw)
     ops = [canonical_op(o) for o in args.op.split(",") if o.strip()]
     sizes = size_steps(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
     redop = args.redop.lower()
