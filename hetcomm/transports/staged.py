@@ -209,12 +209,19 @@ class StagedTransport(Transport):
     def _await_cts(self, peer: int, kind: int, k1: int, k2: int,
                    deadline: float) -> tuple[int, int]:  # fmt: skip
         key = (peer, kind, k1, k2)
-        by_mpi = peer != self.rank and self._doorbell(peer) is None
+        doorbell = self._doorbell(peer) if peer != self.rank else None
+        by_mpi = peer != self.rank and doorbell is None
         pause = _CTS_POLL_S
         with self._inbox_cond:
             while not self._inbox.get(key):
                 if self._closed:
                     raise HetcommError("the staged transport was closed while waiting to send")
+                if doorbell is not None and not doorbell.alive:
+                    # the peer closed its transport or died: its receive can never come
+                    ch = self._channels[peer]
+                    why = "; ".join(ch.dead) or "the peer closed it"
+                    raise HetcommError(f"send to rank {peer}: its shm rail is gone ({why}) "
+                                       "while waiting for the matching receive")  # fmt: skip
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise PeerTimeout([peer], f"rank {peer} never posted the matching receive")
@@ -452,6 +459,7 @@ class StagedTransport(Transport):
                     continue
                 if kind == R.BYE:
                     link.alive = False
+                    self._wake_senders()
                     return
                 if kind == R.CTS:  # slot: the kind; chunk, offset: its two keys
                     self._file_cts(ch.peer, slot, idx, off, op_id, n)
@@ -486,9 +494,20 @@ class StagedTransport(Transport):
                 self._rail_down(ch, link, exc)
                 return
 
+    def _wake_senders(self) -> None:
+        """Let senders waiting for a clear-to-send look again (a link has just gone)."""
+        with self._inbox_cond:
+            self._inbox_cond.notify_all()
+
     def _rail_down(self, ch: _Channel, link: R.Link, exc: BaseException) -> None:
         """A link broke: its unacknowledged chunks go back to the other rails, or, with no
         rail left, every operation with that peer fails naming each rail's error."""
+        try:
+            self._move_off(ch, link, exc)
+        finally:
+            self._wake_senders()
+
+    def _move_off(self, ch: _Channel, link: R.Link, exc: BaseException) -> None:
         link.alive = False
         with link.unacked_lock:
             pending = list(link.unacked.values())

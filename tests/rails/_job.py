@@ -326,12 +326,43 @@ def hello(params: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def gone(params: dict[str, Any]) -> dict[str, Any]:
+    """After one message has opened the channel, rank 1 closes its communicator without posting
+    a receive, and rank 0 sends to it: the send must fail at once, naming the rail, instead of
+    waiting for the timeout (its clear-to-send can never come)."""
+    comm = open_comm(params)
+    staged(comm)
+    data = pattern(64 * 1024, 5)
+    got = np.zeros_like(data)
+    if comm.rank == 0:
+        comm.send(data, 1)
+    else:
+        comm.recv(got, 0)
+    result: dict[str, Any] = {"error": None, "mismatch": first_difference(got, data)
+                              if comm.rank == 1 else ""}  # fmt: skip
+    if comm.rank == 0:
+        work = comm.send(data, 1, tag=3, async_op=True)  # waits for rank 1's clear-to-send
+        WORLD.Barrier()  # rank 1 closes only now: the send is already waiting
+        t0 = time.monotonic()
+        try:
+            work.wait()
+        except Exception as exc:
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        result["failed_after_s"] = round(time.monotonic() - t0, 3)
+        close(comm, result)
+    else:
+        WORLD.Barrier()
+        close(comm, result)
+    return result
+
+
 SCENARIOS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "roundtrip": roundtrip,
     "stripe": stripe,
     "fail": fail,
     "token": token,
     "hello": hello,
+    "gone": gone,
 }
 
 

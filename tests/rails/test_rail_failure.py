@@ -73,3 +73,17 @@ def test_no_rail_left_fails_cleanly_within_the_timeout(job):
     for r in (sender, receiver):
         assert "close_error" not in r and r["close_s"] < 10, r
     assert done.seconds < TIMEOUT_S + 40, done.explain()
+
+
+def test_send_to_a_peer_that_closed_fails_at_once(job):
+    """Over shm, a send waiting for the clear-to-send of a rank that then closes its transport
+    fails as soon as the rail goes, not at HETCOMM_TIMEOUT."""
+    done = job("gone", {}, HETCOMM_TIMEOUT="20")
+    sender, receiver = done.ranks()
+    assert receiver["mismatch"] == "" and receiver["error"] is None, done.explain()
+    assert sender["error"] and sender["error"].startswith("HetcommError"), done.explain()
+    assert "send to rank 1" in sender["error"] and "shm" in sender["error"], sender["error"]
+    assert sender["failed_after_s"] < 5, f"the send took {sender['failed_after_s']} s to fail"
+    for r in (sender, receiver):
+        assert "close_error" not in r and r["close_s"] < 10, r
+    assert done.returncode == 0, done.explain()
