@@ -23,6 +23,15 @@ from ..work import Work
 from . import Transport
 from . import rails as R
 from .staged_ops import _STOP, PeerTimeout, Region, _Drivers, _Op
+from .staged_rails import (
+    _CTS_POLL_MAX_S,
+    _CTS_POLL_S,
+    BYE_MPI,
+    ERROR_MPI,
+    TAG_HEAD,
+    RailThreads,
+    _size_mismatch,
+)
 from .staged_schedule import choose_rails, chunk_spans, rail_key, rail_windows, slots_that_fit
 
 if TYPE_CHECKING:
@@ -37,12 +46,8 @@ log = logging.getLogger("hetcomm")
 CHUNK_BYTES = 8 << 20
 SLOTS = 8
 SHM_LANES = 2  # threads feeding one shm rail, so that one stages while the other signals
-TAG_CTRL, TAG_HELLO, TAG_HEAD, TAG_BODY = 11, 12, 13, 14
+TAG_CTRL, TAG_HELLO = 11, 12  # TAG_HEAD, TAG_BODY: staged_rails
 CTS_P2P, CTS_COLL = 1, 2
-# a sender waiting for a clear-to-send over MPI polls for it, first after this many seconds,
-# doubling up to the second value (only between hosts: a host's ranks ring the shm doorbell);
-# the mpi rail's receiving thread polls for chunks the same way
-_CTS_POLL_S, _CTS_POLL_MAX_S = 20e-6, 500e-6
 
 
 class _Channel:
@@ -84,7 +89,7 @@ class _Channel:
     def alive(self) -> bool:
         return self.uses_mpi or any(link.alive for link in self.links)
 
-    def signals(self, owner: StagedTransport) -> queue.Queue[Any]:
+    def signals(self, owner: RailThreads) -> queue.Queue[Any]:
         """The queue of the signaller thread (device chunks going out over shm), started once."""
         with self._lock:
             if self._signals is None:
@@ -92,7 +97,7 @@ class _Channel:
                 self._thread(owner._signal_loop, self)
             return self._signals
 
-    def completions(self, owner: StagedTransport) -> queue.Queue[Any]:
+    def completions(self, owner: RailThreads) -> queue.Queue[Any]:
         """The queue of the completer thread (device chunks coming in over shm), started once."""
         with self._lock:
             if self._completions is None:
@@ -110,7 +115,7 @@ class _Channel:
         return ", ".join(str(s) for s in self.specs)
 
 
-class StagedTransport(Transport):
+class StagedTransport(RailThreads, Transport):
     """CPU-forwarding: device -> pinned host -> rails -> pinned host -> device, chunk by chunk.
 
     A receive posts a clear-to-send (over the shm rail's socket, else MPI) naming its op id;
@@ -165,11 +170,6 @@ class StagedTransport(Transport):
     # hosts it goes over MPI, and the sender's waiting thread receives it there itself, so no
     # thread of this transport sits in a blocking MPI call: one would keep a core spinning for
     # as long as it waits (and on a machine with fewer cores than threads, stall the rest).
-
-    def _file_cts(self, src: int, kind: int, k1: int, k2: int, op_id: int, nbytes: int) -> None:
-        with self._inbox_cond:
-            self._inbox.setdefault((src, kind, k1, k2), []).append((op_id, nbytes))
-            self._inbox_cond.notify_all()
 
     def _doorbell(self, peer: int) -> R.Link | None:
         """The link that carries `peer`'s clear-to-send messages: the shm rail's socket, or
@@ -328,277 +328,6 @@ class StagedTransport(Transport):
             log.info("staged: rank %d <-> rank %d over %s", self.rank, peer, ch.describe())
             ch.start()
             self._channels[peer] = ch
-
-    # ---- the rail threads ----------------------------------------------------------------------
-
-    def _send_loop(self, ch: _Channel, link: R.Link | None) -> None:
-        window = ch.windows.get(link.spec.index) if link is not None else None
-        while True:
-            if window is not None:
-                assert link is not None
-                with link.unacked_lock:
-                    while len(link.unacked) >= window and link.alive and not self._closed:
-                        link.unacked_lock.wait(0.05)
-            item = ch.queue.get()
-            if item is _STOP:
-                ch.queue.put(_STOP)  # let the channel's other threads see it too
-                return
-            if link is not None and not link.alive:
-                ch.queue.put(item)  # this rail is gone: leave the chunk to the others
-                return
-            op, idx, (off, n) = item
-            if op.done.is_set():
-                continue  # failed meanwhile
-            try:
-                if self._send_chunk(ch, link, op, idx, off, n):
-                    op.count(idx)
-                with self._stats_lock:
-                    self.stats[_rail_name(link)] = self.stats.get(_rail_name(link), 0) + n
-            except R.RailError as exc:
-                assert link is not None
-                with link.unacked_lock:
-                    link.unacked.pop((op.remote, idx), None)
-                ch.queue.put(item)  # another rail takes it over
-                self._rail_down(ch, link, exc)
-                return
-            except BaseException as exc:
-                op.fail(exc)
-
-    def _send_chunk(self, ch: _Channel, link: R.Link | None, op: _Op, idx: int, off: int,
-                    n: int) -> bool:  # fmt: skip
-        """Send one chunk; False when a signaller thread finishes (and counts) it later."""
-        src = op.region.sub(off, n)
-        if link is None:  # the MPI rail
-            head = np.array([DATA_MPI, op.remote, idx, off, n], dtype=np.int64)
-            with self._staged(src, op) as payload:
-                self.svc.Send(head, ch.peer, TAG_HEAD)
-                self.svc.Send(payload, ch.peer, TAG_BODY)
-            return True
-        if link.spec.kind == "shm":
-            assert ch.shm_out is not None
-            slot = ch.shm_out.acquire(time.monotonic() + self.timeout, lambda: link.alive)
-            try:
-                target = ch.shm_out.view(slot, n)
-                if src.host is not None:
-                    np.copyto(target, src.host)
-                else:
-                    # queue the copy and move on: the signaller announces it once it is done,
-                    # so the copy engine always has the next chunk waiting
-                    ch.shm_out.register_with_gpu()
-                    event = self._gpu.copy_to_host_async(target, src, op.ready)
-                    ch.signals(self).put((event, link, slot, op, idx, off, n))
-                    return False
-                link.send(R.SLOT, slot, op.remote, idx, off, n)
-            except BaseException:
-                ch.shm_out.release(slot)
-                raise
-            return True
-        with link.unacked_lock:
-            link.unacked[(op.remote, idx)] = (op, idx, (off, n))
-        with self._staged(src, op) as payload:
-            link.send(R.DATA, -1, op.remote, idx, off, n, memoryview(payload))
-        return False  # counted when the receiver acknowledges it
-
-    def _signal_loop(self, ch: _Channel) -> None:
-        """Device chunks staged into shared slots: announce each once its copy has finished."""
-        signals = ch._signals
-        assert signals is not None
-        while True:
-            item = signals.get()
-            if item is _STOP:
-                return
-            event, link, slot, op, idx, off, n = item
-            try:
-                event.synchronize()
-                link.send(R.SLOT, slot, op.remote, idx, off, n)
-                op.count(idx)
-            except BaseException as exc:
-                op.fail(exc)
-
-    def _complete_loop(self, ch: _Channel) -> None:
-        """Device chunks read from shared slots: hand each slot back once its copy has finished."""
-        completions = ch._completions
-        assert completions is not None
-        while True:
-            item = completions.get()
-            if item is _STOP:
-                return
-            event, link, slot, op, op_id, idx = item
-            try:
-                if event is not None:
-                    event.synchronize()
-                link.send(R.FREE, slot, op_id, idx, 0, 0)
-                op.count(idx)
-            except BaseException as exc:
-                op.fail(exc)
-
-    @contextlib.contextmanager
-    def _staged(self, src: Region, op: _Op) -> Any:
-        """Host bytes of `src`: the caller's memory itself, or a pinned copy of device data."""
-        if src.host is not None:
-            yield src.host
-            return
-        with self._gpu.bounce(src.nbytes) as staging:
-            self._gpu.copy_to_host(staging, src, op.ready)
-            yield staging
-
-    def _recv_loop(self, ch: _Channel, link: R.Link) -> None:
-        while link.alive:
-            try:
-                kind, slot, op_id, idx, off, n = link.recv_header()
-                if kind == R.FREE:
-                    assert ch.shm_out is not None
-                    ch.shm_out.release(slot)
-                    continue
-                if kind == R.ACK:
-                    with link.unacked_lock:
-                        acked = link.unacked.pop((op_id, idx), None)
-                        link.unacked_lock.notify_all()
-                    if acked is not None:
-                        acked[0].count(idx)
-                    continue
-                if kind == R.BYE:
-                    link.alive = False
-                    self._wake_senders()
-                    return
-                if kind == R.CTS:  # slot: the kind; chunk, offset: its two keys
-                    self._file_cts(ch.peer, slot, idx, off, op_id, n)
-                    continue
-                op = self._ops.get(op_id)
-                if kind == R.ERROR:
-                    if op is not None:
-                        op.fail(_size_mismatch(ch.peer, n, op.region.nbytes))
-                    continue
-                if kind == R.DATA:
-                    self._land(link, op, idx, off, n)
-                    link.send(R.ACK, -1, op_id, idx, 0, 0)
-                elif kind == R.SLOT:
-                    assert ch.shm_in is not None
-                    if op is not None and not op.done.is_set() and op.region.host is None:
-                        ch.shm_in.register_with_gpu()
-                        event = self._gpu.copy_from_host_async(op.region.sub(off, n),
-                                                               ch.shm_in.view(slot, n), op.ready)  # fmt: skip
-                        ch.completions(self).put((event, link, slot, op, op_id, idx))
-                        continue
-                    if op is not None and not op.done.is_set():
-                        self._deliver(op, off, ch.shm_in.view(slot, n))
-                        op.count(idx)
-                    link.send(R.FREE, slot, op_id, idx, 0, 0)
-            except R.RailError as exc:
-                if not self._closed:
-                    self._rail_down(ch, link, exc)
-                link.alive = False
-                return
-            except BaseException as exc:
-                log.error("rank %d: receiving from rank %d failed: %s", self.rank, ch.peer, exc)
-                self._rail_down(ch, link, exc)
-                return
-
-    def _wake_senders(self) -> None:
-        """Let senders waiting for a clear-to-send look again (a link has just gone)."""
-        with self._inbox_cond:
-            self._inbox_cond.notify_all()
-
-    def _rail_down(self, ch: _Channel, link: R.Link, exc: BaseException) -> None:
-        """A link broke: its unacknowledged chunks go back to the other rails, or, with no
-        rail left, every operation with that peer fails naming each rail's error."""
-        try:
-            self._move_off(ch, link, exc)
-        finally:
-            self._wake_senders()
-
-    def _move_off(self, ch: _Channel, link: R.Link, exc: BaseException) -> None:
-        link.alive = False
-        with link.unacked_lock:
-            pending = list(link.unacked.values())
-            link.unacked.clear()
-        with self._stats_lock:
-            if any(str(link.spec) in d for d in ch.dead):
-                return
-            ch.dead.append(f"{link.spec}: {exc}")
-        log.warning("rank %d: rail %s to rank %d failed (%s); its chunks move to the other "
-                    "rails", self.rank, link.spec, ch.peer, exc)  # fmt: skip
-        for item in pending:
-            if not item[0].done.is_set():
-                ch.queue.put(item)
-        if not ch.alive():
-            self._fail_channel(ch, HetcommError(
-                f"every rail to rank {ch.peer} failed: " + "; ".join(ch.dead)))  # fmt: skip
-
-    def _land(self, link: R.Link, op: _Op | None, idx: int, off: int, n: int) -> None:
-        if op is None or op.done.is_set():
-            link.recv_into(memoryview(bytearray(n)))  # drain a chunk nobody waits for
-            return
-        dest = op.region.sub(off, n)
-        if dest.host is not None:
-            link.recv_into(memoryview(dest.host))  # type: ignore[arg-type]
-        else:
-            with self._gpu.bounce(n) as staging:
-                link.recv_into(memoryview(staging))
-                self._gpu.copy_from_host(dest, staging, op.ready)
-        op.count(idx)
-
-    def _deliver(self, op: _Op, off: int, data: np.ndarray) -> None:
-        dest = op.region.sub(off, len(data))
-        if dest.host is not None:
-            np.copyto(dest.host, data)
-        else:
-            self._gpu.copy_from_host(dest, data, op.ready)
-
-    def _mpi_recv_loop(self) -> None:
-        """One thread receives the mpi rail's chunks from every peer (head, then its body)."""
-        head = np.zeros(5, dtype=np.int64)
-        status = MPI.Status()
-        while True:
-            # close() ends it with a BYE sent to this very rank, so no thread is left inside
-            # MPI when the process finalizes it. Polled, not a blocking receive: that would
-            # keep a core spinning for as long as the rail is idle
-            request = self.svc.Irecv(head, source=MPI.ANY_SOURCE, tag=TAG_HEAD)
-            pause = _CTS_POLL_S
-            while not request.Test(status):
-                time.sleep(pause)
-                pause = min(2 * pause, _CTS_POLL_MAX_S)
-            peer = status.Get_source()
-            kind, op_id, idx, off, n = (int(v) for v in head)
-            if kind == BYE_MPI:
-                if peer == self.rank:
-                    return
-                continue
-            op = self._ops.get(op_id)
-            if kind == ERROR_MPI:
-                if op is not None:
-                    op.fail(_size_mismatch(peer, n, op.region.nbytes))
-                continue
-            if op is None or op.done.is_set():
-                self.svc.Recv(np.empty(n, np.uint8), source=peer, tag=TAG_BODY)
-                continue
-            dest = op.region.sub(off, n)
-            if dest.host is not None:
-                self.svc.Recv(dest.host, source=peer, tag=TAG_BODY)
-            else:
-                with self._gpu.bounce(n) as staging:
-                    self.svc.Recv(staging, source=peer, tag=TAG_BODY)
-                    self._gpu.copy_from_host(dest, staging, op.ready)
-            op.count(idx)
-
-    def _start_mpi_rail(self) -> None:
-        with self._lock:
-            if self._mpi_rail is None:
-                self._mpi_rail = threading.Thread(target=self._mpi_recv_loop, daemon=True,
-                                                  name="hetcomm-mpi-rail")  # fmt: skip
-                self._mpi_rail.start()
-
-    def _fail_channel(self, ch: _Channel, exc: BaseException) -> None:
-        for op in list(self._ops.values()):
-            if op.peer == ch.peer:
-                op.fail(exc)
-        while True:
-            try:
-                item = ch.queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not _STOP:
-                item[0].fail(exc)
 
     # ---- messages: the building block of every operation -----------------------------------
 
@@ -866,9 +595,6 @@ class StagedTransport(Transport):
             self._gpu.close()
 
 
-DATA_MPI, ERROR_MPI, BYE_MPI = 1, 4, 5
-
-
 # Transports not closed by their communicator are closed when the interpreter exits, before
 # mpi4py's own exit hook finalizes MPI: their threads must have left MPI by then.
 _LIVE: weakref.WeakSet[StagedTransport] = weakref.WeakSet()
@@ -879,15 +605,6 @@ def _close_all() -> None:
     for transport in list(_LIVE):
         with contextlib.suppress(Exception):
             transport.close()
-
-
-def _size_mismatch(peer: int, sent: int, expected: int) -> MismatchError:
-    return MismatchError(f"receive from rank {peer}: the sender has {sent} bytes, this receive "
-                         f"takes {expected}")  # fmt: skip
-
-
-def _rail_name(link: R.Link | None) -> str:
-    return "mpi" if link is None else str(link.spec)
 
 
 def _rail_addresses(comm: Any) -> tuple[str, list[str]]:

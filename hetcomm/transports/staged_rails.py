@@ -1,0 +1,335 @@
+"""The staged transport's rail threads: for each channel, the threads that send chunks over
+each link, announce staged slots and hand them back, and receive and land chunks; the mpi
+rail's receiving thread; a broken link's chunks moving to the other rails. StagedTransport
+(staged.py) inherits them."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from mpi4py import MPI
+
+from ..errors import HetcommError, MismatchError
+from . import rails as R
+from .staged_ops import _STOP, Region, _Op
+
+if TYPE_CHECKING:
+    from .staged import _Channel
+
+log = logging.getLogger("hetcomm")
+
+# tags of the mpi rail's messages on the service communicator: a chunk's header, then its body
+TAG_HEAD, TAG_BODY = 13, 14
+# kinds of the mpi rail's headers
+DATA_MPI, ERROR_MPI, BYE_MPI = 1, 4, 5
+# a sender waiting for a clear-to-send over MPI polls for it, first after this many seconds,
+# doubling up to the second value (only between hosts: a host's ranks ring the shm doorbell);
+# the mpi rail's receiving thread polls for chunks the same way
+_CTS_POLL_S, _CTS_POLL_MAX_S = 20e-6, 500e-6
+
+
+class RailThreads:
+    """The rail threads of StagedTransport, which sets the attributes declared here."""
+
+    rank: int
+    svc: MPI.Intracomm
+    timeout: float
+    stats: dict[str, int]
+    _closed: bool
+    _gpu: Any
+    _lock: threading.Lock
+    _ops: dict[int, _Op]
+    _inbox: dict[tuple[int, int, int, int], list[tuple[int, int]]]
+    _inbox_cond: threading.Condition
+    _stats_lock: threading.Lock
+    _mpi_rail: threading.Thread | None
+
+    def _file_cts(self, src: int, kind: int, k1: int, k2: int, op_id: int, nbytes: int) -> None:
+        """File a clear-to-send that has arrived (over a socket or MPI) for the senders."""
+        with self._inbox_cond:
+            self._inbox.setdefault((src, kind, k1, k2), []).append((op_id, nbytes))
+            self._inbox_cond.notify_all()
+
+    def _send_loop(self, ch: _Channel, link: R.Link | None) -> None:
+        window = ch.windows.get(link.spec.index) if link is not None else None
+        while True:
+            if window is not None:
+                assert link is not None
+                with link.unacked_lock:
+                    while len(link.unacked) >= window and link.alive and not self._closed:
+                        link.unacked_lock.wait(0.05)
+            item = ch.queue.get()
+            if item is _STOP:
+                ch.queue.put(_STOP)  # let the channel's other threads see it too
+                return
+            if link is not None and not link.alive:
+                ch.queue.put(item)  # this rail is gone: leave the chunk to the others
+                return
+            op, idx, (off, n) = item
+            if op.done.is_set():
+                continue  # failed meanwhile
+            try:
+                if self._send_chunk(ch, link, op, idx, off, n):
+                    op.count(idx)
+                with self._stats_lock:
+                    self.stats[_rail_name(link)] = self.stats.get(_rail_name(link), 0) + n
+            except R.RailError as exc:
+                assert link is not None
+                with link.unacked_lock:
+                    link.unacked.pop((op.remote, idx), None)
+                ch.queue.put(item)  # another rail takes it over
+                self._rail_down(ch, link, exc)
+                return
+            except BaseException as exc:
+                op.fail(exc)
+
+    def _send_chunk(self, ch: _Channel, link: R.Link | None, op: _Op, idx: int, off: int,
+                    n: int) -> bool:  # fmt: skip
+        """Send one chunk; False when a signaller thread finishes (and counts) it later."""
+        src = op.region.sub(off, n)
+        if link is None:  # the MPI rail
+            head = np.array([DATA_MPI, op.remote, idx, off, n], dtype=np.int64)
+            with self._staged(src, op) as payload:
+                self.svc.Send(head, ch.peer, TAG_HEAD)
+                self.svc.Send(payload, ch.peer, TAG_BODY)
+            return True
+        if link.spec.kind == "shm":
+            assert ch.shm_out is not None
+            slot = ch.shm_out.acquire(time.monotonic() + self.timeout, lambda: link.alive)
+            try:
+                target = ch.shm_out.view(slot, n)
+                if src.host is not None:
+                    np.copyto(target, src.host)
+                else:
+                    # queue the copy and move on: the signaller announces it once it is done,
+                    # so the copy engine always has the next chunk waiting
+                    ch.shm_out.register_with_gpu()
+                    event = self._gpu.copy_to_host_async(target, src, op.ready)
+                    ch.signals(self).put((event, link, slot, op, idx, off, n))
+                    return False
+                link.send(R.SLOT, slot, op.remote, idx, off, n)
+            except BaseException:
+                ch.shm_out.release(slot)
+                raise
+            return True
+        with link.unacked_lock:
+            link.unacked[(op.remote, idx)] = (op, idx, (off, n))
+        with self._staged(src, op) as payload:
+            link.send(R.DATA, -1, op.remote, idx, off, n, memoryview(payload))
+        return False  # counted when the receiver acknowledges it
+
+    def _signal_loop(self, ch: _Channel) -> None:
+        """Device chunks staged into shared slots: announce each once its copy has finished."""
+        signals = ch._signals
+        assert signals is not None
+        while True:
+            item = signals.get()
+            if item is _STOP:
+                return
+            event, link, slot, op, idx, off, n = item
+            try:
+                event.synchronize()
+                link.send(R.SLOT, slot, op.remote, idx, off, n)
+                op.count(idx)
+            except BaseException as exc:
+                op.fail(exc)
+
+    def _complete_loop(self, ch: _Channel) -> None:
+        """Device chunks read from shared slots: hand each slot back once its copy has finished."""
+        completions = ch._completions
+        assert completions is not None
+        while True:
+            item = completions.get()
+            if item is _STOP:
+                return
+            event, link, slot, op, op_id, idx = item
+            try:
+                if event is not None:
+                    event.synchronize()
+                link.send(R.FREE, slot, op_id, idx, 0, 0)
+                op.count(idx)
+            except BaseException as exc:
+                op.fail(exc)
+
+    @contextlib.contextmanager
+    def _staged(self, src: Region, op: _Op) -> Any:
+        """Host bytes of `src`: the caller's memory itself, or a pinned copy of device data."""
+        if src.host is not None:
+            yield src.host
+            return
+        with self._gpu.bounce(src.nbytes) as staging:
+            self._gpu.copy_to_host(staging, src, op.ready)
+            yield staging
+
+    def _recv_loop(self, ch: _Channel, link: R.Link) -> None:
+        while link.alive:
+            try:
+                kind, slot, op_id, idx, off, n = link.recv_header()
+                if kind == R.FREE:
+                    assert ch.shm_out is not None
+                    ch.shm_out.release(slot)
+                    continue
+                if kind == R.ACK:
+                    with link.unacked_lock:
+                        acked = link.unacked.pop((op_id, idx), None)
+                        link.unacked_lock.notify_all()
+                    if acked is not None:
+                        acked[0].count(idx)
+                    continue
+                if kind == R.BYE:
+                    link.alive = False
+                    self._wake_senders()
+                    return
+                if kind == R.CTS:  # slot: the kind; chunk, offset: its two keys
+                    self._file_cts(ch.peer, slot, idx, off, op_id, n)
+                    continue
+                op = self._ops.get(op_id)
+                if kind == R.ERROR:
+                    if op is not None:
+                        op.fail(_size_mismatch(ch.peer, n, op.region.nbytes))
+                    continue
+                if kind == R.DATA:
+                    self._land(link, op, idx, off, n)
+                    link.send(R.ACK, -1, op_id, idx, 0, 0)
+                elif kind == R.SLOT:
+                    assert ch.shm_in is not None
+                    if op is not None and not op.done.is_set() and op.region.host is None:
+                        ch.shm_in.register_with_gpu()
+                        event = self._gpu.copy_from_host_async(op.region.sub(off, n),
+                                                               ch.shm_in.view(slot, n), op.ready)  # fmt: skip
+                        ch.completions(self).put((event, link, slot, op, op_id, idx))
+                        continue
+                    if op is not None and not op.done.is_set():
+                        self._deliver(op, off, ch.shm_in.view(slot, n))
+                        op.count(idx)
+                    link.send(R.FREE, slot, op_id, idx, 0, 0)
+            except R.RailError as exc:
+                if not self._closed:
+                    self._rail_down(ch, link, exc)
+                link.alive = False
+                return
+            except BaseException as exc:
+                log.error("rank %d: receiving from rank %d failed: %s", self.rank, ch.peer, exc)
+                self._rail_down(ch, link, exc)
+                return
+
+    def _wake_senders(self) -> None:
+        """Let senders waiting for a clear-to-send look again (a link has just gone)."""
+        with self._inbox_cond:
+            self._inbox_cond.notify_all()
+
+    def _rail_down(self, ch: _Channel, link: R.Link, exc: BaseException) -> None:
+        """A link broke: its unacknowledged chunks go back to the other rails, or, with no
+        rail left, every operation with that peer fails naming each rail's error."""
+        try:
+            self._move_off(ch, link, exc)
+        finally:
+            self._wake_senders()
+
+    def _move_off(self, ch: _Channel, link: R.Link, exc: BaseException) -> None:
+        link.alive = False
+        with link.unacked_lock:
+            pending = list(link.unacked.values())
+            link.unacked.clear()
+        with self._stats_lock:
+            if any(str(link.spec) in d for d in ch.dead):
+                return
+            ch.dead.append(f"{link.spec}: {exc}")
+        log.warning("rank %d: rail %s to rank %d failed (%s); its chunks move to the other "
+                    "rails", self.rank, link.spec, ch.peer, exc)  # fmt: skip
+        for item in pending:
+            if not item[0].done.is_set():
+                ch.queue.put(item)
+        if not ch.alive():
+            self._fail_channel(ch, HetcommError(
+                f"every rail to rank {ch.peer} failed: " + "; ".join(ch.dead)))  # fmt: skip
+
+    def _land(self, link: R.Link, op: _Op | None, idx: int, off: int, n: int) -> None:
+        if op is None or op.done.is_set():
+            link.recv_into(memoryview(bytearray(n)))  # drain a chunk nobody waits for
+            return
+        dest = op.region.sub(off, n)
+        if dest.host is not None:
+            link.recv_into(memoryview(dest.host))  # type: ignore[arg-type]
+        else:
+            with self._gpu.bounce(n) as staging:
+                link.recv_into(memoryview(staging))
+                self._gpu.copy_from_host(dest, staging, op.ready)
+        op.count(idx)
+
+    def _deliver(self, op: _Op, off: int, data: np.ndarray) -> None:
+        dest = op.region.sub(off, len(data))
+        if dest.host is not None:
+            np.copyto(dest.host, data)
+        else:
+            self._gpu.copy_from_host(dest, data, op.ready)
+
+    def _mpi_recv_loop(self) -> None:
+        """One thread receives the mpi rail's chunks from every peer (head, then its body)."""
+        head = np.zeros(5, dtype=np.int64)
+        status = MPI.Status()
+        while True:
+            # close() ends it with a BYE sent to this very rank, so no thread is left inside
+            # MPI when the process finalizes it. Polled, not a blocking receive: that would
+            # keep a core spinning for as long as the rail is idle
+            request = self.svc.Irecv(head, source=MPI.ANY_SOURCE, tag=TAG_HEAD)
+            pause = _CTS_POLL_S
+            while not request.Test(status):
+                time.sleep(pause)
+                pause = min(2 * pause, _CTS_POLL_MAX_S)
+            peer = status.Get_source()
+            kind, op_id, idx, off, n = (int(v) for v in head)
+            if kind == BYE_MPI:
+                if peer == self.rank:
+                    return
+                continue
+            op = self._ops.get(op_id)
+            if kind == ERROR_MPI:
+                if op is not None:
+                    op.fail(_size_mismatch(peer, n, op.region.nbytes))
+                continue
+            if op is None or op.done.is_set():
+                self.svc.Recv(np.empty(n, np.uint8), source=peer, tag=TAG_BODY)
+                continue
+            dest = op.region.sub(off, n)
+            if dest.host is not None:
+                self.svc.Recv(dest.host, source=peer, tag=TAG_BODY)
+            else:
+                with self._gpu.bounce(n) as staging:
+                    self.svc.Recv(staging, source=peer, tag=TAG_BODY)
+                    self._gpu.copy_from_host(dest, staging, op.ready)
+            op.count(idx)
+
+    def _start_mpi_rail(self) -> None:
+        with self._lock:
+            if self._mpi_rail is None:
+                self._mpi_rail = threading.Thread(target=self._mpi_recv_loop, daemon=True,
+                                                  name="hetcomm-mpi-rail")  # fmt: skip
+                self._mpi_rail.start()
+
+    def _fail_channel(self, ch: _Channel, exc: BaseException) -> None:
+        for op in list(self._ops.values()):
+            if op.peer == ch.peer:
+                op.fail(exc)
+        while True:
+            try:
+                item = ch.queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _STOP:
+                item[0].fail(exc)
+
+
+def _size_mismatch(peer: int, sent: int, expected: int) -> MismatchError:
+    return MismatchError(f"receive from rank {peer}: the sender has {sent} bytes, this receive "
+                         f"takes {expected}")  # fmt: skip
+
+
+def _rail_name(link: R.Link | None) -> str:
+    return "mpi" if link is None else str(link.spec)
