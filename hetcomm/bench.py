@@ -4,7 +4,8 @@
 hetcomm's transports and the baselines; see docs/bench.md. The overhead study runs under mpirun:
 `mpirun -n 2 python -m mpi4py -m hetcomm.bench overhead` (scripts/bench).
 Each case times every implementation in turn, round after round (each round in a random order,
-the same on every rank), so that noise on the machine falls on all of them alike; the tables report the median per call and the spread of the rounds.
+the same on every rank), so that noise on the machine falls on all of them alike; the tables
+report the median per call and the spread of the rounds.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def overhead(rounds: int = 15) -> list[dict[str, Any]]:
     dist = torch_gloo(raw)
     _share_cores(torch, raw)
     rows: list[dict[str, Any]] = []
+    orders = np.random.default_rng(0)  # one seed on every rank: every rank runs the same order
     for label, dtype, nbytes in OVERHEAD_CASES:
         tdtype = getattr(torch, dtype)
         count = max(1, nbytes // torch.tensor([], dtype=tdtype).element_size())
@@ -114,11 +116,10 @@ def overhead(rounds: int = 15) -> list[dict[str, Any]]:
                 fn()
         samples: dict[str, list[float]] = {k: [] for k in impls}
         names = list(impls)
-        order = np.random.default_rng(len(rows))  # one seed on every rank: the same orders
         for _ in range(rounds):
             # each round in its own random order: no implementation keeps running right after
             # another (after gloo's calls, the next implementation ran 5-10% slower here)
-            for k in order.permutation(len(names)):
+            for k in orders.permutation(len(names)):
                 samples[names[k]].append(time_calls(impls[names[k]], calls, raw.Barrier))
         # every rank measured; the slowest rank's time is the operation's time
         worst_of = {name: np.max(raw.allgather(values), axis=0)

@@ -329,7 +329,7 @@ class HostBuffers:
         found = self._segments.get(fused.dtype)
         if found is not None and found[0] is fused and found[1] == g.counts:
             return found[2]
-        views = [fused[off : off + n] for off, n in zip(g.offsets, g.counts)]
+        views = segment_views(fused, g)
         if fused.nbytes <= KEEP_BYTES:
             with self._lock:
                 self._segments[fused.dtype] = (fused, list(g.counts), views)
@@ -379,13 +379,16 @@ def pack_host(g: Group, fused: np.ndarray) -> None:
             np.copyto(seg.reshape(host.shape), host)
 
 
+def segment_views(fused: np.ndarray, g: Group) -> list[np.ndarray]:
+    """Views of `fused`, one per array of `g`, each at its place."""
+    return [fused[off : off + n] for off, n in zip(g.offsets, g.counts)]
+
+
 def unpack_host(g: Group, fused: np.ndarray, segments: list[np.ndarray] | None = None) -> None:
     """Copy each array's reduced segment of `fused` back into it (strided views included);
     `segments`: views of `fused` per array, where the caller keeps them (HostBuffers)."""
     if g.contiguous:  # flat views: one assignment each
-        if segments is None:
-            segments = [fused[off : off + n] for off, n in zip(g.offsets, g.counts)]
-        for host, seg in zip(g.hosts, segments):
+        for host, seg in zip(g.hosts, segment_views(fused, g) if segments is None else segments):
             host[...] = seg
         return
     for host, dense, off, n in zip(g.hosts, g.dense, g.offsets, g.counts):

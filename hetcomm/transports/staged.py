@@ -120,7 +120,8 @@ class StagedTransport(RailThreads, Transport):
 
     A receive posts a clear-to-send (over the shm rail's socket, else MPI) naming its op id;
     the sender then streams its chunks over every rail to that peer at once, each rail taking
-    the next chunk when it is free, so that faster rails carry more. Collectives are rings of these messages.
+    the next chunk when it is free, so that faster rails carry more. Collectives are rings of
+    these messages.
     """
 
     name: ClassVar[str] = "staged"

@@ -227,20 +227,17 @@ class RailThreads:
     def _rail_down(self, ch: _Channel, link: R.Link, exc: BaseException) -> None:
         """A link broke: its unacknowledged chunks go back to the other rails, or, with no
         rail left, every operation with that peer fails naming each rail's error."""
-        try:
-            self._move_off(ch, link, exc)
-        finally:
-            self._wake_senders()
-
-    def _move_off(self, ch: _Channel, link: R.Link, exc: BaseException) -> None:
         link.alive = False
         with link.unacked_lock:
             pending = list(link.unacked.values())
             link.unacked.clear()
         with self._stats_lock:
-            if any(str(link.spec) in d for d in ch.dead):
-                return
-            ch.dead.append(f"{link.spec}: {exc}")
+            known = any(str(link.spec) in d for d in ch.dead)
+            if not known:
+                ch.dead.append(f"{link.spec}: {exc}")
+        self._wake_senders()  # a sender waiting on this link's doorbell fails now, naming it
+        if known:
+            return
         log.warning("rank %d: rail %s to rank %d failed (%s); its chunks move to the other "
                     "rails", self.rank, link.spec, ch.peer, exc)  # fmt: skip
         for item in pending:

@@ -349,10 +349,9 @@ def gone(params: dict[str, Any]) -> dict[str, Any]:
         except Exception as exc:
             result["error"] = f"{type(exc).__name__}: {exc}"
         result["failed_after_s"] = round(time.monotonic() - t0, 3)
-        close(comm, result)
     else:
         WORLD.Barrier()
-        close(comm, result)
+    close(comm, result)
     return result
 
 
