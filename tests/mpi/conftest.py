@@ -8,7 +8,7 @@ one rank never leaves the others waiting in the next collective.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,3 +68,11 @@ def errors(comm: Communicator, shared_seed: int) -> Errors:
 def rng(shared_seed: int) -> np.random.Generator:
     """The same generator on every rank: each rank can draw every rank's inputs."""
     return np.random.default_rng(shared_seed)
+
+
+@pytest.fixture(scope="class")
+def pg(hetcomm_world: Communicator) -> Iterator[Any]:
+    """The default torch.distributed group on hetcomm, for a test class (torch tests only)."""
+    from _torch_world import default_group
+
+    yield from default_group()

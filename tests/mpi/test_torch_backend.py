@@ -1,4 +1,5 @@
-"""torch.distributed backend "hetcomm" under mpirun: init forms, every collective, DDP and FSDP2.
+"""torch.distributed backend "hetcomm" under mpirun: init forms and every collective (training with
+DDP and FSDP2: test_torch_training.py).
 
 Modelled on torch's checks for third-party backends (PythonProcessGroupExtensionTest in
 test_c10d_common.py, the argument checks of test_c10d_gloo.py) and on the training parity a user
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 
 import numpy as np
@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from _data import compare, draw, logical, reference, to_array
+from _torch_world import ADDRESS_VARS
 from mpi4py import MPI
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm.torch as ht
 from hetcomm import ReduceOp
@@ -31,7 +31,6 @@ pytestmark = pytest.mark.mpi(min_size=2)
 OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PROD, "MIN": ReduceOp.MIN,
        "MAX": ReduceOp.MAX}  # fmt: skip
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "bool")
-ADDRESS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 all_gather_single = ht.dist_function("all_gather_single")
 reduce_scatter_single = ht.dist_function("reduce_scatter_single")
 
@@ -46,19 +45,6 @@ def no_address(monkeypatch: pytest.MonkeyPatch) -> None:
     """What mpirun alone provides: no MASTER_ADDR, MASTER_PORT, RANK or WORLD_SIZE."""
     for var in ADDRESS_VARS:
         monkeypatch.delenv(var, raising=False)
-
-
-@pytest.fixture(scope="class")
-def pg(hetcomm_world) -> Iterator[dist.ProcessGroup]:
-    """The default group on hetcomm, as `init_process_group("hetcomm")` makes it under mpirun."""
-    with pytest.MonkeyPatch.context() as mp:
-        for var in ADDRESS_VARS:
-            mp.delenv(var, raising=False)
-        dist.init_process_group("hetcomm")
-    group = dist.group.WORLD
-    assert isinstance(group, ht.ProcessGroupHetcomm)
-    yield group
-    dist.destroy_process_group()
 
 
 def free_port() -> int:
@@ -607,125 +593,4 @@ class TestCollectives:
             else:
                 want = sum(coords[0] * shape[1] + c for c in range(shape[1]))
             errors.expect(t.item() == want, f"mesh dim {name}: {t.item()} != {want}")
-        errors.verify()
-
-
-# ---- training: DDP and FSDP2 against gloo and against a float64 reference -----------------------
-
-STEPS, BATCH, LR = 4, 8, 0.05
-
-
-@pytest.fixture(scope="class")
-def gloo(pg) -> dist.ProcessGroup:
-    """A gloo group beside the hetcomm default group (rendezvous over hetcomm's MPI store)."""
-    return dist.new_group(backend="gloo")
-
-
-def make_model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 24),
-                               torch.nn.Tanh(), torch.nn.Linear(24, 3))  # fmt: skip
-
-
-def batches(seed: int, n: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """batches[step][rank] = (inputs, targets), the same on every rank."""
-    g = torch.Generator().manual_seed(seed)
-    return [[(torch.randn(BATCH, 12, generator=g), torch.randn(BATCH, 3, generator=g))
-             for _ in range(n)] for _ in range(STEPS)]  # fmt: skip
-
-
-def train(model: torch.nn.Module, data, me: int) -> None:
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    for step in data:
-        x, y = step[me]
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-
-
-def reference_params(seed: int, data) -> list[torch.Tensor]:
-    """What data-parallel training computes, on one process in float64: the gradient is the mean
-    over ranks of each rank's gradient."""
-    model = make_model(seed).double()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    for step in data:
-        loss = sum(torch.nn.functional.mse_loss(model(x.double()), y.double()) for x, y in step)
-        (loss / len(step)).backward()
-        opt.step()
-        opt.zero_grad()
-    return [p.detach() for p in model.parameters()]
-
-
-def close(got: list[torch.Tensor], want: list[torch.Tensor], what: str, rtol: float,
-          atol: float) -> list[str]:  # fmt: skip
-    worst = max(float((g.double() - w.double()).abs().max()) for g, w in zip(got, want))
-    ok = all(torch.allclose(g.double(), w.double(), rtol=rtol, atol=atol) for g, w in zip(got, want))
-    return [] if ok else [f"{what}: parameters differ by up to {worst:.3g}"]
-
-
-@pytest.mark.usefixtures("pg")
-class TestTraining:
-    def test_ddp_matches_gloo_and_reference(self, shared_seed, errors, gloo) -> None:
-        n, me = dist.get_world_size(), dist.get_rank()
-        seed = shared_seed % 2**31
-        data = batches(seed + 1, n)
-        params = {}
-        # tiny buckets: several all-reduces in flight per step, completed through futures
-        for name, group in (("hetcomm", dist.group.WORLD), ("gloo", gloo)):
-            model = DDP(make_model(seed), process_group=group, bucket_cap_mb=0.001)
-            train(model, data, me)
-            params[name] = [p.detach() for p in model.module.parameters()]
-        errors += close(params["hetcomm"], params["gloo"], "DDP hetcomm vs gloo", 1e-5, 1e-6)
-        errors += close(params["hetcomm"], reference_params(seed, data), "DDP vs float64",
-                        1e-4, 1e-5)  # fmt: skip
-        errors.verify()
-
-    def test_ddp_comm_hooks(self, shared_seed, errors, gloo) -> None:
-        """Python comm hooks chain on get_future(): allreduce, and fp16 compression (float16
-        sums in hetcomm's own kernels)."""
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        n, me = dist.get_world_size(), dist.get_rank()
-        seed = shared_seed % 2**31
-        data = batches(seed + 2, n)
-        for hook, rtol in ((default_hooks.allreduce_hook, 1e-5),
-                           (default_hooks.fp16_compress_hook, 1e-2)):  # fmt: skip
-            params = {}
-            for name, group in (("hetcomm", dist.group.WORLD), ("gloo", gloo)):
-                model = DDP(make_model(seed), process_group=group)
-                model.register_comm_hook(group, hook)
-                train(model, data, me)
-                params[name] = [p.detach() for p in model.module.parameters()]
-            errors += close(params["hetcomm"], params["gloo"], hook.__name__, rtol, rtol / 10)
-        errors.verify()
-
-    def test_fsdp2_matches_gloo_and_reference(self, shared_seed, errors, gloo) -> None:
-        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-        n, me = dist.get_world_size(), dist.get_rank()
-        seed = shared_seed % 2**31
-        data = batches(seed + 3, n)
-        meshes = {"hetcomm": init_device_mesh("cpu", (n,)),
-                  "gloo": DeviceMesh.from_group(gloo, "cpu")}  # fmt: skip
-        params = {}
-        for name, mesh in meshes.items():
-            model = make_model(seed)
-            for layer in model:
-                if isinstance(layer, torch.nn.Linear):
-                    ht.fully_shard(layer, mesh=mesh)
-            ht.fully_shard(model, mesh=mesh)
-            train(model, data, me)
-            params[name] = [p.full_tensor().detach() for p in model.parameters()]
-        errors += close(params["hetcomm"], params["gloo"], "FSDP2 hetcomm vs gloo", 1e-5, 1e-6)
-        errors += close(params["hetcomm"], reference_params(seed, data), "FSDP2 vs float64",
-                        1e-4, 1e-5)  # fmt: skip
-        errors.verify()
-
-    def test_model_copies_stay_equal(self, errors) -> None:
-        """DDP's init broadcast makes every rank's parameters rank 0's."""
-        me = dist.get_rank()
-        model = DDP(make_model(1000 + me))
-        flat = torch.cat([p.detach().flatten() for p in model.module.parameters()])
-        want = torch.cat([p.detach().flatten() for p in make_model(1000).parameters()])
-        errors.expect(torch.equal(flat, want), "DDP broadcast rank 0's parameters")
         errors.verify()
