@@ -131,6 +131,35 @@ def detect_vendor() -> tuple[str, int]:
     return "cpu", 0
 
 
+def use_local_device(comm: Any = None) -> int | None:
+    """Make the device hetcomm's topology gives this rank its current one, in CuPy and torch
+    (those of them that are installed): its rank among the processes of its node, modulo the
+    devices it can see, as `torch.cuda.set_device(local_rank)` does in a torch job. Collective
+    over `comm` (default COMM_WORLD). Returns the index, or None on a rank without a GPU."""
+    import importlib.util
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    node_rank = node.Get_rank()
+    node.Free()
+    detected, visible = detect_vendor()
+    if detected == "cpu" or not visible:
+        return None
+    index = node_rank % visible
+    if importlib.util.find_spec("cupy") is not None:
+        import cupy
+
+        cupy.cuda.Device(index).use()
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.set_device(index)
+    return index
+
+
 def _visible(names: Sequence[str], total: int) -> int:
     for name in names:
         value = os.environ.get(name)

@@ -12,11 +12,14 @@ data movement of the others. The steady state is the time each further operation
 back-to-back runs of K1 and K2 operations, (T(K2) - T(K1)) / (K2 - K1), which leaves out the
 latency of the first operation and the wait for the last.
 
-Ranks share the GPU. The copy bandwidth is that of a device-to-device cudaMemcpy of 256 MiB
+Rank r runs on device r % devices (hetcomm.topology.use_local_device). Where ranks share a GPU,
+the copy bandwidth is that of a device-to-device cudaMemcpy of 256 MiB
 (bytes copied per second; a copy reads and writes each byte, so memory traffic is twice that).
 The all-reduce floor is the memory traffic the operation cannot avoid: every rank's input read
 once and its output written once (2 x size bytes per rank), summed over the ranks, since they
 share one GPU's memory, at the copy's traffic rate (twice the copy rate: a copy reads and writes).
+Where every rank has a GPU of its own, the yardsticks are the copy through the IPC mapping (GPU to
+GPU over their link) and NCCL on the same ranks.
 """
 
 from __future__ import annotations
@@ -121,9 +124,15 @@ def back_to_back(start, comm: MPI.Intracomm, k: int, repeats: int) -> tuple[floa
     return med / k, spread
 
 
+def own_gpus(world: MPI.Intracomm) -> bool:
+    """Whether every rank has a device of its own (NCCL can join them)."""
+    return world.Get_size() <= cupy.cuda.runtime.getDeviceCount()
+
+
 def _comm(transport: str, r: int) -> hetcomm.Communicator:
-    return hetcomm.init(config=hetcomm.Config.load(transport=transport,
-                                                   vendor=("nvidia", "amd")[r % 2]))
+    """Ranks of simulated vendors, except for nccl (one vendor's library)."""
+    vendor = None if transport == "nccl" else ("nvidia", "amd")[r % 2]
+    return hetcomm.init(config=hetcomm.Config.load(transport=transport, vendor=vendor))
 
 
 def p2p(out: str) -> None:
@@ -142,8 +151,11 @@ def p2p(out: str) -> None:
     # the caller's arrays on the default stream, or on a stream of its own (then an operation
     # queued while the stream is idle waits for no event of it)
     own = cupy.cuda.Stream(non_blocking=True)
-    for transport, how, stream in (("direct", "kernel", None), ("direct", "memcpy", None),
-                                   ("direct", "memcpy", own), ("staged", "", None)):  # fmt: skip
+    cases = [("direct", "kernel", None), ("direct", "memcpy", None), ("direct", "memcpy", own),
+             ("staged", "", None)]  # fmt: skip
+    if own_gpus(world):
+        cases.append(("nccl", "", None))
+    for transport, how, stream in cases:
         direct.PEER_COPY = how or direct.PEER_COPY
         comm = _comm(transport, r)
         name = f"{transport} ({how} copy{', own stream' if stream else ''})" if how else transport
@@ -168,6 +180,8 @@ def p2p(out: str) -> None:
             if size >= 64 * 1024:
                 y[:] = 0
                 few, many = (2, 6) if transport == "staged" and size > 16 * MiB else (8, 32)
+                if transport == "nccl" and size > 16 * MiB:
+                    few, many = (4, 12)
                 reps = 9 if size <= 16 * MiB else 5
                 def go(start=start):
                     return start(async_op=True)
@@ -195,7 +209,12 @@ def allreduce(out: str) -> None:
     rows.append({"case": "device-to-device copy", "bytes": 256 * MiB, "GBps": rate / 1e9})
     factor = 2 * (n - 1) / n
     sizes = [1 << k for k in range(10, 31, 2)]  # 1 KiB .. 1 GiB
-    for transport in ("direct", "staged"):
+    separate = own_gpus(world)
+    if separate:
+        for how, ipc_rate in ipc_copy_rates(world, 256 * MiB).items():
+            rows.append({"case": f"copy through the IPC mapping ({how})", "bytes": 256 * MiB,
+                         "GBps": ipc_rate / 1e9})  # fmt: skip
+    for transport in ("direct", "staged") + (("nccl",) if separate else ()):
         comm = _comm(transport, r)
         for nbytes in sizes:
             if transport == "staged" and nbytes > 256 * MiB:
@@ -209,12 +228,12 @@ def allreduce(out: str) -> None:
             row = {"case": f"{transport} all_reduce", "ranks": n, "bytes": nbytes,
                    "time_us": med * 1e6, "algbw": nbytes / med / 1e9,
                    "busbw": nbytes / med / 1e9 * factor, "spread": round(spread, 3), "ok": ok}
-            if transport == "direct" and nbytes >= 64 * MiB:
+            if transport == "direct" and nbytes >= 64 * MiB and not separate:
                 floor = n * 2 * nbytes / (2 * rate)  # each input read once, each output written once
                 row["floor_us"] = floor * 1e6
                 row["x_floor"] = med / floor
             rows.append(row)
-            if transport == "direct" and nbytes >= 256 * MiB:
+            if transport == "direct" and nbytes >= 256 * MiB and not separate:
                 def go(comm=comm, x=x):
                     return comm.all_reduce(x, async_op=True)
 
@@ -226,7 +245,7 @@ def allreduce(out: str) -> None:
                              "busbw": nbytes / per / 1e9 * factor, "spread": round(spread3, 3),
                              "x_floor": per / floor, "steady_us": steady * 1e6,
                              "steady_x_floor": steady / floor})  # fmt: skip
-            if transport == "direct" and nbytes == 256 * MiB:
+            if transport == "direct" and nbytes == 256 * MiB and not separate:
                 # the same with every rank reducing its own shard (ranks on separate GPUs)
                 t = comm._transports["direct"]
                 t.shared, shared = False, t.shared
@@ -345,5 +364,8 @@ def _save(out: str, rows: list[dict], rank: int) -> None:
 
 
 if __name__ == "__main__":
+    from hetcomm.topology import use_local_device
+
+    use_local_device()
     {"p2p": p2p, "allreduce": allreduce, "profile": profile, "calls": calls}[sys.argv[1]](
         sys.argv[2])

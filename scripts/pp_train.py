@@ -15,6 +15,7 @@ import torch
 
 import hetcomm
 from hetcomm.cli import group_plans
+from hetcomm.topology import use_local_device
 
 STEPS, BATCH, D_IN, D_HIDDEN, D_OUT, LR = 25, 64, 16, 64, 4, 0.05
 
@@ -62,6 +63,7 @@ def reference(steps: int = STEPS) -> tuple[list[float], list[torch.Tensor]]:
 
 def main() -> int:
     steps = steps_from_argv(sys.argv[1:])
+    use_local_device()  # on a machine with several GPUs, rank r takes device r % devices
     world = hetcomm.init()
     if world.size != 4:
         raise SystemExit(f"this demo runs on 4 ranks (pp=2 x dp=2), got {world.size}")

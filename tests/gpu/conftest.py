@@ -18,6 +18,16 @@ def _gpu_reason() -> str | None:
     return None
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _local_device() -> None:
+    """Each rank on the device its topology names (node rank modulo the devices it sees): on a
+    one-GPU machine every rank shares device 0; with several GPUs they spread over them."""
+    if _gpu_reason() is None:
+        from hetcomm.topology import use_local_device
+
+        use_local_device()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     reason = _gpu_reason()
     if reason is None:

@@ -56,6 +56,30 @@ def _close(got: np.ndarray, want: np.ndarray, dtype: str, op: ReduceOp) -> bool:
     return bool(np.array_equal(got, want))  # small integers: every other result is exact
 
 
+def _own_devices(comm, island) -> bool:
+    """Whether the island's ranks are on distinct devices (rank r on device r % devices)."""
+    return len({comm.topology.ranks[r].device for r in island}) == len(island)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_islands_of_own_gpus_reduce_through_nccl(make_comm, shared_seed) -> None:
+    """Ranks 0-1 'nvidia' and 2-3 'amd' (RCCL's part played by NCCL): on a machine that gives
+    each member of an island a GPU of its own, the islands reduce through NCCL; where they share
+    one, through another transport. The result is exact either way."""
+    comm = make_comm(transport="hier", vendors=("nvidia", "nvidia", "amd", "amd"))
+    n, r = comm.size, comm.rank
+    rng = np.random.default_rng(shared_seed)
+    data = rng.integers(-1000, 1000, size=(n, 3 * n + 5)).astype(np.float32)
+    x = torch.from_numpy(data[r]).cuda()
+    comm.all_reduce(x)
+    ok = np.array_equal(x.cpu().numpy().astype(np.float64), data.astype(np.float64).sum(0))
+    hier = comm._transports["hier"]
+    own = _own_devices(comm, hier.islands[hier.index])
+    inside = hier.island.plan.lookup("all_reduce", "device", "large")[0]
+    assert_all_ranks(comm, ok and (inside == "nccl") == own,
+                     f"sum {'right' if ok else 'wrong'}; own devices {own}, inside {inside}")
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_plan_picks_hier_for_device_collectives(make_comm, setup) -> None:
@@ -65,7 +89,9 @@ def test_plan_picks_hier_for_device_collectives(make_comm, setup) -> None:
     islands = comm.topology.islands()
     choice = comm.plan.lookup("all_reduce", "device", "large")
     if len(set(comm.topology.hosts())) == 1:
-        ok = choice[0] == "direct"
+        # one island whose ranks each have a GPU of their own: NCCL; else direct
+        ok = choice[0] == ("nccl" if len(islands) == 1 and _own_devices(comm, islands[0])
+                           else "direct")  # fmt: skip
     elif len(islands) > 1:
         ok = choice == ("hier", f"{len(islands)} vendor islands: native inside, staged/direct "
                                 "between")  # fmt: skip

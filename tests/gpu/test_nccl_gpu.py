@@ -1,9 +1,9 @@
 """The nccl transport on device arrays, under mpirun on a GPU machine.
 
-With one GPU, NCCL can only serve one-rank-per-GPU groups of size 1 (NCCL refuses two ranks on
-one device): every op runs through NCCL on such groups, and the shared-GPU group is refused with
-the reason. Groups of several GPUs run where a multi-GPU machine is lent (same tests, larger
-world: each rank then gets its own device through CUDA_VISIBLE_DEVICES or `hetcomm run`).
+Every op runs through NCCL on groups whose ranks each have a device of their own (rank r is on
+device r % devices): of size 1 on a one-GPU machine (NCCL refuses two ranks on one device), of
+as many ranks as GPUs on a larger one. A group in which ranks share a device is refused with the
+reason.
 """
 
 from __future__ import annotations
@@ -26,13 +26,10 @@ OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX)
 
 
 def _own_gpu_group(world):
-    """The ranks that own a GPU alone: one group per device (size 1 with a shared GPU)."""
+    """Groups of ranks on distinct devices (conftest puts rank r on device r % devices): ranks
+    0..d-1 form one, d..2d-1 the next; each rank alone where the machine has one GPU."""
     ndev = cupy.cuda.runtime.getDeviceCount()
-    if world.size <= ndev:
-        cupy.cuda.Device(world.rank).use()
-        torch.cuda.set_device(world.rank)
-        return world.split(0, name="gpus")
-    return world.split(world.rank, name=f"solo{world.rank}")
+    return world.split(world.rank // ndev, name=f"gpus{world.rank // ndev}")
 
 
 def _tensor(values, dtype):
@@ -108,9 +105,9 @@ def test_cupy_arrays_and_async(make_comm, shared_seed):
 
 @pytest.mark.mpi(min_size=2)
 def test_shared_gpu_is_refused_with_the_reason(make_comm):
-    if cupy.cuda.runtime.getDeviceCount() >= 2:
-        pytest.skip("every rank has a GPU of its own here")
     world = make_comm(transport="nccl")
+    if world.size <= cupy.cuda.runtime.getDeviceCount():
+        pytest.skip("every rank has a GPU of its own here")
     x = torch.ones(16, device="cuda")
     try:
         world.all_reduce(x)
