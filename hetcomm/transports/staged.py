@@ -152,6 +152,9 @@ class StagedTransport(RailThreads, Transport):
         self._op_ids = itertools.count(1)
         self._inbox: dict[tuple[int, int, int, int], list[tuple[int, int]]] = {}
         self._inbox_cond = threading.Condition()
+        # sends made on the calling thread that wait for their clear-to-send: the thread that
+        # files it queues their chunks (see send)
+        self._waiting_sends: dict[tuple[int, int, int, int], tuple[_Channel, _Op]] = {}
         self._p2p_counts: dict[tuple[str, int, int], int] = {}
         self._driver = _Drivers(4, f"hetcomm-staged-{self.rank}")
         self._closed = False
@@ -356,19 +359,24 @@ class StagedTransport(RailThreads, Transport):
         ch = self.channel(peer, deadline)
         remote, expected = self._await_cts(peer, kind, k1, k2, deadline)
         spans = chunk_spans(region.nbytes, self.chunk_bytes)
-        op = _Op(peer, region, spans, remote=remote, ready=ready, left=len(spans))
+        op = _Op(peer, region, spans, ready=ready, left=len(spans))
         self._count(len(spans))
-        if expected != region.nbytes:
-            exc = MismatchError(f"rank {self.rank} sends {region.nbytes} bytes, rank {peer} "
-                                f"receives {expected}")  # fmt: skip
-            self._notify_error(ch, remote, region.nbytes)
-            op.fail(exc)
-            return op
-        if not spans:
-            op.done.set()
-        for idx, span in enumerate(spans):
-            ch.queue.put((op, idx, span))
+        self._queue_send(ch, op, remote, expected)
         return op
+
+    def _queue_send(self, ch: _Channel, op: _Op, remote: int, expected: int) -> None:
+        """The receiver's clear-to-send is here: queue every chunk of `op` on its rails."""
+        op.remote = remote
+        if expected != op.region.nbytes:
+            exc = MismatchError(f"rank {self.rank} sends {op.region.nbytes} bytes, rank "
+                                f"{op.peer} receives {expected}")  # fmt: skip
+            self._notify_error(ch, remote, op.region.nbytes)
+            op.fail(exc)
+            return
+        if not op.spans:
+            op.done.set()
+        for idx, span in enumerate(op.spans):
+            ch.queue.put((op, idx, span))
 
     def _send_to_self(self, region: Region, kind: int, k1: int, k2: int, deadline: float,
                       ready: Any) -> _Op:  # fmt: skip
@@ -405,9 +413,13 @@ class StagedTransport(RailThreads, Transport):
         try:
             op.wait(deadline)
         finally:
-            for key, value in list(self._ops.items()):
-                if value is op:
-                    del self._ops[key]
+            self._forget(op)
+
+    def _forget(self, op: _Op) -> None:
+        """Drop a finished receive from the ops that arriving chunks look up."""
+        for key, value in list(self._ops.items()):
+            if value is op:
+                del self._ops[key]
 
     # ---- operations --------------------------------------------------------------------------
 
@@ -491,9 +503,70 @@ class StagedTransport(RailThreads, Transport):
             self._p2p_counts[key] = k + 1
         return k
 
+    def _on_calling_thread(self, peer: int) -> _Channel | None:
+        """The channel to `peer` when a send or receive can start on the calling thread: it
+        is open and rings the shm doorbell, so nothing there blocks (else a driver runs it)."""
+        ch = self._channels.get(peer)
+        if ch is None or self._closed:
+            return None
+        doorbell = self._doorbell(peer)
+        return ch if doorbell is not None and doorbell.alive else None
+
+    def _op_work(self, name: str, seq: int, x: Buffer, op: _Op, cleanup: Callable[[], None],
+                 missing: str) -> Work:  # fmt: skip
+        """The Work of a message started on the calling thread: done when `op` is, failing
+        with CommTimeout (naming the peer) when the transport's timeout passes first."""
+        deadline = time.monotonic() + self.timeout
+
+        def poll() -> bool:
+            if not op.done.is_set():
+                if time.monotonic() < deadline:
+                    return False
+                cleanup()
+                if not op.done.is_set():
+                    raise CommTimeout(self.comm.name, name, seq, self.timeout, [op.peer],
+                                      missing)  # fmt: skip
+            cleanup()
+            if op.error is not None:
+                raise op.error
+            return True
+
+        work = Work(self.comm, name, seq, poll,
+                    waiter=lambda seconds: op.done.wait(min(seconds, deadline - time.monotonic())))
+        work.info = {"transport": "staged", "bytes": x.nbytes, "stages": len(op.spans)}
+        return work
+
+    def _ready(self, x: Buffer) -> Any:
+        gpu = self._device([x])
+        return gpu.ready_event(x) if gpu is not None else None
+
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
         region = self._region(x)
         k = self._p2p_number("send", dst, tag)
+        ch = self._on_calling_thread(dst)
+        if ch is not None:
+            # no driver: the chunks are queued here if the receive is posted already, else by
+            # the thread that files its clear-to-send
+            op = _Op(dst, region, chunk_spans(region.nbytes, self.chunk_bytes),
+                     ready=self._ready(x))  # fmt: skip
+            op.left = len(op.spans)
+            key = (dst, CTS_P2P, tag, k)
+            with self._inbox_cond:
+                filed = self._inbox.get(key)
+                entry = filed.pop(0) if filed else None
+                if filed == []:
+                    del self._inbox[key]
+                if entry is None:
+                    self._waiting_sends[key] = (ch, op)
+            if entry is not None:
+                self._queue_send(ch, op, *entry)
+
+            def unwait() -> None:
+                with self._inbox_cond:
+                    self._waiting_sends.pop(key, None)
+
+            return self._op_work("send", seq, x, op, unwait,
+                                 f"rank {dst} never posted the matching receive")
 
         def body(deadline: float, ready: Any) -> None:
             self.start_send(dst, region, CTS_P2P, tag, k, deadline, ready).wait(deadline)
@@ -503,6 +576,13 @@ class StagedTransport(RailThreads, Transport):
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
         region = self._region(x)
         k = self._p2p_number("recv", src, tag)
+        if self._on_calling_thread(src) is not None:
+            # no driver: the clear-to-send goes out from here, and the Work completes when
+            # the thread that lands the last chunk says so
+            deadline = time.monotonic() + self.timeout
+            op = self.post_recv(src, region, CTS_P2P, tag, k, deadline, self._ready(x))
+            return self._op_work("recv", seq, x, op, lambda: self._forget(op),
+                                 f"no progress with rank {src}")
 
         def body(deadline: float, ready: Any) -> None:
             op = self.post_recv(src, region, CTS_P2P, tag, k, deadline, ready)
@@ -576,6 +656,10 @@ class StagedTransport(RailThreads, Transport):
         closed = HetcommError("the staged transport was closed")
         for op in list(self._ops.values()):
             op.fail(closed)
+        with self._inbox_cond:
+            waiting, self._waiting_sends = self._waiting_sends, {}
+        for _, op in waiting.values():
+            op.fail(HetcommError("the staged transport was closed while waiting to send"))
         for ch in self._channels.values():
             self._fail_channel(ch, closed)
             ch.queue.put(_STOP)  # draining took the stop signal out too

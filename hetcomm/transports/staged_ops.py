@@ -76,6 +76,7 @@ class _Drivers:
     """
 
     def __init__(self, count: int, name: str) -> None:
+        self.submitted = 0  # bodies handed over so far
         self._queue: queue.Queue[Any] = queue.Queue()
         self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True)
                          for i in range(count)]  # fmt: skip
@@ -84,6 +85,7 @@ class _Drivers:
 
     def submit(self, fn: Callable[[], None]) -> Future[None]:
         future: Future[None] = Future()
+        self.submitted += 1
         self._queue.put((fn, future))
         return future
 

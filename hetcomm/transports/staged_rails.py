@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,14 +48,21 @@ class RailThreads:
     _ops: dict[int, _Op]
     _inbox: dict[tuple[int, int, int, int], list[tuple[int, int]]]
     _inbox_cond: threading.Condition
+    _waiting_sends: dict[tuple[int, int, int, int], tuple[_Channel, _Op]]
+    _queue_send: Callable[[_Channel, _Op, int, int], None]
     _stats_lock: threading.Lock
     _mpi_rail: threading.Thread | None
 
     def _file_cts(self, src: int, kind: int, k1: int, k2: int, op_id: int, nbytes: int) -> None:
-        """File a clear-to-send that has arrived (over a socket or MPI) for the senders."""
+        """A clear-to-send has arrived: start the send that waits for it on this thread, or
+        file it for a sender to take."""
         with self._inbox_cond:
-            self._inbox.setdefault((src, kind, k1, k2), []).append((op_id, nbytes))
-            self._inbox_cond.notify_all()
+            waiting = self._waiting_sends.pop((src, kind, k1, k2), None)
+            if waiting is None:
+                self._inbox.setdefault((src, kind, k1, k2), []).append((op_id, nbytes))
+                self._inbox_cond.notify_all()
+                return
+        self._queue_send(*waiting, op_id, nbytes)
 
     def _send_loop(self, ch: _Channel, link: R.Link | None) -> None:
         window = ch.windows.get(link.spec.index) if link is not None else None
@@ -109,7 +117,7 @@ class RailThreads:
                 else:
                     # queue the copy and move on: the signaller announces it once it is done,
                     # so the copy engine always has the next chunk waiting
-                    ch.shm_out.register_with_gpu()
+                    ch.shm_out.register_with_gpu(self._gpu.device)
                     event = self._gpu.copy_to_host_async(target, src, op.ready)
                     ch.signals(self).put((event, link, slot, op, idx, off, n))
                     return False
@@ -200,7 +208,7 @@ class RailThreads:
                 elif kind == R.SLOT:
                     assert ch.shm_in is not None
                     if op is not None and not op.done.is_set() and op.region.host is None:
-                        ch.shm_in.register_with_gpu()
+                        ch.shm_in.register_with_gpu(self._gpu.device)
                         event = self._gpu.copy_from_host_async(op.region.sub(off, n),
                                                                ch.shm_in.view(slot, n), op.ready)  # fmt: skip
                         ch.completions(self).put((event, link, slot, op, op_id, idx))
@@ -220,9 +228,17 @@ class RailThreads:
                 return
 
     def _wake_senders(self) -> None:
-        """Let senders waiting for a clear-to-send look again (a link has just gone)."""
+        """Let senders waiting for a clear-to-send look again (a link has just gone); sends
+        waiting on a doorbell that has gone fail now, naming it."""
         with self._inbox_cond:
             self._inbox_cond.notify_all()
+            gone = [(key, ch) for key, (ch, _) in self._waiting_sends.items()
+                    if not any(link.alive for link in ch.links if link.spec.kind == "shm")]
+            failed = [(ch, self._waiting_sends.pop(key)[1]) for key, ch in gone]
+        for ch, op in failed:
+            why = "; ".join(ch.dead) or "the peer closed it"
+            op.fail(HetcommError(f"send to rank {ch.peer}: its shm rail is gone ({why}) while "
+                                 "waiting for the matching receive"))  # fmt: skip
 
     def _rail_down(self, ch: _Channel, link: R.Link, exc: BaseException) -> None:
         """A link broke: its unacknowledged chunks go back to the other rails, or, with no

@@ -110,3 +110,52 @@ def test_same_tag_messages_match_in_order(comm, rng, errors):
             for i, y in enumerate(ys):
                 errors += compare(y, np.full(sizes[i], i + 1, np.int8), f"message {i}")
     errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_staged_send_recv_start_on_the_calling_thread(make_comm, rng, errors):
+    """Once the shm channel between two ranks of a host is open, staged send and recv run
+    without a driver thread, whether the receive is posted before the send or after it, and
+    the k-th send still lands in the k-th receive of its tag."""
+    comm = make_comm(transport="staged")
+    if comm.rank > 1:
+        errors.verify()
+        return
+    data = rng.standard_normal((6, 1000))
+    got = np.zeros((6, 1000))
+    if comm.rank == 0:
+        comm.send(data[0], 1)  # opens the channel (a driver thread does that)
+    else:
+        comm.recv(got[0], 0)
+    staged = comm._transports["staged"]
+    before = staged._driver.submitted
+    for i, receive_first in ((1, True), (2, False)):
+        if comm.rank == 1 and receive_first:
+            work = comm.recv(got[i], 0, tag=7, async_op=True)
+            comm.mpi.Send(np.zeros(1), 0, tag=99)  # the receive is posted: send now
+            work.wait()
+        elif comm.rank == 0 and receive_first:
+            comm.mpi.Recv(np.zeros(1), 1, tag=99)
+            comm.send(data[i], 1, tag=7)
+        elif comm.rank == 0:
+            work = comm.send(data[i], 1, tag=7, async_op=True)
+            comm.mpi.Send(np.zeros(1), 1, tag=99)  # the send waits for its clear-to-send
+            work.wait()
+        else:
+            comm.mpi.Recv(np.zeros(1), 0, tag=99)
+            comm.recv(got[i], 0, tag=7)
+    # three messages of one tag in flight at once, waited for last to first
+    works = []
+    for i in (3, 4, 5):
+        if comm.rank == 0:
+            works.append(comm.send(data[i], 1, tag=8, async_op=True))
+        else:
+            works.append(comm.recv(got[i], 0, tag=8, async_op=True))
+    for w in reversed(works):
+        w.wait()
+    errors.expect(staged._driver.submitted == before,
+                  f"{staged._driver.submitted - before} sends/recvs went to a driver thread")
+    if comm.rank == 1:
+        errors += compare(got, data, "received")
+    errors.verify()
+
