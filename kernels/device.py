@@ -17,6 +17,10 @@ _CTYPES = {"bool": "unsigned char", "uint8": "unsigned char", "int8": "signed ch
 _OPS = {"sum": "Sum", "prod": "Prod", "min": "Min", "max": "Max"}
 _BOOL_OPS = {"sum": "Or", "max": "Or", "prod": "And", "min": "And"}
 _THREADS = 256
+# The events that mark a staged copy's end: False lets the CUDA runtime choose how a thread
+# waits on one (cudaDeviceScheduleAuto: spin while the machine has cores to spare, else yield),
+# which wakes the waiter within microseconds; True always sleeps on an interrupt.
+BLOCKING_EVENTS = False
 
 
 def unavailable() -> str | None:
@@ -33,11 +37,13 @@ def unavailable() -> str | None:
     return None
 
 
-def host_register(ptr: int, nbytes: int) -> None:
-    """Pin and map existing host pages (a shared segment) for the GPU."""
+def host_register(ptr: int, nbytes: int, device: int) -> None:
+    """Pin and map existing host pages (a shared segment) for the GPU, from `device`'s context
+    (a thread that never chose a device would otherwise open a context on device 0)."""
     import cupy
 
     rt = cupy.cuda.runtime
+    rt.setDevice(device)
     # portable | mapped: usable from every device and addressable by kernels and copies
     rt.hostRegister(ptr, nbytes, 1 | 2)
 
@@ -159,7 +165,7 @@ class StagingDevice:
         if ready is not None:
             stream.wait_event(ready)
         self.cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
-        event = self.cupy.cuda.Event(block=True, disable_timing=True)
+        event = self.cupy.cuda.Event(block=BLOCKING_EVENTS, disable_timing=True)
         event.record(stream)
         return event
 

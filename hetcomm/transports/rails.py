@@ -275,14 +275,15 @@ class SharedSlots:
         start = slot * self.slot_bytes
         return self.array[start : start + nbytes]
 
-    def register_with_gpu(self) -> None:
-        """Pin and map the pages for the GPU (cudaHostRegister), once."""
+    def register_with_gpu(self, device_index: int) -> None:
+        """Pin and map the pages for the GPU (cudaHostRegister), once, from the context of
+        the device that copies through them."""
         with self._register_lock:
             if self._registered:
                 return
             from ..kernels import device
 
-            device.host_register(self.ptr, self.slots * self.slot_bytes)
+            device.host_register(self.ptr, self.slots * self.slot_bytes, device_index)
             self._registered = True
 
     def acquire(self, deadline: float, alive: Callable[[], bool]) -> int:
