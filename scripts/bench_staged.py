@@ -2,6 +2,7 @@
 
 mpirun -n 2 python -m mpi4py scripts/bench_staged.py p2p OUT.json
 mpirun -n 4 python -m mpi4py scripts/bench_staged.py allreduce OUT.json
+mpirun -n 2 python -m mpi4py scripts/bench_staged.py latency OUT.json
 """
 
 from __future__ import annotations
@@ -164,5 +165,62 @@ def allreduce(out: str) -> None:
             print(row)
 
 
+def latency(out: str) -> None:
+    """send/recv over staged (shm between two ranks of this host), host arrays beside device
+    arrays, in three variants interleaved round by round: each op run by a driver thread and
+    copies waited for by sleeping events (as before), started on the calling thread, and on
+    the calling thread with events whose wait the CUDA runtime chooses (the default now)."""
+    from hetcomm.kernels import device as kd
+
+    from hetcomm.transports import staged as st
+
+    world = MPI.COMM_WORLD
+    r = world.Get_rank()
+    comm = hetcomm.init(config=hetcomm.Config.load(
+        transport="staged", vendor=("nvidia", "amd")[r % 2]))
+    calling = st.StagedTransport._on_calling_thread
+    variants = {"driver thread, sleeping events": (False, True),
+                "calling thread, sleeping events": (True, True),
+                "calling thread, runtime-chosen events": (True, False)}
+    cases = [(size, memory) for size in (8, 64 * 1024, 1 * MiB, 16 * MiB)
+             for memory in ("host", "device")] + [(256 * MiB, "device")]
+    times: dict[tuple[str, int, str], list[float]] = {}
+    arrays = {(size, memory): (np if memory == "host" else cupy).ones(size, dtype=np.uint8)
+              for size, memory in cases}
+    for _ in range(15):
+        for name, (on_calling, blocking) in variants.items():
+            st.StagedTransport._on_calling_thread = calling if on_calling else (
+                lambda self, peer: None)
+            kd.BLOCKING_EVENTS = blocking
+            for size, memory in cases:
+                a = arrays[size, memory]
+
+                def once(a: Any = a) -> None:
+                    if r == 0:
+                        comm.send(a, 1)
+                    elif r == 1:
+                        comm.recv(a, 0)
+
+                med, _ = median_time(once, world, 5 if size < 256 * MiB else 3)
+                times.setdefault((name, size, memory), []).append(med)
+    st.StagedTransport._on_calling_thread = calling
+    kd.BLOCKING_EVENTS = False
+    rows = []
+    for (name, size, memory), ts in times.items():
+        med = statistics.median(ts)
+        rows.append({"case": f"staged send/recv, {memory} arrays, {name}", "bytes": size,
+                     "time_us": med * 1e6, "GBps": size / med / 1e9,
+                     "spread": (max(ts) - min(ts)) / med, "ok": True})
+    comm.close()
+    if r == 0:
+        with open(out, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+        for row in rows:
+            print(row)
+
+
 if __name__ == "__main__":
-    {"p2p": p2p, "allreduce": allreduce}[sys.argv[1]](sys.argv[2])
+    from hetcomm.topology import use_local_device
+
+    use_local_device()  # rank r on device r % devices
+    {"p2p": p2p, "allreduce": allreduce, "latency": latency}[sys.argv[1]](sys.argv[2])
