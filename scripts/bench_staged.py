@@ -167,31 +167,36 @@ def allreduce(out: str) -> None:
 
 def latency(out: str) -> None:
     """send/recv over staged (shm between two ranks of this host), host arrays beside device
-    arrays, in three variants interleaved round by round: each op run by a driver thread and
-    copies waited for by sleeping events (as before), started on the calling thread, and on
-    the calling thread with events whose wait the CUDA runtime chooses (the default now)."""
+    arrays, in variants interleaved round by round: each op run by a driver thread, copies
+    waited for by helper threads on sleeping events (as before); started on the calling
+    thread; with events whose wait the CUDA runtime chooses; and short copies waited for by
+    the rail thread itself (all three: the default now)."""
     from hetcomm.kernels import device as kd
 
     from hetcomm.transports import staged as st
+    from hetcomm.transports import staged_rails as sr
 
     world = MPI.COMM_WORLD
     r = world.Get_rank()
     comm = hetcomm.init(config=hetcomm.Config.load(
         transport="staged", vendor=("nvidia", "amd")[r % 2]))
-    calling = st.StagedTransport._on_calling_thread
-    variants = {"driver thread, sleeping events": (False, True),
-                "calling thread, sleeping events": (True, True),
-                "calling thread, runtime-chosen events": (True, False)}
+    calling, inline = st.StagedTransport._on_calling_thread, sr.INLINE_COPY_BYTES
+    variants = {"driver thread, sleeping events, helper threads": (False, True, 0),
+                "calling thread, sleeping events, helper threads": (True, True, 0),
+                "calling thread, runtime-chosen events, helper threads": (True, False, 0),
+                "calling thread, runtime-chosen events, short copies inline": (
+                    True, False, inline)}
     cases = [(size, memory) for size in (8, 64 * 1024, 1 * MiB, 16 * MiB)
              for memory in ("host", "device")] + [(256 * MiB, "device")]
     times: dict[tuple[str, int, str], list[float]] = {}
     arrays = {(size, memory): (np if memory == "host" else cupy).ones(size, dtype=np.uint8)
               for size, memory in cases}
     for _ in range(15):
-        for name, (on_calling, blocking) in variants.items():
+        for name, (on_calling, blocking, inline_bytes) in variants.items():
             st.StagedTransport._on_calling_thread = calling if on_calling else (
                 lambda self, peer: None)
             kd.BLOCKING_EVENTS = blocking
+            sr.INLINE_COPY_BYTES = inline_bytes
             for size, memory in cases:
                 a = arrays[size, memory]
 
@@ -204,7 +209,7 @@ def latency(out: str) -> None:
                 med, _ = median_time(once, world, 5 if size < 256 * MiB else 3)
                 times.setdefault((name, size, memory), []).append(med)
     st.StagedTransport._on_calling_thread = calling
-    kd.BLOCKING_EVENTS = False
+    kd.BLOCKING_EVENTS, sr.INLINE_COPY_BYTES = False, inline
     rows = []
     for (name, size, memory), ts in times.items():
         med = statistics.median(ts)

@@ -33,6 +33,9 @@ DATA_MPI, ERROR_MPI, BYE_MPI = 1, 4, 5
 # doubling up to the second value (only between hosts: a host's ranks ring the shm doorbell);
 # the mpi rail's receiving thread polls for chunks the same way
 _CTS_POLL_S, _CTS_POLL_MAX_S = 20e-6, 500e-6
+# a device chunk this small is copied and waited for by the rail thread itself (a few
+# microseconds), saving the hand-off to the thread that waits for longer copies
+INLINE_COPY_BYTES = 256 << 10
 
 
 class RailThreads:
@@ -119,7 +122,11 @@ class RailThreads:
                     # so the copy engine always has the next chunk waiting
                     ch.shm_out.register_with_gpu(self._gpu.device)
                     event = self._gpu.copy_to_host_async(target, src, op.ready)
-                    ch.signals(self).put((event, link, slot, op, idx, off, n))
+                    item = (event, link, slot, op, idx, off, n)
+                    if _short(n, op):
+                        self._announce(*item)  # a short copy: no hand-off to the signaller
+                    else:
+                        ch.signals(self).put(item)
                     return False
                 link.send(R.SLOT, slot, op.remote, idx, off, n)
             except BaseException:
@@ -140,13 +147,17 @@ class RailThreads:
             item = signals.get()
             if item is _STOP:
                 return
-            event, link, slot, op, idx, off, n = item
-            try:
-                event.synchronize()
-                link.send(R.SLOT, slot, op.remote, idx, off, n)
-                op.count(idx)
-            except BaseException as exc:
-                op.fail(exc)
+            self._announce(*item)
+
+    def _announce(self, event: Any, link: R.Link, slot: int, op: _Op, idx: int, off: int,
+                  n: int) -> None:  # fmt: skip
+        """Once a chunk's copy into its slot has finished, tell the receiver where it is."""
+        try:
+            event.synchronize()
+            link.send(R.SLOT, slot, op.remote, idx, off, n)
+            op.count(idx)
+        except BaseException as exc:
+            op.fail(exc)
 
     def _complete_loop(self, ch: _Channel) -> None:
         """Device chunks read from shared slots: hand each slot back once its copy has finished."""
@@ -156,14 +167,18 @@ class RailThreads:
             item = completions.get()
             if item is _STOP:
                 return
-            event, link, slot, op, op_id, idx = item
-            try:
-                if event is not None:
-                    event.synchronize()
-                link.send(R.FREE, slot, op_id, idx, 0, 0)
-                op.count(idx)
-            except BaseException as exc:
-                op.fail(exc)
+            self._hand_back(*item)
+
+    def _hand_back(self, event: Any, link: R.Link, slot: int, op: _Op, op_id: int,
+                   idx: int) -> None:  # fmt: skip
+        """Once a chunk's copy out of its slot has finished, give the slot back."""
+        try:
+            if event is not None:
+                event.synchronize()
+            link.send(R.FREE, slot, op_id, idx, 0, 0)
+            op.count(idx)
+        except BaseException as exc:
+            op.fail(exc)
 
     @contextlib.contextmanager
     def _staged(self, src: Region, op: _Op) -> Any:
@@ -211,7 +226,11 @@ class RailThreads:
                         ch.shm_in.register_with_gpu(self._gpu.device)
                         event = self._gpu.copy_from_host_async(op.region.sub(off, n),
                                                                ch.shm_in.view(slot, n), op.ready)  # fmt: skip
-                        ch.completions(self).put((event, link, slot, op, op_id, idx))
+                        item = (event, link, slot, op, op_id, idx)
+                        if _short(n, op):
+                            self._hand_back(*item)  # a short copy: no hand-off
+                        else:
+                            ch.completions(self).put(item)
                         continue
                     if op is not None and not op.done.is_set():
                         self._deliver(op, off, ch.shm_in.view(slot, n))
@@ -337,6 +356,12 @@ class RailThreads:
                 break
             if item is not _STOP:
                 item[0].fail(exc)
+
+
+def _short(n: int, op: _Op) -> bool:
+    """Whether a rail thread may wait for a chunk's copy itself: a small one that waits for
+    nothing the caller queued before (else it could hold the link for as long as that runs)."""
+    return n <= INLINE_COPY_BYTES and (op.ready is None or bool(op.ready.done))
 
 
 def _size_mismatch(peer: int, sent: int, expected: int) -> MismatchError:
