@@ -492,3 +492,38 @@ def test_repeated_small_in_place_all_reduce(comm, shared_seed, errors):
         want = ops[op](data.astype(np.float64), axis=0)
         errors.expect(np.array_equal(x.astype(np.float64), want), f"step {step} {dtype} {op}")
     errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_use_local_device_follows_the_topology(comm, errors, monkeypatch):
+    """use_local_device makes device (node rank mod visible devices) current in CuPy and torch,
+    the device the topology assigns the rank; with no GPU it changes nothing and returns None.
+    The libraries are stand-ins that record what they were told."""
+    import importlib.machinery
+    import sys
+    import types
+
+    from mpi4py import MPI
+
+    from hetcomm import topology
+
+    told: dict[str, int] = {}
+    fake_cupy = types.ModuleType("cupy")
+    fake_cupy.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
+    fake_cupy.cuda = types.SimpleNamespace(Device=lambda i: types.SimpleNamespace(
+        use=lambda: told.__setitem__("cupy", i)))  # fmt: skip
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: told.__setitem__("torch", i))
+    monkeypatch.setattr(topology, "detect_vendor", lambda: ("nvidia", 3))
+    index = topology.use_local_device(comm.mpi)
+    node = comm.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    want = node.Get_rank() % 3
+    node.Free()
+    errors.expect(index == want and told == {"cupy": want, "torch": want},
+                  f"use_local_device gave {index}, told {told}, expected {want}")
+    told.clear()
+    monkeypatch.setattr(topology, "detect_vendor", lambda: ("cpu", 0))
+    errors.expect(topology.use_local_device(comm.mpi) is None and not told,
+                  f"no GPU: told {told}")
+    errors.verify()
