@@ -353,20 +353,45 @@ class StagedTransport(RailThreads, Transport):
 
     def start_send(self, peer: int, region: Region, kind: int, k1: int, k2: int,
                    deadline: float, ready: Any = None) -> _Op:  # fmt: skip
-        """Wait for `peer`'s clear-to-send, then queue every chunk on the peer's rails."""
+        """Queue every chunk of a message on the peer's rails once `peer`'s clear-to-send is
+        here: at once if it is; where it rings the shm doorbell, by the thread that files it
+        (this one returns at once); else (over MPI) after waiting for it here."""
         if peer == self.rank:
             return self._send_to_self(region, kind, k1, k2, deadline, ready)
         ch = self.channel(peer, deadline)
-        remote, expected = self._await_cts(peer, kind, k1, k2, deadline)
         spans = chunk_spans(region.nbytes, self.chunk_bytes)
         op = _Op(peer, region, spans, ready=ready, left=len(spans))
         self._count(len(spans))
-        self._queue_send(ch, op, remote, expected)
+        doorbell = self._doorbell(peer)
+        entry = None
+        if doorbell is not None:
+            key = (peer, kind, k1, k2)
+            with self._inbox_cond:
+                # alive is read under the lock that _wake_senders takes: a doorbell that goes
+                # later finds this send registered and fails it
+                if doorbell.alive:
+                    filed = self._inbox.get(key)
+                    if filed:
+                        entry = filed.pop(0)
+                        if not filed:
+                            del self._inbox[key]
+                    else:
+                        op.awaiting_cts = True
+                        self._waiting_sends[key] = (ch, op)
+                        return op
+        if entry is None:  # over MPI, or the doorbell is gone (this raises, naming it)
+            entry = self._await_cts(peer, kind, k1, k2, deadline)
+        self._queue_send(ch, op, *entry)
         return op
+
+    def _unwait(self, peer: int, kind: int, k1: int, k2: int) -> None:
+        """Forget a send that waited for its clear-to-send in vain (timed out)."""
+        with self._inbox_cond:
+            self._waiting_sends.pop((peer, kind, k1, k2), None)
 
     def _queue_send(self, ch: _Channel, op: _Op, remote: int, expected: int) -> None:
         """The receiver's clear-to-send is here: queue every chunk of `op` on its rails."""
-        op.remote = remote
+        op.remote, op.awaiting_cts = remote, False
         if expected != op.region.nbytes:
             exc = MismatchError(f"rank {self.rank} sends {op.region.nbytes} bytes, rank "
                                 f"{op.peer} receives {expected}")  # fmt: skip
@@ -543,30 +568,14 @@ class StagedTransport(RailThreads, Transport):
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
         region = self._region(x)
         k = self._p2p_number("send", dst, tag)
-        ch = self._on_calling_thread(dst)
-        if ch is not None:
+        if self._on_calling_thread(dst) is not None:
             # no driver: the chunks are queued here if the receive is posted already, else by
             # the thread that files its clear-to-send
-            op = _Op(dst, region, chunk_spans(region.nbytes, self.chunk_bytes),
-                     ready=self._ready(x))  # fmt: skip
-            op.left = len(op.spans)
-            key = (dst, CTS_P2P, tag, k)
-            with self._inbox_cond:
-                filed = self._inbox.get(key)
-                entry = filed.pop(0) if filed else None
-                if filed == []:
-                    del self._inbox[key]
-                if entry is None:
-                    self._waiting_sends[key] = (ch, op)
-            if entry is not None:
-                self._queue_send(ch, op, *entry)
-
-            def unwait() -> None:
-                with self._inbox_cond:
-                    self._waiting_sends.pop(key, None)
-
-            return self._op_work("send", seq, x, op, unwait,
-                                 f"rank {dst} never posted the matching receive")
+            deadline = time.monotonic() + self.timeout
+            op = self.start_send(dst, region, CTS_P2P, tag, k, deadline, self._ready(x))
+            return self._op_work("send", seq, x, op,
+                                 lambda: self._unwait(dst, CTS_P2P, tag, k),
+                                 f"rank {dst} never posted the matching receive")  # fmt: skip
 
         def body(deadline: float, ready: Any) -> None:
             self.start_send(dst, region, CTS_P2P, tag, k, deadline, ready).wait(deadline)

@@ -38,6 +38,7 @@ class _Op:
     region: Region
     spans: list[tuple[int, int]]
     remote: int = -1  # the receiver's op id (sends)
+    awaiting_cts: bool = False  # a send still waiting for the receiver's clear-to-send
     ready: Any = None  # device event the copies must wait for
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -63,6 +64,9 @@ class _Op:
 
     def wait(self, deadline: float) -> None:
         if not self.done.wait(max(0.0, deadline - time.monotonic())):
+            if self.awaiting_cts:
+                raise PeerTimeout([self.peer], f"rank {self.peer} never posted the matching "
+                                               "receive")  # fmt: skip
             raise PeerTimeout([self.peer], f"no progress with rank {self.peer}")
         if self.error is not None:
             raise self.error
