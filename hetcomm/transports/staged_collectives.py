@@ -96,12 +96,43 @@ def _ring_all_gather(t: StagedTransport, seq: int, first_step: int, blocks: list
                    blocks[(r - s - 1) % n], deadline, ready)  # fmt: skip
 
 
+# all_reduce of at most this many bytes over a power-of-two group: recursive doubling
+# (log2(n) exchanges of the whole buffer) instead of the ring's 2(n-1) exchanges of blocks,
+# since a small operation's time is the number of its steps
+DOUBLING_MAX_BYTES = 256 << 10
+
+
+def _doubling(t: StagedTransport, seq: int, acc: Region, local: _Local, dtype: str,
+              op: ReduceOp, deadline: float, ready: Any) -> None:  # fmt: skip
+    """Recursive doubling: at step k, swap `acc` with rank r XOR 2^k and combine. Both
+    partners combine the same two values (IEEE sums, products, minima and maxima commute), so
+    every rank ends with the same bits."""
+    n, r = t.size, t.rank
+    tmp = local.temp(acc.nbytes, acc)
+    # each step opens its partner's channel when it first needs it: the two ranks of a pair
+    # ask for each other at the same step, so no opening waits on a third rank (all partners
+    # at once could, with a send to one of them opening the same channel meanwhile)
+    for step, partner in enumerate(r ^ (1 << k) for k in range(n.bit_length() - 1)):
+        t.exchange(seq, step, partner, acc, partner, tmp, deadline, ready)
+        local.combine(acc, tmp, dtype, op)
+
+
 def all_reduce(t: StagedTransport, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Body:
-    """Ring reduce-scatter then ring all-gather: each rank sends 2(n-1)/n of the data."""
+    """Ring reduce-scatter then ring all-gather: each rank sends 2(n-1)/n of the data; small
+    operations over a power-of-two group by recursive doubling instead."""
     xr, orr = t._region(x), t._region(out)
+    n = t.size
+    doubling = n > 1 and n & (n - 1) == 0 and xr.nbytes <= DOUBLING_MAX_BYTES
 
     def body(deadline: float, ready: Any) -> None:
         local = _Local(t, ready)
+        if doubling:
+            if out is not x:
+                local.copy(orr, xr)
+            _doubling(t, seq, orr, local, x.dtype, op, deadline, ready)
+            if op is ReduceOp.AVG:
+                local.divide(orr, n, x.dtype)
+            return
         _ring(t, deadline)
         if out is not x:
             local.copy(orr, xr)
