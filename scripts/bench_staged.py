@@ -7,7 +7,6 @@ mpirun -n 2 python -m mpi4py scripts/bench_staged.py latency OUT.json
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -15,7 +14,7 @@ from typing import Any
 
 import cupy
 import numpy as np
-from bench_direct import back_to_back, gpu_seconds, median_time, memcpy
+from bench_direct import _save, back_to_back, gpu_seconds, median_time, memcpy
 from mpi4py import MPI
 
 import hetcomm
@@ -122,11 +121,7 @@ def p2p(out: str) -> None:
     rows.append({"case": "pinned device->host copy", "bytes": nbytes, "GBps": copy / 1e9})
     rows.append({"case": "pinned copies both ways at once (each way)", "bytes": nbytes,
                  "GBps": both / 1e9})
-    if r == 0:
-        with open(out, "w") as f:
-            json.dump({"rows": rows}, f, indent=1)
-        for row in rows:
-            print(row)
+    _save(out, rows, r)
 
 
 def allreduce(out: str) -> None:
@@ -158,11 +153,7 @@ def allreduce(out: str) -> None:
                  "algbw": nbytes / med / 1e9, "busbw": nbytes / med / 1e9 * factor,
                  "spread": spread, "ok": True})
     comm.close()
-    if r == 0:
-        with open(out, "w") as f:
-            json.dump({"rows": rows}, f, indent=1)
-        for row in rows:
-            print(row)
+    _save(out, rows, r)
 
 
 def latency(out: str) -> None:
@@ -217,11 +208,7 @@ def latency(out: str) -> None:
                      "time_us": med * 1e6, "GBps": size / med / 1e9,
                      "spread": (max(ts) - min(ts)) / med, "ok": True})
     comm.close()
-    if r == 0:
-        with open(out, "w") as f:
-            json.dump({"rows": rows}, f, indent=1)
-        for row in rows:
-            print(row)
+    _save(out, rows, r)
 
 
 if __name__ == "__main__":
