@@ -389,6 +389,17 @@ class StagedTransport(RailThreads, Transport):
         with self._inbox_cond:
             self._waiting_sends.pop((peer, kind, k1, k2), None)
 
+    def send_and_wait(self, peer: int, region: Region, kind: int, k1: int, k2: int,
+                      deadline: float, ready: Any = None) -> None:  # fmt: skip
+        """start_send, then wait until every chunk has gone; a send that times out waiting
+        for its clear-to-send is forgotten, so a late one cannot start it."""
+        op = self.start_send(peer, region, kind, k1, k2, deadline, ready)
+        try:
+            op.wait(deadline)
+        except PeerTimeout:
+            self._unwait(peer, kind, k1, k2)
+            raise
+
     def _queue_send(self, ch: _Channel, op: _Op, remote: int, expected: int) -> None:
         """The receiver's clear-to-send is here: queue every chunk of `op` on its rails."""
         op.remote, op.awaiting_cts = remote, False
@@ -578,7 +589,7 @@ class StagedTransport(RailThreads, Transport):
                                  f"rank {dst} never posted the matching receive")  # fmt: skip
 
         def body(deadline: float, ready: Any) -> None:
-            self.start_send(dst, region, CTS_P2P, tag, k, deadline, ready).wait(deadline)
+            self.send_and_wait(dst, region, CTS_P2P, tag, k, deadline, ready)
 
         return self._run("send", seq, [x], body)
 
@@ -606,7 +617,7 @@ class StagedTransport(RailThreads, Transport):
         if into is not None:
             rop = self.post_recv(recv_from, into, CTS_COLL, seq, step, deadline, ready)
         if out is not None:
-            self.start_send(send_to, out, CTS_COLL, seq, step, deadline, ready).wait(deadline)
+            self.send_and_wait(send_to, out, CTS_COLL, seq, step, deadline, ready)
         if rop is not None:
             self.finish_recv(rop, deadline)
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..ops import ReduceOp
 from .staged import CTS_COLL, Region
+from .staged_ops import PeerTimeout
 from .staged_schedule import block_spans, chunk_spans
 
 if TYPE_CHECKING:
@@ -214,8 +215,12 @@ def broadcast(t: StagedTransport, x: Buffer, root: int, seq: int) -> Body:
                 t.finish_recv(recvs[k], deadline)
             if pos < n - 1:
                 sends.append(t.start_send(right, s, CTS_COLL, seq, k, deadline, ready))
-        for op in sends:
-            op.wait(deadline)
+        for k, op in enumerate(sends):
+            try:
+                op.wait(deadline)
+            except PeerTimeout:
+                t._unwait(right, CTS_COLL, seq, k)
+                raise
 
     return body
 

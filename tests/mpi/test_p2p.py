@@ -162,3 +162,35 @@ def test_staged_send_recv_start_on_the_calling_thread(make_comm, rng, errors):
         errors += compare(got, data, "received")
     errors.verify()
 
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("opened", [False, True], ids=["first message", "open channel"])
+def test_staged_send_without_a_receive_times_out_naming_it(make_comm, errors, opened):
+    """A staged send whose receive is never posted fails with CommTimeout saying so, whether a
+    driver thread runs it (the first message to a peer: the peer opens the channel with a
+    receive of another tag, which times out too) or the calling thread, and leaves nothing
+    behind that a late clear-to-send could start."""
+    comm = make_comm(transport="staged", timeout=3)
+    if opened and comm.rank < 2:
+        if comm.rank == 0:
+            comm.send(np.ones(4), 1)
+        else:
+            comm.recv(np.empty(4), 0)
+    if comm.rank == 0:
+        try:
+            # the wait outlasts the transport's own limit (3 s), whose error names the cause
+            comm.send(np.ones(4), 1, tag=5, timeout=10)
+            errors.expect(False, "the send completed without a receive")
+        except hetcomm.CommTimeout as exc:
+            errors.expect("never posted the matching receive" in str(exc), f"said: {exc}")
+        staged = comm._transports["staged"]
+        errors.expect(not staged._waiting_sends, f"left behind: {staged._waiting_sends}")
+    elif comm.rank == 1 and not opened:
+        try:
+            comm.recv(np.empty(4), 0, tag=6, timeout=10)
+            errors.expect(False, "a receive of a tag never sent completed")
+        except hetcomm.CommTimeout:
+            pass
+    comm.mpi.Barrier()
+    errors.verify()
