@@ -24,8 +24,6 @@ from . import Transport
 from . import rails as R
 from .staged_ops import _STOP, PeerTimeout, Region, _Drivers, _Op
 from .staged_rails import (
-    _CTS_POLL_MAX_S,
-    _CTS_POLL_S,
     BYE_MPI,
     ERROR_MPI,
     TAG_HEAD,
@@ -46,7 +44,7 @@ log = logging.getLogger("hetcomm")
 CHUNK_BYTES = 8 << 20
 SLOTS = 8
 SHM_LANES = 2  # threads feeding one shm rail, so that one stages while the other signals
-TAG_CTRL, TAG_HELLO = 11, 12  # TAG_HEAD, TAG_BODY: staged_rails
+TAG_HELLO = 12  # TAG_CTRL: staged_cts; TAG_HEAD, TAG_BODY: staged_rails
 CTS_P2P, CTS_COLL = 1, 2
 
 
@@ -152,8 +150,6 @@ class StagedTransport(RailThreads, Transport):
         self._op_ids = itertools.count(1)
         self._inbox: dict[tuple[int, int, int, int], list[tuple[int, int]]] = {}
         self._inbox_cond = threading.Condition()
-        # sends made on the calling thread that wait for their clear-to-send: the thread that
-        # files it queues their chunks (see send)
         self._waiting_sends: dict[tuple[int, int, int, int], tuple[_Channel, _Op]] = {}
         self._p2p_counts: dict[tuple[str, int, int], int] = {}
         self._driver = _Drivers(4, f"hetcomm-staged-{self.rank}")
@@ -167,83 +163,6 @@ class StagedTransport(RailThreads, Transport):
     @classmethod
     def unavailable(cls, topology: Topology) -> str | None:
         return None  # host memory always works; device memory needs cupy (checked per call)
-
-    # ---- control: clear-to-send messages --------------------------------------------------
-    # A receive tells its sender "clear to send" over the unix socket of their shm rail where
-    # they have one, and the socket's reader thread files it: no polling, no MPI. Between
-    # hosts it goes over MPI, and the sender's waiting thread receives it there itself, so no
-    # thread of this transport sits in a blocking MPI call: one would keep a core spinning for
-    # as long as it waits (and on a machine with fewer cores than threads, stall the rest).
-
-    def _doorbell(self, peer: int) -> R.Link | None:
-        """The link that carries `peer`'s clear-to-send messages: the shm rail's socket, or
-        None (MPI). Both ranks of a pair see the same rails, so they agree on it."""
-        ch = self._channels.get(peer)
-        if ch is not None:
-            for link in ch.links:
-                if link.spec.kind == "shm":
-                    return link
-        return None
-
-    def _send_cts(self, peer: int, kind: int, k1: int, k2: int, op_id: int, nbytes: int) -> None:
-        if peer == self.rank:
-            self._file_cts(peer, kind, k1, k2, op_id, nbytes)
-            return
-        link = self._doorbell(peer)
-        if link is not None:
-            link.send(R.CTS, kind, op_id, k1, k2, nbytes)
-            return
-        self.svc.Send(np.array([kind, k1, k2, op_id, nbytes, 0], dtype=np.int64), peer, TAG_CTRL)
-
-    def _take_mpi_cts(self) -> int:
-        """File every clear-to-send that has arrived over MPI; how many there were. Matched
-        probes, so that several waiting threads never receive the same message."""
-        taken = 0
-        msg = np.zeros(6, dtype=np.int64)
-        status = MPI.Status()
-        while True:
-            found = self.svc.Improbe(source=MPI.ANY_SOURCE, tag=TAG_CTRL, status=status)
-            if found is None:
-                return taken
-            found.Recv(msg)
-            kind, k1, k2, op_id, nbytes = (int(v) for v in msg[:5])
-            self._file_cts(status.Get_source(), kind, k1, k2, op_id, nbytes)
-            taken += 1
-
-    def _await_cts(self, peer: int, kind: int, k1: int, k2: int,
-                   deadline: float) -> tuple[int, int]:  # fmt: skip
-        key = (peer, kind, k1, k2)
-        doorbell = self._doorbell(peer) if peer != self.rank else None
-        by_mpi = peer != self.rank and doorbell is None
-        pause = _CTS_POLL_S
-        with self._inbox_cond:
-            while not self._inbox.get(key):
-                if self._closed:
-                    raise HetcommError("the staged transport was closed while waiting to send")
-                if doorbell is not None and not doorbell.alive:
-                    # the peer closed its transport or died: its receive can never come
-                    ch = self._channels[peer]
-                    why = "; ".join(ch.dead) or "the peer closed it"
-                    raise HetcommError(f"send to rank {peer}: its shm rail is gone ({why}) "
-                                       "while waiting for the matching receive")  # fmt: skip
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise PeerTimeout([peer], f"rank {peer} never posted the matching receive")
-                if not by_mpi:
-                    self._inbox_cond.wait(min(left, 0.5))
-                    continue
-                self._inbox_cond.release()
-                try:
-                    taken = self._take_mpi_cts()
-                finally:
-                    self._inbox_cond.acquire()
-                if not taken and not self._inbox.get(key):
-                    self._inbox_cond.wait(min(left, pause))
-                    pause = min(2 * pause, _CTS_POLL_MAX_S)
-            entry = self._inbox[key].pop(0)
-            if not self._inbox[key]:
-                del self._inbox[key]
-            return entry
 
     # ---- channels ----------------------------------------------------------------------------
 
@@ -362,42 +281,18 @@ class StagedTransport(RailThreads, Transport):
         spans = chunk_spans(region.nbytes, self.chunk_bytes)
         op = _Op(peer, region, spans, ready=ready, left=len(spans))
         self._count(len(spans))
-        doorbell = self._doorbell(peer)
-        entry = None
-        if doorbell is not None:
-            key = (peer, kind, k1, k2)
-            with self._inbox_cond:
-                # alive is read under the lock that _wake_senders takes: a doorbell that goes
-                # later finds this send registered and fails it
-                if doorbell.alive:
-                    filed = self._inbox.get(key)
-                    if filed:
-                        entry = filed.pop(0)
-                        if not filed:
-                            del self._inbox[key]
-                    else:
-                        op.awaiting_cts = True
-                        self._waiting_sends[key] = (ch, op)
-                        return op
-        if entry is None:  # over MPI, or the doorbell is gone (this raises, naming it)
-            entry = self._await_cts(peer, kind, k1, k2, deadline)
-        self._queue_send(ch, op, *entry)
+        entry = self._cts_or_register(ch, op, (peer, kind, k1, k2), deadline)
+        if entry is not None:
+            self._queue_send(ch, op, *entry)
         return op
 
-    def _unwait(self, peer: int, kind: int, k1: int, k2: int) -> None:
-        """Forget a send that waited for its clear-to-send in vain (timed out)."""
-        with self._inbox_cond:
-            self._waiting_sends.pop((peer, kind, k1, k2), None)
-
-    def send_and_wait(self, peer: int, region: Region, kind: int, k1: int, k2: int,
-                      deadline: float, ready: Any = None) -> None:  # fmt: skip
-        """start_send, then wait until every chunk has gone; a send that times out waiting
-        for its clear-to-send is forgotten, so a late one cannot start it."""
-        op = self.start_send(peer, region, kind, k1, k2, deadline, ready)
+    def finish_send(self, op: _Op, deadline: float) -> None:
+        """Wait until every chunk of `op` has gone; a send that times out waiting for its
+        clear-to-send is forgotten, so that a late one cannot start it."""
         try:
             op.wait(deadline)
         except PeerTimeout:
-            self._unwait(peer, kind, k1, k2)
+            self._unwait(op)
             raise
 
     def _queue_send(self, ch: _Channel, op: _Op, remote: int, expected: int) -> None:
@@ -481,14 +376,7 @@ class StagedTransport(RailThreads, Transport):
         Its `info` (for the trace) counts as stages the chunks this rank sends and receives
         over rails; `nbytes` is the operation's size (default: the first buffer's).
         """
-        gpu = self._device(bufs)
-        ready = None
-        if gpu is not None:
-            if reduce_op is not None:
-                gpu.prepare(bufs[0].dtype, reduce_op.value)
-            # the copies wait for the caller's queued work; the caller's later work is ordered
-            # by Work.wait() returning after every copy has finished (see docs/staged.md)
-            ready = gpu.ready_event(bufs[0])
+        ready = self._ready(bufs, reduce_op)
         deadline = time.monotonic() + self.timeout
         info = {"transport": "staged", "bytes": bufs[0].nbytes if nbytes is None else nbytes,
                 "stages": 0}  # fmt: skip
@@ -539,32 +427,31 @@ class StagedTransport(RailThreads, Transport):
             self._p2p_counts[key] = k + 1
         return k
 
-    def _on_calling_thread(self, peer: int) -> _Channel | None:
-        """The channel to `peer` when a send or receive can start on the calling thread: it
-        is open and rings the shm doorbell, so nothing there blocks (else a driver runs it)."""
-        ch = self._channels.get(peer)
-        if ch is None or self._closed:
-            return None
+    def _on_calling_thread(self, peer: int) -> bool:
+        """Whether a send to or receive from `peer` can start on the calling thread: their
+        channel is open and rings the shm doorbell, so nothing there blocks (else a driver
+        runs it; the first message opens the channel, which both ranks do together)."""
+        if peer not in self._channels or self._closed:
+            return False
         doorbell = self._doorbell(peer)
-        return ch if doorbell is not None and doorbell.alive else None
+        return doorbell is not None and doorbell.alive
 
-    def _op_work(self, name: str, seq: int, x: Buffer, op: _Op, cleanup: Callable[[], None],
-                 missing: str) -> Work:  # fmt: skip
+    def _op_work(self, name: str, seq: int, x: Buffer, op: _Op, deadline: float,
+                 cleanup: Callable[[], None]) -> Work:  # fmt: skip
         """The Work of a message started on the calling thread: done when `op` is, failing
-        with CommTimeout (naming the peer) when the transport's timeout passes first."""
-        deadline = time.monotonic() + self.timeout
+        with CommTimeout (naming the peer and why) when `deadline` passes first; `cleanup`
+        runs once it ends either way."""
 
         def poll() -> bool:
-            if not op.done.is_set():
-                if time.monotonic() < deadline:
-                    return False
+            if not op.done.is_set() and time.monotonic() < deadline:
+                return False
+            try:
+                op.wait(deadline)  # past the deadline it does not block
+            except PeerTimeout as exc:
+                raise CommTimeout(self.comm.name, name, seq, self.timeout, exc.ranks,
+                                  str(exc)) from None  # fmt: skip
+            finally:
                 cleanup()
-                if not op.done.is_set():
-                    raise CommTimeout(self.comm.name, name, seq, self.timeout, [op.peer],
-                                      missing)  # fmt: skip
-            cleanup()
-            if op.error is not None:
-                raise op.error
             return True
 
         work = Work(self.comm, name, seq, poll,
@@ -572,37 +459,43 @@ class StagedTransport(RailThreads, Transport):
         work.info = {"transport": "staged", "bytes": x.nbytes, "stages": len(op.spans)}
         return work
 
-    def _ready(self, x: Buffer) -> Any:
-        gpu = self._device([x])
-        return gpu.ready_event(x) if gpu is not None else None
+    def _ready(self, bufs: list[Buffer], reduce_op: ReduceOp | None = None) -> Any:
+        """On the calling thread, for device buffers: an event after the caller's queued work,
+        which every copy and kernel of the operation waits for (the caller's later work is
+        ordered by Work.wait() returning after every copy has finished, see docs/staged.md);
+        the kernels a reduction needs are compiled first. None for host buffers."""
+        gpu = self._device(bufs)
+        if gpu is None:
+            return None
+        if reduce_op is not None:
+            gpu.prepare(bufs[0].dtype, reduce_op.value)
+        return gpu.ready_event(bufs[0])
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
         region = self._region(x)
         k = self._p2p_number("send", dst, tag)
-        if self._on_calling_thread(dst) is not None:
+        if self._on_calling_thread(dst):
             # no driver: the chunks are queued here if the receive is posted already, else by
             # the thread that files its clear-to-send
             deadline = time.monotonic() + self.timeout
-            op = self.start_send(dst, region, CTS_P2P, tag, k, deadline, self._ready(x))
-            return self._op_work("send", seq, x, op,
-                                 lambda: self._unwait(dst, CTS_P2P, tag, k),
-                                 f"rank {dst} never posted the matching receive")  # fmt: skip
+            op = self.start_send(dst, region, CTS_P2P, tag, k, deadline, self._ready([x]))
+            return self._op_work("send", seq, x, op, deadline, lambda: self._unwait(op))
 
         def body(deadline: float, ready: Any) -> None:
-            self.send_and_wait(dst, region, CTS_P2P, tag, k, deadline, ready)
+            self.finish_send(self.start_send(dst, region, CTS_P2P, tag, k, deadline, ready),
+                             deadline)  # fmt: skip
 
         return self._run("send", seq, [x], body)
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
         region = self._region(x)
         k = self._p2p_number("recv", src, tag)
-        if self._on_calling_thread(src) is not None:
+        if self._on_calling_thread(src):
             # no driver: the clear-to-send goes out from here, and the Work completes when
             # the thread that lands the last chunk says so
             deadline = time.monotonic() + self.timeout
-            op = self.post_recv(src, region, CTS_P2P, tag, k, deadline, self._ready(x))
-            return self._op_work("recv", seq, x, op, lambda: self._forget(op),
-                                 f"no progress with rank {src}")
+            op = self.post_recv(src, region, CTS_P2P, tag, k, deadline, self._ready([x]))
+            return self._op_work("recv", seq, x, op, deadline, lambda: self._forget(op))
 
         def body(deadline: float, ready: Any) -> None:
             op = self.post_recv(src, region, CTS_P2P, tag, k, deadline, ready)
@@ -617,7 +510,8 @@ class StagedTransport(RailThreads, Transport):
         if into is not None:
             rop = self.post_recv(recv_from, into, CTS_COLL, seq, step, deadline, ready)
         if out is not None:
-            self.send_and_wait(send_to, out, CTS_COLL, seq, step, deadline, ready)
+            self.finish_send(self.start_send(send_to, out, CTS_COLL, seq, step, deadline, ready),
+                             deadline)  # fmt: skip
         if rop is not None:
             self.finish_recv(rop, deadline)
 

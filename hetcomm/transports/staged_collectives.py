@@ -10,7 +10,6 @@ import numpy as np
 
 from ..ops import ReduceOp
 from .staged import CTS_COLL, Region
-from .staged_ops import PeerTimeout
 from .staged_schedule import block_spans, chunk_spans
 
 if TYPE_CHECKING:
@@ -215,12 +214,8 @@ def broadcast(t: StagedTransport, x: Buffer, root: int, seq: int) -> Body:
                 t.finish_recv(recvs[k], deadline)
             if pos < n - 1:
                 sends.append(t.start_send(right, s, CTS_COLL, seq, k, deadline, ready))
-        for k, op in enumerate(sends):
-            try:
-                op.wait(deadline)
-            except PeerTimeout:
-                t._unwait(right, CTS_COLL, seq, k)
-                raise
+        for op in sends:
+            t.finish_send(op, deadline)
 
     return body
 

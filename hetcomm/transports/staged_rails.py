@@ -10,7 +10,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,6 +17,7 @@ from mpi4py import MPI
 
 from ..errors import HetcommError, MismatchError
 from . import rails as R
+from .staged_cts import _CTS_POLL_MAX_S, _CTS_POLL_S, ClearToSend
 from .staged_ops import _STOP, Region, _Op
 
 if TYPE_CHECKING:
@@ -29,16 +29,12 @@ log = logging.getLogger("hetcomm")
 TAG_HEAD, TAG_BODY = 13, 14
 # kinds of the mpi rail's headers
 DATA_MPI, ERROR_MPI, BYE_MPI = 1, 4, 5
-# a sender waiting for a clear-to-send over MPI polls for it, first after this many seconds,
-# doubling up to the second value (only between hosts: a host's ranks ring the shm doorbell);
-# the mpi rail's receiving thread polls for chunks the same way
-_CTS_POLL_S, _CTS_POLL_MAX_S = 20e-6, 500e-6
 # a device chunk this small is copied and waited for by the rail thread itself (a few
 # microseconds), saving the hand-off to the thread that waits for longer copies
 INLINE_COPY_BYTES = 256 << 10
 
 
-class RailThreads:
+class RailThreads(ClearToSend):
     """The rail threads of StagedTransport, which sets the attributes declared here."""
 
     rank: int
@@ -49,23 +45,8 @@ class RailThreads:
     _gpu: Any
     _lock: threading.Lock
     _ops: dict[int, _Op]
-    _inbox: dict[tuple[int, int, int, int], list[tuple[int, int]]]
-    _inbox_cond: threading.Condition
-    _waiting_sends: dict[tuple[int, int, int, int], tuple[_Channel, _Op]]
-    _queue_send: Callable[[_Channel, _Op, int, int], None]
     _stats_lock: threading.Lock
     _mpi_rail: threading.Thread | None
-
-    def _file_cts(self, src: int, kind: int, k1: int, k2: int, op_id: int, nbytes: int) -> None:
-        """A clear-to-send has arrived: start the send that waits for it on this thread, or
-        file it for a sender to take."""
-        with self._inbox_cond:
-            waiting = self._waiting_sends.pop((src, kind, k1, k2), None)
-            if waiting is None:
-                self._inbox.setdefault((src, kind, k1, k2), []).append((op_id, nbytes))
-                self._inbox_cond.notify_all()
-                return
-        self._queue_send(*waiting, op_id, nbytes)
 
     def _send_loop(self, ch: _Channel, link: R.Link | None) -> None:
         window = ch.windows.get(link.spec.index) if link is not None else None
@@ -245,19 +226,6 @@ class RailThreads:
                 log.error("rank %d: receiving from rank %d failed: %s", self.rank, ch.peer, exc)
                 self._rail_down(ch, link, exc)
                 return
-
-    def _wake_senders(self) -> None:
-        """Let senders waiting for a clear-to-send look again (a link has just gone); sends
-        waiting on a doorbell that has gone fail now, naming it."""
-        with self._inbox_cond:
-            self._inbox_cond.notify_all()
-            gone = [(key, ch) for key, (ch, _) in self._waiting_sends.items()
-                    if not any(link.alive for link in ch.links if link.spec.kind == "shm")]
-            failed = [(ch, self._waiting_sends.pop(key)[1]) for key, ch in gone]
-        for ch, op in failed:
-            why = "; ".join(ch.dead) or "the peer closed it"
-            op.fail(HetcommError(f"send to rank {ch.peer}: its shm rail is gone ({why}) while "
-                                 "waiting for the matching receive"))  # fmt: skip
 
     def _rail_down(self, ch: _Channel, link: R.Link, exc: BaseException) -> None:
         """A link broke: its unacknowledged chunks go back to the other rails, or, with no
