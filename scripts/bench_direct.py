@@ -3,6 +3,7 @@
 mpirun -n 2 python -m mpi4py scripts/bench_direct.py p2p OUT.json
 mpirun -n 4 python -m mpi4py scripts/bench_direct.py allreduce OUT.json
 mpirun -n 2 python -m mpi4py scripts/bench_direct.py profile OUT.json   (where the time goes)
+mpirun -n 2 python -m mpi4py scripts/bench_direct.py pieces OUT.json   (a send/recv's pieces)
 python scripts/bench_direct.py calls OUT.json   (the calling thread's costs, one rank)
 
 Two timings per case: one operation at a time (barrier, the call, synchronize; the slowest
@@ -271,12 +272,12 @@ def profile(out: str) -> None:
     r = world.Get_rank()
     comm = _comm("direct", r)
     rows = []
-    for case, size in (("send/recv", 8), ("send/recv", 256 * MiB), ("all_reduce", 1024),
-                       ("all_reduce", 256 * MiB)):  # fmt: skip
+    for case, size in (("send/recv", 8), ("send/recv", 64 * 1024), ("send/recv", 256 * MiB),
+                       ("all_reduce", 1024), ("all_reduce", 256 * MiB)):  # fmt: skip
         x = cupy.ones(max(size // 4, 2), dtype=cupy.float32)
         y = cupy.empty_like(x)
-        for i in range(6):
-            direct_proxy.PROFILE = [] if i == 5 else None
+        for i in range(8):  # the last three are profiled
+            direct_proxy.PROFILE = [] if i >= 5 else None
             world.Barrier()
             t0 = time.perf_counter()
             if case == "all_reduce":
@@ -286,15 +287,137 @@ def profile(out: str) -> None:
             elif r == 1:
                 comm.recv(y, 0)
             t1 = time.perf_counter()
-        marks = [(round((t - t0) * 1e6, 1), what) for t, what in direct_proxy.PROFILE or []]
-        rows.append({"case": f"{case} {size} B", "rank": r, "total_us": round((t1 - t0) * 1e6, 1),
-                     "marks_us": marks})
+            if direct_proxy.PROFILE is None:
+                continue
+            marks = [(round((t - t0) * 1e6, 1), what) for t, what in direct_proxy.PROFILE]
+            rows.append({"case": f"{case} {size} B", "rank": r,
+                         "total_us": round((t1 - t0) * 1e6, 1), "marks_us": marks})  # fmt: skip
         direct_proxy.PROFILE = None
     every = world.gather(rows, root=0)
     comm.close()
     if r == 0:
         flat = [row for rank_rows in every for row in rank_rows]
         _save(out, sorted(flat, key=lambda row: (row["case"], row["rank"])), 0)
+
+
+def pieces(out: str) -> None:
+    """The pieces a 64 KiB send/recv between two ranks is made of, each timed alone (medians
+    of 5 rounds): a message each way between the ranks' Python threads, an event recorded on a
+    stream and waited for, a copy through the IPC mapping and its wait, and hetcomm's send/recv
+    as a ping-pong (half a round trip, as osu_latency), direct and staged."""
+    world = MPI.COMM_WORLD
+    r = world.Get_rank()
+    svc = world.Dup()
+    peer = 1 - r
+    rows = []
+    nbytes = 64 * 1024
+    small = bytearray(8)
+
+    def rounds(fn, n: int) -> float:
+        times = []
+        for _ in range(5):
+            world.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            times.append(world.allreduce(time.perf_counter() - t0, op=MPI.MAX) / n)
+        return statistics.median(times)
+
+    def spin(req) -> None:
+        while not req.Test():
+            pass
+
+    def ping() -> None:  # a round trip of 8 bytes through Isend/Irecv and Test, as the proxy
+        if r == 0:
+            spin(svc.Isend(small, 1, 7))
+            spin(svc.Irecv(small, 1, 8))
+        else:
+            spin(svc.Irecv(small, 0, 7))
+            spin(svc.Isend(small, 0, 8))
+
+    rows.append({"case": "MPI message between Python threads, one way",
+                 "us": rounds(ping, 2000) / 2 * 1e6})  # fmt: skip
+    null, own = cupy.cuda.Stream.null, cupy.cuda.Stream(non_blocking=True)
+    for name, stream in (("default stream", null), ("own stream", own)):
+        def record(stream=stream) -> None:
+            e = cupy.cuda.Event(disable_timing=True)
+            e.record(stream)
+            e.synchronize()
+
+        rows.append({"case": f"event recorded on the {name} and waited for",
+                     "us": rounds(record, 2000) * 1e6})  # fmt: skip
+    rows.append({"case": "Device().synchronize()",
+                 "us": rounds(lambda: cupy.cuda.Device().synchronize(), 2000) * 1e6})
+    a = cupy.ones(nbytes, dtype=cupy.uint8)
+    handle = svc.sendrecv(cupy.cuda.runtime.ipcGetMemHandle(a.data.ptr), peer, 0, None, peer, 0)
+    src = cupy.cuda.runtime.ipcOpenMemHandle(handle)
+    b = cupy.empty_like(a)
+
+    def copy() -> None:
+        with own:
+            memcpy(b.data.ptr, src, nbytes)
+        e = cupy.cuda.Event(disable_timing=True)
+        e.record(own)
+        e.synchronize()
+
+    rows.append({"case": "64 KiB copy through the IPC mapping, queued and waited for, both "
+                 "ranks at once", "us": rounds(copy, 1000) * 1e6})  # fmt: skip
+    rows.append({"case": "the same, one rank", "us": rounds(copy if r else (lambda: None), 1000)
+                 * 1e6})  # fmt: skip
+
+    def turns(both: bool) -> None:
+        # a ping-pong of 64 KiB copies: each rank copies in its turn (both), or rank 0 copies
+        # in both directions (through the mapping into rank 1's memory, and back)
+        if r == 0:
+            copy()
+            spin(svc.Isend(small, 1, 7))
+            spin(svc.Irecv(small, 1, 8))
+            if not both:
+                copy()
+        else:
+            spin(svc.Irecv(small, 0, 7))
+            if both:
+                copy()
+            spin(svc.Isend(small, 0, 8))
+
+    rows.append({"case": "64 KiB copies, the ranks' processes in turn (a message between), "
+                 "per copy", "us": rounds(lambda: turns(True), 500) / 2 * 1e6})  # fmt: skip
+    rows.append({"case": "64 KiB copies, all by rank 0's process, per copy",
+                 "us": rounds(lambda: turns(False), 500) / 2 * 1e6})  # fmt: skip
+    world.Barrier()
+    cupy.cuda.runtime.ipcCloseMemHandle(src)
+    for transport in ("direct", "staged"):
+        comm = _comm(transport, r)
+        for size in (8, nbytes):
+            x = cupy.arange(size, dtype=cupy.uint8)
+            y = cupy.zeros(size, dtype=cupy.uint8)
+
+            def pingpong(comm=comm, x=x, y=y) -> None:
+                if r == 0:
+                    comm.send(x, 1)
+                    comm.recv(y, 1)
+                else:
+                    comm.recv(y, 0)
+                    comm.send(y, 0)
+
+            for _ in range(20):
+                pingpong()
+
+            def one(comm=comm, x=x, y=y) -> None:
+                if r == 0:
+                    comm.send(x, 1)
+                else:
+                    comm.recv(y, 0)
+
+            med, spread = median_time(one, world, 41)
+            rows.append({"case": f"{transport} send/recv, one at a time", "bytes": size,
+                         "us": med * 1e6, "spread": round(spread, 3)})  # fmt: skip
+            rows.append({"case": f"{transport} send/recv ping-pong, half a round trip",
+                         "bytes": size, "us": rounds(pingpong, 200) / 2 * 1e6,
+                         "ok": bool(world.allreduce(bool((y == x).all()), op=MPI.LAND))})
+        comm.close()
+    svc.Free()
+    _save(out, rows, r)
 
 
 def calls(out: str) -> None:
@@ -367,5 +490,6 @@ if __name__ == "__main__":
     from hetcomm.topology import use_local_device
 
     use_local_device()
-    {"p2p": p2p, "allreduce": allreduce, "profile": profile, "calls": calls}[sys.argv[1]](
+    {"p2p": p2p, "allreduce": allreduce, "profile": profile, "pieces": pieces,
+     "calls": calls}[sys.argv[1]](
         sys.argv[2])

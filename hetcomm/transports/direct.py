@@ -9,12 +9,18 @@ as kernels that read every peer's memory (kernels/reduce.cu, reduce_peers*).
 
 Ordering across processes relies on MPI messages sent after a stream has been synchronized, never
 on sleeps. The result is visible on the caller's stream once the Work is complete (wait()).
+
+Send/recv: one rank of each pair does the copies (direct_schedule.copier): the receiver, or on a
+shared GPU the lower rank in both directions, which spares the GPU a switch between the two
+processes' contexts per message. The other rank lends its buffer: once its stream has the buffer
+ready it sends the buffer's record, records of one peer and tag strictly in issue order (MPI
+matches them in the order they are sent), and waits for the copier's "done".
 """
 
 from __future__ import annotations
 
 import logging
-import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -37,7 +43,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("hetcomm")
 
 _D2D = 3  # cudaMemcpyDeviceToDevice
-TAG_P2P = 64  # + 2 * user tag: the sender's record; + 1: the receiver's "done"
+# + 4 * user tag: the record of the rank that does not copy a message, then the copier's "done";
+# + 0, + 1 where the receiver copies, + 2, + 3 where the sender does (S.copier)
+TAG_P2P = 64
 # the top 2 * LEAD_TAGS tags: records sent to the one-GPU leader and its "done" replies, by
 # collective number modulo LEAD_TAGS (same-tag messages between two ranks stay in order)
 LEAD_TAGS = 1024
@@ -85,6 +93,9 @@ class DirectTransport(Transport):
         self.svc: MPI.Intracomm = comm.service
         self.device = cupy.cuda.Device().id
         self.peers = P.PeerMap(cupy)
+        self._devices = [r.device for r in comm.topology.ranks]
+        # records of lent buffers not sent yet, per (peer, tag), in issue order
+        self._lent: dict[tuple[int, int], deque[_Lent]] = {}
         self._proxy = DP.Proxy(self.device, cupy, self.svc)
         self._scratch: list[Any] = []  # two one-shot input buffers, used alternately
         self._prepared: set[tuple[str, ReduceOp]] = set()
@@ -119,24 +130,40 @@ class DirectTransport(Transport):
 
     # ---- the calling thread ----------------------------------------------------------------------
 
-    def _queue(self, op: str, seq: int, bufs: tuple[Buffer, ...], nbytes: int,
-               body: Callable[[], Step], collective: bool = True) -> Work:  # fmt: skip
+    def _check(self, op: str, bufs: tuple[Buffer, ...]) -> None:
         for b in bufs:
             if b.device_index != self.device:
                 raise InvalidArgument(
                     f"{op}: group '{self.comm.name}' moves device {self.device}'s memory on "
                     f"this rank, got {b.describe()}; use one device per rank"
                 )
-        cupy = self.cupy
-        ptr = self.kd.current_stream(bufs[0])
+
+    def _caller_stream(self, b: Buffer) -> tuple[Any, bool]:
+        """The stream the caller's work on `b` is ordered on, and whether an operation must
+        wait for it: not for a stream of the caller's own with nothing left to run (the legacy
+        default stream, 0 or 1, also waits for other streams: always)."""
+        ptr = self.kd.current_stream(b)
         stream = self.kd.external_stream(ptr, self.device)
-        ready = None
-        # a stream of the caller's own with nothing left to run: there is nothing to wait for
-        # (the legacy default stream, 0 or 1, also waits for other streams: always an event)
-        if ptr in (0, 1) or not stream.done:
-            with cupy.cuda.Device(self.device):
-                ready = cupy.cuda.Event(disable_timing=True)
-                ready.record(stream)
+        return stream, ptr in (0, 1) or not stream.done
+
+    def _ready(self, b: Buffer) -> Any:
+        """An event where the caller's stream reaches this call, or None if nothing is pending."""
+        stream, pending = self._caller_stream(b)
+        if not pending:
+            return None
+        with self.cupy.cuda.Device(self.device):
+            ready = self.cupy.cuda.Event(disable_timing=True)
+            ready.record(stream)
+        return ready
+
+    def _queue(self, op: str, seq: int, bufs: tuple[Buffer, ...], nbytes: int,
+               body: Callable[[], Step], collective: bool = True,
+               wait_ready: bool = True) -> Work:  # fmt: skip
+        """Hand the operation `body` to the proxy; unless told otherwise (`wait_ready`), it
+        starts once the caller's stream has run what was queued before the call."""
+        DP.stamp("transport")
+        self._check(op, bufs)
+        ready = self._ready(bufs[0]) if wait_ready else None
 
         def run() -> Step:
             if ready is not None:
@@ -144,8 +171,7 @@ class DirectTransport(Transport):
             yield from body()
 
         task = DP.Task(run())
-        if DP.PROFILE is not None:
-            DP.PROFILE.append((time.perf_counter(), "queued"))
+        DP.stamp("queued")
         proxy = self._proxy
         proxy.submit(task, collective, nbytes)
         work = Work(self.comm, op, seq, task.poll,
@@ -427,50 +453,99 @@ class DirectTransport(Transport):
         return Work(self.comm, "barrier", seq, task.poll,
                     waiter=lambda seconds: proxy.wait(task, True, seconds))
 
-    # ---- point-to-point: the receiver pulls from the sender's buffer ---------------------------
+    # ---- point-to-point: one rank of the pair copies (S.copier) ------------------------------
 
-    def _tags(self, tag: int, op: str) -> tuple[int, int]:
+    def _tags(self, tag: int, op: str, pushed: bool) -> tuple[int, int]:
+        """The tags of a message's record and its "done"."""
         top = self._lead_tag - 1
-        if TAG_P2P + 2 * tag + 1 > top:
+        if TAG_P2P + 4 * tag + 3 > top:
             raise InvalidArgument(f"{op}: the direct transport takes tags up to "
-                                  f"{(top - TAG_P2P - 1) // 2}, got {tag}")  # fmt: skip
-        return TAG_P2P + 2 * tag, TAG_P2P + 2 * tag + 1
+                                  f"{(top - TAG_P2P - 3) // 4}, got {tag}")  # fmt: skip
+        base = TAG_P2P + 4 * tag + (2 if pushed else 0)
+        return base, base + 1
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
-        t_rec, t_done = self._tags(tag, "send")
         self._self_check(dst, "send")
-
-        def body() -> Step:
-            rec = self.peers.describe(x.ptr, x.nbytes, [dst])
-            done = np.zeros(1, np.int64)
-            yield [self.svc.Isend(rec.view(np.uint8), dst, t_rec),
-                   self.svc.Irecv(done, dst, t_done)]  # fmt: skip
-            if done[0] != x.nbytes:
-                raise InvalidArgument(f"send: rank {dst} received {done[0]} bytes of this "
-                                      f"{x.nbytes}-byte message (recv with another size)")  # fmt: skip
-
-        return self._queue("send", seq, (x,), x.nbytes, body, collective=False)
+        if S.copier(self.rank, dst, self._devices) == self.rank:
+            return self._copier("send", seq, x, dst, self._tags(tag, "send", True))
+        return self._lender("send", seq, x, dst, self._tags(tag, "send", False))
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
-        t_rec, t_done = self._tags(tag, "recv")
         self._self_check(src, "recv")
-        rec = np.zeros(1, P.RECORD)
-        req = self.svc.Irecv(rec.view(np.uint8), src, t_rec)  # posted in issue order
+        if S.copier(src, self.rank, self._devices) == self.rank:
+            return self._copier("recv", seq, x, src, self._tags(tag, "recv", False))
+        return self._lender("recv", seq, x, src, self._tags(tag, "recv", True))
+
+    def _lender(self, op: str, seq: int, x: Buffer, peer: int, tags: tuple[int, int]) -> Work:
+        """The side of a message that lends its buffer to the peer's copy: once its stream has
+        the buffer ready it sends the buffer's record, after the records of the same peer and
+        tag issued before (_post_in_order), and it ends when the copier says done."""
+        self._check(op, (x,))
+        rec = self.peers.describe(x.ptr, x.nbytes, [peer], full=True)
+        entry = _Lent(self._ready(x), rec)
+        queue = self._lent.setdefault((peer, tags[0]), deque())
+        queue.append(entry)
+
+        def body() -> Step:
+            while not entry.reqs:
+                blocker = self._post_in_order(queue, peer, tags)
+                if not entry.reqs:
+                    yield blocker  # an earlier record's stream, or ours, is not there yet
+            yield entry.reqs
+            if entry.done[0] != x.nbytes:
+                raise self._mismatch(op, peer, int(entry.done[0]), x)
+
+        return self._queue(op, seq, (x,), x.nbytes, body, collective=False, wait_ready=False)
+
+    def _post_in_order(self, queue: deque[_Lent], peer: int, tags: tuple[int, int]) -> Any:
+        """Send the records at the head of `queue` whose buffers are ready and post the
+        receives of their "done", in order; the ready event of the first one whose buffer is
+        not ready (None if all went)."""
+        while queue:
+            head = queue[0]
+            if head.ready is not None and not head.ready.done:
+                return head.ready
+            head.reqs = [self.svc.Isend(head.rec.view(np.uint8), peer, tags[0]),
+                         self.svc.Irecv(head.done, peer, tags[1])]  # fmt: skip
+            queue.popleft()
+        return None
+
+    def _copier(self, op: str, seq: int, x: Buffer, peer: int, tags: tuple[int, int]) -> Work:
+        """The side that copies: once the peer's record arrives, the proxy's stream waits on
+        the GPU for the caller's stream, copies (into the peer's buffer for a send, out of it
+        for a receive), and once the copy is done it says so with its size."""
+        self._check(op, (x,))
+        ready = self._ready(x)
+        got = np.zeros(1, P.RECORD)
+        req = self.svc.Irecv(got.view(np.uint8), peer, tags[0])  # posted in issue order
 
         def body() -> Step:
             yield req
-            self.peers.learn(src, rec[0])
-            sent = int(rec[0]["nbytes"])
-            ok = sent == x.nbytes
+            rec = got[0]
+            self.peers.learn(peer, rec)
+            theirs = int(rec["nbytes"])
+            ok = theirs == x.nbytes
             if ok:
-                self._copy(x.ptr, self.peers.resolve(src, rec[0]), x.nbytes)
+                if ready is not None:  # the caller's stream, on the GPU (one process's streams)
+                    self._proxy.stream.wait_event(ready)
+                mapped = self.peers.resolve(peer, rec)
+                dst, src = (mapped, x.ptr) if op == "send" else (x.ptr, mapped)
+                self._copy(dst, src, x.nbytes)
+                DP.stamp("copy queued")
                 yield from self._sync()
-            yield self.svc.Isend(np.array([x.nbytes if ok else -1], np.int64), src, t_done)
+            yield self.svc.Isend(np.array([x.nbytes], np.int64), peer, tags[1])
             if not ok:
-                raise InvalidArgument(f"recv: rank {src} sent {sent} bytes, this buffer holds "
-                                      f"{x.nbytes} ({x.describe()})")  # fmt: skip
+                raise self._mismatch(op, peer, theirs, x)
 
-        return self._queue("recv", seq, (x,), x.nbytes, body, collective=False)
+        return self._queue(op, seq, (x,), x.nbytes, body, collective=False, wait_ready=False)
+
+    @staticmethod
+    def _mismatch(op: str, peer: int, theirs: int, x: Buffer) -> InvalidArgument:
+        if op == "send":
+            return InvalidArgument(f"send: rank {peer} posted a receive of {theirs} bytes for "
+                                   f"this {x.nbytes}-byte message")  # fmt: skip
+        return InvalidArgument(f"recv: rank {peer} sent {theirs} bytes, this buffer holds "
+                               f"{x.nbytes} ({x.describe()})")  # fmt: skip
 
     def _self_check(self, peer: int, op: str) -> None:
         if peer == self.rank:
@@ -508,6 +583,18 @@ class DirectTransport(Transport):
 
 
 _RETIRED: list[Any] = []
+
+
+class _Lent:
+    """A lent buffer's record waiting to be sent: its stream's ready event (None: nothing
+    pending), the copier's "done" (its size), and once sent the two requests."""
+
+    __slots__ = ("done", "ready", "rec", "reqs")
+
+    def __init__(self, ready: Any, rec: np.ndarray) -> None:
+        self.ready, self.rec = ready, rec
+        self.done = np.zeros(1, np.int64)
+        self.reqs: list[MPI.Request] = []
 
 
 def _kernel_name(dtype: str, op: ReduceOp) -> str:

@@ -61,6 +61,12 @@ _YIELD_BYTES = 64 << 20
 PROFILE: list[tuple[float, str]] | None = None
 
 
+def stamp(what: str) -> None:
+    """Note the time of `what` when profiling (PROFILE is a list)."""
+    if PROFILE is not None:
+        PROFILE.append((time.perf_counter(), what))
+
+
 class Mark:
     """A point on the proxy's stream: its event and its number in the stream's order. Work on
     one stream completes in order, so once mark n is known reached every earlier one is, and
@@ -163,8 +169,8 @@ class Proxy:
                     elif not _mpi_ready(w):
                         return False
                 if PROFILE is not None:
-                    PROFILE.append((time.perf_counter(), "start" if w is None else
-                                    "gpu" if not isinstance(w, (MPI.Request, list)) else "mpi"))
+                    stamp("start" if w is None else
+                          "gpu" if not isinstance(w, (MPI.Request, list)) else "mpi")
                 task.waiting = next(task.gen)
         except StopIteration:
             task.done = True
@@ -198,6 +204,7 @@ class Proxy:
         if not alone:
             return task.finished.wait(seconds)
         ended = False
+        stamp("inline")
         try:
             with self.cupy.cuda.Device(self.device):
                 ended = self._drive(task, time.monotonic() + min(seconds, _INLINE_S))

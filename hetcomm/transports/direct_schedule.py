@@ -1,4 +1,5 @@
-"""Pure arithmetic of the device-direct transport: shards, algorithm choice, source batches."""
+"""Pure arithmetic of the device-direct transport: shards, algorithm choice, source batches,
+which rank of a pair copies."""
 
 from __future__ import annotations
 
@@ -47,3 +48,22 @@ def batches(sources: list[int]) -> list[list[int]]:
         out.append([-1, *rest[: MAX_SOURCES - 1]])
         rest = rest[MAX_SOURCES - 1 :]
     return out
+
+
+
+def copier(src: int, dst: int, devices: list[str | None]) -> int:
+    """The rank that copies a message from rank `src` to rank `dst` (`devices[r]` identifies
+    rank r's device).
+
+    On separate devices the receiver copies (it reads the sender's memory). Where the two share
+    one device, the lower rank copies in both directions (pulling what it receives, pushing what
+    it sends): copies queued by two processes in turn make the GPU switch between their
+    contexts, about 145 us a switch on the H200 (64 KiB copies in turn: 161 us each; all by one
+    process: 17 us; docs/BENCHMARKS.md), and a pair's messages often go both ways (pipeline
+    stages: activations forward, gradients back).
+    """
+    if src == dst:
+        raise ValueError(f"copier: a message from rank {src} to itself")
+    if devices[src] is not None and devices[src] == devices[dst]:
+        return min(src, dst)
+    return dst

@@ -193,14 +193,65 @@ def test_send_recv_ring_cupy_and_size_mismatch(make_comm, shared_seed):
         ws.wait()
         if not np.array_equal(cupy.asnumpy(y), data[(r - 1) % n]):
             problems.append(f"ring of {nbytes} bytes")
-    if r < 2:  # a receive of the wrong size fails on both ends, naming the sizes
-        x = cupy.zeros(10 if r == 0 else 12, cupy.uint8)
-        try:
-            (comm.send if r == 0 else comm.recv)(x, 1 - r)
-            problems.append("a size mismatch went unnoticed")
-        except InvalidArgument as exc:
-            if "bytes" not in str(exc):
-                problems.append(f"unclear mismatch error: {exc}")
+    if r < 2:  # a receive of the wrong size fails on both ends, naming both sizes
+        for sender in (0, 1):  # rank 0 copies both ways: pushing, then pulling
+            x = cupy.zeros(10 if r == sender else 12, cupy.uint8)
+            try:
+                (comm.send if r == sender else comm.recv)(x, 1 - r)
+                problems.append(f"a size mismatch went unnoticed (sender {sender})")
+            except InvalidArgument as exc:
+                if "10" not in str(exc) or "12" not in str(exc):
+                    problems.append(f"unclear mismatch error: {exc}")
+    assert_all_ranks(comm, not problems, "; ".join(problems))
+
+
+_SPIN = r"""extern "C" __global__ void spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+}"""
+
+
+@pytest.mark.mpi(min_size=2)
+def test_send_recv_keep_issue_order_across_streams_and_both_ways(make_comm, shared_seed):
+    """Ranks 0 and 1 send each other four messages of one tag at once, each from a stream of
+    its own, the first stream held up by a kernel that spins before the data is written: every
+    receive gets the message issued in its turn, with the data the sender's stream wrote, and
+    nothing beside the receive buffers changes."""
+    comm = make_comm(transport="direct")
+    r = comm.rank
+    problems = []
+    if r < 2:
+        peer, k, n, pad = 1 - r, 4, 70000, 64
+        rng = np.random.default_rng(shared_seed)
+        data = rng.integers(0, 255, (2, k, n)).astype(np.uint8)
+        spin = cupy.RawKernel(_SPIN, "spin")
+        streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(k)]
+        outs = [cupy.zeros(n + 2 * pad, cupy.uint8) for _ in range(k)]
+        works, xs = [], []
+
+        def sends() -> None:
+            for i, s in enumerate(streams):
+                with s:
+                    if i == 0:
+                        spin((1,), (1,), (np.int64(50_000_000),))  # some 30 ms
+                    x = cupy.asarray(data[r, i])  # written on s, after the spin
+                    xs.append(x)
+                    works.append(comm.send(x, peer, tag=5, async_op=True))
+
+        def recvs() -> None:
+            works.extend(comm.recv(y[pad:-pad], peer, tag=5, async_op=True) for y in outs)
+
+        (sends, recvs)[r]()
+        (recvs, sends)[r]()
+        for w in works:
+            w.wait()
+        cupy.cuda.Device().synchronize()
+        for i, y in enumerate(outs):
+            got = cupy.asnumpy(y)
+            if not np.array_equal(got[pad:-pad], data[peer, i]):
+                problems.append(f"receive {i} got the wrong message")
+            if got[:pad].any() or got[-pad:].any():
+                problems.append(f"receive {i} wrote beside its buffer")
     assert_all_ranks(comm, not problems, "; ".join(problems))
 
 

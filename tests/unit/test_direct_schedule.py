@@ -52,3 +52,16 @@ def test_group_rules_name_the_reason():
     assert "2 hosts" in group_unavailable(["h", "g"], ["nvidia"] * 2, ["a", "b"])
     assert "no device" in group_unavailable(["h", "h"], ["nvidia"] * 2, ["a", None])
     assert "vendors amd, nvidia" in group_unavailable(["h", "h"], ["nvidia", "amd"], ["a", "b"])
+
+
+def test_one_rank_of_a_pair_sharing_a_device_copies_both_ways():
+    shared = ["gpu0", "gpu0", "gpu0", "gpu1", None]
+    # one device: the lower rank copies, whichever way the message goes
+    for src, dst in [(0, 1), (1, 0), (2, 1), (1, 2), (0, 2), (2, 0)]:
+        assert S.copier(src, dst, shared) == min(src, dst)
+    # separate devices (or none known): the receiver copies
+    for src, dst in [(0, 3), (3, 0), (2, 3), (3, 4), (4, 3)]:
+        assert S.copier(src, dst, shared) == dst
+    assert S.copier(1, 0, ["gpu0", "gpu0"]) == S.copier(0, 1, ["gpu0", "gpu0"]) == 0
+    with pytest.raises(ValueError, match="itself"):
+        S.copier(2, 2, shared)
