@@ -384,6 +384,19 @@ def pieces(out: str) -> None:
                  "per copy", "us": rounds(lambda: turns(True), 500) / 2 * 1e6})  # fmt: skip
     rows.append({"case": "64 KiB copies, all by rank 0's process, per copy",
                  "us": rounds(lambda: turns(False), 500) / 2 * 1e6})  # fmt: skip
+
+    def launches(n: int = 500) -> None:  # queueing copies from the mapping, one wait at the end
+        for _ in range(n):
+            cupy.cuda.runtime.memcpyAsync(b.data.ptr, src, nbytes, 3, own.ptr)
+        own.synchronize()
+
+    rows.append({"case": "queueing a 64 KiB copy from the IPC mapping (cudaMemcpyAsync), one "
+                 "rank", "us": rounds(launches if r else (lambda: None), 1) / 500 * 1e6})
+    mark = cupy.cuda.Event(disable_timing=True)
+    mark.record(null)
+    rows.append({"case": "a stream waiting for an event of the default stream (streamWaitEvent)",
+                 "us": rounds(lambda: own.wait_event(mark), 2000) * 1e6})  # fmt: skip
+    own.synchronize()
     world.Barrier()
     cupy.cuda.runtime.ipcCloseMemHandle(src)
     for transport in ("direct", "staged"):

@@ -161,7 +161,7 @@ class DirectTransport(Transport):
                wait_ready: bool = True) -> Work:  # fmt: skip
         """Hand the operation `body` to the proxy; unless told otherwise (`wait_ready`), it
         starts once the caller's stream has run what was queued before the call."""
-        DP.stamp("transport")
+        DP.stamp("prepared")
         self._check(op, bufs)
         ready = self._ready(bufs[0]) if wait_ready else None
 
@@ -465,12 +465,14 @@ class DirectTransport(Transport):
         return base, base + 1
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
+        DP.stamp("transport")
         self._self_check(dst, "send")
         if S.copier(self.rank, dst, self._devices) == self.rank:
             return self._copier("send", seq, x, dst, self._tags(tag, "send", True))
         return self._lender("send", seq, x, dst, self._tags(tag, "send", False))
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
+        DP.stamp("transport")
         self._self_check(src, "recv")
         if S.copier(src, self.rank, self._devices) == self.rank:
             return self._copier("recv", seq, x, src, self._tags(tag, "recv", False))
