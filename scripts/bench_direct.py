@@ -425,12 +425,34 @@ def pieces(out: str) -> None:
             med, spread = median_time(one, world, 41)
             rows.append({"case": f"{transport} send/recv, one at a time", "bytes": size,
                          "us": med * 1e6, "spread": round(spread, 3)})  # fmt: skip
+            if transport == "direct" and size == nbytes:
+                rows.extend(_profiled(pingpong, world))
             rows.append({"case": f"{transport} send/recv ping-pong, half a round trip",
                          "bytes": size, "us": rounds(pingpong, 200) / 2 * 1e6,
                          "ok": bool(world.allreduce(bool((y == x).all()), op=MPI.LAND))})
         comm.close()
     svc.Free()
     _save(out, rows, r)
+
+
+def _profiled(fn, world: MPI.Intracomm, n: int = 300) -> list[dict]:
+    """cProfile of `n` calls of `fn` on every rank (the calling thread only), the functions
+    that took most time of their own first; one row per rank."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    world.Barrier()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    texts = world.gather(text.getvalue(), root=0) or []
+    return [{"case": f"cProfile of {n} ping-pongs, rank {i}", "text": t} for i, t in
+            enumerate(texts)]  # fmt: skip
 
 
 def calls(out: str) -> None:
