@@ -3,6 +3,7 @@
 mpirun -n 2 python -m mpi4py scripts/bench_staged.py p2p OUT.json
 mpirun -n 4 python -m mpi4py scripts/bench_staged.py allreduce OUT.json
 mpirun -n 2 python -m mpi4py scripts/bench_staged.py latency OUT.json
+mpirun -n 2 python -m mpi4py scripts/bench_staged.py timeline OUT.json   (one op's pipeline)
 """
 
 from __future__ import annotations
@@ -124,6 +125,53 @@ def p2p(out: str) -> None:
     _save(out, rows, r)
 
 
+def timeline(out: str) -> None:
+    """Where one 256 MiB send/recv spends its time: the pipeline's stamps on both ranks (chunk
+    by chunk: slot taken, device->host copy queued and done, slot announced and landed,
+    host->device copy done), for each chunk size, after five unprofiled runs."""
+    from hetcomm.transports import staged_ops
+
+    world = MPI.COMM_WORLD
+    r = world.Get_rank()
+    nbytes = 256 * MiB
+    x = cupy.arange(nbytes, dtype=cupy.uint8)
+    y = cupy.zeros(nbytes, dtype=cupy.uint8)
+    rows = []
+    for chunk in (4 * MiB, 8 * MiB):
+        comm = hetcomm.init(config=hetcomm.Config.load(
+            transport="staged", vendor=("nvidia", "amd")[r % 2]))
+        t = comm._transport("send", hetcomm.arrays.as_buffer(x))
+        t.chunk_bytes = chunk
+        for i in range(8):
+            staged_ops.PROFILE = [] if i >= 6 else None
+            world.Barrier()
+            t0 = time.perf_counter()
+            if r == 0:
+                comm.send(x, 1)
+            elif r == 1:
+                comm.recv(y, 0)
+            cupy.cuda.Device().synchronize()
+            t1 = time.perf_counter()
+            if staged_ops.PROFILE is None:
+                continue
+            marks = world.gather(([(t, r, what) for t, what in staged_ops.PROFILE], t0, t1))
+            if r == 0:
+                start = min(m[1] for m in marks)
+                merged = sorted(m for ms, _, _ in marks for m in ms)
+                rows.append({"case": f"256 MiB send/recv, {chunk // MiB} MiB chunks",
+                             "total_us": [round((m[2] - start) * 1e6) for m in marks],
+                             "marks": [(round((t - start) * 1e6), rank, what)
+                                       for t, rank, what in merged]})  # fmt: skip
+        staged_ops.PROFILE = None
+        comm.close()
+    if r == 0:
+        for row in rows:
+            print(row["case"], "total per rank", row["total_us"])
+            for m in row["marks"]:
+                print("   ", m)
+    _save(out, rows, r)
+
+
 def allreduce(out: str) -> None:
     world = MPI.COMM_WORLD
     r, n = world.Get_rank(), world.Get_size()
@@ -215,4 +263,5 @@ if __name__ == "__main__":
     from hetcomm.topology import use_local_device
 
     use_local_device()  # rank r on device r % devices
-    {"p2p": p2p, "allreduce": allreduce, "latency": latency}[sys.argv[1]](sys.argv[2])
+    {"p2p": p2p, "allreduce": allreduce, "latency": latency, "timeline": timeline}[sys.argv[1]](
+        sys.argv[2])

@@ -22,7 +22,7 @@ from ..ops import ReduceOp
 from ..work import Work
 from . import Transport
 from . import rails as R
-from .staged_ops import _STOP, PeerTimeout, Region, _Drivers, _Op
+from .staged_ops import _STOP, PeerTimeout, Region, _Drivers, _Op, stamp
 from .staged_rails import (
     BYE_MPI,
     ERROR_MPI,
@@ -268,6 +268,7 @@ class StagedTransport(RailThreads, Transport):
         if not spans:
             op.done.set()
         self._send_cts(peer, kind, k1, k2, op_id, region.nbytes)
+        stamp("cts sent")
         return op
 
     def start_send(self, peer: int, region: Region, kind: int, k1: int, k2: int,
@@ -297,6 +298,7 @@ class StagedTransport(RailThreads, Transport):
 
     def _queue_send(self, ch: _Channel, op: _Op, remote: int, expected: int) -> None:
         """The receiver's clear-to-send is here: queue every chunk of `op` on its rails."""
+        stamp("chunks queued")
         op.remote, op.awaiting_cts = remote, False
         if expected != op.region.nbytes:
             exc = MismatchError(f"rank {self.rank} sends {op.region.nbytes} bytes, rank "
@@ -472,6 +474,7 @@ class StagedTransport(RailThreads, Transport):
         return gpu.ready_event(bufs[0])
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
+        stamp("send")
         region = self._region(x)
         k = self._p2p_number("send", dst, tag)
         if self._on_calling_thread(dst):
@@ -488,6 +491,7 @@ class StagedTransport(RailThreads, Transport):
         return self._run("send", seq, [x], body)
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
+        stamp("recv")
         region = self._region(x)
         k = self._p2p_number("recv", src, tag)
         if self._on_calling_thread(src):

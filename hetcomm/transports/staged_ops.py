@@ -13,6 +13,14 @@ from typing import Any
 import numpy as np
 
 _STOP = object()
+# None, or a list that the staged pipeline appends (perf_counter(), what) to, for profiling
+PROFILE: list[tuple[float, str]] | None = None
+
+
+def stamp(what: str, idx: int = -1) -> None:
+    """Note the time of `what` (of chunk `idx`) when profiling."""
+    if PROFILE is not None:
+        PROFILE.append((time.perf_counter(), what if idx < 0 else f"{what} {idx}"))
 
 
 @dataclass
@@ -60,6 +68,7 @@ class _Op:
             self.left -= 1
             finished = self.left <= 0
         if finished:
+            stamp("op done")
             self.done.set()
 
     def wait(self, deadline: float) -> None:

@@ -18,7 +18,7 @@ from mpi4py import MPI
 from ..errors import HetcommError, MismatchError
 from . import rails as R
 from .staged_cts import _CTS_POLL_MAX_S, _CTS_POLL_S, ClearToSend
-from .staged_ops import _STOP, Region, _Op
+from .staged_ops import _STOP, Region, _Op, stamp
 
 if TYPE_CHECKING:
     from .staged import _Channel
@@ -94,6 +94,7 @@ class RailThreads(ClearToSend):
         if link.spec.kind == "shm":
             assert ch.shm_out is not None
             slot = ch.shm_out.acquire(time.monotonic() + self.timeout, lambda: link.alive)
+            stamp("slot taken", idx)
             try:
                 target = ch.shm_out.view(slot, n)
                 if src.host is not None:
@@ -103,6 +104,7 @@ class RailThreads(ClearToSend):
                     # so the copy engine always has the next chunk waiting
                     ch.shm_out.register_with_gpu(self._gpu.device)
                     event = self._gpu.copy_to_host_async(target, src, op.ready)
+                    stamp("d2h queued", idx)
                     item = (event, link, slot, op, idx, off, n)
                     if _short(n, op):
                         self._announce(*item)  # a short copy: no hand-off to the signaller
@@ -135,6 +137,7 @@ class RailThreads(ClearToSend):
         """Once a chunk's copy into its slot has finished, tell the receiver where it is."""
         try:
             event.synchronize()
+            stamp("d2h done", idx)
             link.send(R.SLOT, slot, op.remote, idx, off, n)
             op.count(idx)
         except BaseException as exc:
@@ -156,6 +159,7 @@ class RailThreads(ClearToSend):
         try:
             if event is not None:
                 event.synchronize()
+            stamp("h2d done", idx)
             link.send(R.FREE, slot, op_id, idx, 0, 0)
             op.count(idx)
         except BaseException as exc:
@@ -204,6 +208,7 @@ class RailThreads(ClearToSend):
                 elif kind == R.SLOT:
                     assert ch.shm_in is not None
                     if op is not None and not op.done.is_set() and op.region.host is None:
+                        stamp("slot got", idx)
                         ch.shm_in.register_with_gpu(self._gpu.device)
                         event = self._gpu.copy_from_host_async(op.region.sub(off, n),
                                                                ch.shm_in.view(slot, n), op.ready)  # fmt: skip
