@@ -142,8 +142,9 @@ def timeline(out: str) -> None:
             transport="staged", vendor=("nvidia", "amd")[r % 2]))
         t = comm._transport("send", hetcomm.arrays.as_buffer(x))
         t.chunk_bytes = chunk
-        for i in range(8):
-            staged_ops.PROFILE = [] if i >= 6 else None
+        times = []
+        for i in range(14):  # two warm-ups, nine timed, three profiled
+            staged_ops.PROFILE = [] if i >= 11 else None
             world.Barrier()
             t0 = time.perf_counter()
             if r == 0:
@@ -152,6 +153,15 @@ def timeline(out: str) -> None:
                 comm.recv(y, 0)
             cupy.cuda.Device().synchronize()
             t1 = time.perf_counter()
+            if 2 <= i < 11:
+                times.append(world.allreduce(t1 - t0, op=MPI.MAX))
+            if i == 10:
+                ok = world.allreduce(r != 1 or bool((y == x).all()), op=MPI.LAND)
+                med = statistics.median(times)
+                rows.append({"case": f"256 MiB send/recv, {chunk // MiB} MiB chunks, one at a "
+                             "time (median of 9, slowest rank)", "time_ms": med * 1e3,
+                             "GBps": nbytes / med / 1e9, "min_ms": min(times) * 1e3,
+                             "max_ms": max(times) * 1e3, "ok": ok})  # fmt: skip
             if staged_ops.PROFILE is None:
                 continue
             marks = world.gather(([(t, r, what) for t, what in staged_ops.PROFILE], t0, t1))
@@ -164,8 +174,13 @@ def timeline(out: str) -> None:
                                        for t, rank, what in merged]})  # fmt: skip
         staged_ops.PROFILE = None
         comm.close()
+    rows.append({"case": "pinned device->host copy", "bytes": nbytes,
+                 "GBps": pinned_copy_rate(nbytes) / 1e9})  # fmt: skip
     if r == 0:
         for row in rows:
+            if "marks" not in row:
+                print(row)
+                continue
             print(row["case"], "total per rank", row["total_us"])
             for m in row["marks"]:
                 print("   ", m)
