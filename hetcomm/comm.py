@@ -359,7 +359,7 @@ class Communicator:
                 pool = fusion.host_buffers(self)
                 flat = pool.take(g.dtype, g.total)
                 fusion.pack_host(g, flat)
-                packed.append((g.fused(flat[: g.total]), [_unpacker(g, flat, pool),
+                packed.append((g.fused(flat[: g.total]), [_unpacker(g, flat),
                                _giver(pool, flat)], flat))  # fmt: skip
         works: list[Work] = []
         for fb, steps, holder in packed:
@@ -373,14 +373,15 @@ class Communicator:
                 work._timeout = float(timeout)
             self._inflight.append(work)
             works.append(work)
-        keep = (bufs, packed)
-        if len(works) == 1:
-            return self._finish(works[0], async_op, timeout, keep)
-        if not async_op:
-            for work in works:
-                self._finish(work, False, timeout)
-            return None
-        return self._finish(_all_of(self, works), True, timeout, keep)
+        if async_op:
+            work = works[0] if len(works) == 1 else _all_of(self, works)
+            return self._finish(work, True, timeout, (bufs, packed))
+        for work in works:
+            self._finish(work, False, timeout)
+        # seen complete here: out of the ordering guard's list, which would otherwise keep
+        # every blocking call's arrays alive
+        self._inflight = [w for w in self._inflight if not w._done]
+        return None
 
     def reduce(self, x: Any, root: int, op: ReduceOp | str = ReduceOp.SUM, *,
                async_op: bool = False, timeout: float | None = None) -> Work | None:  # fmt: skip
@@ -582,10 +583,8 @@ def _then(work: Work, steps: list[Callable[[], None]]) -> Work:
     return work
 
 
-def _unpacker(g: fusion.Group, flat: np.ndarray, pool: fusion.HostBuffers) -> Callable[[], None]:
-    if not g.contiguous:
-        return lambda: fusion.unpack_host(g, flat)
-    return lambda: fusion.unpack_host(g, flat, pool.segments(flat, g))
+def _unpacker(g: fusion.Group, flat: np.ndarray) -> Callable[[], None]:
+    return lambda: fusion.unpack_host(g, flat)
 
 
 def _giver(pool: fusion.HostBuffers, flat: np.ndarray) -> Callable[[], None]:

@@ -6,9 +6,11 @@ import itertools
 import threading
 import weakref
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from mpi4py import MPI
 
 from .arrays import DTYPES, Buffer, as_buffer, storage_dtype
 from .errors import InvalidArgument, TransportUnavailable
@@ -25,12 +27,13 @@ class Group:
     """The arrays of one dtype in one memory, and the offset (in elements) of each in the fused
     buffer; arrays follow their order in the call, so every rank lays them out alike.
 
-    Host arrays are kept as numpy views (`hosts`: flat where `dense`, else the strided view);
-    `bufs` holds each array's Buffer, except for plain numpy arrays that needed none.
+    Host arrays are kept as numpy views (`hosts`: flat where `dense`, else the strided view;
+    the C-contiguous arrays of _numpy_groups as they were given); `bufs` holds each array's
+    Buffer, except for plain numpy arrays that needed none.
     """
 
-    __slots__ = ("bufs", "contiguous", "counts", "dense", "device", "device_index", "dtype",
-                 "hosts", "index", "layouts", "offsets", "total")  # fmt: skip
+    __slots__ = ("addresses", "bufs", "contiguous", "counts", "dense", "device", "device_index",
+                 "dtype", "hosts", "index", "layouts", "offsets", "table", "total")  # fmt: skip
 
     def __init__(self, dtype: str, device: str = "cpu", device_index: int | None = None) -> None:
         self.dtype, self.device, self.device_index = dtype, device, device_index
@@ -43,6 +46,10 @@ class Group:
         self.layouts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # device arrays only
         self.total = 0
         self.contiguous = True
+        # contiguous host groups: the arrays' addresses where the check took them (a list),
+        # and the table of the compiled copies (see host_table)
+        self.addresses: list[int] | None = None
+        self.table: tuple[np.ndarray, np.ndarray] | None = None
 
     def add(self, b: Buffer, i: int) -> None:
         self.bufs.append(b)
@@ -120,17 +127,52 @@ def prepare(arrays: Any, op: ReduceOp, what: str) -> tuple[list[Any], list[Group
 
 
 _NUMPY_NAMES = {storage_dtype(n): n for n in DTYPES if n != "bfloat16"}
+_DTYPE, _FLAGS, _SIZE = attrgetter("dtype"), attrgetter("flags.num"), attrgetter("size")
+_address = MPI.Get_address  # an array's address, without the dict of __array_interface__
+# the bits of ndarray.flags.num (numpy's NPY_ARRAY_C_CONTIGUOUS, NPY_ARRAY_OWNDATA and
+# NPY_ARRAY_WRITEABLE) that every array of the one-dtype fast path has
+_PLAIN = 0x0001 | 0x0004 | 0x0400
 
 
 def _numpy_groups(arrays: Sequence[Any]) -> list[Group] | None:
     """Groups of a call made only of plain, writable numpy arrays of hetcomm's dtypes, each of
-    its own allocation: the common case, checked without a Buffer or an address per array.
-    None for anything else (the general path then checks, and names what is wrong).
+    its own allocation: the common case, checked without a Buffer per array. None for anything
+    else (the general path then checks, and names what is wrong).
 
-    This loop is most of a coalesced call's own time (about a microsecond per array), hence
-    its shape: the group of the previous array's dtype object reused, the owning arrays'
-    identities collected and compared once at the end.
+    Arrays of one dtype that each own their memory, C-contiguous and writable, are checked by a
+    few C-level `map`s over the list (a quarter of a microsecond per array); their addresses,
+    which packing needs anyway, tell whether one was given twice: the memory of arrays that own
+    it cannot overlap. Anything else goes through _numpy_groups_each.
     """
+    ndarray = np.ndarray
+    if not arrays:
+        return []
+    if set(map(type, arrays)) != {ndarray}:
+        return None
+    dtypes = set(map(_DTYPE, arrays))
+    if len(dtypes) != 1 or any(bits & _PLAIN != _PLAIN for bits in set(map(_FLAGS, arrays))):
+        return _numpy_groups_each(arrays)
+    name = _NUMPY_NAMES.get(dtypes.pop())
+    if name is None:
+        return None
+    n = len(arrays)
+    addresses = list(map(_address, arrays))
+    if len(set(addresses)) != n:
+        return None  # an array given twice: the general path says which
+    group = Group(name)
+    group.index = list(range(n))
+    group.counts = list(map(_SIZE, arrays))
+    group.hosts = list(arrays)  # C-contiguous, packed by address: no flat views needed
+    group.dense = [True] * n
+    group.addresses = addresses
+    group.lay_out()
+    return [group]
+
+
+def _numpy_groups_each(arrays: Sequence[Any]) -> list[Group] | None:
+    """_numpy_groups array by array: several dtypes, views, strided arrays. The group of the
+    previous array's dtype object is reused, and the owning arrays' identities are collected
+    and compared once at the end."""
     ndarray = np.ndarray
     groups: dict[np.dtype, Group] = {}
     roots: list[int] = []
@@ -318,22 +360,6 @@ class HostBuffers:
     def __init__(self) -> None:
         self._free: dict[np.dtype, np.ndarray] = {}
         self._lock = threading.Lock()
-        # per dtype, the segment views of the last layout unpacked from a kept-size buffer (a
-        # training loop reduces the same arrays step after step): (buffer, counts, views)
-        self._segments: dict[np.dtype, tuple[np.ndarray, list[int], list[np.ndarray]]] = {}
-
-    def segments(self, fused: np.ndarray, g: Group) -> list[np.ndarray]:
-        """Views of `fused`, one per array of `g` in its place: made once per buffer and
-        layout, since slicing 200 views costs about a third of unpacking them. One layout is
-        kept per dtype, of a buffer the pool could keep (at most KEEP_BYTES held)."""
-        found = self._segments.get(fused.dtype)
-        if found is not None and found[0] is fused and found[1] == g.counts:
-            return found[2]
-        views = segment_views(fused, g)
-        if fused.nbytes <= KEEP_BYTES:
-            with self._lock:
-                self._segments[fused.dtype] = (fused, list(g.counts), views)
-        return views
 
     def take(self, dtype: str, count: int) -> np.ndarray:
         """A 1-D buffer of at least `count` elements of `dtype`'s storage."""
@@ -368,8 +394,10 @@ def pack_host(g: Group, fused: np.ndarray) -> None:
     """Copy each array of `g` into its place in `fused` (one copy each, straight from strided
     views)."""
     if g.contiguous:
-        # contiguous host views are flat: one C loop over them all
-        np.concatenate(g.hosts, out=fused[: g.total])
+        # one compiled call copies them all: a numpy call per array costs more than its copy
+        from .kernels import copies
+
+        copies.gather(fused, *host_table(g), fused.itemsize)
         return
     for host, dense, off, n in zip(g.hosts, g.dense, g.offsets, g.counts):
         seg = fused[off : off + n]
@@ -379,23 +407,29 @@ def pack_host(g: Group, fused: np.ndarray) -> None:
             np.copyto(seg.reshape(host.shape), host)
 
 
-def segment_views(fused: np.ndarray, g: Group) -> list[np.ndarray]:
-    """Views of `fused`, one per array of `g`, each at its place."""
-    return [fused[off : off + n] for off, n in zip(g.offsets, g.counts)]
+def unpack_host(g: Group, fused: np.ndarray) -> None:
+    """Copy each array's reduced segment of `fused` back into it (strided views included)."""
+    if g.contiguous:
+        from .kernels import copies
 
-
-def unpack_host(g: Group, fused: np.ndarray, segments: list[np.ndarray] | None = None) -> None:
-    """Copy each array's reduced segment of `fused` back into it (strided views included);
-    `segments`: views of `fused` per array, where the caller keeps them (HostBuffers)."""
-    if g.contiguous:  # flat views: one assignment each
-        for host, seg in zip(g.hosts, segment_views(fused, g) if segments is None else segments):
-            host[...] = seg
+        copies.scatter(fused, *host_table(g), fused.itemsize)
         return
     for host, dense, off, n in zip(g.hosts, g.dense, g.offsets, g.counts):
         if dense:
             host[...] = fused[off : off + n]
         else:
             np.copyto(host, fused[off : off + n].reshape(host.shape))
+
+
+def host_table(g: Group) -> tuple[np.ndarray, np.ndarray]:
+    """(address, element count) of each array of a contiguous host group, as int64 arrays for
+    the compiled copies; made once per call, for packing and unpacking alike."""
+    if g.table is None:
+        found = g.addresses
+        addresses = (np.array(found, np.int64) if found is not None else
+                     np.fromiter(map(_address, g.hosts), np.int64, len(g.hosts)))  # fmt: skip
+        g.table = (addresses, np.array(g.counts, np.int64))
+    return g.table
 
 
 # ---- device arrays ------------------------------------------------------------------------------

@@ -290,25 +290,51 @@ def test_host_buffers_are_taken_and_given():
     assert pool.take("float32", 10) is not huge
 
 
-def test_segment_views_are_kept_per_buffer_and_layout():
+def test_compiled_copies_write_each_array_and_nothing_else():
+    from hetcomm.kernels import copies
+
     rng = np.random.default_rng()
-    pool = F.HostBuffers()
-    xs = [rng.standard_normal(n).astype(np.float32) for n in (5, 3, 8)]
+    memory = rng.standard_normal(100).astype(np.float32)
+    views = [memory[0:7], memory[10:10], memory[20:21], memory[40:100].reshape(6, 10)]
+    before = memory.copy()
+    addresses = np.array([addr(v) for v in views], np.int64)
+    counts = np.array([v.size for v in views], np.int64)
+    fused = np.full(80, np.nan, np.float32)  # a reused buffer may be longer
+    copies.gather(fused, addresses, counts, 4)
+    want = np.concatenate([v.reshape(-1) for v in views])
+    assert np.array_equal(fused[:68], want) and np.isnan(fused[68:]).all()
+    fused[:68] *= 2
+    copies.scatter(fused, addresses, counts, 4)
+    touched = np.zeros(100, bool)
+    touched[[*range(0, 7), 20, *range(40, 100)]] = True
+    assert np.array_equal(memory[touched], 2 * before[touched])
+    assert np.array_equal(memory[~touched], before[~touched])
+    with pytest.raises(ValueError, match="fused holds 268 bytes, the arrays 272"):
+        copies.gather(fused[:67], addresses, counts, 4)
+    with pytest.raises(ValueError, match="4 addresses but 3 counts"):
+        copies.scatter(fused, addresses, counts[:3], 4)
+    with pytest.raises(ValueError, match="int64"):
+        copies.gather(fused, addresses.astype(np.int32), counts, 4)
+
+
+def test_plain_arrays_are_packed_by_address():
+    rng = np.random.default_rng()
+    xs = [rng.standard_normal(n).astype(np.float32) for n in (5, 3, 0, 8)]
+    xs.append(rng.standard_normal((2, 3)).astype(np.float32))
     _, (g,) = F.prepare(xs, ReduceOp.SUM, "x")
-    flat = pool.take("float32", g.total + 4)
-    first = pool.segments(flat, g)
-    assert [v.base is flat or v.base is flat.base for v in first] == [True] * 3
-    assert [(v.size, v.__array_interface__["data"][0] - flat.__array_interface__["data"][0])
-            for v in first] == [(5, 0), (3, 20), (8, 32)]  # fmt: skip
-    assert pool.segments(flat, g) is first  # same buffer, same layout: the same views
-    _, (other,) = F.prepare([x.copy() for x in reversed(xs)], ReduceOp.SUM, "x")
-    assert pool.segments(flat, other) is not first  # another layout
-    assert pool.segments(flat.copy(), g) is not pool.segments(flat, g)  # another buffer
-    # unpacking through the kept views writes each array and nothing else
-    flat[:] = rng.standard_normal(flat.size).astype(np.float32)
-    tail = flat[g.total :].copy()
-    F.unpack_host(g, flat, pool.segments(flat, g))
-    assert np.array_equal(np.concatenate(xs), flat[: g.total])
-    assert np.array_equal(flat[g.total :], tail)
-    huge = np.zeros(F.KEEP_BYTES // 4 + 16, np.float32)
-    assert pool.segments(huge, g) is not pool.segments(huge, g)  # not kept: the pool would not
+    assert g.addresses == [addr(x) for x in xs] and g.hosts == xs and g.total == 22
+    addresses, counts = F.host_table(g)
+    assert addresses.tolist() == g.addresses and counts.tolist() == [5, 3, 0, 8, 6]
+    assert F.host_table(g)[0] is addresses  # once per call
+    before = [x.copy() for x in xs]
+    fused = np.zeros(30, np.float32)
+    F.pack_host(g, fused)
+    F.unpack_host(g, -fused)
+    for x, b in zip(xs, before):
+        assert x.shape == b.shape and np.array_equal(x, -b)
+    # a view or another dtype: checked array by array, without addresses
+    for others in ([xs[0], xs[1][1:]], [xs[0], np.zeros(2)]):
+        _, groups = F.prepare(others, ReduceOp.SUM, "x")
+        assert all(g.addresses is None for g in groups)
+    with pytest.raises(InvalidArgument, match=r"arrays\[0\] and arrays\[2\] are the same"):
+        F.prepare([xs[0], xs[1], xs[0]], ReduceOp.SUM, "x")
