@@ -121,9 +121,12 @@ class StagingDevice:
         first out as early as possible. On a stream per thread, two such copies shared the link
         and finished late together, and the receiver's copies waited for them (on the H200, a
         256 MiB send/recv spent 0.8 ms so)."""
+        if not getattr(self._local, "on_device", False):
+            # the events of this thread's copies are made on its current device: the stream's
+            self.cupy.cuda.runtime.setDevice(self.device)
+            self._local.on_device = True
         with self._outbound_lock:
             if self._outbound is None:
-                self.cupy.cuda.runtime.setDevice(self.device)
                 self._outbound = self.cupy.cuda.Stream(non_blocking=True)
             return self._outbound
 
