@@ -227,6 +227,8 @@ def test_send_recv_keep_issue_order_across_streams_and_both_ways(make_comm, shar
         spin = cupy.RawKernel(_SPIN, "spin")
         streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(k)]
         outs = [cupy.zeros(n + 2 * pad, cupy.uint8) for _ in range(k)]
+        mine = cupy.asarray(data[r])
+        cupy.cuda.Device().synchronize()
         works, xs = [], []
 
         def sends() -> None:
@@ -234,7 +236,7 @@ def test_send_recv_keep_issue_order_across_streams_and_both_ways(make_comm, shar
                 with s:
                     if i == 0:
                         spin((1,), (1,), (np.int64(50_000_000),))  # some 30 ms
-                    x = cupy.asarray(data[r, i])  # written on s, after the spin
+                    x = mine[i].copy()  # written on s (after the spin), the call returns at once
                     xs.append(x)
                     works.append(comm.send(x, peer, tag=5, async_op=True))
 
