@@ -12,12 +12,13 @@ from mpi4py import MPI
 from . import fusion
 from . import plan as planning
 from . import work as _work
-from .arrays import Buffer, as_buffer, overlap
+from .arrays import Buffer, as_buffer, overlap, storage_dtype
 from .config import Config
 from .errors import CommAborted, InvalidArgument, MismatchError
 from .ops import ReduceOp, as_reduce_op, check_op_for_dtype
 from .topology import Topology
 from .transports import Transport, registry
+from .transports.mpi import MpiTransport
 from .work import Work, completed
 
 log = logging.getLogger("hetcomm")
@@ -346,10 +347,16 @@ class Communicator:
         if not groups:
             return completed(self, "all_reduce", self._seq) if async_op else None
         # every group's transport is chosen (and may refuse) before any array is read
+        chosen = []
         for g in groups:
             if g.on_device:
                 fusion.check_device(what)
-            self._transport("all_reduce", g.fused())
+            chosen.append(self._transport("all_reduce", g.fused()))
+        if not async_op and all(isinstance(t, MpiTransport) and not g.on_device
+                                and t.fits_node(g.total * storage_dtype(g.dtype).itemsize)
+                                for g, t in zip(groups, chosen)):  # fmt: skip
+            self._coalesced_on_node(groups, rop, timeout)
+            return None
         packed: list[tuple[Buffer, list[Callable[[], None]], Any]] = []
         for g in groups:
             if g.on_device:
@@ -382,6 +389,27 @@ class Communicator:
         # every blocking call's arrays alive
         self._inflight = [w for w in self._inflight if not w._done]
         return None
+
+    def _coalesced_on_node(self, groups: list[fusion.Group], rop: ReduceOp,
+                           timeout: float | None) -> None:  # fmt: skip
+        """A blocking all_reduce_coalesced of host arrays among one node's ranks: each group
+        packed into this rank's segment of a shared window, reduced there, and unpacked, on
+        this thread (hetcomm.transports.mpi_node)."""
+        for g in groups:
+            transport, seq = self._start("all_reduce", g.fused(), timeout=timeout)
+            assert isinstance(transport, MpiTransport)
+            node = transport.node_reduce("all_reduce_coalesced", seq)
+            storage = storage_dtype(g.dtype)
+            nbytes = g.total * storage.itemsize
+            fused = node.segment(nbytes).view(storage)
+            fusion.pack_host(g, fused)
+
+            def wait(request: Any, what: str, seq: int = seq) -> None:
+                Work(self, f"all_reduce_coalesced ({what})", seq, request.Test,
+                     timeout=timeout).wait()  # fmt: skip
+
+            node.all_reduce(nbytes, g.dtype, rop, wait)
+            fusion.unpack_host(g, fused)
 
     def reduce(self, x: Any, root: int, op: ReduceOp | str = ReduceOp.SUM, *,
                async_op: bool = False, timeout: float | None = None) -> Work | None:  # fmt: skip

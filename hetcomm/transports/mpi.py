@@ -14,7 +14,7 @@ from mpi4py import MPI
 from ..errors import MismatchError, TransportUnavailable
 from ..ops import ReduceOp
 from ..work import Work
-from . import Job, Transport, mpi_chunks, mpi_persistent
+from . import Job, Transport, mpi_chunks, mpi_node, mpi_persistent
 
 if TYPE_CHECKING:
     from ..arrays import Buffer
@@ -208,6 +208,10 @@ class MpiTransport(Transport):
         limit = min(comm.config.persistent_max, LANE_BYTES)
         self._persistent_max = 0 if self.persistent_off else limit
         self.requests = mpi_persistent.Requests(comm, self._mpi, _KINDS)
+        # fused host all-reduces through shared memory, where the group is one node's ranks
+        # (a simulated host of its own counts as another node)
+        self._one_node = comm.size > 1 and len({(r.host, r.node) for r in comm.topology}) == 1
+        self._node: mpi_node.NodeReduce | None = None
 
     def drain(self, op: str, seq: int) -> None:
         """Wait (within the timeout) until the lane has run every job queued on it. Open MPI
@@ -220,6 +224,23 @@ class MpiTransport(Transport):
 
     def close(self) -> None:
         self.requests.close()
+        if self._node is not None:
+            self._node.close(collective=self.comm._aborted is None)
+            self._node = None
+
+    def fits_node(self, nbytes: int) -> bool:
+        """Whether a blocking fused all-reduce of `nbytes` of host memory goes through the
+        shared window (every rank of the group on one node, a size it holds)."""
+        return self._one_node and 0 < nbytes <= mpi_node.MAX_BYTES
+
+    def node_reduce(self, op: str, seq: int) -> mpi_node.NodeReduce:
+        """The shared window of fused all-reduces (hetcomm.transports.mpi_node). Its first use
+        duplicates the communicator, a collective that waits until the lane has made the calls
+        still queued on it (see drain)."""
+        if self._node is None:
+            self.drain(op, seq)
+            self._node = mpi_node.NodeReduce(self._mpi)
+        return self._node
 
     def _mem(self, buf: Buffer) -> Any:
         """What MPI gets for `buf`: the host view, or (a GPU-aware MPI only) the device memory,

@@ -220,3 +220,34 @@ def test_debug_mode_catches_another_order(make_comm, errors):
                   {"different order": (lambda: comm.all_reduce_coalesced(arrays), ["dtype"])},
                   [a, b])  # fmt: skip
     errors.verify()
+
+
+def test_one_node_reduces_in_a_shared_window(comm, rng, errors):
+    """Where the group is one node's ranks on the mpi transport, a blocking call packs into a
+    shared window and reduces there (hetcomm.transports.mpi_node); the window grows for a larger
+    call; an async call (the fused MPI all-reduce) gives the same values."""
+    from hetcomm.arrays import as_buffer
+
+    t = comm._transport("all_reduce", as_buffer(np.zeros(4, np.float32)))
+    if t.name != "mpi" or not t.fits_node(16):
+        pytest.skip(f"host all-reduces go through {t.name} here, or the ranks span nodes")
+    for n in (1000, 300_000):  # 4.8 MB of float64 alone: past the first window (1 MiB)
+        cases = [Case(rng, comm.size, comm.rank, d, lib, (n,), layout)
+                 for d, lib, layout in (("float32", "numpy", "contiguous"),
+                                        ("float64", "numpy", "strided"),
+                                        ("int32", "torch", "contiguous"),
+                                        ("float32", "numpy", "contiguous"))]  # fmt: skip
+        if errors.run(f"n={n}", comm.all_reduce_coalesced, [c.placed.array for c in cases],
+                      ReduceOp.AVG):  # fmt: skip
+            for c in cases:
+                errors += c.check(ReduceOp.AVG, f"n={n}")
+        node = t._node
+        errors.expect(node is not None and node.capacity >= n * 8,
+                      f"n={n}: the shared window holds the largest group")  # fmt: skip
+        again = [Case(rng, comm.size, comm.rank, "float32", "numpy", (n,), "contiguous")
+                 for _ in range(3)]  # fmt: skip
+        work = comm.all_reduce_coalesced([c.placed.array for c in again], async_op=True)
+        work.wait()
+        for c in again:
+            errors += c.check(ReduceOp.SUM, f"n={n}, async")
+    errors.verify()

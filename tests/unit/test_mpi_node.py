@@ -1,0 +1,29 @@
+"""The block split of the shared-window all-reduce (hetcomm.transports.mpi_node): pure."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from hetcomm.transports.mpi_node import blocks
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 2, 8, 63, 64, 65, 1000, 4096, 800_000, 3 << 20])
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 7])
+def test_blocks_cover_in_order_on_lines_and_whole_items(nbytes, itemsize, size):
+    nbytes -= nbytes % itemsize
+    spans = blocks(nbytes, itemsize, size)
+    assert len(spans) == size
+    assert spans[0][0] == 0 and spans[-1][1] == nbytes
+    for (a, b), (c, _) in itertools.pairwise(spans):
+        assert a <= b == c
+    for a, b in spans:
+        assert a % 64 == 0 or a == nbytes  # every block starts on a cache line
+        assert (b - a) % itemsize == 0
+    # whole lines shared out evenly (one more for the first ones); the last block may end
+    # inside its last line
+    lengths = [b - a for a, b in spans]
+    assert max(lengths) - min(lengths) < 2 * 64
+    assert lengths == sorted(lengths, reverse=True)
