@@ -209,8 +209,7 @@ class MpiTransport(Transport):
         self._persistent_max = 0 if self.persistent_off else limit
         self.requests = mpi_persistent.Requests(comm, self._mpi, _KINDS)
         # fused host all-reduces through shared memory, where the group is one node's ranks
-        # (a simulated host of its own counts as another node)
-        self._one_node = comm.size > 1 and len({(r.host, r.node) for r in comm.topology}) == 1
+        self._one_node: bool | None = None  # known at the first fused all-reduce
         self._node: mpi_node.NodeReduce | None = None
 
     def drain(self, op: str, seq: int) -> None:
@@ -231,6 +230,10 @@ class MpiTransport(Transport):
     def fits_node(self, nbytes: int) -> bool:
         """Whether a blocking fused all-reduce of `nbytes` of host memory goes through the
         shared window (every rank of the group on one node, a size it holds)."""
+        if self._one_node is None:
+            # a simulated host of its own counts as another node
+            ranks = list(self.comm.topology)
+            self._one_node = len(ranks) > 1 and len({(r.host, r.node) for r in ranks}) == 1
         return self._one_node and 0 < nbytes <= mpi_node.MAX_BYTES
 
     def node_reduce(self, op: str, seq: int) -> mpi_node.NodeReduce:

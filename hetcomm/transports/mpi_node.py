@@ -75,8 +75,8 @@ class NodeReduce:
             capacity = min(MAX_BYTES, max(nbytes, 2 * self.capacity, 1 << 20))
             capacity = -(-capacity // _LINE) * _LINE
             win = MPI.Win.Allocate_shared(capacity, 1, comm=self._comm)
-            self._segments = [np.frombuffer(win.Shared_query(r)[0], np.uint8, capacity)
-                              for r in range(self.size)]  # fmt: skip
+            segments: list[Any] = [win.Shared_query(r)[0] for r in range(self.size)]
+            self._segments = [np.frombuffer(seg, np.uint8, capacity) for seg in segments]
             self._win, self.capacity = win, capacity
         return self._segments[self.rank][:nbytes]
 
