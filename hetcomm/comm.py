@@ -393,21 +393,21 @@ class Communicator:
     def _coalesced_on_node(self, groups: list[fusion.Group], rop: ReduceOp,
                            timeout: float | None) -> None:  # fmt: skip
         """A blocking all_reduce_coalesced of host arrays among one node's ranks: each group
-        packed into this rank's segment of a shared window, reduced there, and unpacked, on
-        this thread (hetcomm.transports.mpi_node)."""
+        packed into this rank's shared segment, reduced there, and unpacked, on this thread
+        (hetcomm.transports.mpi_node)."""
         for g in groups:
             transport, seq = self._start("all_reduce", g.fused(), timeout=timeout)
             assert isinstance(transport, MpiTransport)
             node = transport.node_reduce("all_reduce_coalesced", seq)
             storage = storage_dtype(g.dtype)
             nbytes = g.total * storage.itemsize
-            fused = node.segment(nbytes).view(storage)
-            fusion.pack_host(g, fused)
 
             def wait(request: Any, what: str, seq: int = seq) -> None:
                 Work(self, f"all_reduce_coalesced ({what})", seq, request.Test,
                      timeout=timeout).wait()  # fmt: skip
 
+            fused = node.segment(nbytes, wait).view(storage)
+            fusion.pack_host(g, fused)
             node.all_reduce(nbytes, g.dtype, rop, wait)
             fusion.unpack_host(g, fused)
 

@@ -224,12 +224,12 @@ class MpiTransport(Transport):
     def close(self) -> None:
         self.requests.close()
         if self._node is not None:
-            self._node.close(collective=self.comm._aborted is None)
+            self._node.close(free_comm=self.comm._aborted is None)
             self._node = None
 
     def fits_node(self, nbytes: int) -> bool:
-        """Whether a blocking fused all-reduce of `nbytes` of host memory goes through the
-        shared window (every rank of the group on one node, a size it holds)."""
+        """Whether a blocking fused all-reduce of `nbytes` of host memory goes through shared
+        segments (every rank of the group on one node, a size they hold)."""
         if self._one_node is None:
             # a simulated host of its own counts as another node
             ranks = list(self.comm.topology)
@@ -237,7 +237,7 @@ class MpiTransport(Transport):
         return self._one_node and 0 < nbytes <= mpi_node.MAX_BYTES
 
     def node_reduce(self, op: str, seq: int) -> mpi_node.NodeReduce:
-        """The shared window of fused all-reduces (hetcomm.transports.mpi_node). Its first use
+        """The shared segments of fused all-reduces (hetcomm.transports.mpi_node). Its first use
         duplicates the communicator, a collective that waits until the lane has made the calls
         still queued on it (see drain)."""
         if self._node is None:

@@ -1,9 +1,9 @@
-"""Fused all-reduces of host arrays among the ranks of one node, through one shared window.
+"""Fused all-reduces of host arrays among the ranks of one node, through shared memory.
 
 Tensor fusion packs many small arrays into one buffer per dtype and reduces it (hetcomm.fusion).
 Where every rank of the group is on one node and the group's transport is `mpi`, a blocking
-call packs straight into this rank's segment of an MPI shared-memory window
-(MPI_Win_allocate_shared) and reduces there, on the calling thread:
+call packs straight into this rank's shared segment (a /dev/shm file that every rank of the
+node maps) and reduces there, on the calling thread:
 
 1. every rank packs its arrays into its own segment;
 2. a barrier: every input is in place;
@@ -23,6 +23,7 @@ of its own, waited for within the operation's timeout.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -30,10 +31,12 @@ import numpy as np
 from mpi4py import MPI
 
 from ..ops import ReduceOp
+from .rails import SharedSlots
 
 # a rank's segment holds at most this much; larger fused buffers go through the MPI transport
 MAX_BYTES = 16 << 20
 _LINE = 64  # blocks start on cache lines
+_NAME_BYTES = 64  # a segment's name, as it travels
 _NAMES = {ReduceOp.SUM: "sum", ReduceOp.AVG: "sum", ReduceOp.PROD: "prod", ReduceOp.MIN: "min",
           ReduceOp.MAX: "max"}  # fmt: skip
 
@@ -53,31 +56,48 @@ def blocks(nbytes: int, itemsize: int, size: int) -> list[tuple[int, int]]:
 
 
 class NodeReduce:
-    """The shared window of one communicator's fused all-reduces (see the module)."""
+    """The shared segments of one communicator's fused all-reduces (see the module).
+
+    Each rank's segment is a /dev/shm file that it creates and the others map by name (names
+    travel over MPI); once every rank has mapped every segment, each unlinks its own file, so
+    nothing is left behind if a process dies. Growing them is collective (every rank fuses the
+    same arrays, so all grow at the same call); closing is not, so a rank whose peers aborted
+    still closes.
+    """
 
     def __init__(self, comm: MPI.Intracomm) -> None:
         self._parent = comm
         self._comm: MPI.Intracomm | None = None
-        self._win: MPI.Win | None = None
+        self._slots: list[SharedSlots] = []
         self._segments: list[np.ndarray] = []
+        self._generation = 0
         self.capacity = 0
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
 
-    def segment(self, nbytes: int) -> np.ndarray:
-        """The first `nbytes` of this rank's segment (uint8). Growing it is collective: every
-        rank asks for the same size at the same call, since they fuse the same arrays."""
+    def segment(self, nbytes: int, wait: Callable[[Any, str], None]) -> np.ndarray:
+        """The first `nbytes` of this rank's segment (uint8), grown first where needed.
+        `wait(request, what)` waits for an MPI request within the operation's timeout."""
         if nbytes > self.capacity:
             if self._comm is None:
                 self._comm = self._parent.Dup()
-            if self._win is not None:
-                self._win.Free()
-                self._win, self._segments = None, []
+            self._unmap()
             capacity = min(MAX_BYTES, max(nbytes, 2 * self.capacity, 1 << 20))
             capacity = -(-capacity // _LINE) * _LINE
-            win = MPI.Win.Allocate_shared(capacity, 1, comm=self._comm)
-            segments: list[Any] = [win.Shared_query(r)[0] for r in range(self.size)]
-            self._segments = [np.frombuffer(seg, np.uint8, capacity) for seg in segments]
-            self._win, self.capacity = win, capacity
+            self._generation += 1
+            name = f"hetcomm-node-{os.getpid()}-{id(self):x}-{self._generation}"
+            mine = SharedSlots(name, 1, capacity, create=True)
+            self._slots = [mine]
+            names = np.zeros((self.size, _NAME_BYTES), np.uint8)
+            own = np.frombuffer(name.encode().ljust(_NAME_BYTES, b"\0"), np.uint8)
+            wait(self._comm.Iallgather(own, names), "the names of the shared segments")
+            slots = [mine if r == self.rank else
+                     SharedSlots(bytes(names[r]).rstrip(b"\0").decode(), 1, capacity, False)
+                     for r in range(self.size)]  # fmt: skip
+            self._slots = slots
+            wait(self._comm.Ibarrier(), "every rank mapping the shared segments")
+            mine.unlink()
+            self._segments = [s.array for s in slots]
+            self.capacity = capacity
         return self._segments[self.rank][:nbytes]
 
     def all_reduce(self, nbytes: int, dtype: str, op: ReduceOp,
@@ -89,7 +109,7 @@ class NodeReduce:
 
         assert self._comm is not None and nbytes <= self.capacity
         storage = kr.storage_dtype(dtype)
-        wait(self._comm.Ibarrier(), "every rank's input in the shared window")
+        wait(self._comm.Ibarrier(), "every rank's input in its shared segment")
         lo, hi = blocks(nbytes, storage.itemsize, self.size)[self.rank]
         if hi > lo:
             segs = self._segments
@@ -106,14 +126,17 @@ class NodeReduce:
                     segs[q][lo:hi] = mine
         wait(self._comm.Ibarrier(), "every rank's block of the result")
 
-    def close(self, collective: bool = True) -> None:
-        """Free the window and the communicator: collective, as the communicator's close is.
-        An aborted communicator's ranks may not all get here: then both are left to
-        MPI_Finalize (`collective` False)."""
+    def _unmap(self) -> None:
         self._segments = []
-        if collective:
-            if self._win is not None:
-                self._win.Free()
-            if self._comm is not None:
-                self._comm.Free()
-        self._win, self._comm, self.capacity = None, None, 0
+        for s in self._slots:
+            s.unlink()  # our own, if it was not unlinked yet (the others' are gone already)
+            s.close()
+        self._slots, self.capacity = [], 0
+
+    def close(self, free_comm: bool = True) -> None:
+        """Unmap the segments (local) and free the communicator, as the communicator's close
+        frees its own (not where it was aborted: operations may still be in flight on it)."""
+        self._unmap()
+        if free_comm and self._comm is not None:
+            self._comm.Free()
+        self._comm = None

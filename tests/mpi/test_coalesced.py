@@ -7,6 +7,8 @@ keep their values. Bad calls are made by every rank alike, so each raises before
 
 from __future__ import annotations
 
+import glob
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -222,16 +224,16 @@ def test_debug_mode_catches_another_order(make_comm, errors):
     errors.verify()
 
 
-def test_one_node_reduces_in_a_shared_window(comm, rng, errors):
+def test_one_node_reduces_in_shared_segments(comm, rng, errors):
     """Where the group is one node's ranks on the mpi transport, a blocking call packs into a
-    shared window and reduces there (hetcomm.transports.mpi_node); the window grows for a larger
+    shared segment and reduces there (hetcomm.transports.mpi_node); the segments grow for a larger
     call; an async call (the fused MPI all-reduce) gives the same values."""
     from hetcomm.arrays import as_buffer
 
     t = comm._transport("all_reduce", as_buffer(np.zeros(4, np.float32)))
     if t.name != "mpi" or not t.fits_node(16):
         pytest.skip(f"host all-reduces go through {t.name} here, or the ranks span nodes")
-    for n in (1000, 300_000):  # 4.8 MB of float64 alone: past the first window (1 MiB)
+    for n in (1000, 300_000):  # 2.4 MB of float64 alone: past the first segments (1 MiB)
         cases = [Case(rng, comm.size, comm.rank, d, lib, (n,), layout)
                  for d, lib, layout in (("float32", "numpy", "contiguous"),
                                         ("float64", "numpy", "strided"),
@@ -243,11 +245,13 @@ def test_one_node_reduces_in_a_shared_window(comm, rng, errors):
                 errors += c.check(ReduceOp.AVG, f"n={n}")
         node = t._node
         errors.expect(node is not None and node.capacity >= n * 8,
-                      f"n={n}: the shared window holds the largest group")  # fmt: skip
+                      f"n={n}: the shared segments hold the largest group")  # fmt: skip
         again = [Case(rng, comm.size, comm.rank, "float32", "numpy", (n,), "contiguous")
                  for _ in range(3)]  # fmt: skip
         work = comm.all_reduce_coalesced([c.placed.array for c in again], async_op=True)
         work.wait()
         for c in again:
             errors += c.check(ReduceOp.SUM, f"n={n}, async")
+    left = glob.glob(f"/dev/shm/hetcomm-node-{os.getpid()}-*")
+    errors.expect(not left, f"segment files left behind once mapped: {left}")
     errors.verify()

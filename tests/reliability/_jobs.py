@@ -46,6 +46,33 @@ def death(params: dict[str, Any]) -> None:
     report(ok=True)  # not reached while a rank is dead
 
 
+# ---- a rank that leaves out a fused all-reduce ---------------------------------------------------
+
+
+def skipped_coalesced(params: dict[str, Any]) -> None:
+    """Rank 1 leaves out a blocking all_reduce_coalesced (after one that both ranks made), on
+    one node, where it reduces through shared segments: rank 0 gets CommTimeout within the
+    timeout with its arrays untouched, and both ranks close their communicators."""
+    world = hetcomm.init(name="skipped")
+    xs = [np.full(100, RANK + 1.0) for _ in range(4)]
+    world.all_reduce_coalesced(xs)
+    first = all(bool((x == 3).all()) for x in xs)
+    timed_out: float | None = None
+    untouched: bool | None = None
+    if RANK == 0:
+        ys = [np.full(100, 7.0) for _ in range(4)]
+        start = time.monotonic()
+        try:
+            world.all_reduce_coalesced(ys, timeout=params["timeout"])
+        except CommTimeout:
+            timed_out = time.monotonic() - start
+        untouched = all(bool((y == 7).all()) for y in ys)
+    else:
+        time.sleep(params["timeout"] + 1)
+    world.close()
+    report(ok=first, timed_out=timed_out, untouched=untouched)
+
+
 # ---- stall warning ----------------------------------------------------------------------------
 
 
@@ -406,7 +433,7 @@ def _large_collectives(world: Any, half: int, me: int, other: int, a: _Backing, 
 
 
 SCENARIOS = {"death": death, "stall": stall, "trace": trace, "stress": stress, "large": large,
-             "trace_ops": trace_ops}
+             "trace_ops": trace_ops, "skipped_coalesced": skipped_coalesced}
 
 if __name__ == "__main__":
     SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})

@@ -55,3 +55,17 @@ def test_rank_death_under_hetcomm_run(mpirun: tuple[list[str], dict[str, str]]) 
     result = run(argv, clean_environ(HETCOMM_TIMEOUT="5", **mpi_env), LIMIT_S)
     print(f"rank death under hetcomm run: exit {result.returncode} after {result.seconds:.1f} s")
     _ended_by_death(result)
+
+
+def test_a_rank_leaving_out_a_fused_all_reduce(job: Any) -> None:
+    """Rank 1 of 2 leaves out one blocking all_reduce_coalesced: rank 0's CommTimeout comes
+    within its 2 s timeout with its arrays untouched, and both ranks still close and end."""
+    result = job(2, "skipped_coalesced", {"timeout": 2}, LIMIT_S)
+    print(f"a left-out fused all-reduce: exit {result.returncode} after {result.seconds:.1f} s")
+    assert result.returncode == 0 and len(result.results) == 2, result.explain()
+    by_rank = {r["rank"]: r for r in result.results}
+    assert by_rank[0]["ok"] and by_rank[1]["ok"], result.explain()
+    assert by_rank[0]["untouched"] is True, result.explain()
+    assert by_rank[0]["timed_out"] is not None and 2 <= by_rank[0]["timed_out"] < 10, \
+        result.explain()  # fmt: skip
+    assert result.seconds < DEADLINE_S, result.explain()
