@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ from . import plan as planning
 from . import work as _work
 from .arrays import Buffer, as_buffer, overlap, storage_dtype
 from .config import Config
-from .errors import CommAborted, InvalidArgument, MismatchError
+from .errors import CommAborted, InvalidArgument, MismatchError, TransportUnavailable
 from .ops import ReduceOp, as_reduce_op, check_op_for_dtype
 from .topology import Topology
 from .transports import Transport, registry
@@ -352,10 +353,10 @@ class Communicator:
             if g.on_device:
                 fusion.check_device(what)
             chosen.append(self._transport("all_reduce", g.fused()))
-        if not async_op and all(isinstance(t, MpiTransport) and not g.on_device
-                                and t.fits_node(g.total * storage_dtype(g.dtype).itemsize)
-                                for g, t in zip(groups, chosen)):  # fmt: skip
-            self._coalesced_on_node(groups, rop, timeout)
+        if (not async_op and all(isinstance(t, MpiTransport) and not g.on_device
+                                 and t.fits_node(g.total * storage_dtype(g.dtype).itemsize)
+                                 for g, t in zip(groups, chosen))
+                and self._coalesced_on_node(groups, chosen[0], rop, timeout)):  # fmt: skip
             return None
         packed: list[tuple[Buffer, list[Callable[[], None]], Any]] = []
         for g in groups:
@@ -390,26 +391,33 @@ class Communicator:
         self._inflight = [w for w in self._inflight if not w._done]
         return None
 
-    def _coalesced_on_node(self, groups: list[fusion.Group], rop: ReduceOp,
-                           timeout: float | None) -> None:  # fmt: skip
+    def _coalesced_on_node(self, groups: list[fusion.Group], transport: Transport,
+                           rop: ReduceOp, timeout: float | None) -> bool:  # fmt: skip
         """A blocking all_reduce_coalesced of host arrays among one node's ranks: each group
         packed into this rank's shared segment, reduced there, and unpacked, on this thread
-        (hetcomm.transports.mpi_node)."""
-        for g in groups:
-            transport, seq = self._start("all_reduce", g.fused(), timeout=timeout)
-            assert isinstance(transport, MpiTransport)
-            node = transport.node_reduce("all_reduce_coalesced", seq)
-            storage = storage_dtype(g.dtype)
-            nbytes = g.total * storage.itemsize
+        (hetcomm.transports.mpi_node). False, with nothing moved, where the segments cannot be
+        had (every rank finds out alike): the call then takes the fused MPI all-reduce."""
+        assert isinstance(transport, MpiTransport)
+        sizes = [g.total * storage_dtype(g.dtype).itemsize for g in groups]
 
-            def wait(request: Any, what: str, seq: int = seq) -> None:
-                Work(self, f"all_reduce_coalesced ({what})", seq, request.Test,
-                     timeout=timeout).wait()  # fmt: skip
+        def wait(request: Any, what: str, seq: int) -> None:
+            Work(self, f"all_reduce_coalesced ({what})", seq, request.Test,
+                 timeout=timeout).wait()  # fmt: skip
 
-            fused = node.segment(nbytes, wait).view(storage)
+        node = transport.node_reduce("all_reduce_coalesced", self._seq + 1)
+        try:
+            node.segment(max(sizes), partial(wait, seq=self._seq + 1))
+        except TransportUnavailable as exc:
+            log.warning("group '%s': %s; fused all-reduces go through MPI", self.name, exc)
+            transport.node_off()
+            return False
+        for g, nbytes in zip(groups, sizes):
+            _, seq = self._start("all_reduce", g.fused(), timeout=timeout)
+            fused = node.segment(nbytes, partial(wait, seq=seq)).view(storage_dtype(g.dtype))
             fusion.pack_host(g, fused)
-            node.all_reduce(nbytes, g.dtype, rop, wait)
+            node.all_reduce(nbytes, g.dtype, rop, partial(wait, seq=seq))
             fusion.unpack_host(g, fused)
+        return True
 
     def reduce(self, x: Any, root: int, op: ReduceOp | str = ReduceOp.SUM, *,
                async_op: bool = False, timeout: float | None = None) -> Work | None:  # fmt: skip

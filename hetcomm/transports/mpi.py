@@ -236,6 +236,11 @@ class MpiTransport(Transport):
             self._one_node = len(ranks) > 1 and len({(r.host, r.node) for r in ranks}) == 1
         return self._one_node and 0 < nbytes <= mpi_node.MAX_BYTES
 
+    def node_off(self) -> None:
+        """No shared segments for this group any more (they could not be had on some rank):
+        its fused all-reduces go through MPI. Local: every rank learnt it in the same call."""
+        self._one_node = False
+
     def node_reduce(self, op: str, seq: int) -> mpi_node.NodeReduce:
         """The shared segments of fused all-reduces (hetcomm.transports.mpi_node). Its first use
         duplicates the communicator, a collective that waits until the lane has made the calls

@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from ..errors import TransportUnavailable
 from ..ops import ReduceOp
-from .rails import SharedSlots
+from .rails import RailError, SharedSlots
 
 # a rank's segment holds at most this much; larger fused buffers go through the MPI transport
 MAX_BYTES = 16 << 20
@@ -85,11 +86,25 @@ class NodeReduce:
             capacity = -(-capacity // _LINE) * _LINE
             self._generation += 1
             name = f"hetcomm-node-{os.getpid()}-{id(self):x}-{self._generation}"
-            mine = SharedSlots(name, 1, capacity, create=True)
-            self._slots = [mine]
+            try:
+                mine: SharedSlots | None = SharedSlots(name, 1, capacity, create=True)
+            except RailError as exc:  # /dev/shm full: every rank hears of it below
+                mine, name, why = None, "", str(exc)
             names = np.zeros((self.size, _NAME_BYTES), np.uint8)
             own = np.frombuffer(name.encode().ljust(_NAME_BYTES, b"\0"), np.uint8)
             wait(self._comm.Iallgather(own, names), "the names of the shared segments")
+            failed = [r for r in range(self.size) if not names[r].any()]
+            if failed:
+                if mine is not None:
+                    mine.unlink()
+                    mine.close()
+                raise TransportUnavailable(
+                    f"all_reduce_coalesced: rank(s) {failed} could not reserve {capacity} bytes "
+                    f"in /dev/shm for the shared segments of fused all-reduces"
+                    + (f" ({why})" if mine is None else "")
+                )
+            assert mine is not None
+            self._slots = [mine]
             slots = [mine if r == self.rank else
                      SharedSlots(bytes(names[r]).rstrip(b"\0").decode(), 1, capacity, False)
                      for r in range(self.size)]  # fmt: skip

@@ -255,3 +255,33 @@ def test_one_node_reduces_in_shared_segments(comm, rng, errors):
     left = glob.glob(f"/dev/shm/hetcomm-node-{os.getpid()}-*")
     errors.expect(not left, f"segment files left behind once mapped: {left}")
     errors.verify()
+
+
+def test_without_shared_segments_the_fused_all_reduce_goes_through_mpi(make_comm, rng, errors,
+                                                                       monkeypatch):  # fmt: skip
+    """Rank 1 cannot have its shared segment (a full /dev/shm): every rank learns it in the
+    same call, the others drop theirs, and the call reduces through the fused MPI all-reduce
+    with the right results; later calls go there at once."""
+    from hetcomm.arrays import as_buffer
+    from hetcomm.transports import mpi_node, rails
+
+    c = make_comm(name="no-shm")
+    t = c._transport("all_reduce", as_buffer(np.zeros(4, np.float32)))
+    if t.name != "mpi" or not t.fits_node(16):
+        pytest.skip(f"host all-reduces go through {t.name} here, or the ranks span nodes")
+    if c.rank == 1:
+        def full(*args: Any, **kwargs: Any) -> Any:
+            raise rails.RailError("cannot reserve 1 MiB in /dev/shm (test: no space)")
+
+        monkeypatch.setattr(mpi_node, "SharedSlots", full)
+    for k in range(2):
+        cases = [Case(rng, c.size, c.rank, d, "numpy", (n,), "contiguous")
+                 for d, n in (("float32", 300), ("int64", 50))]  # fmt: skip
+        if errors.run(f"call {k}", c.all_reduce_coalesced, [x.placed.array for x in cases],
+                      ReduceOp.MAX):  # fmt: skip
+            for x in cases:
+                errors += x.check(ReduceOp.MAX, f"call {k}")
+    errors.expect(t.fits_node(16) is False, "the group's fused all-reduces went back to MPI")
+    left = glob.glob(f"/dev/shm/hetcomm-node-{os.getpid()}-*")
+    errors.expect(not left, f"segment files left behind: {left}")
+    errors.verify()

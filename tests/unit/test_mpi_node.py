@@ -27,3 +27,25 @@ def test_blocks_cover_in_order_on_lines_and_whole_items(nbytes, itemsize, size):
     lengths = [b - a for a, b in spans]
     assert max(lengths) - min(lengths) < 2 * 64
     assert lengths == sorted(lengths, reverse=True)
+
+
+def test_a_rank_without_room_in_dev_shm_is_named_and_nothing_is_left(monkeypatch):
+    """Creating a segment fails (a full /dev/shm): the error names the rank, and the segment
+    is not left mapped; on one rank (COMM_SELF), so that no other rank waits."""
+    from mpi4py import MPI
+
+    from hetcomm import TransportUnavailable
+    from hetcomm.transports import mpi_node, rails
+
+    def full(*args, **kwargs):
+        raise rails.RailError("cannot reserve 1 MiB in /dev/shm for shared slots (No space)")
+
+    node = mpi_node.NodeReduce(MPI.COMM_SELF)
+    monkeypatch.setattr(mpi_node, "SharedSlots", full)
+    with pytest.raises(TransportUnavailable, match=r"rank\(s\) \[0\] could not reserve"):
+        node.segment(4096, lambda request, what: request.Wait())
+    assert node.capacity == 0
+    monkeypatch.undo()
+    seg = node.segment(4096, lambda request, what: request.Wait())  # room again: it works
+    assert seg.nbytes == 4096 and node.capacity >= 4096
+    node.close()
