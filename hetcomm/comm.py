@@ -353,11 +353,14 @@ class Communicator:
             if g.on_device:
                 fusion.check_device(what)
             chosen.append(self._transport("all_reduce", g.fused()))
-        if (not async_op and all(isinstance(t, MpiTransport) and not g.on_device
-                                 and t.fits_node(g.total * storage_dtype(g.dtype).itemsize)
-                                 for g, t in zip(groups, chosen))
-                and self._coalesced_on_node(groups, chosen[0], rop, timeout)):  # fmt: skip
-            return None
+        if not async_op and all(isinstance(t, MpiTransport) and not g.on_device
+                                for g, t in zip(groups, chosen)):  # fmt: skip
+            sizes = [g.total * storage_dtype(g.dtype).itemsize for g in groups]
+            mpi = chosen[0]  # the communicator's one mpi transport
+            assert isinstance(mpi, MpiTransport)
+            if all(map(mpi.fits_node, sizes)) and self._coalesced_on_node(groups, sizes, mpi,
+                                                                           rop, timeout):  # fmt: skip
+                return None
         packed: list[tuple[Buffer, list[Callable[[], None]], Any]] = []
         for g in groups:
             if g.on_device:
@@ -391,14 +394,14 @@ class Communicator:
         self._inflight = [w for w in self._inflight if not w._done]
         return None
 
-    def _coalesced_on_node(self, groups: list[fusion.Group], transport: Transport,
-                           rop: ReduceOp, timeout: float | None) -> bool:  # fmt: skip
+    def _coalesced_on_node(self, groups: list[fusion.Group], sizes: list[int],
+                           transport: MpiTransport, rop: ReduceOp,
+                           timeout: float | None) -> bool:  # fmt: skip
         """A blocking all_reduce_coalesced of host arrays among one node's ranks: each group
-        packed into this rank's shared segment, reduced there, and unpacked, on this thread
-        (hetcomm.transports.mpi_node). False, with nothing moved, where the segments cannot be
-        had (every rank finds out alike): the call then takes the fused MPI all-reduce."""
-        assert isinstance(transport, MpiTransport)
-        sizes = [g.total * storage_dtype(g.dtype).itemsize for g in groups]
+        (of `sizes` bytes) packed into this rank's shared segment, reduced there, and unpacked,
+        on this thread (hetcomm.transports.mpi_node). False, with nothing moved, where the
+        segments cannot be had (every rank finds out alike): the call then takes the fused MPI
+        all-reduce."""
 
         def wait(request: Any, what: str, seq: int) -> None:
             Work(self, f"all_reduce_coalesced ({what})", seq, request.Test,

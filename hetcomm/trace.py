@@ -49,6 +49,22 @@ _writer: TraceWriter | None = None
 _lock = threading.Lock()
 
 
+class Stamps:
+    """Time stamps of a transport's inner steps, for profiling one operation: kept only while
+    `marks` is a list (`marks = []` starts, `None` stops); otherwise a step costs one check.
+    `time.perf_counter()` is one clock for the ranks of one host."""
+
+    __slots__ = ("marks",)
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[float, str]] | None = None
+
+    def __call__(self, what: str, idx: int = -1) -> None:
+        """Note the time of `what` (of chunk `idx`, where one is named)."""
+        if self.marks is not None:
+            self.marks.append((time.perf_counter(), what if idx < 0 else f"{what} {idx}"))
+
+
 class TraceWriter:
     """The trace file of one rank: `record(work)` buffers an event, `flush()` writes them."""
 

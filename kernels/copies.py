@@ -45,25 +45,19 @@ def _fits(fused: np.ndarray, counts: np.ndarray, itemsize: int) -> bool:
 
 
 @_jit
-def _gather(fused: np.ndarray, addresses: np.ndarray, counts: np.ndarray, itemsize: int) -> bool:
+def _copy_all(fused: np.ndarray, addresses: np.ndarray, counts: np.ndarray, itemsize: int,
+              into_fused: bool) -> bool:  # fmt: skip
+    """Each array's bytes to its place in `fused` (into_fused), or back; False when `fused`
+    is too small."""
     if not _fits(fused, counts, itemsize):
         return False
     at = np.int64(fused.ctypes.data)
     for i in range(addresses.size):
         n = counts[i] * itemsize
-        _copy_bytes(at, addresses[i], n)
-        at += n
-    return True
-
-
-@_jit
-def _scatter(fused: np.ndarray, addresses: np.ndarray, counts: np.ndarray, itemsize: int) -> bool:
-    if not _fits(fused, counts, itemsize):
-        return False
-    at = np.int64(fused.ctypes.data)
-    for i in range(addresses.size):
-        n = counts[i] * itemsize
-        _copy_bytes(addresses[i], at, n)
+        if into_fused:
+            _copy_bytes(at, addresses[i], n)
+        else:
+            _copy_bytes(addresses[i], at, n)
         at += n
     return True
 
@@ -89,11 +83,11 @@ def gather(fused: np.ndarray, addresses: np.ndarray, counts: np.ndarray, itemsiz
     """Copy counts[i] elements of `itemsize` bytes from addresses[i] into `fused`, one array
     after the other. The caller vouches for the addresses: each the start of that many
     contiguous, readable bytes, none of them inside `fused`."""
-    if not _gather(_table(fused, addresses, counts), addresses, counts, itemsize):
+    if not _copy_all(_table(fused, addresses, counts), addresses, counts, itemsize, True):
         raise _too_small(fused, counts, itemsize)
 
 
 def scatter(fused: np.ndarray, addresses: np.ndarray, counts: np.ndarray, itemsize: int) -> None:
     """The reverse of gather: each array's part of `fused` copied back to addresses[i]."""
-    if not _scatter(_table(fused, addresses, counts), addresses, counts, itemsize):
+    if not _copy_all(_table(fused, addresses, counts), addresses, counts, itemsize, False):
         raise _too_small(fused, counts, itemsize)

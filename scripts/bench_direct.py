@@ -277,7 +277,7 @@ def profile(out: str) -> None:
         x = cupy.ones(max(size // 4, 2), dtype=cupy.float32)
         y = cupy.empty_like(x)
         for i in range(8):  # the last three are profiled
-            direct_proxy.PROFILE = [] if i >= 5 else None
+            direct_proxy.stamp.marks = [] if i >= 5 else None
             world.Barrier()
             t0 = time.perf_counter()
             if case == "all_reduce":
@@ -287,12 +287,12 @@ def profile(out: str) -> None:
             elif r == 1:
                 comm.recv(y, 0)
             t1 = time.perf_counter()
-            if direct_proxy.PROFILE is None:
+            if direct_proxy.stamp.marks is None:
                 continue
-            marks = [(round((t - t0) * 1e6, 1), what) for t, what in direct_proxy.PROFILE]
+            marks = [(round((t - t0) * 1e6, 1), what) for t, what in direct_proxy.stamp.marks]
             rows.append({"case": f"{case} {size} B", "rank": r,
                          "total_us": round((t1 - t0) * 1e6, 1), "marks_us": marks})  # fmt: skip
-        direct_proxy.PROFILE = None
+        direct_proxy.stamp.marks = None
     every = world.gather(rows, root=0)
     comm.close()
     if r == 0:

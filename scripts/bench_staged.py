@@ -144,7 +144,7 @@ def timeline(out: str) -> None:
         t.chunk_bytes = chunk
         times = []
         for i in range(14):  # two warm-ups, nine timed, three profiled
-            staged_ops.PROFILE = [] if i >= 11 else None
+            staged_ops.stamp.marks = [] if i >= 11 else None
             world.Barrier()
             t0 = time.perf_counter()
             if r == 0:
@@ -162,9 +162,9 @@ def timeline(out: str) -> None:
                              "time (median of 9, slowest rank)", "time_ms": med * 1e3,
                              "GBps": nbytes / med / 1e9, "min_ms": min(times) * 1e3,
                              "max_ms": max(times) * 1e3, "ok": ok})  # fmt: skip
-            if staged_ops.PROFILE is None:
+            if staged_ops.stamp.marks is None:
                 continue
-            marks = world.gather(([(t, r, what) for t, what in staged_ops.PROFILE], t0, t1))
+            marks = world.gather(([(t, r, what) for t, what in staged_ops.stamp.marks], t0, t1))
             if r == 0:
                 start = min(m[1] for m in marks)
                 merged = sorted(m for ms, _, _ in marks for m in ms)
@@ -172,7 +172,7 @@ def timeline(out: str) -> None:
                              "total_us": [round((m[2] - start) * 1e6) for m in marks],
                              "marks": [(round((t - start) * 1e6), rank, what)
                                        for t, rank, what in merged]})  # fmt: skip
-        staged_ops.PROFILE = None
+        staged_ops.stamp.marks = None
         comm.close()
     rows.append({"case": "pinned device->host copy", "bytes": nbytes,
                  "GBps": pinned_copy_rate(nbytes) / 1e9})  # fmt: skip

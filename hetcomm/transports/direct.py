@@ -138,18 +138,13 @@ class DirectTransport(Transport):
                     f"this rank, got {b.describe()}; use one device per rank"
                 )
 
-    def _caller_stream(self, b: Buffer) -> tuple[Any, bool]:
-        """The stream the caller's work on `b` is ordered on, and whether an operation must
-        wait for it: not for a stream of the caller's own with nothing left to run (the legacy
-        default stream, 0 or 1, also waits for other streams: always)."""
+    def _ready(self, b: Buffer) -> Any:
+        """An event where the caller's stream (the one its work on `b` is ordered on) reaches
+        this call; None for a stream of the caller's own with nothing left to run (the legacy
+        default stream, 0 or 1, also waits for other streams: always an event)."""
         ptr = self.kd.current_stream(b)
         stream = self.kd.external_stream(ptr, self.device)
-        return stream, ptr in (0, 1) or not stream.done
-
-    def _ready(self, b: Buffer) -> Any:
-        """An event where the caller's stream reaches this call, or None if nothing is pending."""
-        stream, pending = self._caller_stream(b)
-        if not pending:
+        if ptr not in (0, 1) and stream.done:
             return None
         with self.cupy.cuda.Device(self.device):
             ready = self.cupy.cuda.Event(disable_timing=True)

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from ..trace import Stamps
+
 # a step of an operation waits for one of these: an MPI request, a GPU event, or nothing (None)
 Step = Generator[Any, None, None]
 TAG_WAKE = 63  # a message the proxy sends itself to leave MPI_Waitany
@@ -57,14 +59,9 @@ _NEVER = 1 << 62
 # (Proxy.submit). On the H200, 32 back-to-back 256 MiB receives on the default stream:
 # 1502 -> 1685 GB/s with it; at 64 KiB - 16 MiB it made each operation 30-70 us slower
 _YIELD_BYTES = 64 << 20
-# None, or a list the proxy appends (perf_counter(), what it waited for) to, for profiling
-PROFILE: list[tuple[float, str]] | None = None
-
-
-def stamp(what: str) -> None:
-    """Note the time of `what` when profiling (PROFILE is a list)."""
-    if PROFILE is not None:
-        PROFILE.append((time.perf_counter(), what))
+# the steps of direct operations (what the proxy waited for, ...), stamped while stamp.marks is
+# a list (bench_direct.py profile)
+stamp = Stamps()
 
 
 class Mark:
@@ -168,7 +165,7 @@ class Proxy:
                             return False
                     elif not _mpi_ready(w):
                         return False
-                if PROFILE is not None:
+                if stamp.marks is not None:
                     stamp("start" if w is None else
                           "gpu" if not isinstance(w, (MPI.Request, list)) else "mpi")
                 task.waiting = next(task.gen)

@@ -18,15 +18,16 @@ def algorithm(nbytes: int, size: int) -> str:
     return "one-shot" if size == 1 or nbytes <= ONE_SHOT_BYTES else "two-shot"
 
 
-def shards(count: int, itemsize: int, size: int) -> list[tuple[int, int]]:
+def shards(count: int, itemsize: int, size: int,
+           align: int = ALIGN_BYTES) -> list[tuple[int, int]]:  # fmt: skip
     """[start, stop) element ranges, one per rank, covering `count` elements in order.
 
-    Boundaries are multiples of ALIGN_BYTES where the item size allows; the shards differ by at
-    most one alignment unit, and trailing shards may be empty when `count` is small.
+    Boundaries are multiples of `align` bytes where the item size allows; the shards differ by
+    at most one alignment unit, and trailing shards may be empty when `count` is small.
     """
     if size < 1 or count < 0 or itemsize < 1:
         raise ValueError(f"shards: bad arguments count={count} itemsize={itemsize} size={size}")
-    unit = ALIGN_BYTES // itemsize if ALIGN_BYTES % itemsize == 0 else 1
+    unit = align // itemsize if align % itemsize == 0 else 1
     units = -(-count // unit)
     base, extra = divmod(units, size)
     spans, start = [], 0

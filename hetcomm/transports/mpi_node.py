@@ -32,6 +32,7 @@ from mpi4py import MPI
 
 from ..errors import TransportUnavailable
 from ..ops import ReduceOp
+from .direct_schedule import shards
 from .rails import RailError, SharedSlots
 
 # a rank's segment holds at most this much; larger fused buffers go through the MPI transport
@@ -45,15 +46,8 @@ _NAMES = {ReduceOp.SUM: "sum", ReduceOp.AVG: "sum", ReduceOp.PROD: "prod", Reduc
 def blocks(nbytes: int, itemsize: int, size: int) -> list[tuple[int, int]]:
     """[start, stop) byte ranges of `nbytes`, one per rank, in order, covering them all: starts
     on 64-byte lines, whole items, sizes as even as that allows (trailing ones may be empty)."""
-    unit = _LINE if _LINE % itemsize == 0 else itemsize
-    units = -(-nbytes // unit)
-    base, extra = divmod(units, size)
-    spans, start = [], 0
-    for r in range(size):
-        stop = min(nbytes, start + (base + (r < extra)) * unit)
-        spans.append((start, stop))
-        start = stop
-    return spans
+    return [(a * itemsize, b * itemsize)
+            for a, b in shards(nbytes // itemsize, itemsize, size, align=_LINE)]  # fmt: skip
 
 
 class NodeReduce:

@@ -88,19 +88,21 @@ class _Channel:
         return self.uses_mpi or any(link.alive for link in self.links)
 
     def signals(self, owner: RailThreads) -> queue.Queue[Any]:
-        """The queue of the signaller thread (device chunks going out over shm), started once."""
+        """The queue of the signaller thread (device chunks going out over shm: each announced
+        once its copy into a slot has finished), started once."""
         with self._lock:
             if self._signals is None:
                 self._signals = queue.Queue()
-                self._thread(owner._signal_loop, self)
+                self._thread(owner._serve, self._signals, owner._announce)
             return self._signals
 
     def completions(self, owner: RailThreads) -> queue.Queue[Any]:
-        """The queue of the completer thread (device chunks coming in over shm), started once."""
+        """The queue of the completer thread (device chunks coming in over shm: each slot handed
+        back once its copy out has finished), started once."""
         with self._lock:
             if self._completions is None:
                 self._completions = queue.Queue()
-                self._thread(owner._complete_loop, self)
+                self._thread(owner._serve, self._completions, owner._hand_back)
             return self._completions
 
     def stop(self) -> None:

@@ -12,15 +12,11 @@ from typing import Any
 
 import numpy as np
 
+from ..trace import Stamps
+
 _STOP = object()
-# None, or a list that the staged pipeline appends (perf_counter(), what) to, for profiling
-PROFILE: list[tuple[float, str]] | None = None
-
-
-def stamp(what: str, idx: int = -1) -> None:
-    """Note the time of `what` (of chunk `idx`) when profiling."""
-    if PROFILE is not None:
-        PROFILE.append((time.perf_counter(), what if idx < 0 else f"{what} {idx}"))
+# the staged pipeline's steps, stamped while stamp.marks is a list (bench_staged.py timeline)
+stamp = Stamps()
 
 
 @dataclass

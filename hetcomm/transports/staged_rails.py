@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -122,15 +123,14 @@ class RailThreads(ClearToSend):
             link.send(R.DATA, -1, op.remote, idx, off, n, memoryview(payload))
         return False  # counted when the receiver acknowledges it
 
-    def _signal_loop(self, ch: _Channel) -> None:
-        """Device chunks staged into shared slots: announce each once its copy has finished."""
-        signals = ch._signals
-        assert signals is not None
+    def _serve(self, items: queue.Queue[Any], handle: Callable[..., None]) -> None:
+        """The loop of a signaller or completer thread: `handle(*item)` for each item queued,
+        until _STOP."""
         while True:
-            item = signals.get()
+            item = items.get()
             if item is _STOP:
                 return
-            self._announce(*item)
+            handle(*item)
 
     def _announce(self, event: Any, link: R.Link, slot: int, op: _Op, idx: int, off: int,
                   n: int) -> None:  # fmt: skip
@@ -142,16 +142,6 @@ class RailThreads(ClearToSend):
             op.count(idx)
         except BaseException as exc:
             op.fail(exc)
-
-    def _complete_loop(self, ch: _Channel) -> None:
-        """Device chunks read from shared slots: hand each slot back once its copy has finished."""
-        completions = ch._completions
-        assert completions is not None
-        while True:
-            item = completions.get()
-            if item is _STOP:
-                return
-            self._hand_back(*item)
 
     def _hand_back(self, event: Any, link: R.Link, slot: int, op: _Op, op_id: int,
                    idx: int) -> None:  # fmt: skip

@@ -69,15 +69,21 @@ def first_difference(got: np.ndarray, want: np.ndarray) -> str:
     return f"{len(bad)} bytes differ, first at byte {int(bad[0])}"
 
 
+def timed(call: Any, result: dict[str, Any], error: str, seconds: str) -> None:
+    """Run `call()`, putting into `result` how long it took (key `seconds`) and what it raised,
+    if anything (key `error`)."""
+    t0 = time.monotonic()
+    try:
+        call()
+    except Exception as exc:
+        result[error] = f"{type(exc).__name__}: {exc}"
+    result[seconds] = round(time.monotonic() - t0, 3)
+
+
 def close(comm: Any, result: dict[str, Any]) -> None:
     """Close `comm` (also after a failed operation: that stops the transport's threads, which
     must not be inside MPI calls when MPI finalizes), timing it."""
-    t0 = time.monotonic()
-    try:
-        comm.close()
-    except Exception as exc:
-        result["close_error"] = f"{type(exc).__name__}: {exc}"
-    result["close_s"] = round(time.monotonic() - t0, 3)
+    timed(comm.close, result, "close_error", "close_s")
 
 
 # ---- scenarios --------------------------------------------------------------------------------
@@ -343,12 +349,7 @@ def gone(params: dict[str, Any]) -> dict[str, Any]:
     if comm.rank == 0:
         work = comm.send(data, 1, tag=3, async_op=True)  # waits for rank 1's clear-to-send
         WORLD.Barrier()  # rank 1 closes only now: the send is already waiting
-        t0 = time.monotonic()
-        try:
-            work.wait()
-        except Exception as exc:
-            result["error"] = f"{type(exc).__name__}: {exc}"
-        result["failed_after_s"] = round(time.monotonic() - t0, 3)
+        timed(work.wait, result, "error", "failed_after_s")
     else:
         WORLD.Barrier()
     close(comm, result)
