@@ -294,6 +294,13 @@ class SharedSlots:
                 self._cond.wait(0.05)
             return self._free.pop()
 
+    def try_acquire(self, count: int) -> list[int]:
+        """Up to `count` free slots, taken without waiting."""
+        with self._cond:
+            taken = self._free[len(self._free) - min(count, len(self._free)) :]
+            del self._free[len(self._free) - len(taken) :]
+            return taken[::-1]
+
     def release(self, slot: int) -> None:
         with self._cond:
             self._free.append(slot)

@@ -28,9 +28,10 @@ from .staged_rails import (
     ERROR_MPI,
     TAG_HEAD,
     RailThreads,
+    _rail_name,
     _size_mismatch,
 )
-from .staged_schedule import choose_rails, chunk_spans, rail_key, rail_windows, slots_that_fit
+from .staged_schedule import choose_rails, message_spans, rail_key, rail_windows, slots_that_fit
 
 if TYPE_CHECKING:
     from ..arrays import Buffer
@@ -44,6 +45,14 @@ log = logging.getLogger("hetcomm")
 CHUNK_BYTES = 8 << 20
 SLOTS = 8
 SHM_LANES = 2  # threads feeding one shm rail, so that one stages while the other signals
+# A message longer than two chunks starts with chunks of chunk/8, /4, /2 and ends with chunks of
+# chunk/2, /4 (staged_schedule.message_spans), so the receiver's first copy starts, and its last
+# ends, sooner. Measured on the H200 (docs/BENCHMARKS.md).
+RAMP = (3, 2)
+# A device send over shm copies up to this many of its first chunks into free shared slots at
+# once, before the receiver's clear-to-send comes; a channel's sends waiting for theirs hold at
+# most half its slots, so the sends already cleared always have slots to go on with.
+EARLY_CHUNKS = 4
 TAG_HELLO = 12  # TAG_CTRL: staged_cts; TAG_HEAD, TAG_BODY: staged_rails
 CTS_P2P, CTS_COLL = 1, 2
 
@@ -67,6 +76,8 @@ class _Channel:
         self._signals: queue.Queue[Any] | None = None
         self._completions: queue.Queue[Any] | None = None
         self._lock = threading.Lock()
+        self.lock = threading.Lock()  # guards `early`
+        self.early = 0  # shared slots held by sends still waiting for their clear-to-send
 
     def start(self) -> None:
         for link in self.links:
@@ -134,6 +145,7 @@ class StagedTransport(RailThreads, Transport):
         tuned = comm.config.tuned
         self.chunk_bytes = CHUNK_BYTES if tuned is None else tuned.chunk_bytes
         self.slots = SLOTS if tuned is None else tuned.slots
+        self.ramp, self.early_chunks = RAMP, EARLY_CHUNKS
         self.rail_weights: dict[str, float] = {} if tuned is None else dict(tuned.rail_weights)
         self.timeout = comm.config.timeout
         self.mode, addrs = _rail_addresses(comm)
@@ -261,7 +273,7 @@ class StagedTransport(RailThreads, Transport):
         """Register a receive into `region` and tell `peer` it may send."""
         if peer != self.rank:
             self.channel(peer, deadline)
-        spans = chunk_spans(region.nbytes, self.chunk_bytes)
+        spans = message_spans(region.nbytes, self.chunk_bytes, self.ramp)
         op = _Op(peer, region, spans, ready=ready, left=len(spans))
         if peer != self.rank:
             self._count(len(spans))
@@ -281,9 +293,10 @@ class StagedTransport(RailThreads, Transport):
         if peer == self.rank:
             return self._send_to_self(region, kind, k1, k2, deadline, ready)
         ch = self.channel(peer, deadline)
-        spans = chunk_spans(region.nbytes, self.chunk_bytes)
+        spans = message_spans(region.nbytes, self.chunk_bytes, self.ramp)
         op = _Op(peer, region, spans, ready=ready, left=len(spans))
         self._count(len(spans))
+        self._stage_early(ch, op)
         entry = self._cts_or_register(ch, op, (peer, kind, k1, k2), deadline)
         if entry is not None:
             self._queue_send(ch, op, *entry)
@@ -298,20 +311,78 @@ class StagedTransport(RailThreads, Transport):
             self._unwait(op)
             raise
 
+    def _stage_early(self, ch: _Channel, op: _Op) -> None:
+        """Copy the first chunks of a send over shm into free shared slots now, without waiting
+        for the receiver's clear-to-send: once it comes they are announced as their copies end
+        (device data: the copy engine has been busy meanwhile; host data is copied here). Only
+        where slots are free at once, and while the channel's sends that wait for their
+        clear-to-send hold fewer than half of them."""
+        link = self._doorbell(op.peer)
+        if link is None or ch.shm_out is None or self.early_chunks <= 0 or not op.spans:
+            return
+        with ch.lock:
+            room = min(self.early_chunks, len(op.spans), ch.shm_out.slots // 2 - ch.early)
+            slots = ch.shm_out.try_acquire(room) if room > 0 else []
+            ch.early += len(slots)
+        if not slots:
+            return
+        host = op.region.host
+        if host is None:
+            ch.shm_out.register_with_gpu(self._gpu.device)
+        for idx, slot in enumerate(slots):
+            off, n = op.spans[idx]
+            target = ch.shm_out.view(slot, n)
+            if host is not None:
+                np.copyto(target, host[off : off + n])
+                event = None
+            else:
+                event = self._gpu.copy_to_host_async(target, op.region.sub(off, n), op.ready)
+            op.early.append((slot, event, (off, n)))
+            stamp("d2h queued early", idx)
+
+    def _take_early(self, ch: _Channel, op: _Op) -> list[tuple[int, Any, tuple[int, int]]]:
+        """The early chunks of `op`, taken (by whoever gets them first) and no longer counted
+        against the channel's half of the slots."""
+        with ch.lock:
+            early, op.early = op.early, []
+            ch.early -= len(early)
+        return early
+
+    def _drop_early(self, ch: _Channel, op: _Op) -> None:
+        """Give back the slots of a send's early chunks that never went (their copies end
+        first)."""
+        assert ch.shm_out is not None
+        for slot, event, _ in self._take_early(ch, op):
+            if event is not None:
+                with contextlib.suppress(Exception):
+                    event.synchronize()
+            ch.shm_out.release(slot)
+
     def _queue_send(self, ch: _Channel, op: _Op, remote: int, expected: int) -> None:
-        """The receiver's clear-to-send is here: queue every chunk of `op` on its rails."""
+        """The receiver's clear-to-send is here: queue every chunk of `op` on its rails (the
+        early ones to the signaller, which announces them once their copies have ended)."""
         stamp("chunks queued")
         op.remote, op.awaiting_cts = remote, False
         if expected != op.region.nbytes:
             exc = MismatchError(f"rank {self.rank} sends {op.region.nbytes} bytes, rank "
                                 f"{op.peer} receives {expected}")  # fmt: skip
+            if op.early:
+                self._drop_early(ch, op)
             self._notify_error(ch, remote, op.region.nbytes)
             op.fail(exc)
             return
         if not op.spans:
             op.done.set()
-        for idx, span in enumerate(op.spans):
-            ch.queue.put((op, idx, span))
+        early = self._take_early(ch, op) if op.early else []
+        if early:
+            link = self._doorbell(op.peer)
+            with self._stats_lock:
+                name = _rail_name(link)
+                self.stats[name] = self.stats.get(name, 0) + sum(n for _, _, (_, n) in early)
+            for idx, (slot, event, (off, n)) in enumerate(early):
+                ch.signals(self).put((event, link, slot, op, idx, off, n))
+        for idx in range(len(early), len(op.spans)):
+            ch.queue.put((op, idx, op.spans[idx]))
 
     def _send_to_self(self, region: Region, kind: int, k1: int, k2: int, deadline: float,
                       ready: Any) -> _Op:  # fmt: skip

@@ -38,6 +38,7 @@ class ClearToSend:
     # sends that wait for their clear-to-send: the thread that files it queues their chunks
     _waiting_sends: dict[tuple[int, int, int, int], tuple[_Channel, _Op]]
     _queue_send: Callable[[_Channel, _Op, int, int], None]
+    _drop_early: Callable[[_Channel, _Op], None]
 
     # A receive tells its sender "clear to send" over the unix socket of their shm rail where
     # they have one, and the socket's reader thread files it: no polling, no MPI. Between
@@ -147,10 +148,14 @@ class ClearToSend:
     def _unwait(self, op: _Op) -> None:
         """Forget a send that waited for its clear-to-send in vain (timed out), so that a late
         one cannot start it."""
+        dropped = None
         with self._inbox_cond:
-            for key, (_, waiting) in list(self._waiting_sends.items()):
+            for key, (ch, waiting) in list(self._waiting_sends.items()):
                 if waiting is op:
                     del self._waiting_sends[key]
+                    dropped = ch
+        if dropped is not None and op.early:
+            self._drop_early(dropped, op)  # no clear-to-send can take them now
 
     def _file_cts(self, src: int, kind: int, k1: int, k2: int, op_id: int, nbytes: int) -> None:
         """A clear-to-send has arrived: start the send that waits for it on this thread, or

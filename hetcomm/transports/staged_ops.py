@@ -47,6 +47,8 @@ class _Op:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     left: int = 0
+    # sends: chunks copied into shared slots before the clear-to-send came (slot, event, span)
+    early: list[tuple[int, Any, tuple[int, int]]] = field(default_factory=list)
     seen: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 

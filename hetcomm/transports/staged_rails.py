@@ -136,7 +136,8 @@ class RailThreads(ClearToSend):
                   n: int) -> None:  # fmt: skip
         """Once a chunk's copy into its slot has finished, tell the receiver where it is."""
         try:
-            event.synchronize()
+            if event is not None:  # None: host bytes, copied already
+                event.synchronize()
             stamp("d2h done", idx)
             link.send(R.SLOT, slot, op.remote, idx, off, n)
             op.count(idx)

@@ -356,7 +356,89 @@ def gone(params: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def early(params: dict[str, Any]) -> dict[str, Any]:
+    """Sends over shm that start before their receive is posted copy their first chunks into
+    shared slots at once (early), and take the rest once the clear-to-send comes. Rank 0 sends,
+    rank 1 receives; 4 KiB chunks, so a message of 40 KiB starts with chunks of 512 B, 1 and
+    2 KiB and ends with 2 and 1 KiB ones. In turn:
+    - "late": one message, received 0.2 s after the send started;
+    - "reversed": six messages in flight (tags 1-6), received in the reverse order with
+      blocking receives: sends waiting for their clear-to-send hold at most half the slots,
+      so the others always have slots;
+    - "mismatch": the receive is 8 bytes short: both ranks fail, naming the sizes;
+    - "timeout": a send whose receive never comes times out (1 s);
+    and after each, every slot of rank 0 is free again and none is held early."""
+    comm = open_comm(params)
+    t = staged(comm, 4096)
+    result: dict[str, Any] = {"errors": [], "early_slots": {}, "free_slots": {}, "slots": 0}
+    nbytes = 40 * 1024 + 12
+
+    def settle(case: str) -> None:
+        # the receiver hands each slot back by a message: wait until all of them are back
+        if comm.rank != 0:
+            return
+        ch = t._channels[1]
+        _wait_until(lambda: len(ch.shm_out._free) == ch.shm_out.slots, 10)
+        result["slots"] = ch.shm_out.slots
+        result["early_slots"][case] = ch.early
+        result["free_slots"][case] = len(ch.shm_out._free)
+
+    # "late"
+    data = pattern(nbytes, 11)
+    got = np.zeros_like(data)
+    if comm.rank == 0:
+        comm.recv(got[:1], 1)  # opens the channel; rank 1 sends one byte first
+        work = comm.send(data, 1, tag=1, async_op=True)
+        result["early_chunks_late"] = len(t._waiting_sends and next(
+            iter(t._waiting_sends.values()))[1].early)  # fmt: skip
+        work.wait()
+    else:
+        comm.send(data[:1], 0)
+        time.sleep(0.2)
+        comm.recv(got, 0, tag=1)
+        if d := first_difference(got, data):
+            result["errors"].append(f"late: {d}")
+    WORLD.Barrier()
+    settle("late")
+    # "reversed"
+    msgs = [pattern(nbytes + 8 * k, 20 + k) for k in range(6)]
+    if comm.rank == 0:
+        works = [comm.send(m, 1, tag=k + 1, async_op=True) for k, m in enumerate(msgs)]
+        for w in works:
+            w.wait()
+    else:
+        time.sleep(0.2)
+        for k in reversed(range(6)):
+            out = np.zeros_like(msgs[k])
+            comm.recv(out, 0, tag=k + 1)
+            if d := first_difference(out, msgs[k]):
+                result["errors"].append(f"reversed, tag {k + 1}: {d}")
+    WORLD.Barrier()
+    settle("reversed")
+    # "mismatch"
+    if comm.rank == 0:
+        work = comm.send(data, 1, tag=7, async_op=True)
+        timed(work.wait, result, "mismatch_error", "mismatch_s")
+    else:
+        time.sleep(0.2)
+        short = np.zeros(nbytes - 8, np.uint8)
+        timed(lambda: comm.recv(short, 0, tag=7), result, "mismatch_error", "mismatch_s")
+    WORLD.Barrier()
+    settle("mismatch")
+    # "timeout"
+    if comm.rank == 0:
+        t.timeout = 1.0
+        work = comm.send(data, 1, tag=8, async_op=True)
+        timed(work.wait, result, "timeout_error", "timeout_s")
+        t.timeout = 30.0
+    WORLD.Barrier()
+    settle("timeout")  # (the timeout has aborted rank 0's communicator, as any timeout does)
+    close(comm, result)
+    return result
+
+
 SCENARIOS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "early": early,
     "roundtrip": roundtrip,
     "stripe": stripe,
     "fail": fail,

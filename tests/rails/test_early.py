@@ -1,0 +1,23 @@
+"""Sends over shm that start before their receive is posted: their first chunks are staged
+early into shared slots, and every slot comes back whatever becomes of the send."""
+
+from __future__ import annotations
+
+
+def test_early_chunks_go_and_every_slot_comes_back(job):
+    done = job("early")
+    sender, receiver = done.ranks()
+    for r in (sender, receiver):
+        assert r["errors"] == [], f"rank {r['rank']}: {r['errors']}\n{done.explain()}"
+    # the first send found its receive not yet posted and staged chunks early (at most half
+    # the slots, at most early_chunks of them)
+    assert 1 <= sender["early_chunks_late"] <= min(4, sender["slots"] // 2), done.explain()
+    for case in ("late", "reversed", "mismatch", "timeout"):
+        assert sender["early_slots"][case] == 0, (case, done.explain())
+        assert sender["free_slots"][case] == sender["slots"], (case, done.explain())
+    for r in (sender, receiver):
+        assert "40972 bytes" in r.get("mismatch_error", ""), done.explain()
+        assert "40964" in r.get("mismatch_error", ""), done.explain()
+    assert "CommTimeout" in sender.get("timeout_error", ""), done.explain()
+    assert sender["timeout_s"] < 10, done.explain()
+    assert done.returncode == 0, done.explain()
