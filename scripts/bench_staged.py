@@ -4,6 +4,7 @@ mpirun -n 2 python -m mpi4py scripts/bench_staged.py p2p OUT.json
 mpirun -n 4 python -m mpi4py scripts/bench_staged.py allreduce OUT.json
 mpirun -n 2 python -m mpi4py scripts/bench_staged.py latency OUT.json
 mpirun -n 2 python -m mpi4py scripts/bench_staged.py timeline OUT.json   (one op's pipeline)
+mpirun -n 2 python -m mpi4py scripts/bench_staged.py early OUT.json   (early chunks, ramps)
 """
 
 from __future__ import annotations
@@ -187,6 +188,103 @@ def timeline(out: str) -> None:
     _save(out, rows, r)
 
 
+def early(out: str) -> None:
+    """One 256 MiB send/recv, GPU to GPU over shm, with and without the early chunks and the
+    ramped chunk sizes (staged.EARLY_CHUNKS, staged.RAMP), the variants taking turns round by
+    round; then 20 operations back to back, timed as nccl-tests does (the whole run over 20),
+    and the steady state, for the first and the last variant; the pinned copies and the naive
+    path beside them."""
+    world = MPI.COMM_WORLD
+    r = world.Get_rank()
+    nbytes = 256 * MiB
+    copy = pinned_copy_rate(nbytes)
+    both = pinned_both_ways(nbytes)
+    x = cupy.arange(nbytes, dtype=cupy.uint8)
+    y = cupy.zeros(nbytes, dtype=cupy.uint8)
+    # name -> (chunk, early chunks, ramp); a communicator per chunk size (the shared slots are
+    # as large as the chunks of the transport's first operation)
+    variants = {"before: plain 8 MiB chunks": (8 * MiB, 0, (0, 0)),
+                "early chunks": (8 * MiB, 4, (0, 0)),
+                "ramp 3/2": (8 * MiB, 0, (3, 2)),
+                "early + ramp 3/0": (8 * MiB, 4, (3, 0)),
+                "early + ramp 3/2": (8 * MiB, 4, (3, 2)),
+                "early + ramp 4/3, 16 MiB chunks": (16 * MiB, 4, (4, 3))}  # fmt: skip
+    comms = {}
+    for chunk in sorted({v[0] for v in variants.values()}):
+        c = comms[chunk] = hetcomm.init(config=hetcomm.Config.load(
+            transport="staged", vendor=("nvidia", "amd")[r % 2]))
+        c._transport("send", hetcomm.arrays.as_buffer(x)).chunk_bytes = chunk
+    comm = comms[8 * MiB]
+
+    def use(name: str) -> None:
+        nonlocal comm
+        chunk, early_chunks, ramp = variants[name]
+        comm = comms[chunk]
+        t = comm._transport("send", hetcomm.arrays.as_buffer(x))
+        t.early_chunks, t.ramp = early_chunks, ramp
+
+    def once() -> None:
+        if r == 0:
+            comm.send(x, 1)
+        elif r == 1:
+            comm.recv(y, 0)
+
+    def start() -> Any:
+        if r == 0:
+            return comm.send(x, 1, async_op=True)
+        return comm.recv(y, 0, async_op=True) if r == 1 else None
+
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    oks = []
+    for _ in range(9):
+        for name in variants:
+            use(name)
+            y.fill(0)
+            med, _ = median_time(once, world, 5)
+            times[name].append(med)
+            oks.append(r != 1 or bool((y == x).all()))
+    ok = bool(world.allreduce(all(oks), op=MPI.LAND))
+    rows = []
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        rows.append({"case": f"256 MiB send/recv one at a time, {name}", "bytes": nbytes,
+                     "time_ms": med * 1e3, "GBps": nbytes / med / 1e9,
+                     "of_pinned_copy": nbytes / med / copy, "min_ms": min(ts) * 1e3,
+                     "max_ms": max(ts) * 1e3, "spread": (max(ts) - min(ts)) / med, "ok": ok})
+    for name in (next(iter(variants)), "early + ramp 3/2"):
+        use(name)
+        p20, spread = back_to_back(start, world, 20, 5)
+        p2, _ = back_to_back(start, world, 2, 5)
+        p6, _ = back_to_back(start, world, 6, 5)
+        steady = (6 * p6 - 2 * p2) / 4
+        for case, sec in ((f"20 back to back, per operation, {name}", p20),
+                          (f"steady state, {name}", steady)):  # fmt: skip
+            rows.append({"case": f"256 MiB send/recv {case}", "bytes": nbytes,
+                         "time_ms": sec * 1e3, "GBps": nbytes / sec / 1e9,
+                         "of_pinned_copy": nbytes / sec / copy, "spread": spread, "ok": ok})
+    for c in comms.values():
+        c.close()
+    host = np.empty(nbytes, dtype=np.uint8)
+
+    def naive() -> None:
+        if r == 0:
+            world.Send(cupy.asnumpy(x), 1)
+        elif r == 1:
+            world.Recv(host, 0)
+            y.set(host)
+
+    med, spread = median_time(naive, world, 5)
+    rows.append({"case": "naive (pageable copy, MPI, copy back)", "bytes": nbytes,
+                 "time_ms": med * 1e3, "GBps": nbytes / med / 1e9, "spread": spread, "ok": True})
+    rows.append({"case": "pinned device->host copy", "bytes": nbytes, "GBps": copy / 1e9})
+    rows.append({"case": "pinned copies both ways at once (each way)", "bytes": nbytes,
+                 "GBps": both / 1e9})
+    if r == 0:
+        for row in rows:
+            print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+    _save(out, rows, r)
+
+
 def allreduce(out: str) -> None:
     world = MPI.COMM_WORLD
     r, n = world.Get_rank(), world.Get_size()
@@ -278,5 +376,6 @@ if __name__ == "__main__":
     from hetcomm.topology import use_local_device
 
     use_local_device()  # rank r on device r % devices
-    {"p2p": p2p, "allreduce": allreduce, "latency": latency, "timeline": timeline}[sys.argv[1]](
-        sys.argv[2])
+    modes = {"p2p": p2p, "allreduce": allreduce, "latency": latency, "timeline": timeline,
+             "early": early}  # fmt: skip
+    modes[sys.argv[1]](sys.argv[2])
