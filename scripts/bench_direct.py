@@ -4,6 +4,7 @@ mpirun -n 2 python -m mpi4py scripts/bench_direct.py p2p OUT.json
 mpirun -n 4 python -m mpi4py scripts/bench_direct.py allreduce OUT.json
 mpirun -n 2 python -m mpi4py scripts/bench_direct.py profile OUT.json   (where the time goes)
 mpirun -n 2 python -m mpi4py scripts/bench_direct.py pieces OUT.json   (a send/recv's pieces)
+mpirun -n 2 python -m mpi4py scripts/bench_direct.py latency OUT.json   (direct vs staged, rounds)
 python scripts/bench_direct.py calls OUT.json   (the calling thread's costs, one rank)
 
 Two timings per case: one operation at a time (barrier, the call, synchronize; the slowest
@@ -435,6 +436,77 @@ def pieces(out: str) -> None:
     _save(out, rows, r)
 
 
+def latency(out: str) -> None:
+    """Small send/recv latency, direct beside staged, in rounds (each round runs every case once,
+    so that a ratio compares runs of the same minute): a ping-pong (half a round trip, as
+    osu_latency reports) and one message at a time (a barrier before each), with the arrays on
+    the default stream and on a stream of each rank's own; the per-round ratio staged / direct."""
+    world = MPI.COMM_WORLD
+    r = world.Get_rank()
+    comms = {t: _comm(t, r) for t in ("direct", "staged")}
+    own = cupy.cuda.Stream(non_blocking=True)
+    null = cupy.cuda.Stream.null
+    cases = [(size, name, stream) for size in (8, 64 * 1024)
+             for name, stream in (("default stream", null), ("own stream", own))]  # fmt: skip
+    arrays = {size: (cupy.arange(size, dtype=cupy.uint8), cupy.zeros(size, dtype=cupy.uint8))
+              for size in (8, 64 * 1024)}  # fmt: skip
+    times: dict[tuple, list[float]] = {}
+    oks = []
+
+    def timed(fn, n: int) -> float:
+        world.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return world.allreduce(time.perf_counter() - t0, op=MPI.MAX) / n
+
+    for _ in range(7):
+        for size, name, stream in cases:
+            x, y = arrays[size]
+            for transport, comm in comms.items():
+                with stream:
+                    def pingpong(comm=comm, x=x, y=y) -> None:
+                        if r == 0:
+                            comm.send(x, 1)
+                            comm.recv(y, 1)
+                        else:
+                            comm.recv(y, 0)
+                            comm.send(y, 0)
+
+                    def one(comm=comm, x=x, y=y, stream=stream) -> None:
+                        world.Barrier()
+                        if r == 0:
+                            comm.send(x, 1)
+                        else:
+                            comm.recv(y, 0)
+                        stream.synchronize()
+
+                    for _ in range(10):
+                        pingpong()
+                    y.fill(0)
+                    key = (transport, size, name)
+                    times.setdefault((*key, "ping-pong"), []).append(timed(pingpong, 100) / 2)
+                    stream.synchronize()
+                    oks.append(bool((y == x).all()))
+                    times.setdefault((*key, "one at a time"), []).append(timed(one, 50))
+    ok = bool(world.allreduce(all(oks), op=MPI.LAND))
+    rows = []
+    for (transport, size, name, how), ts in times.items():
+        row = {"case": f"{transport} send/recv, {how}, {name}", "bytes": size,
+               "us": statistics.median(ts) * 1e6, "min_us": min(ts) * 1e6,
+               "max_us": max(ts) * 1e6, "ok": ok}  # fmt: skip
+        if transport == "direct":
+            ratios = [s / d for s, d in zip(times[("staged", size, name, how)], ts)]
+            row["staged_over_direct_per_round"] = [round(q, 2) for q in ratios]
+            row["staged_over_direct_median"] = statistics.median(ratios)
+        rows.append(row)
+        if r == 0:
+            print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
+    for comm in comms.values():
+        comm.close()
+    _save(out, rows, r)
+
+
 def _profiled(fn, world: MPI.Intracomm, n: int = 300) -> list[dict]:
     """cProfile of `n` calls of `fn` on every rank (the calling thread only), the functions
     that took most time of their own first; one row per rank."""
@@ -526,5 +598,5 @@ if __name__ == "__main__":
 
     use_local_device()
     {"p2p": p2p, "allreduce": allreduce, "profile": profile, "pieces": pieces,
-     "calls": calls}[sys.argv[1]](
+     "calls": calls, "latency": latency}[sys.argv[1]](
         sys.argv[2])

@@ -51,6 +51,62 @@ def pinned_both_ways(nbytes: int) -> float:
     return nbytes / statistics.median(times[1:])
 
 
+def host_memory_rates(nbytes: int) -> list[dict[str, Any]]:
+    """Copy rates between the device and three kinds of host memory, one process: pinned by
+    cudaMallocHost; a /dev/shm segment registered with the GPU (the shm rail's slots); anonymous
+    memory asked for in huge pages (madvise) and registered. Each way alone, and both ways at
+    once through the shared segment."""
+    import mmap
+    import os
+
+    from hetcomm.kernels import device as kd
+
+    from hetcomm.transports.rails import SharedSlots
+
+    dev = cupy.cuda.Device().id
+    src = cupy.ones(nbytes, dtype=cupy.uint8)
+    back = cupy.empty_like(src)
+    pinned = cupy.cuda.alloc_pinned_memory(nbytes)
+    seg = SharedSlots(f"hetcomm-bench-{os.getpid()}", 2, nbytes, create=True)
+    seg.unlink()
+    seg.register_with_gpu(dev)
+    huge = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advised = True
+    try:
+        huge.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):
+        advised = False
+    huge_arr = np.frombuffer(huge, dtype=np.uint8)
+    huge_arr[:] = 1  # fault the pages in
+    huge_ptr = huge_arr.__array_interface__["data"][0]
+    kd.host_register(huge_ptr, nbytes, dev)
+    rows = []
+    hugename = "anonymous, huge pages " + ("asked" if advised else "not available")
+    kinds = (("pinned (cudaMallocHost)", pinned.ptr),
+             ("shared /dev/shm segment, registered", seg.ptr),
+             (hugename + ", registered", huge_ptr))  # fmt: skip
+    for name, ptr in kinds:
+        d2h = gpu_seconds(lambda p=ptr: memcpy(p, src.data.ptr, nbytes, 2), runs=6)
+        h2d = gpu_seconds(lambda p=ptr: memcpy(back.data.ptr, p, nbytes, 1), runs=6)
+        rows.append({"case": f"device->host, {name}", "bytes": nbytes, "GBps": nbytes / d2h / 1e9})
+        rows.append({"case": f"host->device, {name}", "bytes": nbytes, "GBps": nbytes / h2d / 1e9})
+    a, b = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    times = []
+    for _ in range(6):
+        cupy.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        cupy.cuda.runtime.memcpyAsync(seg.ptr, src.data.ptr, nbytes, 2, a.ptr)
+        cupy.cuda.runtime.memcpyAsync(back.data.ptr, seg.ptr + nbytes, nbytes, 1, b.ptr)
+        a.synchronize()
+        b.synchronize()
+        times.append(time.perf_counter() - t0)
+    rows.append({"case": "both ways at once through the shared segment (each way)",
+                 "bytes": nbytes, "GBps": nbytes / statistics.median(times[1:]) / 1e9})
+    kd.host_unregister(huge_ptr)
+    seg.close()
+    return rows
+
+
 def p2p(out: str) -> None:
     world = MPI.COMM_WORLD
     r = world.Get_rank()
@@ -279,6 +335,7 @@ def early(out: str) -> None:
     rows.append({"case": "pinned device->host copy", "bytes": nbytes, "GBps": copy / 1e9})
     rows.append({"case": "pinned copies both ways at once (each way)", "bytes": nbytes,
                  "GBps": both / 1e9})
+    rows.extend(host_memory_rates(nbytes))
     if r == 0:
         for row in rows:
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
