@@ -45,13 +45,14 @@ log = logging.getLogger("hetcomm")
 CHUNK_BYTES = 8 << 20
 SLOTS = 8
 SHM_LANES = 2  # threads feeding one shm rail, so that one stages while the other signals
-# A message longer than two chunks starts with chunks of chunk/8, /4, /2 and ends with chunks of
-# chunk/2, /4 (staged_schedule.message_spans), so the receiver's first copy starts, and its last
-# ends, sooner. Measured on the H200 (docs/BENCHMARKS.md).
-RAMP = (3, 2)
-# A device send over shm copies up to this many of its first chunks into free shared slots at
-# once, before the receiver's clear-to-send comes; a channel's sends waiting for theirs hold at
-# most half its slots, so the sends already cleared always have slots to go on with.
+# Halvings of the chunk at the start and end of a message longer than two chunks (up, down;
+# staged_schedule.message_spans). Off: on the H200, with one GPU or two, smaller end chunks
+# cost more in per-chunk signalling than they saved in pipeline fill (docs/BENCHMARKS.md).
+RAMP = (0, 0)
+# A send over shm copies up to this many of its first chunks into free shared slots at once,
+# before the receiver's clear-to-send comes; a channel's sends waiting for theirs hold at most
+# half its slots, so the sends already cleared always have slots to go on with. On the H200 a
+# 256 MiB send/recv took 1-3% less time so (docs/BENCHMARKS.md).
 EARLY_CHUNKS = 4
 TAG_HELLO = 12  # TAG_CTRL: staged_cts; TAG_HEAD, TAG_BODY: staged_rails
 CTS_P2P, CTS_COLL = 1, 2

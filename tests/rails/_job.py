@@ -359,8 +359,9 @@ def gone(params: dict[str, Any]) -> dict[str, Any]:
 def early(params: dict[str, Any]) -> dict[str, Any]:
     """Sends over shm that start before their receive is posted copy their first chunks into
     shared slots at once (early), and take the rest once the clear-to-send comes. Rank 0 sends,
-    rank 1 receives; 4 KiB chunks, so a message of 40 KiB starts with chunks of 512 B, 1 and
-    2 KiB and ends with 2 and 1 KiB ones. In turn:
+    rank 1 receives; 4 KiB chunks, ramped (staged.RAMP, off by default, set to (3, 2) here), so
+    a message of 40 KiB starts with chunks of 512 B, 1 and 2 KiB and ends with 2 and 1 KiB
+    ones. In turn:
     - "late": one message, received 0.2 s after the send started;
     - "reversed": six messages in flight (tags 1-6), received in the reverse order with
       blocking receives: sends waiting for their clear-to-send hold at most half the slots,
@@ -370,6 +371,7 @@ def early(params: dict[str, Any]) -> dict[str, Any]:
     and after each, every slot of rank 0 is free again and none is held early."""
     comm = open_comm(params)
     t = staged(comm, 4096)
+    t.ramp = (3, 2)
     result: dict[str, Any] = {"errors": [], "early_slots": {}, "free_slots": {}, "slots": 0}
     nbytes = 40 * 1024 + 12
 
