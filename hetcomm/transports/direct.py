@@ -140,15 +140,22 @@ class DirectTransport(Transport):
 
     def _ready(self, b: Buffer) -> Any:
         """An event where the caller's stream (the one its work on `b` is ordered on) reaches
-        this call; None for a stream of the caller's own with nothing left to run (the legacy
-        default stream, 0 or 1, also waits for other streams: always an event)."""
-        ptr = self.kd.current_stream(b)
-        stream = self.kd.external_stream(ptr, self.device)
-        if ptr not in (0, 1) and stream.done:
+        this call; None where that stream has nothing left to run. That holds for the legacy
+        default stream (0 or 1) too: its query counts the work of the blocking streams it
+        waits for (tests/gpu/test_legacy_stream.py)."""
+        stream = self.kd.external_stream(self.kd.current_stream(b), self.device)
+        if self.cupy.cuda.runtime.getDevice() != self.device:
+            with self.cupy.cuda.Device(self.device):  # the legacy stream is the device's
+                return self._event_unless_done(stream)
+        return self._event_unless_done(stream)
+
+    def _event_unless_done(self, stream: Any) -> Any:
+        """None if `stream` (of the current device) has run everything queued on it, else a
+        new event recorded on it."""
+        if stream.done:
             return None
-        with self.cupy.cuda.Device(self.device):
-            ready = self.cupy.cuda.Event(disable_timing=True)
-            ready.record(stream)
+        ready = self.cupy.cuda.Event(disable_timing=True)
+        ready.record(stream)
         return ready
 
     def _queue(self, op: str, seq: int, bufs: tuple[Buffer, ...], nbytes: int,
@@ -479,7 +486,9 @@ class DirectTransport(Transport):
         tag issued before (_post_in_order), and it ends when the copier says done."""
         self._check(op, (x,))
         rec = self.peers.describe(x.ptr, x.nbytes, [peer], full=True)
+        DP.stamp("described")
         entry = _Lent(self._ready(x), rec)
+        DP.stamp("ready")
         queue = self._lent.setdefault((peer, tags[0]), deque())
         queue.append(entry)
 
@@ -513,23 +522,25 @@ class DirectTransport(Transport):
         for a receive), and once the copy is done it says so with its size."""
         self._check(op, (x,))
         ready = self._ready(x)
+        DP.stamp("ready")
         got = np.zeros(1, P.RECORD)
         req = self.svc.Irecv(got.view(np.uint8), peer, tags[0])  # posted in issue order
 
         def body() -> Step:
             yield req
-            rec = got[0]
-            self.peers.learn(peer, rec)
-            theirs = int(rec["nbytes"])
+            theirs = int(got.view(np.uint64)[2])  # the record's nbytes
             ok = theirs == x.nbytes
             if ok:
                 if ready is not None:  # the caller's stream, on the GPU (one process's streams)
                     self._proxy.stream.wait_event(ready)
-                mapped = self.peers.resolve(peer, rec)
+                mapped, _ = self.peers.address(peer, got)
+                DP.stamp("resolved")
                 dst, src = (mapped, x.ptr) if op == "send" else (x.ptr, mapped)
                 self._copy(dst, src, x.nbytes)
                 DP.stamp("copy queued")
                 yield from self._sync()
+            else:
+                self.peers.learn(peer, got[0])  # its handle may come only this once
             yield self.svc.Isend(np.array([x.nbytes], np.int64), peer, tags[1])
             if not ok:
                 raise self._mismatch(op, peer, theirs, x)

@@ -40,6 +40,14 @@ class _Driver:
                                 ctypes.c_uint64]  # fmt: skip
         self._attr.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
 
+    def buffer_id(self, ptr: int) -> int:
+        """The never-reused id of the allocation holding device address `ptr` (one query)."""
+        ident = ctypes.c_uint64()
+        rc = self._attr(ctypes.byref(ident), _BUFFER_ID, ctypes.c_uint64(ptr))
+        if rc != 0:
+            raise RuntimeError(f"no buffer id for device address {ptr:#x} (error {rc})")
+        return int(ident.value)
+
     def allocation(self, ptr: int) -> tuple[int, int, int]:
         """(base, size, buffer id) of the allocation holding device address `ptr`."""
         base, size, ident = ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_uint64()
@@ -58,7 +66,9 @@ class PeerMap:
     def __init__(self, cupy: Any) -> None:
         self.rt = cupy.cuda.runtime
         self.driver = _Driver(bool(getattr(self.rt, "is_hip", False)))
-        self._handles: dict[int, bytes] = {}  # buffer id -> IPC handle of our allocation
+        # buffer id -> (base, record template: id, has, handle set) of each allocation of ours
+        # described so far: ids are never reused, so a hit needs one driver query (the id)
+        self._allocs: dict[int, tuple[int, np.ndarray]] = {}
         self._told: set[tuple[int, int]] = set()  # (peer, buffer id) that peer holds the handle of
         self._mapped: dict[tuple[int, int], int] = {}  # (peer, buffer id) -> our mapping's base
         self._known: dict[tuple[int, int], bytes] = {}  # handles received, not yet opened
@@ -70,20 +80,24 @@ class PeerMap:
         """The record of `nbytes` at `ptr` for the ranks in `audience`; the handle rides along
         only when one of them has not had it yet, or always (`full`: for records that may
         overtake or be overtaken by others, which cannot rely on an earlier one)."""
-        rec = np.zeros(1, RECORD)
-        base, _, ident = self.driver.allocation(ptr)
-        handle = self._handles.get(ident)
-        if handle is None:
-            handle = self._handles[ident] = bytes(self.rt.ipcGetMemHandle(base))
-        rec["id"], rec["offset"], rec["nbytes"] = ident, ptr - base, nbytes
-        new = [p for p in audience if (p, ident) not in self._told]
-        if full:
-            rec["has"] = 1
-            rec["handle"] = np.frombuffer(handle, dtype="V64")[0]
-        elif new:
-            rec["has"] = 1
-            rec["handle"] = np.frombuffer(handle, dtype="V64")[0]
-            self._told.update((p, ident) for p in new)
+        ident = self.driver.buffer_id(ptr)
+        known = self._allocs.get(ident)
+        if known is None:
+            base, _, ident = self.driver.allocation(ptr)
+            template = np.zeros(1, RECORD)
+            template["id"], template["has"] = ident, 1
+            template["handle"] = np.frombuffer(bytes(self.rt.ipcGetMemHandle(base)), "V64")[0]
+            known = self._allocs[ident] = (base, template)
+        base, template = known
+        rec = template.copy()
+        words = rec.view(np.uint64)  # id, offset, nbytes, has, then the handle's 8 words
+        words[1], words[2] = ptr - base, nbytes
+        if not full:
+            new = [p for p in audience if (p, ident) not in self._told]
+            if new:
+                self._told.update((p, ident) for p in new)
+            else:
+                words[3:] = 0  # no handle
         return rec
 
     def learn(self, peer: int, rec: np.void) -> None:
@@ -92,6 +106,19 @@ class PeerMap:
             key = (peer, int(rec["id"]))
             if key not in self._mapped:
                 self._known[key] = bytes(rec["handle"])
+
+    def address(self, peer: int, rec: np.ndarray) -> tuple[int, int]:
+        """Our address of the bytes a one-record array from `peer` describes, and their count:
+        learn and resolve in one pass over the record's words."""
+        ident, offset, nbytes, has = rec.view(np.uint64)[:4].tolist()
+        key = (peer, ident)
+        base = self._mapped.get(key)
+        if base is not None:
+            self.hits += 1
+            return base + offset, nbytes
+        if has:
+            self._known.pop(key, None)
+        return self.resolve(peer, rec[0]), nbytes
 
     def resolve(self, peer: int, rec: np.void) -> int:
         """Our address of the bytes `rec` (sent by `peer`) describes, opening the handle once."""
