@@ -107,6 +107,8 @@ def as_buffer(x: Any, what: str = "array") -> Buffer:
     module = type(x).__module__.partition(".")[0]
     if module == "torch":
         return _from_torch(x, what)
+    if module == "cupy" and type(x).__name__ == "ndarray":
+        return _from_cupy(x, what)
     if hasattr(x, "__cuda_array_interface__"):
         return _from_cuda_interface(x, module or "cuda", what)
     if isinstance(x, np.ndarray):  # subclasses, ml_dtypes arrays
@@ -180,6 +182,17 @@ def _from_torch(t: Any, what: str) -> Buffer:
         return Buffer(t, "torch", name, shape, device, t.device.index, t.data_ptr(), contiguous,
                       False, None)  # fmt: skip
     raise InvalidArgument(f"{what}: tensors on {t.device.type} are not supported (cpu, cuda)")
+
+
+def _from_cupy(x: Any, what: str) -> Buffer:
+    """A cupy array from its attributes: on the path of every call, and cupy builds its
+    __cuda_array_interface__ dict afresh at each read (several microseconds)."""
+    name = _NUMPY_NAMES.get(x.dtype)
+    if name is None or not x.size:  # other dtypes (named there) and empty arrays
+        return _from_cuda_interface(x, "cupy", what)
+    device = "rocm" if _is_hip("cupy") else "cuda"
+    return Buffer(x, "cupy", name, x.shape, device, x.device.id, x.data.ptr,
+                  x.flags.c_contiguous, False, None, x.size)  # fmt: skip
 
 
 def _from_cuda_interface(x: Any, module: str, what: str) -> Buffer:

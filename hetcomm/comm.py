@@ -46,6 +46,7 @@ class Communicator:
                  name: str = "world", *,
                  exclude: Mapping[str, str] | None = None) -> None:  # fmt: skip
         self.mpi = mpi_comm
+        self._tag_ub = int(mpi_comm.Get_attr(MPI.TAG_UB) or 32767)  # read once, not per call
         # a second communicator for transports' own messages (control, rails), so that they
         # can never match the caller's point-to-point traffic
         self.service: MPI.Intracomm = mpi_comm.Dup()
@@ -540,7 +541,7 @@ class Communicator:
         return self._finish(transport.barrier(seq), async_op, timeout)
 
     def _tag(self, tag: Any, what: str) -> int:
-        top = int(self.mpi.Get_attr(MPI.TAG_UB) or 32767)
+        top = self._tag_ub
         if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag <= top:
             raise InvalidArgument(f"{what}: expected a tag in [0, {top}], got {tag!r}")
         return int(tag)
