@@ -523,7 +523,7 @@ class DirectTransport(Transport):
         self._check(op, (x,))
         ready = self._ready(x)
         DP.stamp("ready")
-        got = np.zeros(1, P.RECORD)
+        got = np.empty(1, P.RECORD)
         req = self.svc.Irecv(got.view(np.uint8), peer, tags[0])  # posted in issue order
 
         def body() -> Step:

@@ -202,9 +202,13 @@ class Proxy:
             return task.finished.wait(seconds)
         ended = False
         stamp("inline")
+        until = time.monotonic() + min(seconds, _INLINE_S)
         try:
-            with self.cupy.cuda.Device(self.device):
-                ended = self._drive(task, time.monotonic() + min(seconds, _INLINE_S))
+            if self.cupy.cuda.runtime.getDevice() == self.device:
+                ended = self._drive(task, until)
+            else:
+                with self.cupy.cuda.Device(self.device):
+                    ended = self._drive(task, until)
         finally:
             with self._lock:
                 self._inline = False
