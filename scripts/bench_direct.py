@@ -407,12 +407,7 @@ def pieces(out: str) -> None:
             y = cupy.zeros(size, dtype=cupy.uint8)
 
             def pingpong(comm=comm, x=x, y=y) -> None:
-                if r == 0:
-                    comm.send(x, 1)
-                    comm.recv(y, 1)
-                else:
-                    comm.recv(y, 0)
-                    comm.send(y, 0)
+                _pingpong(comm, r, x, y)
 
             for _ in range(20):
                 pingpong()
@@ -434,6 +429,16 @@ def pieces(out: str) -> None:
         comm.close()
     svc.Free()
     _save(out, rows, r)
+
+
+def _pingpong(comm: hetcomm.Communicator, r: int, x, y) -> None:
+    """One round trip: rank 0 sends `x` and receives into `y`, rank 1 sends back what it got."""
+    if r == 0:
+        comm.send(x, 1)
+        comm.recv(y, 1)
+    else:
+        comm.recv(y, 0)
+        comm.send(y, 0)
 
 
 def latency(out: str) -> None:
@@ -466,12 +471,7 @@ def latency(out: str) -> None:
             for transport, comm in comms.items():
                 with stream:
                     def pingpong(comm=comm, x=x, y=y) -> None:
-                        if r == 0:
-                            comm.send(x, 1)
-                            comm.recv(y, 1)
-                        else:
-                            comm.recv(y, 0)
-                            comm.send(y, 0)
+                        _pingpong(comm, r, x, y)
 
                     def one(comm=comm, x=x, y=y, stream=stream) -> None:
                         world.Barrier()

@@ -31,24 +31,44 @@ def pinned_copy_rate(nbytes: int) -> float:
     return nbytes / gpu_seconds(lambda: memcpy(dst.ptr, src.data.ptr, nbytes, 2), runs=6)
 
 
-def pinned_both_ways(nbytes: int) -> float:
-    """Device->pinned host and pinned host->device at once, on two streams of one process:
-    bytes per second each way (median of 5); what PCIe gives when both directions are busy."""
+def pinned_both_ways(nbytes: int, down: int = 0, up: int = 0) -> float:
+    """Device->host (into `down`) and host->device (from `up`) at once, on two streams of one
+    process: bytes per second each way (median of 5); what PCIe gives when both directions are
+    busy. Host memory pinned by cudaMallocHost unless pointers to registered memory are given."""
     src = cupy.ones(nbytes, dtype=cupy.uint8)
     back = cupy.empty_like(src)
-    down = cupy.cuda.alloc_pinned_memory(nbytes)
-    up = cupy.cuda.alloc_pinned_memory(nbytes)
+    keep = [cupy.cuda.alloc_pinned_memory(nbytes) for _ in range(0 if down else 2)]
+    if keep:
+        down, up = keep[0].ptr, keep[1].ptr
     a, b = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     times = []
     for _ in range(6):
         cupy.cuda.Device().synchronize()
         t0 = time.perf_counter()
-        cupy.cuda.runtime.memcpyAsync(down.ptr, src.data.ptr, nbytes, 2, a.ptr)
-        cupy.cuda.runtime.memcpyAsync(back.data.ptr, up.ptr, nbytes, 1, b.ptr)
+        cupy.cuda.runtime.memcpyAsync(down, src.data.ptr, nbytes, 2, a.ptr)
+        cupy.cuda.runtime.memcpyAsync(back.data.ptr, up, nbytes, 1, b.ptr)
         a.synchronize()
         b.synchronize()
         times.append(time.perf_counter() - t0)
     return nbytes / statistics.median(times[1:])
+
+
+def naive_p2p(world: MPI.Intracomm, x: Any, y: Any, repeats: int) -> dict[str, Any]:
+    """The naive path from rank 0's `x` to rank 1's `y`: a pageable copy out, MPI, a copy in
+    (median of `repeats`)."""
+    r = world.Get_rank()
+    host = np.empty(x.nbytes, dtype=np.uint8)
+
+    def naive() -> None:
+        if r == 0:
+            world.Send(cupy.asnumpy(x), 1)
+        elif r == 1:
+            world.Recv(host, 0)
+            y.set(host)
+
+    med, spread = median_time(naive, world, repeats)
+    return {"case": "naive (pageable copy, MPI, copy back)", "bytes": x.nbytes,
+            "time_ms": med * 1e3, "GBps": x.nbytes / med / 1e9, "spread": spread, "ok": True}
 
 
 def host_memory_rates(nbytes: int) -> list[dict[str, Any]]:
@@ -90,18 +110,8 @@ def host_memory_rates(nbytes: int) -> list[dict[str, Any]]:
         h2d = gpu_seconds(lambda p=ptr: memcpy(back.data.ptr, p, nbytes, 1), runs=6)
         rows.append({"case": f"device->host, {name}", "bytes": nbytes, "GBps": nbytes / d2h / 1e9})
         rows.append({"case": f"host->device, {name}", "bytes": nbytes, "GBps": nbytes / h2d / 1e9})
-    a, b = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
-    times = []
-    for _ in range(6):
-        cupy.cuda.Device().synchronize()
-        t0 = time.perf_counter()
-        cupy.cuda.runtime.memcpyAsync(seg.ptr, src.data.ptr, nbytes, 2, a.ptr)
-        cupy.cuda.runtime.memcpyAsync(back.data.ptr, seg.ptr + nbytes, nbytes, 1, b.ptr)
-        a.synchronize()
-        b.synchronize()
-        times.append(time.perf_counter() - t0)
     rows.append({"case": "both ways at once through the shared segment (each way)",
-                 "bytes": nbytes, "GBps": nbytes / statistics.median(times[1:]) / 1e9})
+                 "bytes": nbytes, "GBps": pinned_both_ways(nbytes, seg.ptr, seg.ptr + nbytes) / 1e9})
     kd.host_unregister(huge_ptr)
     seg.close()
     return rows
@@ -164,18 +174,7 @@ def p2p(out: str) -> None:
                      "time_ms": med * 1e3, "GBps": size / med / 1e9, "spread": spread,
                      "ok": True})
         comm.close()
-    host = np.empty(nbytes, dtype=np.uint8)
-
-    def naive() -> None:
-        if r == 0:
-            world.Send(cupy.asnumpy(x), 1)
-        elif r == 1:
-            world.Recv(host, 0)
-            y.set(host)
-
-    med, spread = median_time(naive, world)
-    rows.append({"case": "naive (pageable copy, MPI, copy back)", "bytes": nbytes,
-                 "time_ms": med * 1e3, "GBps": nbytes / med / 1e9, "spread": spread, "ok": True})
+    rows.append(naive_p2p(world, x, y, 7))
     rows.append({"case": "pinned device->host copy", "bytes": nbytes, "GBps": copy / 1e9})
     rows.append({"case": "pinned copies both ways at once (each way)", "bytes": nbytes,
                  "GBps": both / 1e9})
@@ -320,18 +319,7 @@ def early(out: str) -> None:
                          "of_pinned_copy": nbytes / sec / copy, "spread": spread, "ok": ok})
     for c in comms.values():
         c.close()
-    host = np.empty(nbytes, dtype=np.uint8)
-
-    def naive() -> None:
-        if r == 0:
-            world.Send(cupy.asnumpy(x), 1)
-        elif r == 1:
-            world.Recv(host, 0)
-            y.set(host)
-
-    med, spread = median_time(naive, world, 5)
-    rows.append({"case": "naive (pageable copy, MPI, copy back)", "bytes": nbytes,
-                 "time_ms": med * 1e3, "GBps": nbytes / med / 1e9, "spread": spread, "ok": True})
+    rows.append(naive_p2p(world, x, y, 5))
     rows.append({"case": "pinned device->host copy", "bytes": nbytes, "GBps": copy / 1e9})
     rows.append({"case": "pinned copies both ways at once (each way)", "bytes": nbytes,
                  "GBps": both / 1e9})
