@@ -232,6 +232,29 @@ class StagedTransport(RailThreads, Transport):
     def _open(self, peers: list[int], deadline: float) -> None:
         cards = self._swap({p: self.card for p in peers}, deadline)
         opened: dict[int, _Channel] = {}
+        try:
+            self._connect(peers, cards, opened, deadline)
+        except BaseException:
+            # a peer that fails or dies while the channels open: nothing of them stays behind
+            # (a shared segment left in /dev/shm would hold its memory until the next boot)
+            for ch in opened.values():
+                for link in ch.links:
+                    link.close()
+                for seg in (ch.shm_out, ch.shm_in):
+                    if seg is not None:
+                        seg.close()
+                if ch.shm_out is not None:
+                    ch.shm_out.unlink()
+            raise
+        for peer, ch in opened.items():
+            log.info("staged: rank %d <-> rank %d over %s", self.rank, peer, ch.describe())
+            ch.start()
+            self._channels[peer] = ch
+
+    def _connect(self, peers: list[int], cards: dict[int, Any], opened: dict[int, _Channel],
+                 deadline: float) -> None:  # fmt: skip
+        """The links and shared segments of a channel to each of `peers`, into `opened` as they
+        are made."""
         # ascending peers: a rank connects to higher ranks (their listeners always accept) and
         # takes from lower ones, which never wait on it, so the connections cannot deadlock
         for peer in peers:
@@ -262,10 +285,6 @@ class StagedTransport(RailThreads, Transport):
             self._swap({p: None for p in shm}, deadline)
             for p in shm:
                 opened[p].shm_out.unlink()  # type: ignore[union-attr]
-        for peer, ch in opened.items():
-            log.info("staged: rank %d <-> rank %d over %s", self.rank, peer, ch.describe())
-            ch.start()
-            self._channels[peer] = ch
 
     # ---- messages: the building block of every operation -----------------------------------
 

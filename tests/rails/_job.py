@@ -439,8 +439,41 @@ def early(params: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def open_fails(params: dict[str, Any]) -> dict[str, Any]:
+    """Rank 1 fails while their shm channel opens: after the first exchange (cards), where each
+    rank has made its shared segment, it raises instead of sending the segment's name. Rank 0
+    times out (2 s) waiting for it. Neither rank may leave its segment in /dev/shm."""
+    comm = open_comm(params)
+    t = staged(comm)
+    t.timeout = 2.0
+    peer = 1 - comm.rank
+    mine = f"/dev/shm/hetcomm-{t.token.hex()[:12]}-{comm.rank}-{peer}"
+    result: dict[str, Any] = {"error": None}
+    if comm.rank == 1:
+        swap, calls = t._swap, []
+
+        def failing(values: dict[int, Any], deadline: float) -> dict[int, Any]:
+            calls.append(values)
+            if len(calls) == 2:  # the segments' names
+                result["made"] = os.path.exists(mine)
+                raise RuntimeError("injected failure while opening the channel")
+            return swap(values, deadline)
+
+        t._swap = failing
+    data = np.zeros(1024, np.uint8)
+    if comm.rank == 0:
+        timed(lambda: comm.send(data, 1), result, "error", "failed_after_s")
+    else:
+        timed(lambda: comm.recv(data, 0), result, "error", "failed_after_s")
+    result["left"] = os.path.exists(mine)
+    WORLD.Barrier()
+    close(comm, result)
+    return result
+
+
 SCENARIOS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "early": early,
+    "open_fails": open_fails,
     "roundtrip": roundtrip,
     "stripe": stripe,
     "fail": fail,

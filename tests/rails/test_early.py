@@ -1,5 +1,6 @@
-"""Sends over shm that start before their receive is posted: their first chunks are staged
-early into shared slots, and every slot comes back whatever becomes of the send."""
+"""Shared slots of the shm rail: sends that start before their receive is posted stage their first
+chunks early, and every slot comes back whatever becomes of the send; a channel that fails to
+open leaves no segment behind."""
 
 from __future__ import annotations
 
@@ -20,4 +21,16 @@ def test_early_chunks_go_and_every_slot_comes_back(job):
         assert "40964" in r.get("mismatch_error", ""), done.explain()
     assert "CommTimeout" in sender.get("timeout_error", ""), done.explain()
     assert sender["timeout_s"] < 10, done.explain()
+    assert done.returncode == 0, done.explain()
+
+
+def test_a_channel_that_fails_to_open_leaves_no_segment(job):
+    done = job("open_fails")
+    sender, receiver = done.ranks()
+    assert receiver.get("made") is True, done.explain()  # its segment existed when it failed
+    assert "injected failure" in (receiver["error"] or ""), done.explain()
+    assert "CommTimeout" in (sender["error"] or ""), done.explain()
+    assert sender["failed_after_s"] < 10, done.explain()
+    for r in (sender, receiver):
+        assert r["left"] is False, f"rank {r['rank']} left its segment\n{done.explain()}"
     assert done.returncode == 0, done.explain()
