@@ -669,7 +669,9 @@ class StagedTransport(RailThreads, Transport):
             op.fail(closed)
         with self._inbox_cond:
             waiting, self._waiting_sends = self._waiting_sends, {}
-        for _, op in waiting.values():
+        for ch, op in waiting.values():
+            if op.early:
+                self._drop_early(ch, op)  # their copies end before the segment goes
             op.fail(HetcommError("the staged transport was closed while waiting to send"))
         for ch in self._channels.values():
             self._fail_channel(ch, closed)

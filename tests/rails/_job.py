@@ -471,7 +471,31 @@ def open_fails(params: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def close_waiting(params: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0 closes its communicator while a send to rank 1, whose receive never comes, waits
+    with early chunks in the shared slots: the send fails saying so, and close returns."""
+    comm = open_comm(params)
+    t = staged(comm, 4096)
+    data = pattern(64 * 1024, 3)
+    result: dict[str, Any] = {"error": None, "early_chunks": 0}
+    if comm.rank == 0:
+        comm.send(data[:1], 1)  # opens the channel
+        work = comm.send(data, 1, tag=5, async_op=True)
+        waiting = list(t._waiting_sends.values())
+        result["early_chunks"] = len(waiting[0][1].early) if waiting else 0
+        close(comm, result)
+        result["held_after_close"] = t._channels[1].early  # slots still held by waiting sends
+        timed(work.wait, result, "error", "failed_after_s")
+        WORLD.Barrier()
+    else:
+        comm.recv(data[:1], 0)
+        WORLD.Barrier()  # rank 0 has closed
+        close(comm, result)
+    return result
+
+
 SCENARIOS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "close_waiting": close_waiting,
     "early": early,
     "open_fails": open_fails,
     "roundtrip": roundtrip,

@@ -34,3 +34,14 @@ def test_a_channel_that_fails_to_open_leaves_no_segment(job):
     for r in (sender, receiver):
         assert r["left"] is False, f"rank {r['rank']} left its segment\n{done.explain()}"
     assert done.returncode == 0, done.explain()
+
+
+def test_closing_with_a_send_waiting_on_early_chunks(job):
+    done = job("close_waiting")
+    sender, receiver = done.ranks()
+    assert sender["early_chunks"] >= 1, done.explain()
+    assert sender["held_after_close"] == 0, done.explain()  # their copies ended, slots given back
+    assert "close_error" not in sender and sender["close_s"] < 5, done.explain()
+    assert "closed while waiting to send" in (sender["error"] or ""), done.explain()
+    assert "close_error" not in receiver, done.explain()
+    assert done.returncode == 0, done.explain()
