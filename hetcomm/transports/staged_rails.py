@@ -146,15 +146,28 @@ class RailThreads(ClearToSend):
 
     def _hand_back(self, event: Any, link: R.Link, slot: int, op: _Op, op_id: int,
                    idx: int) -> None:  # fmt: skip
-        """Once a chunk's copy out of its slot has finished, give the slot back."""
+        """Once a chunk's copy out of its slot has finished, count it and give the slot back."""
         try:
             if event is not None:
                 event.synchronize()
             stamp("h2d done", idx)
-            link.send(R.FREE, slot, op_id, idx, 0, 0)
-            op.count(idx)
         except BaseException as exc:
             op.fail(exc)
+            return
+        op.count(idx)
+        self._reply(link, R.FREE, slot, op_id, idx)
+
+    def _reply(self, link: R.Link, kind: int, slot: int, op_id: int, idx: int) -> None:
+        """Hand a slot back (FREE) or acknowledge a chunk (ACK). A sender that has closed its
+        transport (its sends complete once their chunks have gone) needs neither, and its
+        socket may be closed while this rank still lands what it sent: that failure is not
+        the rail's, whose reads go on to the sender's BYE (a rail that really broke fails
+        there)."""
+        try:
+            link.send(kind, slot, op_id, idx, 0, 0)
+        except R.RailError as exc:
+            log.debug("rank %d: no reply to rank %d over %s (%s)", self.rank, link.peer,
+                      link.spec, exc)  # fmt: skip
 
     @contextlib.contextmanager
     def _staged(self, src: Region, op: _Op) -> Any:
@@ -167,7 +180,9 @@ class RailThreads(ClearToSend):
             yield staging
 
     def _recv_loop(self, ch: _Channel, link: R.Link) -> None:
-        while link.alive:
+        # until the peer's BYE or a failed read: a failed send (a reply to a peer that has
+        # closed) leaves the link dead for sending while what the peer sent is still to read
+        while True:
             try:
                 kind, slot, op_id, idx, off, n = link.recv_header()
                 if kind == R.FREE:
@@ -195,7 +210,7 @@ class RailThreads(ClearToSend):
                     continue
                 if kind == R.DATA:
                     self._land(link, op, idx, off, n)
-                    link.send(R.ACK, -1, op_id, idx, 0, 0)
+                    self._reply(link, R.ACK, -1, op_id, idx)
                 elif kind == R.SLOT:
                     assert ch.shm_in is not None
                     if op is not None and not op.done.is_set() and op.region.host is None:
@@ -212,7 +227,7 @@ class RailThreads(ClearToSend):
                     if op is not None and not op.done.is_set():
                         self._deliver(op, off, ch.shm_in.view(slot, n))
                         op.count(idx)
-                    link.send(R.FREE, slot, op_id, idx, 0, 0)
+                    self._reply(link, R.FREE, slot, op_id, idx)
             except R.RailError as exc:
                 if not self._closed:
                     self._rail_down(ch, link, exc)

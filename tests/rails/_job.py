@@ -494,8 +494,40 @@ def close_waiting(params: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def sender_closes_first(params: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's send completes once its chunks are announced, and rank 0 closes its transport
+    at once, while rank 1, slowed down (0.8 s a chunk), still lands them: its slot hand-backs
+    then find rank 0's socket closed. The receive must still complete with every byte (they
+    are in the shared segment rank 1 has mapped)."""
+    comm = open_comm(params)
+    t = staged(comm, 1 << 20)
+    data = pattern((4 << 20) + 5, 8)
+    got = np.zeros_like(data)
+    result: dict[str, Any] = {"errors": [], "error": None}
+    comm.barrier()
+    if comm.rank == 0:
+        comm.send(data[:1], 1)  # opens the channel
+        comm.send(data, 1, tag=2)
+        close(comm, result)
+    else:
+        comm.recv(got[:1], 0)
+        deliver = t._deliver
+
+        def slow(op: Any, off: int, chunk: np.ndarray) -> None:
+            time.sleep(0.8)
+            deliver(op, off, chunk)
+
+        t._deliver = slow
+        timed(lambda: comm.recv(got, 0, tag=2), result, "error", "recv_s")
+        if d := first_difference(got, data):
+            result["errors"].append(d)
+        close(comm, result)
+    return result
+
+
 SCENARIOS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "close_waiting": close_waiting,
+    "sender_closes_first": sender_closes_first,
     "early": early,
     "open_fails": open_fails,
     "roundtrip": roundtrip,

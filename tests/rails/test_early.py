@@ -1,6 +1,7 @@
 """Shared slots of the shm rail: sends that start before their receive is posted stage their first
 chunks early, and every slot comes back whatever becomes of the send; a channel that fails to
-open leaves no segment behind."""
+open leaves no segment behind; a receiver still landing chunks after its sender closed gets them
+all."""
 
 from __future__ import annotations
 
@@ -44,4 +45,12 @@ def test_closing_with_a_send_waiting_on_early_chunks(job):
     assert "close_error" not in sender and sender["close_s"] < 5, done.explain()
     assert "closed while waiting to send" in (sender["error"] or ""), done.explain()
     assert "close_error" not in receiver, done.explain()
+    assert done.returncode == 0, done.explain()
+
+
+def test_a_receive_completes_after_its_sender_closed(job):
+    done = job("sender_closes_first")
+    _, receiver = done.ranks()
+    assert receiver["error"] is None and receiver["errors"] == [], done.explain()
+    assert receiver["recv_s"] > 2.5, done.explain()  # it outlasted the sender's close
     assert done.returncode == 0, done.explain()
