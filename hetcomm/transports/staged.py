@@ -334,19 +334,22 @@ class StagedTransport(RailThreads, Transport):
     def _stage_early(self, ch: _Channel, op: _Op) -> None:
         """Copy the first chunks of a send over shm into free shared slots now, without waiting
         for the receiver's clear-to-send: once it comes they are announced as their copies end
-        (device data: the copy engine has been busy meanwhile; host data is copied here). Only
-        where slots are free at once, and while the channel's sends that wait for their
-        clear-to-send hold fewer than half of them."""
+        (device data: up to early_chunks, the copy engine busy meanwhile; host data: the first
+        chunk, copied here). Only where slots are free at once, and while the channel's sends
+        that wait for their clear-to-send hold fewer than half of them."""
         link = self._doorbell(op.peer)
         if link is None or ch.shm_out is None or self.early_chunks <= 0 or not op.spans:
             return
+        host = op.region.host
+        # host bytes are copied here, one chunk after the other, and none can be announced
+        # before all are: more than one would delay the receiver's first chunk
+        wanted = self.early_chunks if host is None else 1
         with ch.lock:
-            room = min(self.early_chunks, len(op.spans), ch.shm_out.slots // 2 - ch.early)
+            room = min(wanted, len(op.spans), ch.shm_out.slots // 2 - ch.early)
             slots = ch.shm_out.try_acquire(room) if room > 0 else []
             ch.early += len(slots)
         if not slots:
             return
-        host = op.region.host
         if host is None:
             ch.shm_out.register_with_gpu(self._gpu.device)
         for idx, slot in enumerate(slots):
