@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -52,6 +52,17 @@ def host_unregister(ptr: int) -> None:
     import cupy
 
     cupy.cuda.runtime.hostUnregister(ptr)
+
+
+def on_device(device: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) with `device` current: as it is where it is already (the usual case, on the
+    path of every call: no context to enter), else inside cupy's Device context."""
+    import cupy
+
+    if cupy.cuda.runtime.getDevice() == device:
+        return fn(*args)
+    with cupy.cuda.Device(device):
+        return fn(*args)
 
 
 def current_stream(buf: Any) -> int:

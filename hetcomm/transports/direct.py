@@ -144,10 +144,8 @@ class DirectTransport(Transport):
         default stream (0 or 1) too: its query counts the work of the blocking streams it
         waits for (tests/gpu/test_legacy_stream.py)."""
         stream = self.kd.external_stream(self.kd.current_stream(b), self.device)
-        if self.cupy.cuda.runtime.getDevice() != self.device:
-            with self.cupy.cuda.Device(self.device):  # the legacy stream is the device's
-                return self._event_unless_done(stream)
-        return self._event_unless_done(stream)
+        # on the device: the legacy stream a query or record names is the current device's
+        return self.kd.on_device(self.device, self._event_unless_done, stream)
 
     def _event_unless_done(self, stream: Any) -> Any:
         """None if `stream` (of the current device) has run everything queued on it, else a

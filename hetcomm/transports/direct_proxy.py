@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from ..kernels import device as kd
 from ..trace import Stamps
 
 # a step of an operation waits for one of these: an MPI request, a GPU event, or nothing (None)
@@ -202,13 +203,9 @@ class Proxy:
             return task.finished.wait(seconds)
         ended = False
         stamp("inline")
-        until = time.monotonic() + min(seconds, _INLINE_S)
         try:
-            if self.cupy.cuda.runtime.getDevice() == self.device:
-                ended = self._drive(task, until)
-            else:
-                with self.cupy.cuda.Device(self.device):
-                    ended = self._drive(task, until)
+            ended = kd.on_device(self.device, self._drive, task,
+                                 time.monotonic() + min(seconds, _INLINE_S))  # fmt: skip
         finally:
             with self._lock:
                 self._inline = False

@@ -109,34 +109,32 @@ class PeerMap:
 
     def address(self, peer: int, rec: np.ndarray) -> tuple[int, int]:
         """Our address of the bytes a one-record array from `peer` describes, and their count:
-        learn and resolve in one pass over the record's words."""
+        the record's words read in one pass."""
         ident, offset, nbytes, has = rec.view(np.uint64)[:4].tolist()
+        return self._base(peer, ident, has, rec[0]) + offset, nbytes
+
+    def resolve(self, peer: int, rec: np.void) -> int:
+        """Our address of the bytes `rec` (sent by `peer`) describes, opening the handle once."""
+        return self._base(peer, int(rec["id"]), int(rec["has"]), rec) + int(rec["offset"])
+
+    def _base(self, peer: int, ident: int, has: int, rec: np.void) -> int:
+        """Our mapping of `peer`'s allocation `ident`, opened from the handle learnt before or
+        the one `rec` carries (has) the first time."""
         key = (peer, ident)
         base = self._mapped.get(key)
         if base is not None:
             self.hits += 1
-            return base + offset, nbytes
-        if has:
-            self._known.pop(key, None)
-        return self.resolve(peer, rec[0]), nbytes
-
-    def resolve(self, peer: int, rec: np.void) -> int:
-        """Our address of the bytes `rec` (sent by `peer`) describes, opening the handle once."""
-        key = (peer, int(rec["id"]))
-        base = self._mapped.get(key)
-        if base is None:
-            handle = self._known.pop(key, None)
-            if handle is None and int(rec["has"]):
-                handle = bytes(rec["handle"])
-            if handle is None:
-                raise RuntimeError(f"rank {peer} sent no handle for buffer {key[1]} and it is not "
-                                   "mapped here: the registration caches disagree")  # fmt: skip
-            base = int(self.rt.ipcOpenMemHandle(handle, _LAZY_PEER_ACCESS))
-            self._mapped[key] = base
-            self.misses += 1
-        else:
-            self.hits += 1
-        return base + int(rec["offset"])
+            return base
+        handle = self._known.pop(key, None)
+        if handle is None and has:
+            handle = bytes(rec["handle"])
+        if handle is None:
+            raise RuntimeError(f"rank {peer} sent no handle for buffer {ident} and it is not "
+                               "mapped here: the registration caches disagree")  # fmt: skip
+        base = int(self.rt.ipcOpenMemHandle(handle, _LAZY_PEER_ACCESS))
+        self._mapped[key] = base
+        self.misses += 1
+        return base
 
     @property
     def mapped(self) -> int:

@@ -297,9 +297,7 @@ class SharedSlots:
     def try_acquire(self, count: int) -> list[int]:
         """Up to `count` free slots, taken without waiting."""
         with self._cond:
-            taken = self._free[len(self._free) - min(count, len(self._free)) :]
-            del self._free[len(self._free) - len(taken) :]
-            return taken[::-1]
+            return [self._free.pop() for _ in range(min(count, len(self._free)))]
 
     def release(self, slot: int) -> None:
         with self._cond:

@@ -6,7 +6,6 @@ import atexit
 import contextlib
 import itertools
 import logging
-import queue
 import threading
 import time
 import weakref
@@ -22,16 +21,16 @@ from ..ops import ReduceOp
 from ..work import Work
 from . import Transport
 from . import rails as R
+from .staged_channel import Channel
 from .staged_ops import _STOP, PeerTimeout, Region, _Drivers, _Op, stamp
 from .staged_rails import (
     BYE_MPI,
     ERROR_MPI,
     TAG_HEAD,
     RailThreads,
-    _rail_name,
     _size_mismatch,
 )
-from .staged_schedule import choose_rails, message_spans, rail_key, rail_windows, slots_that_fit
+from .staged_schedule import choose_rails, message_spans, rail_key, slots_that_fit
 
 if TYPE_CHECKING:
     from ..arrays import Buffer
@@ -44,7 +43,6 @@ log = logging.getLogger("hetcomm")
 # per transport through `StagedTransport.chunk_bytes` / `.slots` before its first operation.
 CHUNK_BYTES = 8 << 20
 SLOTS = 8
-SHM_LANES = 2  # threads feeding one shm rail, so that one stages while the other signals
 # Halvings of the chunk at the start and end of a message longer than two chunks (up, down;
 # staged_schedule.message_spans). Off: on the H200, with one GPU or two, smaller end chunks
 # cost more in per-chunk signalling than they saved in pipeline fill (docs/BENCHMARKS.md).
@@ -56,75 +54,6 @@ RAMP = (0, 0)
 EARLY_CHUNKS = 4
 TAG_HELLO = 12  # TAG_CTRL: staged_cts; TAG_HEAD, TAG_BODY: staged_rails
 CTS_P2P, CTS_COLL = 1, 2
-
-
-class _Channel:
-    """Everything joining this rank to one peer: rails, their threads, shared slots."""
-
-    def __init__(self, owner: StagedTransport, peer: int, specs: list[R.RailSpec]) -> None:
-        self.owner, self.peer, self.specs = owner, peer, specs
-        self.queue: queue.Queue[Any] = queue.Queue()
-        self.links: list[R.Link] = []
-        self.shm_out: R.SharedSlots | None = None
-        self.shm_in: R.SharedSlots | None = None
-        self.threads: list[threading.Thread] = []
-        self.dead: list[str] = []
-        self.uses_mpi = any(s.kind == "mpi" for s in specs)
-        # tcp rail index -> chunks it may hold unacknowledged (tuned rail weights), else no limit
-        keys = [rail_key(s) for s in specs]
-        self.windows = {s.index: w for s, w in zip(specs, rail_windows(keys, owner.rail_weights))
-                        if w is not None and s.kind == "tcp"}  # fmt: skip
-        self._signals: queue.Queue[Any] | None = None
-        self._completions: queue.Queue[Any] | None = None
-        self._lock = threading.Lock()
-        self.lock = threading.Lock()  # guards `early`
-        self.early = 0  # shared slots held by sends still waiting for their clear-to-send
-
-    def start(self) -> None:
-        for link in self.links:
-            lanes = SHM_LANES if link.spec.kind == "shm" else 1
-            for _ in range(lanes):
-                self._thread(self.owner._send_loop, self, link)
-            self._thread(self.owner._recv_loop, self, link)
-        if self.uses_mpi:
-            self._thread(self.owner._send_loop, self, None)
-            self.owner._start_mpi_rail()
-
-    def _thread(self, fn: Callable[..., None], *args: Any) -> None:
-        t = threading.Thread(target=fn, args=args, daemon=True,
-                             name=f"hetcomm-rail-{self.owner.rank}-{self.peer}")  # fmt: skip
-        t.start()
-        self.threads.append(t)
-
-    def alive(self) -> bool:
-        return self.uses_mpi or any(link.alive for link in self.links)
-
-    def signals(self, owner: RailThreads) -> queue.Queue[Any]:
-        """The queue of the signaller thread (device chunks going out over shm: each announced
-        once its copy into a slot has finished), started once."""
-        with self._lock:
-            if self._signals is None:
-                self._signals = queue.Queue()
-                self._thread(owner._serve, self._signals, owner._announce)
-            return self._signals
-
-    def completions(self, owner: RailThreads) -> queue.Queue[Any]:
-        """The queue of the completer thread (device chunks coming in over shm: each slot handed
-        back once its copy out has finished), started once."""
-        with self._lock:
-            if self._completions is None:
-                self._completions = queue.Queue()
-                self._thread(owner._serve, self._completions, owner._hand_back)
-            return self._completions
-
-    def stop(self) -> None:
-        self.queue.put(_STOP)
-        for q in (self._signals, self._completions):
-            if q is not None:
-                q.put(_STOP)
-
-    def describe(self) -> str:
-        return ", ".join(str(s) for s in self.specs)
 
 
 class StagedTransport(RailThreads, Transport):
@@ -157,7 +86,7 @@ class StagedTransport(RailThreads, Transport):
                      "prefixes": {n.ipv4: n.prefixlen for n in info.nics},
                      "ports": self.listener.ports, "unix": self.listener.unix_name,
                      "token": self.token}  # fmt: skip
-        self._channels: dict[int, _Channel] = {}
+        self._channels: dict[int, Channel] = {}
         self._lock = threading.Lock()
         self._peer_locks: dict[int, threading.Lock] = {}
         self._mpi_rail: threading.Thread | None = None
@@ -165,7 +94,7 @@ class StagedTransport(RailThreads, Transport):
         self._op_ids = itertools.count(1)
         self._inbox: dict[tuple[int, int, int, int], list[tuple[int, int]]] = {}
         self._inbox_cond = threading.Condition()
-        self._waiting_sends: dict[tuple[int, int, int, int], tuple[_Channel, _Op]] = {}
+        self._waiting_sends: dict[tuple[int, int, int, int], tuple[Channel, _Op]] = {}
         self._p2p_counts: dict[tuple[str, int, int], int] = {}
         self._driver = _Drivers(4, f"hetcomm-staged-{self.rank}")
         self._closed = False
@@ -181,11 +110,11 @@ class StagedTransport(RailThreads, Transport):
 
     # ---- channels ----------------------------------------------------------------------------
 
-    def channel(self, peer: int, deadline: float) -> _Channel:
+    def channel(self, peer: int, deadline: float) -> Channel:
         """The channel to `peer`, opened on first use (both ranks reach this together)."""
         return self.channels([peer], deadline)[0]
 
-    def channels(self, peers: list[int], deadline: float) -> list[_Channel]:
+    def channels(self, peers: list[int], deadline: float) -> list[Channel]:
         """Channels to `peers`, the missing ones opened together.
 
         Each peer must ask for a set that holds this rank at the same point (collectives do):
@@ -231,27 +160,21 @@ class StagedTransport(RailThreads, Transport):
 
     def _open(self, peers: list[int], deadline: float) -> None:
         cards = self._swap({p: self.card for p in peers}, deadline)
-        opened: dict[int, _Channel] = {}
+        opened: dict[int, Channel] = {}
         try:
             self._connect(peers, cards, opened, deadline)
         except BaseException:
             # a peer that fails or dies while the channels open: nothing of them stays behind
             # (a shared segment left in /dev/shm would hold its memory until the next boot)
             for ch in opened.values():
-                for link in ch.links:
-                    link.close()
-                for seg in (ch.shm_out, ch.shm_in):
-                    if seg is not None:
-                        seg.close()
-                if ch.shm_out is not None:
-                    ch.shm_out.unlink()
+                ch.release()
             raise
         for peer, ch in opened.items():
             log.info("staged: rank %d <-> rank %d over %s", self.rank, peer, ch.describe())
             ch.start()
             self._channels[peer] = ch
 
-    def _connect(self, peers: list[int], cards: dict[int, Any], opened: dict[int, _Channel],
+    def _connect(self, peers: list[int], cards: dict[int, Any], opened: dict[int, Channel],
                  deadline: float) -> None:  # fmt: skip
         """The links and shared segments of a channel to each of `peers`, into `opened` as they
         are made."""
@@ -259,7 +182,7 @@ class StagedTransport(RailThreads, Transport):
         # takes from lower ones, which never wait on it, so the connections cannot deadlock
         for peer in peers:
             theirs = cards[peer]
-            ch = opened[peer] = _Channel(self, peer, choose_rails(self.card, theirs, self.mode))
+            ch = opened[peer] = Channel(self, peer, choose_rails(self.card, theirs, self.mode))
             for spec in ch.specs:
                 if spec.kind == "mpi":
                     continue
@@ -331,7 +254,7 @@ class StagedTransport(RailThreads, Transport):
             self._unwait(op)
             raise
 
-    def _stage_early(self, ch: _Channel, op: _Op) -> None:
+    def _stage_early(self, ch: Channel, op: _Op) -> None:
         """Copy the first chunks of a send over shm into free shared slots now, without waiting
         for the receiver's clear-to-send: once it comes they are announced as their copies end
         (device data: up to early_chunks, the copy engine busy meanwhile; host data: the first
@@ -343,11 +266,7 @@ class StagedTransport(RailThreads, Transport):
         host = op.region.host
         # host bytes are copied here, one chunk after the other, and none can be announced
         # before all are: more than one would delay the receiver's first chunk
-        wanted = self.early_chunks if host is None else 1
-        with ch.lock:
-            room = min(wanted, len(op.spans), ch.shm_out.slots // 2 - ch.early)
-            slots = ch.shm_out.try_acquire(room) if room > 0 else []
-            ch.early += len(slots)
+        slots = ch.hold_early(min(self.early_chunks if host is None else 1, len(op.spans)))
         if not slots:
             return
         if host is None:
@@ -363,25 +282,7 @@ class StagedTransport(RailThreads, Transport):
             op.early.append((slot, event, (off, n)))
             stamp("d2h queued early", idx)
 
-    def _take_early(self, ch: _Channel, op: _Op) -> list[tuple[int, Any, tuple[int, int]]]:
-        """The early chunks of `op`, taken (by whoever gets them first) and no longer counted
-        against the channel's half of the slots."""
-        with ch.lock:
-            early, op.early = op.early, []
-            ch.early -= len(early)
-        return early
-
-    def _drop_early(self, ch: _Channel, op: _Op) -> None:
-        """Give back the slots of a send's early chunks that never went (their copies end
-        first)."""
-        assert ch.shm_out is not None
-        for slot, event, _ in self._take_early(ch, op):
-            if event is not None:
-                with contextlib.suppress(Exception):
-                    event.synchronize()
-            ch.shm_out.release(slot)
-
-    def _queue_send(self, ch: _Channel, op: _Op, remote: int, expected: int) -> None:
+    def _queue_send(self, ch: Channel, op: _Op, remote: int, expected: int) -> None:
         """The receiver's clear-to-send is here: queue every chunk of `op` on its rails (the
         early ones to the signaller, which announces them once their copies have ended)."""
         stamp("chunks queued")
@@ -390,20 +291,18 @@ class StagedTransport(RailThreads, Transport):
             exc = MismatchError(f"rank {self.rank} sends {op.region.nbytes} bytes, rank "
                                 f"{op.peer} receives {expected}")  # fmt: skip
             if op.early:
-                self._drop_early(ch, op)
+                ch.drop_early(op)
             self._notify_error(ch, remote, op.region.nbytes)
             op.fail(exc)
             return
         if not op.spans:
             op.done.set()
-        early = self._take_early(ch, op) if op.early else []
+        early = ch.take_early(op) if op.early else []
         if early:
             link = self._doorbell(op.peer)
-            with self._stats_lock:
-                name = _rail_name(link)
-                self.stats[name] = self.stats.get(name, 0) + sum(n for _, _, (_, n) in early)
+            self._count_bytes(link, sum(n for _, _, (_, n) in early))
             for idx, (slot, event, (off, n)) in enumerate(early):
-                ch.signals(self).put((event, link, slot, op, idx, off, n))
+                ch.signals().put((event, link, slot, op, idx, off, n))
         for idx in range(len(early), len(op.spans)):
             ch.queue.put((op, idx, op.spans[idx]))
 
@@ -429,7 +328,7 @@ class StagedTransport(RailThreads, Transport):
         op.done.set()
         return op
 
-    def _notify_error(self, ch: _Channel, remote: int, nbytes: int) -> None:
+    def _notify_error(self, ch: Channel, remote: int, nbytes: int) -> None:
         """Fail the peer's receive too, so that it does not wait for data that cannot come."""
         for link in ch.links:
             with contextlib.suppress(R.RailError):
@@ -674,7 +573,7 @@ class StagedTransport(RailThreads, Transport):
             waiting, self._waiting_sends = self._waiting_sends, {}
         for ch, op in waiting.values():
             if op.early:
-                self._drop_early(ch, op)  # their copies end before the segment goes
+                ch.drop_early(op)  # their copies end before the segment goes
             op.fail(HetcommError("the staged transport was closed while waiting to send"))
         for ch in self._channels.values():
             self._fail_channel(ch, closed)
@@ -685,12 +584,7 @@ class StagedTransport(RailThreads, Transport):
         for ch in self._channels.values():
             for t in ch.threads:
                 t.join(timeout=2)
-            for link in ch.links:
-                link.close()
-            for seg in (ch.shm_out, ch.shm_in):
-                if seg is not None:
-                    seg.unlink()
-                    seg.close()
+            ch.release()
         self.listener.close()
         if self._gpu is not None:
             self._gpu.close()

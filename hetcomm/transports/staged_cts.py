@@ -17,7 +17,7 @@ from . import rails as R
 from .staged_ops import PeerTimeout, _Op
 
 if TYPE_CHECKING:
-    from .staged import _Channel
+    from .staged_channel import Channel
 
 TAG_CTRL = 11  # a clear-to-send over MPI, on the service communicator
 # a sender waiting for a clear-to-send over MPI polls for it, first after this many seconds,
@@ -32,13 +32,12 @@ class ClearToSend:
     rank: int
     svc: MPI.Intracomm
     _closed: bool
-    _channels: dict[int, _Channel]
+    _channels: dict[int, Channel]
     _inbox: dict[tuple[int, int, int, int], list[tuple[int, int]]]
     _inbox_cond: threading.Condition
     # sends that wait for their clear-to-send: the thread that files it queues their chunks
-    _waiting_sends: dict[tuple[int, int, int, int], tuple[_Channel, _Op]]
-    _queue_send: Callable[[_Channel, _Op, int, int], None]
-    _drop_early: Callable[[_Channel, _Op], None]
+    _waiting_sends: dict[tuple[int, int, int, int], tuple[Channel, _Op]]
+    _queue_send: Callable[[Channel, _Op, int, int], None]
 
     # A receive tells its sender "clear to send" over the unix socket of their shm rail where
     # they have one, and the socket's reader thread files it: no polling, no MPI. Between
@@ -126,7 +125,7 @@ class ClearToSend:
             del self._inbox[key]
         return entry
 
-    def _cts_or_register(self, ch: _Channel, op: _Op, key: tuple[int, int, int, int],
+    def _cts_or_register(self, ch: Channel, op: _Op, key: tuple[int, int, int, int],
                          deadline: float) -> tuple[int, int] | None:  # fmt: skip
         """The clear-to-send of the send `op` (peer, kind and keys in `key`) if it is here.
         Where the peer rings the shm doorbell and it is not, the send is registered for the
@@ -155,7 +154,7 @@ class ClearToSend:
                     del self._waiting_sends[key]
                     dropped = ch
         if dropped is not None and op.early:
-            self._drop_early(dropped, op)  # no clear-to-send can take them now
+            dropped.drop_early(op)  # no clear-to-send can take them now
 
     def _file_cts(self, src: int, kind: int, k1: int, k2: int, op_id: int, nbytes: int) -> None:
         """A clear-to-send has arrived: start the send that waits for it on this thread, or

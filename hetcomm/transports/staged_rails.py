@@ -22,7 +22,7 @@ from .staged_cts import _CTS_POLL_MAX_S, _CTS_POLL_S, ClearToSend
 from .staged_ops import _STOP, Region, _Op, stamp
 
 if TYPE_CHECKING:
-    from .staged import _Channel
+    from .staged_channel import Channel
 
 log = logging.getLogger("hetcomm")
 
@@ -49,7 +49,7 @@ class RailThreads(ClearToSend):
     _stats_lock: threading.Lock
     _mpi_rail: threading.Thread | None
 
-    def _send_loop(self, ch: _Channel, link: R.Link | None) -> None:
+    def _send_loop(self, ch: Channel, link: R.Link | None) -> None:
         window = ch.windows.get(link.spec.index) if link is not None else None
         while True:
             if window is not None:
@@ -70,8 +70,7 @@ class RailThreads(ClearToSend):
             try:
                 if self._send_chunk(ch, link, op, idx, off, n):
                     op.count(idx)
-                with self._stats_lock:
-                    self.stats[_rail_name(link)] = self.stats.get(_rail_name(link), 0) + n
+                self._count_bytes(link, n)
             except R.RailError as exc:
                 assert link is not None
                 with link.unacked_lock:
@@ -82,7 +81,7 @@ class RailThreads(ClearToSend):
             except BaseException as exc:
                 op.fail(exc)
 
-    def _send_chunk(self, ch: _Channel, link: R.Link | None, op: _Op, idx: int, off: int,
+    def _send_chunk(self, ch: Channel, link: R.Link | None, op: _Op, idx: int, off: int,
                     n: int) -> bool:  # fmt: skip
         """Send one chunk; False when a signaller thread finishes (and counts) it later."""
         src = op.region.sub(off, n)
@@ -110,7 +109,7 @@ class RailThreads(ClearToSend):
                     if _short(n, op):
                         self._announce(*item)  # a short copy: no hand-off to the signaller
                     else:
-                        ch.signals(self).put(item)
+                        ch.signals().put(item)
                     return False
                 link.send(R.SLOT, slot, op.remote, idx, off, n)
             except BaseException:
@@ -122,6 +121,12 @@ class RailThreads(ClearToSend):
         with self._staged(src, op) as payload:
             link.send(R.DATA, -1, op.remote, idx, off, n, memoryview(payload))
         return False  # counted when the receiver acknowledges it
+
+    def _count_bytes(self, link: R.Link | None, n: int) -> None:
+        """Add `n` bytes sent to the statistics of `link`'s rail (None: the mpi rail)."""
+        name = _rail_name(link)
+        with self._stats_lock:
+            self.stats[name] = self.stats.get(name, 0) + n
 
     def _serve(self, items: queue.Queue[Any], handle: Callable[..., None]) -> None:
         """The loop of a signaller or completer thread: `handle(*item)` for each item queued,
@@ -179,7 +184,7 @@ class RailThreads(ClearToSend):
             self._gpu.copy_to_host(staging, src, op.ready)
             yield staging
 
-    def _recv_loop(self, ch: _Channel, link: R.Link) -> None:
+    def _recv_loop(self, ch: Channel, link: R.Link) -> None:
         # until the peer's BYE or a failed read: a failed send (a reply to a peer that has
         # closed) leaves the link dead for sending while what the peer sent is still to read
         while True:
@@ -222,7 +227,7 @@ class RailThreads(ClearToSend):
                         if _short(n, op):
                             self._hand_back(*item)  # a short copy: no hand-off
                         else:
-                            ch.completions(self).put(item)
+                            ch.completions().put(item)
                         continue
                     if op is not None and not op.done.is_set():
                         self._deliver(op, off, ch.shm_in.view(slot, n))
@@ -238,7 +243,7 @@ class RailThreads(ClearToSend):
                 self._rail_down(ch, link, exc)
                 return
 
-    def _rail_down(self, ch: _Channel, link: R.Link, exc: BaseException) -> None:
+    def _rail_down(self, ch: Channel, link: R.Link, exc: BaseException) -> None:
         """A link broke: its unacknowledged chunks go back to the other rails, or, with no
         rail left, every operation with that peer fails naming each rail's error."""
         link.alive = False
@@ -324,7 +329,7 @@ class RailThreads(ClearToSend):
                                                   name="hetcomm-mpi-rail")  # fmt: skip
                 self._mpi_rail.start()
 
-    def _fail_channel(self, ch: _Channel, exc: BaseException) -> None:
+    def _fail_channel(self, ch: Channel, exc: BaseException) -> None:
         for op in list(self._ops.values()):
             if op.peer == ch.peer:
                 op.fail(exc)

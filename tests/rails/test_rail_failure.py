@@ -61,7 +61,7 @@ def test_no_rail_left_fails_cleanly_within_the_timeout(job):
     assert sender["shut"]["in_flight"], f"the links were cut too late: {sender['shut']}"
     assert sender["error"] and sender["error"].startswith("HetcommError"), done.explain()
     # (the message names the rails whose send failed; a rail whose receiving thread saw the
-    # break first is marked dead without being named in StagedTransport._Channel.dead)
+    # break first is marked dead without being named in staged_channel.Channel.dead)
     assert "every rail to rank 1 failed: tcp" in sender["error"], sender["error"]
     assert sender["elapsed_s"] < TIMEOUT_S, f"the send took {sender['elapsed_s']} s to fail"
     # the receiver sees its links close too: it fails at once naming them (or, had it not
