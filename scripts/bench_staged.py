@@ -16,7 +16,7 @@ from typing import Any
 
 import cupy
 import numpy as np
-from bench_direct import _save, back_to_back, gpu_seconds, median_time, memcpy
+from bench_direct import _save, alone, back_to_back, gpu_seconds, median_time, memcpy
 from mpi4py import MPI
 
 import hetcomm
@@ -122,8 +122,8 @@ def p2p(out: str) -> None:
     r = world.Get_rank()
     rows = []
     nbytes = 256 * MiB
-    copy = pinned_copy_rate(nbytes)
-    both = pinned_both_ways(nbytes)
+    copy = alone(world, pinned_copy_rate, nbytes)
+    both = alone(world, pinned_both_ways, nbytes)
     x = cupy.arange(nbytes, dtype=cupy.uint8)
     y = cupy.zeros(nbytes, dtype=cupy.uint8)
     for chunk in (1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB):
@@ -231,7 +231,7 @@ def timeline(out: str) -> None:
         staged_ops.stamp.marks = None
         comm.close()
     rows.append({"case": "pinned device->host copy", "bytes": nbytes,
-                 "GBps": pinned_copy_rate(nbytes) / 1e9})  # fmt: skip
+                 "GBps": alone(world, pinned_copy_rate, nbytes) / 1e9})  # fmt: skip
     if r == 0:
         for row in rows:
             if "marks" not in row:
@@ -252,8 +252,8 @@ def early(out: str) -> None:
     world = MPI.COMM_WORLD
     r = world.Get_rank()
     nbytes = 256 * MiB
-    copy = pinned_copy_rate(nbytes)
-    both = pinned_both_ways(nbytes)
+    copy = alone(world, pinned_copy_rate, nbytes)
+    both = alone(world, pinned_both_ways, nbytes)
     x = cupy.arange(nbytes, dtype=cupy.uint8)
     y = cupy.zeros(nbytes, dtype=cupy.uint8)
     # name -> (chunk, early chunks, ramp); a communicator per chunk size (the shared slots are
@@ -323,7 +323,7 @@ def early(out: str) -> None:
     rows.append({"case": "pinned device->host copy", "bytes": nbytes, "GBps": copy / 1e9})
     rows.append({"case": "pinned copies both ways at once (each way)", "bytes": nbytes,
                  "GBps": both / 1e9})
-    rows.extend(host_memory_rates(nbytes))
+    rows.extend(alone(world, host_memory_rates, nbytes))
     if r == 0:
         for row in rows:
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
