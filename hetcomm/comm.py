@@ -193,10 +193,11 @@ class Communicator:
     # ---- helpers shared by the operations ---------------------------------------------------
 
     def _start(self, op: str, buf: Buffer | None, root: int = -1,
-               timeout: float | None = None) -> tuple[Transport, int]:  # fmt: skip
+               timeout: float | None = None, blocking: bool = False) -> tuple[Transport, int]:  # fmt: skip
         if timeout is not None:
             _check_timeout(timeout, op)
         transport = self._transport(op, buf)
+        _work.set_blocking(blocking)
         if op in _POINT_TO_POINT:
             # only two ranks take part: a count of their own keeps collective numbers in step
             self._p2p_seq += 1
@@ -226,6 +227,7 @@ class Communicator:
 
     def _finish(self, work: Work, async_op: bool, timeout: float | None,
                 keep: tuple[Any, ...] = ()) -> Work | None:  # fmt: skip
+        _work.set_blocking(False)
         if timeout is not None:
             work._timeout = float(timeout)
         if async_op:
@@ -315,7 +317,7 @@ class Communicator:
                                       "separate array")  # fmt: skip
             if kind == "same":
                 ob = xb
-        transport, seq = self._start("all_reduce", xb, timeout=timeout)
+        transport, seq = self._start("all_reduce", xb, timeout=timeout, blocking=not async_op)
         if xb.contiguous and ob.contiguous:
             work = transport.all_reduce(xb, ob, rop, seq)
         else:
@@ -433,7 +435,7 @@ class Communicator:
         check_op_for_dtype(rop, xb.dtype, "reduce")
         if self.rank == root:
             _writable(xb, "reduce: x at the root")
-        transport, seq = self._start("reduce", xb, root, timeout)
+        transport, seq = self._start("reduce", xb, root, timeout, not async_op)
         steps: list[Callable[[], None]] = []
         xc = _contiguous_out(xb, steps) if self.rank == root else _contiguous_in(xb)
         work = transport.reduce(xc, rop, root, seq)
@@ -447,7 +449,7 @@ class Communicator:
         root = self._root(root, "broadcast: root")
         if self.rank != root:
             _writable(xb, "broadcast: x")
-        transport, seq = self._start("broadcast", xb, root, timeout)
+        transport, seq = self._start("broadcast", xb, root, timeout, not async_op)
         steps: list[Callable[[], None]] = []
         xc = _contiguous_in(xb) if self.rank == root else _contiguous_out(xb, steps)
         work = transport.broadcast(xc, root, seq)
@@ -462,7 +464,7 @@ class Communicator:
         _same(ob, xb, "all_gather: out", ob.count == xb.count * self.size,
               f"{self.size} x {xb.count} = {self.size * xb.count} elements")  # fmt: skip
         _writable(ob, "all_gather: out")
-        transport, seq = self._start("all_gather", xb, timeout=timeout)
+        transport, seq = self._start("all_gather", xb, timeout=timeout, blocking=not async_op)
         steps: list[Callable[[], None]] = []
         xc = _contiguous_in(xb, copy=overlap(xb, ob) != "none")
         oc = _contiguous_out(ob, steps)
@@ -481,7 +483,7 @@ class Communicator:
               f"x's {xb.count} elements / {self.size} ranks"
               + ("" if xb.count % self.size == 0 else " (x does not split evenly)"))  # fmt: skip
         _writable(ob, "reduce_scatter: out")
-        transport, seq = self._start("reduce_scatter", xb, timeout=timeout)
+        transport, seq = self._start("reduce_scatter", xb, timeout=timeout, blocking=not async_op)
         steps: list[Callable[[], None]] = []
         xc = _contiguous_in(xb, copy=overlap(xb, ob) != "none")
         oc = _contiguous_out(ob, steps)
@@ -501,7 +503,7 @@ class Communicator:
             )
         _same(ob, xb, "all_to_all: out", ob.count == xb.count, f"{xb.count} elements")
         _writable(ob, "all_to_all: out")
-        transport, seq = self._start("all_to_all", xb, timeout=timeout)
+        transport, seq = self._start("all_to_all", xb, timeout=timeout, blocking=not async_op)
         steps: list[Callable[[], None]] = []
         xc = _contiguous_in(xb, copy=overlap(xb, ob) != "none")
         oc = _contiguous_out(ob, steps)
@@ -515,7 +517,7 @@ class Communicator:
         xb = as_buffer(x, "send: x")
         dst = self._root(dst, "send: dst")
         tag = self._tag(tag, "send")
-        transport, seq = self._start("send", xb, timeout=timeout)
+        transport, seq = self._start("send", xb, timeout=timeout, blocking=not async_op)
         xc = _contiguous_in(xb)
         work = transport.send(xc, dst, tag, seq)
         return self._finish(work, async_op, timeout, (xb, xc))
@@ -528,7 +530,7 @@ class Communicator:
         src = self._root(src, "recv: src")
         tag = self._tag(tag, "recv")
         _writable(xb, "recv: x")
-        transport, seq = self._start("recv", xb, timeout=timeout)
+        transport, seq = self._start("recv", xb, timeout=timeout, blocking=not async_op)
         steps: list[Callable[[], None]] = []
         xc = _contiguous_out(xb, steps)
         work = transport.recv(xc, src, tag, seq)
@@ -537,7 +539,7 @@ class Communicator:
     def barrier(self, *, async_op: bool = False, timeout: float | None = None) -> Work | None:
         """Complete once every rank of the group has called barrier."""
         self._check_open()
-        transport, seq = self._start("barrier", None, timeout=timeout)
+        transport, seq = self._start("barrier", None, timeout=timeout, blocking=not async_op)
         return self._finish(transport.barrier(seq), async_op, timeout)
 
     def _tag(self, tag: Any, what: str) -> int:

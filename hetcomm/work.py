@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,24 @@ def _decide_tracing(work: Work) -> None:
     _recorder = recorder_for(work._comm.config.trace)
     if _recorder is not None:
         _recorder(work)
+
+
+# Whether the call this thread is issuing will wait for its operation at once (a blocking
+# call): the communicator says so before it hands the call to a transport, which may then leave
+# its progress thread asleep, since the calling thread is about to run the operation itself.
+_issuing = threading.local()
+
+
+def set_blocking(blocking: bool) -> None:
+    _issuing.blocking = blocking
+
+
+def take_blocking() -> bool:
+    """Whether the call being issued on this thread is a blocking one; read once."""
+    if getattr(_issuing, "blocking", False):
+        _issuing.blocking = False
+        return True
+    return False
 
 
 # called with each Work that completes; None when tracing is off (see hetcomm.trace)

@@ -455,9 +455,15 @@ def latency(out: str) -> None:
     so that a ratio compares runs of the same minute): a ping-pong (half a round trip, as
     osu_latency reports) and one message at a time (a barrier before each), with the arrays on
     the default stream and on a stream of each rank's own; the per-round ratio staged / direct."""
+    from hetcomm.transports import direct_proxy
+
     world = MPI.COMM_WORLD
     r = world.Get_rank()
-    comms = {t: _comm(t, r) for t in ("direct", "staged")}
+    made = {t: _comm(t, r) for t in ("direct", "staged")}
+    # name -> (communicator, whether a blocking call leaves the idle proxy asleep)
+    comms = {"direct": (made["direct"], True),
+             "direct, proxy woken by every call": (made["direct"], False),
+             "staged": (made["staged"], True)}  # fmt: skip
     own = cupy.cuda.Stream(non_blocking=True)
     null = cupy.cuda.Stream.null
     cases = [(size, name, stream) for size in (8, 64 * 1024)
@@ -477,7 +483,8 @@ def latency(out: str) -> None:
     for _ in range(7):
         for size, name, stream in cases:
             x, y = arrays[size]
-            for transport, comm in comms.items():
+            for transport, (comm, lazy) in comms.items():
+                direct_proxy.LAZY_WAKE = lazy
                 with stream:
                     def pingpong(comm=comm, x=x, y=y) -> None:
                         _pingpong(comm, r, x, y)
@@ -504,14 +511,15 @@ def latency(out: str) -> None:
         row = {"case": f"{transport} send/recv, {how}, {name}", "bytes": size,
                "us": statistics.median(ts) * 1e6, "min_us": min(ts) * 1e6,
                "max_us": max(ts) * 1e6, "ok": ok}  # fmt: skip
-        if transport == "direct":
+        if transport != "staged":
             ratios = [s / d for s, d in zip(times[("staged", size, name, how)], ts)]
             row["staged_over_direct_per_round"] = [round(q, 2) for q in ratios]
             row["staged_over_direct_median"] = statistics.median(ratios)
         rows.append(row)
         if r == 0:
             print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
-    for comm in comms.values():
+    direct_proxy.LAZY_WAKE = True
+    for comm in made.values():
         comm.close()
     _save(out, rows, r)
 

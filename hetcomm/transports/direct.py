@@ -29,7 +29,7 @@ from mpi4py import MPI
 
 from ..errors import InvalidArgument
 from ..ops import ReduceOp
-from ..work import Work
+from ..work import Work, take_blocking
 from . import Transport
 from . import direct_proxy as DP
 from . import direct_schedule as S
@@ -173,7 +173,7 @@ class DirectTransport(Transport):
         task = DP.Task(run())
         DP.stamp("queued")
         proxy = self._proxy
-        proxy.submit(task, collective, nbytes)
+        proxy.submit(task, collective, nbytes, take_blocking())
         work = Work(self.comm, op, seq, task.poll,
                     waiter=lambda seconds: proxy.wait(task, collective, seconds))
         work.info = {"transport": self.name, "bytes": nbytes}

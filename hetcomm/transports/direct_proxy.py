@@ -56,6 +56,11 @@ _POKE = np.zeros(1, np.int8)
 # handing it to the proxy (Proxy.wait)
 _INLINE_S = 2e-3
 _NEVER = 1 << 62
+# a blocking call that finds the proxy idle leaves it asleep (Proxy.submit); False wakes it
+# for every operation, as before (kept for comparison in bench_direct.py latency)
+LAZY_WAKE = True
+# the longest an idle proxy sleeps before it looks at its queue again unasked
+_IDLE_S = 0.05
 # from this size, queueing an operation behind others hands the interpreter to the proxy
 # (Proxy.submit). On the H200, 32 back-to-back 256 MiB receives on the default stream:
 # 1502 -> 1685 GB/s with it; at 64 KiB - 16 MiB it made each operation 30-70 us slower
@@ -98,6 +103,7 @@ class Proxy:
         self._idle = threading.Condition(self._lock)
         self._in_mpi = False  # blocked in MPI_Waitany: a new operation must send the message
         self._inline = False  # the calling thread runs an operation itself (see wait)
+        self._unwoken = False  # a blocking call's operation was queued without waking it
         self._marks = 0  # marks put on the proxy's stream so far
         self._reached = 0  # every mark up to this one is complete
         self._busy = _NEVER  # in this pass: a mark known not reached (later ones are not either)
@@ -114,14 +120,19 @@ class Proxy:
         self._thread.start()
         self._started.wait()
 
-    def submit(self, task: Task, collective: bool, nbytes: int = 0) -> None:
+    def submit(self, task: Task, collective: bool, nbytes: int = 0,
+               blocking: bool = False) -> None:  # fmt: skip
+        """Queue `task` for the proxy. For a blocking call (`blocking`) that finds the proxy
+        with nothing to do, the proxy is left asleep: the calling thread is about to run the
+        operation itself (wait), and a proxy woken for nothing would take the interpreter
+        from it in the middle of the operation, once per call."""
         with self._lock:
             self._new.append((task, collective))
             busy = self._colls or self._p2p or len(self._new) > 1
-            if self._in_mpi:
-                self._poke()
+            if blocking and LAZY_WAKE and not busy and not self._inline:
+                self._unwoken = True
             else:
-                self._idle.notify()
+                self._wake_up()
         if busy and nbytes >= _YIELD_BYTES:
             # large operations issued back to back: let the proxy have the interpreter now, so
             # that it starts the earlier ones' GPU work while this thread issues the next (else
@@ -129,6 +140,14 @@ class Proxy:
             # ones, whose GPU work is shorter than the two thread switches this costs, and not
             # when the proxy is idle: then a blocking call runs the operation itself (wait)
             time.sleep(0)
+
+    def _wake_up(self) -> None:
+        """Have the proxy look at its queue (call with the lock held)."""
+        self._unwoken = False
+        if self._in_mpi:
+            self._poke()
+        else:
+            self._idle.notify()
 
     def _poke(self) -> None:
         """Wake the thread out of MPI_Waitany (call with the lock held)."""
@@ -200,6 +219,9 @@ class Proxy:
                 self._inline = True
                 task.here = False  # once: if it goes back to the proxy, it stays there
         if not alone:
+            with self._lock:
+                if self._unwoken:
+                    self._wake_up()
             return task.finished.wait(seconds)
         ended = False
         stamp("inline")
@@ -211,10 +233,8 @@ class Proxy:
                 self._inline = False
                 if not ended:
                     self._new.appendleft((task, collective))
-                if self._in_mpi:
-                    self._poke()
-                else:
-                    self._idle.notify()
+                if self._new:  # this one, back to the proxy, or others queued meanwhile
+                    self._wake_up()
         return ended
 
     def _drive(self, task: Task, until: float) -> bool:
@@ -269,7 +289,8 @@ class Proxy:
                 if (self._new and not self._inline) or self._stop:
                     continue
                 if len(waiting) == 1:  # nothing in flight: sleep until an operation comes
-                    self._idle.wait()
+                    # (bounded: an operation left unwoken and never waited for still runs)
+                    self._idle.wait(_IDLE_S)
                     continue
                 self._in_mpi = True
             woke = MPI.Request.Waitany(waiting)

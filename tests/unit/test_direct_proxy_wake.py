@@ -1,0 +1,99 @@
+"""The direct transport's proxy on the CPU (a stand-in cupy, MPI.COMM_SELF): a blocking call's
+operation is left to the calling thread without waking the proxy, an asynchronous one wakes it,
+and an operation queued unwoken still runs if nobody waits for it."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hetcomm.transports import direct_proxy as DP
+
+
+@pytest.fixture
+def proxy(monkeypatch, request):
+    # a long idle bound unless the test is about it: else the proxy's own look at its queue,
+    # every _IDLE_S, could take a task that the test expects to find still queued
+    monkeypatch.setattr(DP, "_IDLE_S", getattr(request, "param", 30.0))
+
+    class Device:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def use(self) -> None:
+            pass
+
+    cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
+                                 Device=Device, Stream=lambda non_blocking: object())  # fmt: skip
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    svc = MPI.COMM_SELF.Dup()
+    p = DP.Proxy(0, sys.modules["cupy"], svc)
+    yield p
+    p.stop()
+    svc.Free()
+
+
+def _task(ran_on: list[int], *waits: object) -> DP.Task:
+    def gen() -> DP.Step:
+        yield from waits
+        ran_on.append(threading.get_ident())
+
+    return DP.Task(gen())
+
+
+def test_blocking_call_runs_on_the_calling_thread_without_waking_the_proxy(proxy) -> None:
+    ran_on: list[int] = []
+    task = _task(ran_on, None)
+    proxy.submit(task, False, 8, blocking=True)
+    time.sleep(0.01)  # a woken proxy would have taken it by now
+    assert proxy._unwoken and len(proxy._new) == 1
+    assert proxy.wait(task, False, 1.0)
+    assert task.done and ran_on == [threading.get_ident()]
+    assert not proxy._new
+
+
+def test_asynchronous_call_wakes_the_proxy(proxy) -> None:
+    ran_on: list[int] = []
+    task = _task(ran_on, None)
+    proxy.submit(task, False, 8)
+    assert task.finished.wait(1.0) and task.done
+    assert ran_on and ran_on[0] != threading.get_ident()
+
+
+@pytest.mark.parametrize("proxy", [0.05], indirect=True)
+def test_unwoken_operation_nobody_waits_for_still_runs(proxy) -> None:
+    ran_on: list[int] = []
+    task = _task(ran_on, None)
+    proxy.submit(task, False, 8, blocking=True)
+    assert task.finished.wait(1.0) and task.done  # the idle proxy looks again within _IDLE_S
+    assert ran_on and ran_on[0] != threading.get_ident()
+
+
+def test_operation_waiting_for_a_peer_goes_back_to_the_proxy(proxy) -> None:
+    """The calling thread gives the operation up after a short while (its message is late);
+    the proxy, woken then, finishes it once the message comes."""
+    buf, msg = np.zeros(1, np.int64), np.array([7], np.int64)
+    req = proxy.svc.Irecv(buf, 0, 5)
+    ran_on: list[int] = []
+    task = _task(ran_on, req)
+    proxy.submit(task, False, 8, blocking=True)
+    assert not proxy.wait(task, False, 1.0)  # gave up after _INLINE_S: the message is not there
+    assert not task.done
+    proxy.svc.Send(msg, 0, 5)
+    assert task.finished.wait(1.0) and task.done and buf[0] == 7
+    assert ran_on and ran_on[0] != threading.get_ident()
+
+
+def test_second_call_while_one_is_queued_wakes_the_proxy(proxy) -> None:
+    ran_on: list[int] = []
+    first, second = _task(ran_on, None), _task(ran_on, None)
+    proxy.submit(first, False, 8, blocking=True)
+    proxy.submit(second, False, 8, blocking=True)  # busy: the proxy must look
+    assert first.finished.wait(1.0) and second.finished.wait(1.0)
+    assert len(ran_on) == 2
