@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +51,17 @@ def take_blocking() -> bool:
         _issuing.blocking = False
         return True
     return False
+
+
+def thread_stacks() -> str:
+    """The Python stack of every thread of this process, innermost call last (as a traceback
+    prints it): where a stalled operation's threads wait."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        stack = "".join(traceback.format_stack(frame))
+        parts.append(f"thread {names.get(ident, ident)!r}:\n{stack}")
+    return "\n".join(parts)
 
 
 # called with each Work that completes; None when tracing is off (see hetcomm.trace)
@@ -161,7 +174,8 @@ class Work:
         log.warning(
             "group '%s': %s #%d has waited %.1f s without completing (CommTimeout in %.1f s); "
             "ranks being waited for: unknown (an MPI collective does not say which rank is "
-            "late)", self._comm.name, self.op, self.seq, waited, left,
+            "late)\nwhere each thread of this rank is:\n%s", self._comm.name, self.op,
+            self.seq, waited, left, thread_stacks(),
         )  # fmt: skip
 
     def exception(self) -> BaseException | None:

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -124,6 +125,29 @@ def test_no_stall_warning_before_stall(caplog: pytest.LogCaptureFixture) -> None
         with pytest.raises(CommTimeout):
             Work(comm, "barrier", 2, lambda: False).wait(timeout=0.2)  # the limit comes first
     assert _stall_warnings(caplog) == []
+
+
+def test_stall_warning_says_where_every_thread_is(caplog: pytest.LogCaptureFixture) -> None:
+    """The warning carries the stack of each thread of the rank: the waiting one, and one
+    blocked elsewhere (here a helper thread parked in a function of its own)."""
+    release = threading.Event()
+
+    def parked_helper() -> None:
+        release.wait(5)
+
+    helper = threading.Thread(target=parked_helper, name="hetcomm-test-helper")
+    helper.start()
+    try:
+        comm = fake_comm(stall=0.05, timeout=5)
+        with caplog.at_level(logging.WARNING, logger="hetcomm"):
+            Work(comm, "send", 4, after(0.3)).wait()
+    finally:
+        release.set()
+        helper.join()
+    (msg,) = _stall_warnings(caplog)
+    where = msg.split("where each thread of this rank is:\n", 1)[1]
+    assert "thread 'hetcomm-test-helper':" in where and "in parked_helper" in where
+    assert "thread 'MainThread':" in where and "in _warn_stall" in where
 
 
 def test_stall_warning_with_a_waiter(caplog: pytest.LogCaptureFixture) -> None:
