@@ -5,6 +5,7 @@ mpirun -n 4 python -m mpi4py scripts/bench_staged.py allreduce OUT.json
 mpirun -n 2 python -m mpi4py scripts/bench_staged.py latency OUT.json
 mpirun -n 2 python -m mpi4py scripts/bench_staged.py timeline OUT.json   (one op's pipeline)
 mpirun -n 2 python -m mpi4py scripts/bench_staged.py early OUT.json   (early chunks, ramps)
+mpirun -n 2 python -m mpi4py scripts/bench_staged.py pingstamp OUT.json   (small ping-pongs, stamped)
 """
 
 from __future__ import annotations
@@ -330,6 +331,72 @@ def early(out: str) -> None:
     _save(out, rows, r)
 
 
+def pingstamp(out: str) -> None:
+    """Small staged messages as a ping-pong (half a round trip, median of 7 runs of 100), host
+    and device arrays of 8 B and 64 KiB; then three round trips of each stamped step by step
+    on both ranks (staged_ops.stamp), to see where a round trip's time goes."""
+    from hetcomm.transports import staged_ops
+
+    world = MPI.COMM_WORLD
+    r = world.Get_rank()
+    stamp = staged_ops.stamp
+    comm = hetcomm.init(config=hetcomm.Config.load(
+        transport="staged", vendor=("nvidia", "amd")[r % 2]))
+    rows = []
+    for memory in ("host", "device"):
+        for size in (8, 64 * 1024, 8):
+            lib = np if memory == "host" else cupy
+            x, y = lib.ones(size, dtype=np.uint8), lib.zeros(size, dtype=np.uint8)
+
+            def trip(x: Any = x, y: Any = y) -> None:
+                if r == 0:
+                    stamp("send call")
+                    comm.send(x, 1)
+                    stamp("send returned")
+                    comm.recv(y, 1)
+                    stamp("recv returned")
+                else:
+                    stamp("recv call")
+                    comm.recv(y, 0)
+                    stamp("recv returned")
+                    comm.send(x, 0)
+                    stamp("send returned")
+
+            for _ in range(30):
+                trip()
+            runs = []
+            for _ in range(7):
+                world.Barrier()
+                t0 = time.perf_counter()
+                for _ in range(100):
+                    trip()
+                runs.append(world.allreduce(time.perf_counter() - t0, op=MPI.MAX) / 200)
+            world.Barrier()
+            stamp.marks = []
+            t0 = time.perf_counter()
+            for _ in range(3):
+                trip()
+            marks = world.gather([(t, r, what) for t, what in stamp.marks])
+            stamp.marks = None
+            if r == 0:
+                start = min(m[0] for ms in marks for m in ms)
+                merged = sorted(m for ms in marks for m in ms)
+                rows.append({"case": f"staged ping-pong, {memory} arrays", "bytes": size,
+                             "half_rtt_us": statistics.median(runs) * 1e6,
+                             "min_us": min(runs) * 1e6, "max_us": max(runs) * 1e6,
+                             "marks": [(round((t - start) * 1e6, 1), rank, what)
+                                       for t, rank, what in merged]})  # fmt: skip
+    comm.close()
+    if r == 0:
+        for row in rows:
+            print(row["case"], row["bytes"], "B: half round trip",
+                  round(row["half_rtt_us"], 1), "us", round(row["min_us"], 1), "-",
+                  round(row["max_us"], 1))
+            for m in row["marks"]:
+                print("   ", m)
+    _save(out, rows, r)
+
+
 def allreduce(out: str) -> None:
     world = MPI.COMM_WORLD
     r, n = world.Get_rank(), world.Get_size()
@@ -422,5 +489,5 @@ if __name__ == "__main__":
 
     use_local_device()  # rank r on device r % devices
     modes = {"p2p": p2p, "allreduce": allreduce, "latency": latency, "timeline": timeline,
-             "early": early}  # fmt: skip
+             "early": early, "pingstamp": pingstamp}  # fmt: skip
     modes[sys.argv[1]](sys.argv[2])

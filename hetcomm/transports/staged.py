@@ -28,6 +28,7 @@ from .staged_rails import (
     ERROR_MPI,
     TAG_HEAD,
     RailThreads,
+    _short,
     _size_mismatch,
 )
 from .staged_schedule import choose_rails, message_spans, rail_key, slots_that_fit
@@ -300,9 +301,16 @@ class StagedTransport(RailThreads, Transport):
         early = ch.take_early(op) if op.early else []
         if early:
             link = self._doorbell(op.peer)
+            assert link is not None  # early chunks are staged only where the shm rail rings
             self._count_bytes(link, sum(n for _, _, (_, n) in early))
             for idx, (slot, event, (off, n)) in enumerate(early):
-                ch.signals().put((event, link, slot, op, idx, off, n))
+                item = (event, link, slot, op, idx, off, n)
+                if event is None or _short(n, op):
+                    # copied already (host bytes), or a short copy: announced from here, as
+                    # the rail threads do, without a hand-off to the signaller thread
+                    self._announce(*item)
+                else:
+                    ch.signals().put(item)
         for idx in range(len(early), len(op.spans)):
             ch.queue.put((op, idx, op.spans[idx]))
 
