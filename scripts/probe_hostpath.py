@@ -254,57 +254,5 @@ def main(out: str) -> None:
         json.dump({"info": info, "rows": rows}, f, indent=1)
 
 
-def small(out: str) -> None:
-    """Small copies into device memory from the shm rail's kind of segment, as a staged
-    receive queues them (a non-blocking stream that waits for an event on the caller's stream,
-    an event recorded after the copy and waited for), for several sizes; microseconds from
-    queueing to the event's end, median of 200."""
-    import time
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from hetcomm.transports.rails import SharedSlots
-
-    dev = cupy.cuda.Device().id
-    seg = SharedSlots(f"hetcomm-probe-small-{os.getpid()}", 1, 1 << 20, create=True)
-    seg.unlink()
-    seg.register_with_gpu(dev)
-    pinned = cupy.cuda.alloc_pinned_memory(1 << 20)
-    d = cupy.zeros(1 << 20, dtype=cupy.uint8)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    legacy = cupy.cuda.Stream.null
-    rows = []
-    for src_name, src in (("/dev/shm segment", seg.ptr), ("cudaMallocHost", pinned.ptr)):
-        for size in (8, 64, 1024, 4096, 16384, 65536):
-            for how in ("wait on a caller event", "no caller event", "D2H, caller event"):
-                times = []
-                for _ in range(220):
-                    ready = cupy.cuda.Event(disable_timing=True)
-                    ready.record(legacy)
-                    t0 = time.perf_counter()
-                    if how != "no caller event":
-                        stream.wait_event(ready)
-                    if how.startswith("D2H"):
-                        cupy.cuda.runtime.memcpyAsync(src, d.data.ptr, size, 2, stream.ptr)
-                    else:
-                        cupy.cuda.runtime.memcpyAsync(d.data.ptr, src, size, 1, stream.ptr)
-                    done = cupy.cuda.Event(disable_timing=True)
-                    done.record(stream)
-                    done.synchronize()
-                    times.append(time.perf_counter() - t0)
-                times = sorted(times[20:])
-                rows.append({"source": src_name, "bytes": size, "how": how,
-                             "median_us": times[len(times) // 2] * 1e6,
-                             "p10_us": times[len(times) // 10] * 1e6})
-    seg.close()
-    for row in rows:
-        print(f"{row['source']:18s} {row['bytes']:6d} {row['how']:24s} "
-              f"{row['median_us']:8.1f} us (p10 {row['p10_us']:.1f})")
-    with open(out, "w") as f:
-        json.dump({"rows": rows}, f, indent=1)
-
-
 if __name__ == "__main__":
-    if sys.argv[1] == "small":
-        small(sys.argv[2])
-    else:
-        main(sys.argv[1])
+    main(sys.argv[1])
