@@ -98,7 +98,7 @@ class NodeReduce:
                     + (f" ({why})" if mine is None else "")
                 )
             assert mine is not None
-            self._slots = [mine]
+            self._slots = [mine]  # closed (and unlinked) by _unmap even if a peer's fails to map
             slots = [mine if r == self.rank else
                      SharedSlots(bytes(names[r]).rstrip(b"\0").decode(), 1, capacity, False)
                      for r in range(self.size)]  # fmt: skip

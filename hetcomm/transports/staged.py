@@ -28,7 +28,6 @@ from .staged_rails import (
     ERROR_MPI,
     TAG_HEAD,
     RailThreads,
-    _short,
     _size_mismatch,
 )
 from .staged_schedule import choose_rails, message_spans, rail_key, slots_that_fit
@@ -285,7 +284,7 @@ class StagedTransport(RailThreads, Transport):
 
     def _queue_send(self, ch: Channel, op: _Op, remote: int, expected: int) -> None:
         """The receiver's clear-to-send is here: queue every chunk of `op` on its rails (the
-        early ones to the signaller, which announces them once their copies have ended)."""
+        early ones, in their slots already, are announced as their copies end)."""
         stamp("chunks queued")
         op.remote, op.awaiting_cts = remote, False
         if expected != op.region.nbytes:
@@ -304,13 +303,7 @@ class StagedTransport(RailThreads, Transport):
             assert link is not None  # early chunks are staged only where the shm rail rings
             self._count_bytes(link, sum(n for _, _, (_, n) in early))
             for idx, (slot, event, (off, n)) in enumerate(early):
-                item = (event, link, slot, op, idx, off, n)
-                if event is None or _short(n, op):
-                    # copied already (host bytes), or a short copy: announced from here, as
-                    # the rail threads do, without a hand-off to the signaller thread
-                    self._announce(*item)
-                else:
-                    ch.signals().put(item)
+                self._announce_soon(ch, event, link, slot, op, idx, off, n)
         for idx in range(len(early), len(op.spans)):
             ch.queue.put((op, idx, op.spans[idx]))
 

@@ -105,11 +105,7 @@ class RailThreads(ClearToSend):
                     ch.shm_out.register_with_gpu(self._gpu.device)
                     event = self._gpu.copy_to_host_async(target, src, op.ready)
                     stamp("d2h queued", idx)
-                    item = (event, link, slot, op, idx, off, n)
-                    if _short(n, op):
-                        self._announce(*item)  # a short copy: no hand-off to the signaller
-                    else:
-                        ch.signals().put(item)
+                    self._announce_soon(ch, event, link, slot, op, idx, off, n)
                     return False
                 link.send(R.SLOT, slot, op.remote, idx, off, n)
             except BaseException:
@@ -136,6 +132,17 @@ class RailThreads(ClearToSend):
             if item is _STOP:
                 return
             handle(*item)
+
+    def _announce_soon(self, ch: Channel, event: Any, link: R.Link, slot: int, op: _Op,
+                       idx: int, off: int, n: int) -> None:  # fmt: skip
+        """Announce a chunk staged into a shared slot: from this thread where its copy is done
+        (host bytes, `event` None) or short, else by the signaller thread once it has ended,
+        so that this one goes on to the next chunk."""
+        item = (event, link, slot, op, idx, off, n)
+        if event is None or _short(n, op):
+            self._announce(*item)
+        else:
+            ch.signals().put(item)
 
     def _announce(self, event: Any, link: R.Link, slot: int, op: _Op, idx: int, off: int,
                   n: int) -> None:  # fmt: skip
