@@ -8,7 +8,11 @@ first send/recv between them, so that ranks outside the pair are never needed.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
+import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -35,6 +39,63 @@ _OPS = {ReduceOp.SUM: _SUM, ReduceOp.AVG: _SUM, ReduceOp.PROD: _PROD, ReduceOp.M
 # bool travels as uint8 0/1: MAX is "or", MIN is "and"
 _BOOL_OPS = {ReduceOp.SUM: _MAX, ReduceOp.MAX: _MAX, ReduceOp.PROD: _MIN, ReduceOp.MIN: _MIN}
 TAG_UID = 21
+log = logging.getLogger("hetcomm")
+
+# Every NCCL communicator this process has made and not yet ended. CuPy's NcclCommunicator
+# destroys itself when the garbage collector frees it, and ncclCommDestroy waits for the other
+# ranks: a communicator dropped without close() would be destroyed during whatever allocation
+# set off the collector, at another moment (or in another order) on each rank, and wait there
+# forever. On the 2-GPU machine that froze a later staged all_reduce of two ranks inside the
+# collector. Kept here, a communicator ends only by close() (which every rank calls) or, left
+# over, by an abort when the interpreter exits, given EXIT_ABORT_S.
+_LIVE: dict[int, Any] = {}
+_LIVE_LOCK = threading.Lock()
+EXIT_ABORT_S = 5.0
+
+
+def _keep(nccl_comm: Any) -> Any:
+    with _LIVE_LOCK:
+        _LIVE[id(nccl_comm)] = nccl_comm
+    return nccl_comm
+
+
+def _end(nccl_comm: Any, abort: bool) -> None:
+    """Destroy (with the other ranks) or abort an NCCL communicator, and stop keeping it."""
+    try:
+        nccl_comm.abort() if abort else nccl_comm.destroy()
+    finally:
+        with _LIVE_LOCK:
+            _LIVE.pop(id(nccl_comm), None)
+
+
+@atexit.register
+def abort_left_over(limit: float | None = None) -> int:
+    """Abort the NCCL communicators never closed (at exit; returns how many there were).
+
+    The aborts run on a daemon thread for at most `limit` seconds (EXIT_ABORT_S): an abort can
+    wait for the other ranks of a node, and a rank that exits must not wait for them. Those
+    not ended by then are never freed, so that the interpreter's teardown cannot destroy them.
+    """
+    with _LIVE_LOCK:
+        left = list(_LIVE.values())
+    if not left:
+        return 0
+    log.warning("%d NCCL communicator(s) of hetcomm were not closed; aborting them at exit "
+                "(close every Communicator, on every rank, to end them cleanly)", len(left))  # fmt: skip
+
+    def run() -> None:
+        for c in left:
+            with contextlib.suppress(Exception):
+                _end(c, abort=True)
+
+    ender = threading.Thread(target=run, daemon=True, name="hetcomm-nccl-exit")
+    ender.start()
+    ender.join(EXIT_ABORT_S if limit is None else limit)
+    with _LIVE_LOCK:
+        stuck = list(_LIVE.values())
+    for c in stuck:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(c))  # never freed, so never destroyed
+    return len(left)
 
 
 def library_unavailable() -> str | None:
@@ -135,7 +196,7 @@ class NcclTransport(Transport):
         # byte 0 says how this cupy spells a unique id: bytes (1) or a tuple of small ints (0)
         commid: Any = uid[1:].tobytes() if uid[0] else tuple(int(b) for b in uid[1:])
         with self.cupy.cuda.Device(self._device):
-            return self.nccl.NcclCommunicator(size, commid, rank)
+            return _keep(self.nccl.NcclCommunicator(size, commid, rank))
 
     def _new_uid(self) -> np.ndarray:
         raw = self.nccl.get_unique_id()
@@ -365,7 +426,7 @@ class NcclTransport(Transport):
                 continue
             # a failed teardown must not hide the error that ended the communicator
             with contextlib.suppress(Exception):
-                c.abort() if aborted else c.destroy()
+                _end(c, abort=aborted)
         self._group = None
         self._pairs.clear()
 

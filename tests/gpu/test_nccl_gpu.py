@@ -32,14 +32,28 @@ def _own_gpu_group(world):
     return world.split(world.rank // ndev, name=f"gpus{world.rank // ndev}")
 
 
+@pytest.fixture
+def group_of(request):
+    """group_of(world): _own_gpu_group(world), closed when the test ends."""
+    made = []
+
+    def make(world):
+        made.append(_own_gpu_group(world))
+        return made[-1]
+
+    yield make
+    for g in made:
+        g.close()
+
+
 def _tensor(values, dtype):
     return torch.from_numpy(values).to(getattr(torch, dtype)).cuda()
 
 
 @pytest.mark.mpi(min_size=1)
-def test_every_op_through_nccl(make_comm, shared_seed):
+def test_every_op_through_nccl(make_comm, group_of, shared_seed):
     world = make_comm(transport="nccl")
-    group = _own_gpu_group(world)
+    group = group_of(world)
     n, r = group.size, group.rank
     rng = np.random.default_rng(shared_seed + world.rank // max(n, 1))
     problems = []
@@ -91,9 +105,9 @@ def test_every_op_through_nccl(make_comm, shared_seed):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_cupy_arrays_and_async(make_comm, shared_seed):
+def test_cupy_arrays_and_async(make_comm, group_of, shared_seed):
     world = make_comm(transport="nccl")
-    group = _own_gpu_group(world)
+    group = group_of(world)
     rng = np.random.default_rng(shared_seed)
     data = rng.standard_normal((group.size, 1 << 20)).astype(np.float32)
     x = cupy.asarray(data[group.rank])
@@ -101,6 +115,42 @@ def test_cupy_arrays_and_async(make_comm, shared_seed):
     work.wait()
     ok = np.allclose(cupy.asnumpy(x), data.sum(0), rtol=1e-5, atol=1e-5)
     assert_all_ranks(world, ok and work.test(), "cupy all_reduce through nccl")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dropped_communicators_do_not_hang(make_comm):
+    """Communicators dropped without close(), in opposite orders on the two ranks of a pair:
+    their NCCL communicators must not be destroyed by the garbage collector (ncclCommDestroy
+    waits for the other ranks, and each rank collects at its own moments and in its own order),
+    so the ranks go on; they are aborted at exit instead (nccl.abort_left_over)."""
+    import gc
+    import weakref
+
+    from hetcomm.transports import nccl
+
+    world = make_comm(transport="nccl")
+    if world.size > cupy.cuda.runtime.getDeviceCount():
+        pytest.skip("needs two ranks on GPUs of their own: NCCL refuses two ranks on one GPU")
+    groups = [_own_gpu_group(world) for _ in range(2)]
+    for g in groups:
+        x = cupy.full(8, g.rank + 1, dtype=cupy.float32)
+        g.all_reduce(x)
+        assert float(x[0]) == g.size * (g.size + 1) / 2
+    del g  # the loop's name would keep the last group alive
+    kept = len(nccl._LIVE)
+    if world.rank % 2:
+        groups.reverse()
+    refs = [weakref.ref(g) for g in groups]
+    while groups:
+        groups.pop(0)
+        gc.collect()
+    # the communicators are gone; their NCCL communicators are kept, not destroyed
+    assert_all_ranks(world, all(r() is None for r in refs), "a dropped group was not freed")
+    assert_all_ranks(world, len(nccl._LIVE) == kept,
+                     f"NCCL communicators kept: {len(nccl._LIVE)}, before the drop: {kept}")  # fmt: skip
+    y = cupy.ones(4, dtype=cupy.float32)
+    world.all_reduce(y)  # the ranks are not stuck: world (staged or other) still works
+    assert_all_ranks(world, float(y[0]) == world.size, "all_reduce after the drop")
 
 
 @pytest.mark.mpi(min_size=2)
