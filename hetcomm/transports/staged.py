@@ -278,6 +278,7 @@ class StagedTransport(RailThreads, Transport):
                 np.copyto(target, host[off : off + n])
                 event = None
             else:
+                stamp("d2h call early", idx)
                 event = self._gpu.copy_to_host_async(target, op.region.sub(off, n), op.ready)
             op.early.append((slot, event, (off, n)))
             stamp("d2h queued early", idx)
@@ -477,7 +478,9 @@ class StagedTransport(RailThreads, Transport):
             # no driver: the chunks are queued here if the receive is posted already, else by
             # the thread that files its clear-to-send
             deadline = time.monotonic() + self.timeout
-            op = self.start_send(dst, region, CTS_P2P, tag, k, deadline, self._ready([x]))
+            ready = self._ready([x])
+            stamp("ready")
+            op = self.start_send(dst, region, CTS_P2P, tag, k, deadline, ready)
             return self._op_work("send", seq, x, op, deadline, lambda: self._unwait(op))
 
         def body(deadline: float, ready: Any) -> None:
