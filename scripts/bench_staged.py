@@ -10,8 +10,10 @@ mpirun -n 2 python -m mpi4py scripts/bench_staged.py pingstamp OUT.json   (small
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
+import threading
 import time
 from typing import Any
 
@@ -182,12 +184,47 @@ def p2p(out: str) -> None:
     _save(out, rows, r)
 
 
+class SlowCalls:
+    """Calls into C code (cupy, sockets, locks) that took longer than `limit` seconds, on every
+    thread, while `on`: a profile hook (threading.setprofile) that sees each C call start and
+    end. A call's time includes the wait for the interpreter lock after it, which is what a
+    thread of the pipeline loses to the others."""
+
+    def __init__(self, limit: float = 30e-6) -> None:
+        self.limit, self.on = limit, False
+        self.slow: list[tuple[float, str]] = []
+        self._open: dict[int, float] = {}
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if not self.on:
+            return
+        if event == "c_call":
+            self._open[threading.get_ident()] = time.perf_counter()
+        elif event in ("c_return", "c_exception"):
+            t0 = self._open.pop(threading.get_ident(), None)
+            if t0 is not None and time.perf_counter() - t0 > self.limit:
+                us = (time.perf_counter() - t0) * 1e6
+                name = getattr(arg, "__qualname__", None) or getattr(arg, "__name__", "?")
+                where = f"{frame.f_code.co_name}:{frame.f_lineno}"
+                self.slow.append((t0, f"[{threading.current_thread().name}] {name} "
+                                      f"{us:.0f} us in {where}"))  # fmt: skip
+
+    def install(self) -> None:
+        threading.setprofile(self)
+        sys.setprofile(self)
+
+
 def timeline(out: str) -> None:
     """Where one 256 MiB send/recv spends its time: the pipeline's stamps on both ranks (chunk
     by chunk: slot taken, device->host copy queued and done, slot announced and landed,
-    host->device copy done), for each chunk size, after five unprofiled runs."""
+    host->device copy done), for each chunk size, after five unprofiled runs. With
+    TIMELINE_CALLS=1 the stamps also list every call into C code that took over 30 us
+    (SlowCalls), on every thread."""
     from hetcomm.transports import staged_ops
 
+    calls = SlowCalls() if os.environ.get("TIMELINE_CALLS") else None
+    if calls is not None:
+        calls.install()
     world = MPI.COMM_WORLD
     r = world.Get_rank()
     nbytes = 256 * MiB
@@ -202,6 +239,8 @@ def timeline(out: str) -> None:
         times = []
         for i in range(14):  # two warm-ups, nine timed, three profiled
             staged_ops.stamp.marks = [] if i >= 11 else None
+            if calls is not None:
+                calls.on, calls.slow = i >= 11, []
             world.Barrier()
             t0 = time.perf_counter()
             if r == 0:
@@ -221,7 +260,8 @@ def timeline(out: str) -> None:
                              "max_ms": max(times) * 1e3, "ok": ok})  # fmt: skip
             if staged_ops.stamp.marks is None:
                 continue
-            marks = world.gather(([(t, r, what) for t, what in staged_ops.stamp.marks], t0, t1))
+            mine = staged_ops.stamp.marks + (calls.slow if calls is not None else [])
+            marks = world.gather(([(t, r, what) for t, what in mine], t0, t1))
             if r == 0:
                 start = min(m[1] for m in marks)
                 merged = sorted(m for ms, _, _ in marks for m in ms)
@@ -230,6 +270,8 @@ def timeline(out: str) -> None:
                              "marks": [(round((t - start) * 1e6), rank, what)
                                        for t, rank, what in merged]})  # fmt: skip
         staged_ops.stamp.marks = None
+        if calls is not None:
+            calls.on = False
         comm.close()
     rows.append({"case": "pinned device->host copy", "bytes": nbytes,
                  "GBps": alone(world, pinned_copy_rate, nbytes) / 1e9})  # fmt: skip
@@ -248,7 +290,7 @@ def early(out: str) -> None:
     """One 256 MiB send/recv, GPU to GPU over shm, with and without the early chunks and the
     ramped chunk sizes (staged.EARLY_CHUNKS, staged.RAMP), the variants taking turns round by
     round; then 20 operations back to back, timed as nccl-tests does (the whole run over 20),
-    and the steady state, for the first and the last variant; the pinned copies and the naive
+    and the steady state, for the first two variants and "early + ramp 3/2"; the pinned copies and the naive
     path beside them."""
     world = MPI.COMM_WORLD
     r = world.Get_rank()
@@ -307,7 +349,7 @@ def early(out: str) -> None:
                      "time_ms": med * 1e3, "GBps": nbytes / med / 1e9,
                      "of_pinned_copy": nbytes / med / copy, "min_ms": min(ts) * 1e3,
                      "max_ms": max(ts) * 1e3, "spread": (max(ts) - min(ts)) / med, "ok": ok})
-    for name in (next(iter(variants)), "early + ramp 3/2"):
+    for name in (next(iter(variants)), "early chunks", "early + ramp 3/2"):
         use(name)
         p20, spread = back_to_back(start, world, 20, 5)
         p2, _ = back_to_back(start, world, 2, 5)
@@ -488,6 +530,12 @@ if __name__ == "__main__":
     from hetcomm.topology import use_local_device
 
     use_local_device()  # rank r on device r % devices
+    if os.environ.get("BLOCKING_EVENTS"):  # staged copies' events sleep instead of spinning
+        from hetcomm.kernels import device
+
+        device.BLOCKING_EVENTS = True
+    if os.environ.get("SWITCH_INTERVAL"):  # the interpreter's switch interval, in seconds
+        sys.setswitchinterval(float(os.environ["SWITCH_INTERVAL"]))
     modes = {"p2p": p2p, "allreduce": allreduce, "latency": latency, "timeline": timeline,
              "early": early, "pingstamp": pingstamp}  # fmt: skip
     modes[sys.argv[1]](sys.argv[2])
