@@ -290,8 +290,12 @@ def early(out: str) -> None:
     """One 256 MiB send/recv, GPU to GPU over shm, with and without the early chunks and the
     ramped chunk sizes (staged.EARLY_CHUNKS, staged.RAMP), the variants taking turns round by
     round; then 20 operations back to back, timed as nccl-tests does (the whole run over 20),
-    and the steady state, for the first two variants and "early + ramp 3/2"; the pinned copies and the naive
-    path beside them."""
+    and the steady state, for the first three variants; the pinned copies and the naive path
+    beside them. The default settings are "early chunks"; "ordered by flags" orders the two
+    ranks' copies by the shared slots' flags instead of threads waiting on every copy
+    (staged.GPU_FLAGS)."""
+    from hetcomm.transports import staged
+
     world = MPI.COMM_WORLD
     r = world.Get_rank()
     nbytes = 256 * MiB
@@ -299,25 +303,29 @@ def early(out: str) -> None:
     both = alone(world, pinned_both_ways, nbytes)
     x = cupy.arange(nbytes, dtype=cupy.uint8)
     y = cupy.zeros(nbytes, dtype=cupy.uint8)
-    # name -> (chunk, early chunks, ramp); a communicator per chunk size (the shared slots are
-    # as large as the chunks of the transport's first operation)
-    variants = {"before: plain 8 MiB chunks": (8 * MiB, 0, (0, 0)),
-                "early chunks": (8 * MiB, 4, (0, 0)),
-                "ramp 3/2": (8 * MiB, 0, (3, 2)),
-                "early + ramp 3/0": (8 * MiB, 4, (3, 0)),
-                "early + ramp 3/2": (8 * MiB, 4, (3, 2)),
-                "early + ramp 4/3, 16 MiB chunks": (16 * MiB, 4, (4, 3))}  # fmt: skip
+    # name -> (chunk, early chunks, ramp, flags); a communicator per chunk size and flags
+    # setting (the shared slots are as large as the chunks of the transport's first operation,
+    # and a channel decides on flags when it opens)
+    variants = {"before: plain 8 MiB chunks": (8 * MiB, 0, (0, 0), False),
+                "early chunks": (8 * MiB, 4, (0, 0), False),
+                "early chunks, copies ordered by flags": (8 * MiB, 4, (0, 0), True),
+                "early chunks, 4 MiB chunks": (4 * MiB, 4, (0, 0), False),
+                "early + ramp 3/2": (8 * MiB, 4, (3, 2), False)}  # fmt: skip
     comms = {}
-    for chunk in sorted({v[0] for v in variants.values()}):
-        c = comms[chunk] = hetcomm.init(config=hetcomm.Config.load(
+    for chunk, flags in sorted({(v[0], v[3]) for v in variants.values()}):
+        c = comms[chunk, flags] = hetcomm.init(config=hetcomm.Config.load(
             transport="staged", vendor=("nvidia", "amd")[r % 2]))
         c._transport("send", hetcomm.arrays.as_buffer(x)).chunk_bytes = chunk
-    comm = comms[8 * MiB]
+        staged.GPU_FLAGS = flags
+        if r < 2:  # open the channel now, with this setting
+            c.send(x[:1], 1) if r == 0 else c.recv(y[:1], 0)
+        staged.GPU_FLAGS = False
+    comm = comms[8 * MiB, False]
 
     def use(name: str) -> None:
         nonlocal comm
-        chunk, early_chunks, ramp = variants[name]
-        comm = comms[chunk]
+        chunk, early_chunks, ramp, flags = variants[name]
+        comm = comms[chunk, flags]
         t = comm._transport("send", hetcomm.arrays.as_buffer(x))
         t.early_chunks, t.ramp = early_chunks, ramp
 
@@ -349,7 +357,7 @@ def early(out: str) -> None:
                      "time_ms": med * 1e3, "GBps": nbytes / med / 1e9,
                      "of_pinned_copy": nbytes / med / copy, "min_ms": min(ts) * 1e3,
                      "max_ms": max(ts) * 1e3, "spread": (max(ts) - min(ts)) / med, "ok": ok})
-    for name in (next(iter(variants)), "early chunks", "early + ramp 3/2"):
+    for name in (next(iter(variants)), "early chunks", "early chunks, copies ordered by flags"):
         use(name)
         p20, spread = back_to_back(start, world, 20, 5)
         p2, _ = back_to_back(start, world, 2, 5)
