@@ -18,7 +18,6 @@ releases its stream by writing the flags from the host, and the run says so.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import statistics
@@ -32,40 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 MiB = 1 << 20
 NBYTES = 256 * MiB
-GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 STRIDE = 64  # bytes between two flags
-
-
-class Driver:
-    """The CUDA driver's stream memory operations, through ctypes."""
-
-    def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        self.wait = _function(lib, "cuStreamWaitValue32")
-        self.write = _function(lib, "cuStreamWriteValue32")
-        self.devptr = lib.cuMemHostGetDevicePointer_v2
-        for f in (self.wait, self.write):
-            f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        self.devptr.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
-
-    def device_pointer(self, host_ptr: int) -> int:
-        out = ctypes.c_uint64()
-        status = self.devptr(ctypes.byref(out), ctypes.c_void_p(host_ptr), 0)
-        _check(status, "cuMemHostGetDevicePointer")
-        return out.value
-
-
-def _function(lib: ctypes.CDLL, name: str):
-    for suffix in ("_v2", ""):
-        f = getattr(lib, name + suffix, None)
-        if f is not None:
-            return f
-    raise RuntimeError(f"{name} is not in this driver")
-
-
-def _check(status: int, what: str) -> None:
-    if status != 0:
-        raise RuntimeError(f"{what} failed with CUresult {status}")
 
 
 class Pipe:
@@ -91,7 +57,9 @@ class Pipe:
         dev = cupy.cuda.Device().id
         self.data.register_with_gpu(dev)
         self.flags.register_with_gpu(dev)
-        self.drv = Driver()
+        from hetcomm.kernels.device import StreamFlags
+
+        self.drv = StreamFlags()  # the staged transport's own access to the driver's calls
         self.flag_dev = self.drv.device_pointer(self.flags.ptr)
         self.uses = [0] * slots  # how many chunks each slot has carried (the same on both ranks)
         self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -104,7 +72,7 @@ class Pipe:
 
     def queue(self, buf: cupy.ndarray, nbytes: int) -> None:
         """Queue one message's every step on this rank's stream."""
-        st = self.stream.ptr
+        st, stream = self.stream.ptr, self.stream
         for i, off in enumerate(range(0, nbytes, self.chunk)):
             n = min(self.chunk, nbytes - off)
             s = i % self.slots
@@ -113,13 +81,13 @@ class Pipe:
             slot_ptr = self.data.ptr + s * self.chunk
             if self.r == 0:
                 if k > 1:
-                    _check(self.drv.wait(st, self._free(s), k - 1, GEQ), "cuStreamWaitValue32")
+                    self.drv.wait(stream, self._free(s), k - 1)
                 cupy.cuda.runtime.memcpyAsync(slot_ptr, buf.data.ptr + off, n, 2, st)
-                _check(self.drv.write(st, self._ready(s), k, 0), "cuStreamWriteValue32")
+                self.drv.write(stream, self._ready(s), k)
             else:
-                _check(self.drv.wait(st, self._ready(s), k, GEQ), "cuStreamWaitValue32")
+                self.drv.wait(stream, self._ready(s), k)
                 cupy.cuda.runtime.memcpyAsync(buf.data.ptr + off, slot_ptr, n, 1, st)
-                _check(self.drv.write(st, self._free(s), k, 0), "cuStreamWriteValue32")
+                self.drv.write(stream, self._free(s), k)
 
     def finish(self, limit: float = 10.0) -> bool:
         """Wait for this rank's stream; False (and the stream released) after `limit` s."""
