@@ -272,31 +272,30 @@ class StagingDevice:
         """On the outbound stream: wait until the receiver's flag `free_word` reaches
         `free_value` (its copy out of the slot has ended; 0: nothing to wait for), copy `src`
         into the slot, then set `ready_word` to `ready_value`. Nothing is waited for here."""
-        flags = stream_flags()
-        assert flags is not None
-        stream = self._outbound_stream()
-        if ready is not None:
-            stream.wait_event(ready)
-        if free_value:
-            flags.wait(stream, free_word, free_value)
-        if src.nbytes:
-            self.cupy.cuda.runtime.memcpyAsync(_addr(dst), src.dev, src.nbytes, 2, stream.ptr)
-        flags.write(stream, ready_word, ready_value)
+        self._flagged_copy(self._outbound_stream(), _addr(dst), src.dev, src.nbytes, 2, ready,
+                           free_word, free_value, ready_word, ready_value)  # fmt: skip
 
     def copy_from_slot_flagged(self, dst: Any, src: np.ndarray, ready: Any, ready_word: int,
                                ready_value: int, free_word: int, free_value: int) -> None:  # fmt: skip
         """On this thread's stream: wait until the sender's flag `ready_word` reaches
         `ready_value` (its copy into the slot has ended), copy the slot into `dst`, then set
         `free_word` to `free_value`. Nothing is waited for here."""
+        self._flagged_copy(self._stream(), dst.dev, _addr(src), dst.nbytes, 1, ready,
+                           ready_word, ready_value, free_word, free_value)  # fmt: skip
+
+    def _flagged_copy(self, stream: Any, dst: int, src: int, nbytes: int, kind: int, ready: Any,
+                      wait_word: int, wait_value: int, set_word: int, set_value: int) -> None:  # fmt: skip
+        """Queue on `stream`: the caller's event, a wait until `wait_word` reaches `wait_value`
+        (0: none), the copy, then `set_value` written to `set_word`."""
         flags = stream_flags()
         assert flags is not None
-        stream = self._stream()
         if ready is not None:
             stream.wait_event(ready)
-        flags.wait(stream, ready_word, ready_value)
-        if dst.nbytes:
-            self.cupy.cuda.runtime.memcpyAsync(dst.dev, _addr(src), dst.nbytes, 1, stream.ptr)
-        flags.write(stream, free_word, free_value)
+        if wait_value:
+            flags.wait(stream, wait_word, wait_value)
+        if nbytes:
+            self.cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
+        flags.write(stream, set_word, set_value)
 
     def mark(self, outbound: bool) -> Any:
         """An event after everything queued so far on the outbound stream (True) or on this

@@ -315,6 +315,16 @@ class SharedSlots:
         """The current value of a flag, read from the shared page."""
         return int(self.flags[(which * self.slots + slot) * self.FLAG_STRIDE // 4])
 
+    def wait_flag(self, which: int, slot: int, value: int, deadline: float,
+                  alive: Callable[[], bool]) -> None:  # fmt: skip
+        """Wait on this thread until flag READY or FREE of `slot` reaches `value` (a device
+        copy queued by either rank has ended); RailError past `deadline` or once not alive()."""
+        while self.flag(which, slot) < value:
+            if time.monotonic() > deadline or not alive():
+                raise RailError(f"{('READY', 'FREE')[which]} flag of shared slot {slot} of "
+                                f"{self.name} never reached {value}")  # fmt: skip
+            time.sleep(20e-6)
+
     def release_waits(self) -> None:
         """Set every flag to its largest value, so that no stream of either rank waits on this
         segment any longer (its channel is failing or closing: what follows is not used)."""

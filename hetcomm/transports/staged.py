@@ -253,7 +253,7 @@ class StagedTransport(RailThreads, Transport):
         spans = message_spans(region.nbytes, self.chunk_bytes, self.ramp)
         op = _Op(peer, region, spans, ready=ready, left=len(spans))
         self._count(len(spans))
-        self._stage_early(ch, op)
+        self._stage_early(ch, op, deadline)
         entry = self._cts_or_register(ch, op, (peer, kind, k1, k2), deadline)
         if entry is not None:
             self._queue_send(ch, op, *entry)
@@ -268,7 +268,7 @@ class StagedTransport(RailThreads, Transport):
             self._unwait(op)
             raise
 
-    def _stage_early(self, ch: Channel, op: _Op) -> None:
+    def _stage_early(self, ch: Channel, op: _Op, deadline: float) -> None:
         """Copy the first chunks of a send over shm into free shared slots now, without waiting
         for the receiver's clear-to-send: once it comes they are announced as their copies end
         (device data: up to early_chunks, the copy engine busy meanwhile; host data: the first
@@ -285,7 +285,6 @@ class StagedTransport(RailThreads, Transport):
             return
         if host is None:
             ch.shm_out.register_with_gpu(self._gpu.device)
-        deadline = time.monotonic() + self.timeout
         for idx, slot in enumerate(slots):
             off, n = op.spans[idx]
             target = ch.shm_out.view(slot, n)

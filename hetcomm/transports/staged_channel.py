@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +43,7 @@ class Channel:
         # device chunks over shm are ordered by the slots' flags, with no thread waiting on a
         # copy, where both ranks can (set when the channel opens; staged_rails)
         self.gpu_flags = False
-        self._uses: list[int] = []  # per outgoing slot: device copies into it so far
+        self._uses: dict[int, int] = {}  # outgoing slot -> device copies into it so far
         self._free_at: dict[int, int] = {}  # outgoing slot -> FREE flag value to wait for
 
     # ---- flags of the outgoing shared slots --------------------------------------------------
@@ -52,11 +51,8 @@ class Channel:
     def next_use(self, slot: int) -> tuple[int, int]:
         """For a device copy into `slot`: (the READY value it sets, the FREE value it must wait
         for first, 0 for none)."""
-        assert self.shm_out is not None
         with self._lock:
-            if not self._uses:
-                self._uses = [0] * self.shm_out.slots
-            self._uses[slot] += 1
+            self._uses[slot] = self._uses.get(slot, 0) + 1
             return self._uses[slot], self._free_at.pop(slot, 0)
 
     def freed_at(self, slot: int, value: int) -> None:
@@ -69,13 +65,10 @@ class Channel:
         copy into it and the receiver's last device copy out of it have ended."""
         assert self.shm_out is not None
         with self._lock:
-            ready = self._uses[slot] if self._uses else 0
+            ready = self._uses.get(slot, 0)
             free = self._free_at.pop(slot, 0)
-        seg = self.shm_out
-        while seg.flag(seg.READY, slot) < ready or seg.flag(seg.FREE, slot) < free:
-            if time.monotonic() > deadline or not alive():
-                raise R.RailError(f"shared slot {slot} to rank {self.peer} never came back")
-            time.sleep(20e-6)
+        self.shm_out.wait_flag(R.SharedSlots.READY, slot, ready, deadline, alive)
+        self.shm_out.wait_flag(R.SharedSlots.FREE, slot, free, deadline, alive)
 
     def release_waits(self) -> None:
         """No stream of this rank waits on the channel's flags any longer (it fails or closes)."""

@@ -338,12 +338,7 @@ class RailThreads(ClearToSend):
             self._reply_freed(link, slot, op_id, idx, gen)
             self._queued_on_gpu(ch, op, idx, outbound=False)
             return
-        deadline = time.monotonic() + self.timeout
-        while seg.flag(seg.READY, slot) < gen:
-            if time.monotonic() > deadline or not link.alive:
-                raise R.RailError(f"the chunk in shared slot {slot} from rank {ch.peer} never "
-                                  "became ready")  # fmt: skip
-            time.sleep(20e-6)
+        seg.wait_flag(seg.READY, slot, gen, time.monotonic() + self.timeout, lambda: link.alive)
         if op is not None and not op.done.is_set():
             self._deliver(op, off, seg.view(slot, n))
             op.count(idx)
