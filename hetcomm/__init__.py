@@ -1,4 +1,4 @@
-"""hetcomm: a communicator for mpirun-launched training jobs whose GPUs come from several vendors."""
+"""hetcomm: a communicator for mpirun-launched training jobs on GPUs of several vendors."""
 
 from __future__ import annotations
 
@@ -37,10 +37,24 @@ if os.path.isfile(os.path.join(_checkout, "pyproject.toml")) and os.path.isfile(
     __path__.append(_checkout)
 
 __all__ = [
-    "CommAborted", "CommTimeout", "Communicator", "Config", "ConfigError", "DtypeError",
-    "HetcommError", "InvalidArgument", "LayoutError", "MismatchError", "ParallelGroups",
-    "ParallelLayout", "ReduceOp", "TopologyError", "TransportUnavailable", "Work", "init",
-]  # fmt: skip
+    "CommAborted",
+    "CommTimeout",
+    "Communicator",
+    "Config",
+    "ConfigError",
+    "DtypeError",
+    "HetcommError",
+    "InvalidArgument",
+    "LayoutError",
+    "MismatchError",
+    "ParallelGroups",
+    "ParallelLayout",
+    "ReduceOp",
+    "TopologyError",
+    "TransportUnavailable",
+    "Work",
+    "init",
+]
 
 
 def init(
@@ -62,8 +76,10 @@ def init(
     elif isinstance(comm, Communicator):
         comm = comm.mpi
     elif not isinstance(comm, MPI.Intracomm):
-        raise InvalidArgument(f"init: expected an mpi4py Intracomm or a hetcomm Communicator, "
-                              f"got {type(comm).__qualname__}")  # fmt: skip
+        raise InvalidArgument(
+            f"init: expected an mpi4py Intracomm or a hetcomm Communicator, "
+            f"got {type(comm).__qualname__}"
+        )
     config = Config.load() if config is None else config
     if not isinstance(config, Config):
         raise InvalidArgument(f"init: config must be a hetcomm.Config, got {type(config).__name__}")
@@ -78,8 +94,11 @@ def init(
 
         # values `hetcomm tune` measured for this topology, the same on every rank; a config
         # that already carries some (a sub-communicator's) keeps them
-        tuned = config.tuned if config.tuned is not None else tune.lookup(
-            dup, topo.fingerprint(), config)  # fmt: skip
+        tuned = (
+            config.tuned
+            if config.tuned is not None
+            else tune.lookup(dup, topo.fingerprint(), config)
+        )
         config = tune.adopt(config, tuned)
     except BaseException:
         dup.Free()

@@ -9,9 +9,17 @@ import numpy as np
 from .errors import DtypeError, InvalidArgument
 
 DTYPES = (
-    "bool", "int8", "int16", "int32", "int64", "uint8",
-    "float16", "bfloat16", "float32", "float64",
-)  # fmt: skip
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+)
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 HALVES = ("float16", "bfloat16")
 
@@ -20,8 +28,17 @@ _STORAGE = {name: np.dtype(name) for name in DTYPES if name != "bfloat16"}
 _STORAGE["bfloat16"] = np.dtype(np.uint16)
 _NUMPY_NAMES = {np.dtype(n): n for n in DTYPES if n != "bfloat16"}
 # typestr of the CUDA array interface (without byte order) -> dtype name
-_TYPESTR = {"b1": "bool", "i1": "int8", "i2": "int16", "i4": "int32", "i8": "int64",
-            "u1": "uint8", "f2": "float16", "f4": "float32", "f8": "float64"}  # fmt: skip
+_TYPESTR = {
+    "b1": "bool",
+    "i1": "int8",
+    "i2": "int16",
+    "i4": "int32",
+    "i8": "int64",
+    "u1": "uint8",
+    "f2": "float16",
+    "f4": "float32",
+    "f8": "float64",
+}
 _DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST, _DLPACK_ROCM = 1, 2, 3, 10
 
 
@@ -37,8 +54,20 @@ class Buffer:
     when the array is contiguous and strided otherwise; it is None for device memory.
     """
 
-    __slots__ = ("_ptr", "contiguous", "count", "device", "device_index", "dtype", "host",
-                 "itemsize", "kind", "obj", "readonly", "shape")  # fmt: skip
+    __slots__ = (
+        "_ptr",
+        "contiguous",
+        "count",
+        "device",
+        "device_index",
+        "dtype",
+        "host",
+        "itemsize",
+        "kind",
+        "obj",
+        "readonly",
+        "shape",
+    )
 
     def __init__(
         self,
@@ -118,7 +147,8 @@ def as_buffer(x: Any, what: str = "array") -> Buffer:
     if isinstance(x, (bytearray, memoryview)):
         return _from_numpy(np.asarray(x), x, "buffer", what)
     raise InvalidArgument(
-        f"{what}: expected a numpy, torch, cupy or numba array (or any DLPack / CUDA-array-interface "
+        f"{what}: expected a numpy, torch, cupy or numba array (or any DLPack / "
+        "CUDA-array-interface "
         f"object), got {type(x).__module__}.{type(x).__qualname__}"
     )
 
@@ -140,8 +170,19 @@ def _from_numpy(arr: np.ndarray, obj: Any, kind: str, what: str) -> Buffer:
     flags = arr.flags
     contiguous = flags.c_contiguous
     host = view if not contiguous or view.ndim == 1 else view.reshape(-1)
-    return Buffer(obj, kind, dtype, arr.shape, "cpu", None, -1, contiguous,
-                  not flags.writeable, host, arr.size)  # fmt: skip
+    return Buffer(
+        obj,
+        kind,
+        dtype,
+        arr.shape,
+        "cpu",
+        None,
+        -1,
+        contiguous,
+        not flags.writeable,
+        host,
+        arr.size,
+    )
 
 
 _TORCH: dict[Any, str] = {}  # torch dtype -> name, filled on first use (torch imported lazily)
@@ -179,8 +220,9 @@ def _from_torch(t: Any, what: str) -> Buffer:
         return Buffer(t, "torch", name, shape, "cpu", None, -1, contiguous, False, host)
     if t.device.type == "cuda":
         device = "rocm" if getattr(torch.version, "hip", None) else "cuda"
-        return Buffer(t, "torch", name, shape, device, t.device.index, t.data_ptr(), contiguous,
-                      False, None)  # fmt: skip
+        return Buffer(
+            t, "torch", name, shape, device, t.device.index, t.data_ptr(), contiguous, False, None
+        )
     raise InvalidArgument(f"{what}: tensors on {t.device.type} are not supported (cpu, cuda)")
 
 
@@ -191,8 +233,19 @@ def _from_cupy(x: Any, what: str) -> Buffer:
     if name is None or not x.size:  # other dtypes (named there) and empty arrays
         return _from_cuda_interface(x, "cupy", what)
     device = "rocm" if _is_hip("cupy") else "cuda"
-    return Buffer(x, "cupy", name, x.shape, device, x.device.id, x.data.ptr,
-                  x.flags.c_contiguous, False, None, x.size)  # fmt: skip
+    return Buffer(
+        x,
+        "cupy",
+        name,
+        x.shape,
+        device,
+        x.device.id,
+        x.data.ptr,
+        x.flags.c_contiguous,
+        False,
+        None,
+        x.size,
+    )
 
 
 def _from_cuda_interface(x: Any, module: str, what: str) -> Buffer:

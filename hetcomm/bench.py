@@ -122,14 +122,21 @@ def overhead(rounds: int = 15) -> list[dict[str, Any]]:
             for k in orders.permutation(len(names)):
                 samples[names[k]].append(time_calls(impls[names[k]], calls, raw.Barrier))
         # every rank measured; the slowest rank's time is the operation's time
-        worst_of = {name: np.max(raw.allgather(values), axis=0)
-                    for name, values in samples.items()}  # fmt: skip
+        worst_of = {name: np.max(raw.allgather(values), axis=0) for name, values in samples.items()}
         for name, worst in worst_of.items():
             med = statistics.median(worst)
             spread = (max(worst) - min(worst)) / med if med else 0.0
-            row = {"case": label, "impl": name, "dtype": dtype, "bytes": nbytes,
-                   "ranks": world.size, "median_us": med * 1e6, "spread": spread,
-                   "rounds": rounds, "calls": calls}  # fmt: skip
+            row = {
+                "case": label,
+                "impl": name,
+                "dtype": dtype,
+                "bytes": nbytes,
+                "ranks": world.size,
+                "median_us": med * 1e6,
+                "spread": spread,
+                "rounds": rounds,
+                "calls": calls,
+            }
             if name == "hetcomm numpy":
                 # hetcomm and mpi4py run one after the other in each round: the ratio of each
                 # round's pair is untouched by load that changes between rounds
@@ -143,9 +150,11 @@ def overhead(rounds: int = 15) -> list[dict[str, Any]]:
 
 def overhead_table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown: per case, each implementation's median and its ratio to hetcomm."""
-    out = ["| case | ranks | hetcomm (torch) | hetcomm (numpy) | mpi4py (numpy) | gloo (torch) | "
-           "hetcomm numpy / mpi4py | same, per round | gloo / hetcomm torch | spread |",
-           "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    out = [
+        "| case | ranks | hetcomm (torch) | hetcomm (numpy) | mpi4py (numpy) | gloo (torch) | "
+        "hetcomm numpy / mpi4py | same, per round | gloo / hetcomm torch | spread |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     by_case: dict[str, dict[str, dict[str, Any]]] = {}
     for r in rows:
         by_case.setdefault(r["case"], {})[r["impl"]] = r
@@ -172,14 +181,19 @@ def _us(value: float) -> str:
 
 TRANSPORTS = ("auto", "mpi", "staged", "direct", "nccl", "hier")
 BASELINES = ("mpi4py", "gloo", "naive", "nccl")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `hetcomm bench` (and of `python -m hetcomm.bench` without a study)."""
     from .arrays import DTYPES
 
-    p.add_argument("--op", default="all_reduce",
-                   help="one op or a comma list: all_reduce, all_gather, reduce_scatter, "
-                   "broadcast, reduce, all_to_all, sendrecv (nccl-tests names such as "
-                   "allreduce, allgather, reducescatter, alltoall too); default all_reduce")  # fmt: skip
+    p.add_argument(
+        "--op",
+        default="all_reduce",
+        help="one op or a comma list: all_reduce, all_gather, reduce_scatter, "
+        "broadcast, reduce, all_to_all, sendrecv (nccl-tests names such as "
+        "allreduce, allgather, reducescatter, alltoall too); default all_reduce",
+    )
     p.add_argument("-b", "--minbytes", default="8", help="smallest size (8, 64K, 1M, ...)")
     p.add_argument("-e", "--maxbytes", default="256M", help="largest size")
     p.add_argument("-f", "--stepfactor", type=float, default=2.0, help="size step factor")
@@ -188,14 +202,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", type=int, default=0, help="root of broadcast and reduce")
     p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size")
     p.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations first")
-    p.add_argument("-c", "--check", action="store_true",
-                   help="check every result against a float64 numpy reference (#wrong)")  # fmt: skip
+    p.add_argument(
+        "-c",
+        "--check",
+        action="store_true",
+        help="check every result against a float64 numpy reference (#wrong)",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--transport", default="auto",
-                   help="comma list of hetcomm transports to run, each in its own communicator "
-                   "(auto, mpi, staged, direct, nccl, hier); 'none' for baselines only")  # fmt: skip
-    p.add_argument("--baselines", default="mpi4py,gloo,naive,nccl",
-                   help="comma list of mpi4py, gloo, naive; 'none' for none")  # fmt: skip
+    p.add_argument(
+        "--transport",
+        default="auto",
+        help="comma list of hetcomm transports to run, each in its own communicator "
+        "(auto, mpi, staged, direct, nccl, hier); 'none' for baselines only",
+    )
+    p.add_argument(
+        "--baselines",
+        default="mpi4py,gloo,naive,nccl",
+        help="comma list of mpi4py, gloo, naive; 'none' for none",
+    )
     p.add_argument("--json", help="write {'rows': [...]} to this file (rank 0)")
     p.add_argument("--plot", help="draw busbw against size into this PNG (rank 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -207,8 +231,9 @@ def _names(text: str, known: Sequence[str], what: str) -> list[str]:
         return []
     bad = [t for t in names if t not in known]
     if bad:
-        raise SystemExit(f"hetcomm bench: unknown {what} {', '.join(bad)}; "
-                         f"expected {', '.join(known)}")  # fmt: skip
+        raise SystemExit(
+            f"hetcomm bench: unknown {what} {', '.join(bad)}; expected {', '.join(known)}"
+        )
     return list(dict.fromkeys(names))
 
 
@@ -315,11 +340,21 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
                             skipped.add((impl.name, op))
                             say(f"# skipping {impl.name} for {op}: {row}")
                         else:
-                            rows.append(make_row(
-                                op=op, transport=impl.name, kind=impl.kind, count=count,
-                                itemsize=itemsize, dtype=args.dtype,
-                                redop=redop if op in REDUCING else None, root=root, ranks=ranks,
-                                time_s=row[0], wrong=row[1]))  # fmt: skip
+                            rows.append(
+                                make_row(
+                                    op=op,
+                                    transport=impl.name,
+                                    kind=impl.kind,
+                                    count=count,
+                                    itemsize=itemsize,
+                                    dtype=args.dtype,
+                                    redop=redop if op in REDUCING else None,
+                                    root=root,
+                                    ranks=ranks,
+                                    time_s=row[0],
+                                    wrong=row[1],
+                                )
+                            )
                     if bar is not None:
                         bar.advance(bar.task_ids[0])
     finally:
@@ -332,9 +367,14 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def _measure(raw: Any, impl: Impl, case: Case, device: str,
-             timer: Callable[[Callable[[], Any]], float],
-             args: argparse.Namespace) -> tuple[float, int | None] | str:  # fmt: skip
+def _measure(
+    raw: Any,
+    impl: Impl,
+    case: Case,
+    device: str,
+    timer: Callable[[Callable[[], Any]], float],
+    args: argparse.Namespace,
+) -> tuple[float, int | None] | str:
     """(median over iterations of the slowest rank's seconds, #wrong or None), or why not."""
     from .errors import HetcommError
 
@@ -354,8 +394,7 @@ def _measure(raw: Any, impl: Impl, case: Case, device: str,
                 import torch
 
                 torch.cuda.synchronize()
-    except (Skip, HetcommError, RuntimeError, NotImplementedError, ValueError,
-            TypeError) as exc:  # fmt: skip
+    except (Skip, HetcommError, RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     why = _agree(raw, why)
     if why is not None:
@@ -386,9 +425,15 @@ def run_args(args: argparse.Namespace) -> int:
         print(table(rows))
         if args.json:
             with open(args.json, "w") as f:
-                f.write(to_json(rows, ranks=MPI.COMM_WORLD.Get_size(), device=args.device,
-                                host=os.uname().nodename,
-                                date=datetime.datetime.now().isoformat(timespec="seconds")))  # fmt: skip
+                f.write(
+                    to_json(
+                        rows,
+                        ranks=MPI.COMM_WORLD.Get_size(),
+                        device=args.device,
+                        host=os.uname().nodename,
+                        date=datetime.datetime.now().isoformat(timespec="seconds"),
+                    )
+                )
         if args.plot:
             plot(rows, args.plot, MPI.COMM_WORLD.Get_size())
         sys.stdout.flush()
@@ -399,9 +444,11 @@ def run_args(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Register `hetcomm bench` on the subparsers object of the `hetcomm` command."""
     p: argparse.ArgumentParser = sub.add_parser(
-        "bench", help="nccl-tests style sweep: hetcomm's transports beside mpi4py, gloo and naive "
-        "staging (run under mpirun or `hetcomm run`)", description=__doc__,
-    )  # fmt: skip
+        "bench",
+        help="nccl-tests style sweep: hetcomm's transports beside mpi4py, gloo and naive "
+        "staging (run under mpirun or `hetcomm run`)",
+        description=__doc__,
+    )
     add_arguments(p)
     p.set_defaults(func=run_args)
     return p

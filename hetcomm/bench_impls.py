@@ -29,7 +29,6 @@ def torch_gloo(mpi: Any) -> Any:
     return dist
 
 
-
 _MPI_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "float32", "float64")  # + bool: no redop
 _TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-12}
 
@@ -38,12 +37,12 @@ class Skip(Exception):
     """This implementation cannot run this op here; the message says why."""
 
 
-
 class Case:
     """One op at one size: every rank's inputs and this rank's expected output, in float64."""
 
-    def __init__(self, op: str, count: int, dtype: str, redop: str, root: int, rank: int,
-                 ranks: int) -> None:  # fmt: skip
+    def __init__(
+        self, op: str, count: int, dtype: str, redop: str, root: int, rank: int, ranks: int
+    ) -> None:
         self.op, self.count, self.dtype, self.redop = op, count, dtype, redop
         self.root, self.rank, self.ranks = root, rank, ranks
         blocked = op == "all_gather"
@@ -74,8 +73,12 @@ class Case:
             return None
         stack = np.stack([self.input(q) for q in range(n)])
         fn: dict[str, Callable[..., Any]] = {
-            "sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max, "avg": np.mean,
-        }  # fmt: skip
+            "sum": np.sum,
+            "prod": np.prod,
+            "min": np.min,
+            "max": np.max,
+            "avg": np.mean,
+        }
         out = fn[self.redop](stack, axis=0)
         if self.dtype == "bool":
             out = (out != 0).astype(np.float64)
@@ -258,8 +261,12 @@ class Gloo(Impl):
     def prepare(self, case: Case, x: Any, y: Any) -> tuple[Callable[[], Any], Any]:
         op, root, g = case.op, case.root, self.group
         dist = _InGroup(self.dist, g)
-        ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
-               "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}  # fmt: skip
+        ops = {
+            "sum": dist.ReduceOp.SUM,
+            "prod": dist.ReduceOp.PRODUCT,
+            "min": dist.ReduceOp.MIN,
+            "max": dist.ReduceOp.MAX,
+        }
         if op in REDUCING and case.redop not in ops:
             raise Skip(f"gloo has no {case.redop} reduction")
         red = ops.get(case.redop, dist.ReduceOp.SUM)
@@ -320,9 +327,9 @@ class TorchNccl(Gloo):
         if gpus == 0:
             raise RuntimeError("no CUDA device: NCCL moves CUDA tensors only")
         if sharing > gpus:
-            raise RuntimeError(f"{sharing} ranks share {gpus} GPU(s) on this host; NCCL needs "
-                               "a GPU of its own per rank")  # fmt: skip
+            raise RuntimeError(
+                f"{sharing} ranks share {gpus} GPU(s) on this host; NCCL needs "
+                "a GPU of its own per rank"
+            )
         super().__init__(raw)
         self.group = self.dist.new_group(backend="nccl")
-
-

@@ -12,20 +12,45 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
-       "sendrecv")  # fmt: skip
+OPS = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "sendrecv",
+)
 # nccl-tests' names (and a few spellings) -> hetcomm's
 OP_ALIASES = {
-    "allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
-    "alltoall": "all_to_all", "bcast": "broadcast", "send_recv": "sendrecv",
-}  # fmt: skip
+    "allreduce": "all_reduce",
+    "allgather": "all_gather",
+    "reducescatter": "reduce_scatter",
+    "alltoall": "all_to_all",
+    "bcast": "broadcast",
+    "send_recv": "sendrecv",
+}
 # ops whose size is the whole array spread over (or gathered from) every rank: the count must
 # split into one equal block per rank
 BLOCKED = frozenset(("all_gather", "reduce_scatter", "all_to_all"))
 REDUCING = frozenset(("all_reduce", "reduce_scatter", "reduce"))
 ROOTED = frozenset(("broadcast", "reduce"))
-ROW_KEYS = ("op", "transport", "kind", "size_bytes", "count", "dtype", "redop", "root", "ranks",
-            "time_us", "algbw_GBps", "busbw_GBps", "wrong", "ratio")  # fmt: skip
+ROW_KEYS = (
+    "op",
+    "transport",
+    "kind",
+    "size_bytes",
+    "count",
+    "dtype",
+    "redop",
+    "root",
+    "ranks",
+    "time_us",
+    "algbw_GBps",
+    "busbw_GBps",
+    "wrong",
+    "ratio",
+)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -62,8 +87,9 @@ def canonical_op(name: str) -> str:
     key = name.strip().lower().replace("-", "_")
     key = OP_ALIASES.get(key.replace("_", ""), OP_ALIASES.get(key, key))
     if key not in OPS:
-        raise ValueError(f"unknown op {name!r}; expected one of {', '.join(OPS)} "
-                         f"(or {', '.join(OP_ALIASES)})")  # fmt: skip
+        raise ValueError(
+            f"unknown op {name!r}; expected one of {', '.join(OPS)} (or {', '.join(OP_ALIASES)})"
+        )
     return key
 
 
@@ -88,18 +114,39 @@ def element_count(op: str, size_bytes: int, itemsize: int, ranks: int) -> int:
     return count
 
 
-def make_row(*, op: str, transport: str, kind: str, count: int, itemsize: int, dtype: str,
-             redop: str | None, root: int | None, ranks: int, time_s: float,
-             wrong: int | None) -> dict[str, Any]:  # fmt: skip
+def make_row(
+    *,
+    op: str,
+    transport: str,
+    kind: str,
+    count: int,
+    itemsize: int,
+    dtype: str,
+    redop: str | None,
+    root: int | None,
+    ranks: int,
+    time_s: float,
+    wrong: int | None,
+) -> dict[str, Any]:
     """One result row (keys ROW_KEYS; ratio filled in later by `add_ratios`)."""
     size = count * itemsize
     algbw = size / time_s / 1e9 if time_s > 0 else 0.0
     return {
-        "op": op, "transport": transport, "kind": kind, "size_bytes": size, "count": count,
-        "dtype": dtype, "redop": redop, "root": root, "ranks": ranks, "time_us": time_s * 1e6,
-        "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(op, ranks), "wrong": wrong,
+        "op": op,
+        "transport": transport,
+        "kind": kind,
+        "size_bytes": size,
+        "count": count,
+        "dtype": dtype,
+        "redop": redop,
+        "root": root,
+        "ranks": ranks,
+        "time_us": time_s * 1e6,
+        "algbw_GBps": algbw,
+        "busbw_GBps": algbw * bus_factor(op, ranks),
+        "wrong": wrong,
         "ratio": None,
-    }  # fmt: skip
+    }
 
 
 def add_ratios(rows: Sequence[dict[str, Any]]) -> None:
@@ -127,10 +174,21 @@ def _size(n: int) -> str:
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """nccl-tests style text: a header of two comment lines, one line per size and transport."""
-    head = ("#", "size", "count", "type", "redop", "root", "transport", "time", "algbw", "busbw",
-            "#wrong", "vs best")  # fmt: skip
-    units = ("#", "(B)", "(elements)", "", "", "", "", "(us)", "(GB/s)", "(GB/s)", "",
-             "baseline")  # fmt: skip
+    head = (
+        "#",
+        "size",
+        "count",
+        "type",
+        "redop",
+        "root",
+        "transport",
+        "time",
+        "algbw",
+        "busbw",
+        "#wrong",
+        "vs best",
+    )
+    units = ("#", "(B)", "(elements)", "", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "baseline")
     widths = (1, 12, 12, 9, 6, 5, 10, 11, 8, 8, 7, 9)
     lines = []
     for op in dict.fromkeys(r["op"] for r in rows):
@@ -143,20 +201,26 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
                 lines.append("")
             last = r["size_bytes"]
             cells = (
-                "", str(r["size_bytes"]), str(r["count"]), r["dtype"], r["redop"] or "none",
-                "-1" if r["root"] is None else str(r["root"]), r["transport"],
-                f"{r['time_us']:.1f}", _num(r["algbw_GBps"]), _num(r["busbw_GBps"]),
+                "",
+                str(r["size_bytes"]),
+                str(r["count"]),
+                r["dtype"],
+                r["redop"] or "none",
+                "-1" if r["root"] is None else str(r["root"]),
+                r["transport"],
+                f"{r['time_us']:.1f}",
+                _num(r["algbw_GBps"]),
+                _num(r["busbw_GBps"]),
                 "N/A" if r["wrong"] is None else str(r["wrong"]),
                 "-" if r["ratio"] is None else f"{r['ratio']:.2f}x",
-            )  # fmt: skip
+            )
             lines.append(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
     return "\n".join(lines)
 
 
 def to_json(rows: Iterable[dict[str, Any]], **meta: Any) -> str:
     """{"rows": [...], **meta} with every row reduced to ROW_KEYS."""
-    return json.dumps({"rows": [{k: r.get(k) for k in ROW_KEYS} for r in rows], **meta},
-                      indent=1)  # fmt: skip
+    return json.dumps({"rows": [{k: r.get(k) for k in ROW_KEYS} for r in rows], **meta}, indent=1)
 
 
 def plot(rows: Sequence[dict[str, Any]], path: str, ranks: int, when: str | None = None) -> None:
@@ -174,9 +238,13 @@ def plot(rows: Sequence[dict[str, Any]], path: str, ranks: int, when: str | None
         for name in dict.fromkeys(r["transport"] for r in mine):
             pts = [(r["size_bytes"], r["busbw_GBps"]) for r in mine if r["transport"] == name]
             kind = next(r["kind"] for r in mine if r["transport"] == name)
-            ax.plot(*zip(*pts), marker="o", markersize=3,
-                    linestyle="--" if kind == "baseline" else "-",
-                    label=name if kind != "baseline" else f"{name} (baseline)")  # fmt: skip
+            ax.plot(
+                *zip(*pts),
+                marker="o",
+                markersize=3,
+                linestyle="--" if kind == "baseline" else "-",
+                label=name if kind != "baseline" else f"{name} (baseline)",
+            )
         if mine:
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")

@@ -38,13 +38,17 @@ def tuning_report(world: Any) -> str:
     fp = world.topology.fingerprint()
     value, source = resolve_direct_min(Config.load().direct_min, tuned)
     if tuned is not None:
-        return f"in use for topology {fp}\n{tuned.summary()}\ndirect_min in effect: {value} " \
-               f"({source})"  # fmt: skip
+        return (
+            f"in use for topology {fp}\n{tuned.summary()}\ndirect_min in effect: {value} ({source})"
+        )
     directory = cache_dir(world.config)
-    where = ("HETCOMM_TUNE_DIR is off" if directory is None
-             else f"no valid {cache_path(directory, fp)}")  # fmt: skip
-    return (f"none for topology {fp} ({where}): built-in defaults, chunk bytes {CHUNK_BYTES}, "
-            f"slots {SLOTS}, no rail weights, direct_min {value} ({source})")
+    where = (
+        "HETCOMM_TUNE_DIR is off" if directory is None else f"no valid {cache_path(directory, fp)}"
+    )
+    return (
+        f"none for topology {fp} ({where}): built-in defaults, chunk bytes {CHUNK_BYTES}, "
+        f"slots {SLOTS}, no rail weights, direct_min {value} ({source})"
+    )
 
 
 def persistent_report(limit: int) -> str:
@@ -57,8 +61,10 @@ def persistent_report(limit: int) -> str:
         return f"no: {why}"
     if limit == 0:
         return "off (HETCOMM_PERSISTENT_MAX=0)"
-    return (f"mpi all-reduces up to {min(limit, LANE_BYTES)} bytes run as cached MPI-4 "
-            "persistent requests")  # fmt: skip
+    return (
+        f"mpi all-reduces up to {min(limit, LANE_BYTES)} bytes run as cached MPI-4 "
+        "persistent requests"
+    )
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -77,8 +83,12 @@ def _info(args: argparse.Namespace) -> int:
     report = group_plans(world, groups) if groups is not None else None
     if world.rank == 0:
         banner = MPI.Get_library_version().strip().splitlines()[0]
-        levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
-                  MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}  # fmt: skip
+        levels = {
+            MPI.THREAD_SINGLE: "single",
+            MPI.THREAD_FUNNELED: "funneled",
+            MPI.THREAD_SERIALIZED: "serialized",
+            MPI.THREAD_MULTIPLE: "multiple",
+        }
         aware, how = mpi_gpu_support()
         print(f"hetcomm {hetcomm.__version__}")
         print(f"MPI library:  {banner}")
@@ -109,8 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hetcomm` console script."""
     parser = argparse.ArgumentParser(prog="hetcomm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="MPI library, topology and each group's plan (under "
-                          "mpirun: every rank's view)")  # fmt: skip
+    info = sub.add_parser(
+        "info", help="MPI library, topology and each group's plan (under mpirun: every rank's view)"
+    )
     for dim in ("tp", "cp", "ep", "pp"):
         info.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} size (default 1)")
     info.add_argument("--dp", type=int, default=None, help="dp size (default: what is left)")

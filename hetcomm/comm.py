@@ -25,9 +25,23 @@ from .work import Work, completed
 log = logging.getLogger("hetcomm")
 
 _OP_CODES = {name: i for i, name in enumerate(planning.OPS)}
-_DTYPE_CODES = {name: i for i, name in enumerate(
-    ("bool", "int8", "int16", "int32", "int64", "uint8", "float16", "bfloat16", "float32",
-     "float64"))}  # fmt: skip
+_DTYPE_CODES = {
+    name: i
+    for i, name in enumerate(
+        (
+            "bool",
+            "int8",
+            "int16",
+            "int32",
+            "int64",
+            "uint8",
+            "float16",
+            "bfloat16",
+            "float32",
+            "float64",
+        )
+    )
+}
 
 
 _AVG = ReduceOp.AVG
@@ -42,9 +56,15 @@ class Communicator:
     a Split) and frees it on `close()`. Collectives follow NCCL's layouts; see the README.
     """
 
-    def __init__(self, mpi_comm: MPI.Intracomm, config: Config, topology: Topology,
-                 name: str = "world", *,
-                 exclude: Mapping[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        mpi_comm: MPI.Intracomm,
+        config: Config,
+        topology: Topology,
+        name: str = "world",
+        *,
+        exclude: Mapping[str, str] | None = None,
+    ) -> None:
         self.mpi = mpi_comm
         self._tag_ub = int(mpi_comm.Get_attr(MPI.TAG_UB) or 32767)  # read once, not per call
         # a second communicator for transports' own messages (control, rails), so that they
@@ -120,8 +140,9 @@ class Communicator:
 
     # ---- sub-communicators ------------------------------------------------------------------
 
-    def split(self, color: int | None, key: int | None = None,
-              name: str | None = None) -> Communicator | None:  # fmt: skip
+    def split(
+        self, color: int | None, key: int | None = None, name: str | None = None
+    ) -> Communicator | None:
         """Ranks with the same `color` form a new communicator, ordered by `key` (default rank).
 
         `color=None` (or negative) leaves this rank out: it gets None. Collective.
@@ -152,9 +173,12 @@ class Communicator:
     def plan(self) -> planning.PlanTable:
         """The transport chosen for each operation, memory kind and size class, with reasons."""
         return planning.plan_table(
-            self.topology.members(), requested=self.config.transport_for(self.name),
-            unavailable=self._unavailable, group=self.name, direct_min=self.config.direct_min,
-        )  # fmt: skip
+            self.topology.members(),
+            requested=self.config.transport_for(self.name),
+            unavailable=self._unavailable,
+            group=self.name,
+            direct_min=self.config.direct_min,
+        )
 
     def _transport(self, op: str, buf: Buffer | None) -> Transport:
         # on the path of every call: one dict lookup once the route is known
@@ -178,13 +202,25 @@ class Communicator:
         choice = self._choices.get(key)
         if choice is None:
             choice = planning.choose(
-                self.topology.members(), op=op, memory=memory, nbytes=nbytes,
-                requested=self.config.transport_for(self.name), unavailable=self._unavailable,
-                group=self.name, direct_min=self.config.direct_min,
-            )  # fmt: skip
+                self.topology.members(),
+                op=op,
+                memory=memory,
+                nbytes=nbytes,
+                requested=self.config.transport_for(self.name),
+                unavailable=self._unavailable,
+                group=self.name,
+                direct_min=self.config.direct_min,
+            )
             self._choices[key] = choice
-            log.info("group '%s': %s on %s %s buffers -> %s (%s)", self.name, op, key[2],
-                     memory, choice.transport, choice.reason)  # fmt: skip
+            log.info(
+                "group '%s': %s on %s %s buffers -> %s (%s)",
+                self.name,
+                op,
+                key[2],
+                memory,
+                choice.transport,
+                choice.reason,
+            )
         transport = self._transports.get(choice.transport)
         if transport is None:
             transport = self._transports[choice.transport] = self._available[choice.transport](self)
@@ -192,8 +228,14 @@ class Communicator:
 
     # ---- helpers shared by the operations ---------------------------------------------------
 
-    def _start(self, op: str, buf: Buffer | None, root: int = -1,
-               timeout: float | None = None, blocking: bool = False) -> tuple[Transport, int]:  # fmt: skip
+    def _start(
+        self,
+        op: str,
+        buf: Buffer | None,
+        root: int = -1,
+        timeout: float | None = None,
+        blocking: bool = False,
+    ) -> tuple[Transport, int]:
         if timeout is not None:
             _check_timeout(timeout, op)
         transport = self._transport(op, buf)
@@ -225,8 +267,9 @@ class Communicator:
             work.wait()
         self._last = transport
 
-    def _finish(self, work: Work, async_op: bool, timeout: float | None,
-                keep: tuple[Any, ...] = ()) -> Work | None:  # fmt: skip
+    def _finish(
+        self, work: Work, async_op: bool, timeout: float | None, keep: tuple[Any, ...] = ()
+    ) -> Work | None:
         _work.set_blocking(False)
         if timeout is not None:
             work._timeout = float(timeout)
@@ -262,11 +305,18 @@ class Communicator:
 
     def _compare_fingerprints(self, op: str, buf: Buffer | None, root: int) -> None:
         self._drain(f"{op} fingerprint")
-        mine = np.array([self._seq, _OP_CODES[op], _DTYPE_CODES[buf.dtype] if buf else -1,
-                         buf.count if buf else 0, root], dtype=np.int64)  # fmt: skip
+        mine = np.array(
+            [
+                self._seq,
+                _OP_CODES[op],
+                _DTYPE_CODES[buf.dtype] if buf else -1,
+                buf.count if buf else 0,
+                root,
+            ],
+            dtype=np.int64,
+        )
         every = np.empty((self.size, 5), dtype=np.int64)
-        Work(self, f"{op} fingerprint", self._seq,
-             self.mpi.Iallgather(mine, every).Test).wait()  # fmt: skip
+        Work(self, f"{op} fingerprint", self._seq, self.mpi.Iallgather(mine, every).Test).wait()
         if (every == mine).all():
             return
         fields = ("sequence", "operation", "dtype", "count", "root")
@@ -276,27 +326,44 @@ class Communicator:
             values = every[:, col]
             if (values != values[0]).any():
                 show = [names[field][v] if field in names and v >= 0 else int(v) for v in values]
-                diffs.append(f"{field} differs: " + ", ".join(
-                    f"rank {r}: {v}" for r, v in enumerate(show)))  # fmt: skip
+                diffs.append(
+                    f"{field} differs: " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(show))
+                )
         raise MismatchError(f"group '{self.name}' op #{self._seq}: " + "; ".join(diffs))
 
     # ---- operations ---------------------------------------------------------------------------
 
-    def all_reduce(self, x: Any, op: ReduceOp | str = ReduceOp.SUM, *, out: Any = None,
-                   async_op: bool = False, timeout: float | None = None) -> Work | None:  # fmt: skip
+    def all_reduce(
+        self,
+        x: Any,
+        op: ReduceOp | str = ReduceOp.SUM,
+        *,
+        out: Any = None,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ) -> Work | None:
         """Reduce `x` over the group; the result lands in `x` (in place) or in `out`."""
         if self._aborted is not None or self._closed:
             self._check_open()
-        if (out is None and not async_op and timeout is None and op.__class__ is ReduceOp
-                and not self._debug and _work._recorder is None):  # fmt: skip
+        if (
+            out is None
+            and not async_op
+            and timeout is None
+            and op.__class__ is ReduceOp
+            and not self._debug
+            and _work._recorder is None
+        ):
             # small in-place reductions (optimizer scalars, loss values) of numpy arrays and CPU
             # tensors: every check below still holds, read straight off the array. Not while
             # tracing is on (or not yet decided): the general path makes the Work it records
             arr = x if type(x) is np.ndarray else _cpu_tensor_array(x)
             if arr is not None:
                 short = self._short.get(arr.nbytes <= _SMALL_BYTES)
-                if (short is not None and short[0] is self._last
-                        and short[1](arr, op, self._seq + 1)):  # fmt: skip
+                if (
+                    short is not None
+                    and short[0] is self._last
+                    and short[1](arr, op, self._seq + 1)
+                ):
                     self._seq += 1
                     return None
         xb = as_buffer(x, "all_reduce: x")
@@ -313,8 +380,9 @@ class Communicator:
             _writable(ob, "all_reduce: out")
             kind = overlap(xb, ob)
             if kind == "partial":
-                raise InvalidArgument("all_reduce: out partly overlaps x; use x itself or a "
-                                      "separate array")  # fmt: skip
+                raise InvalidArgument(
+                    "all_reduce: out partly overlaps x; use x itself or a separate array"
+                )
             if kind == "same":
                 ob = xb
         transport, seq = self._start("all_reduce", xb, timeout=timeout, blocking=not async_op)
@@ -329,9 +397,14 @@ class Communicator:
             return self._finish(work, async_op, timeout, (xb, ob, xc, oc))
         return self._finish(work, async_op, timeout, (xb, ob))
 
-    def all_reduce_coalesced(self, arrays: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM, *,
-                             async_op: bool = False,
-                             timeout: float | None = None) -> Work | None:  # fmt: skip
+    def all_reduce_coalesced(
+        self,
+        arrays: Sequence[Any],
+        op: ReduceOp | str = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ) -> Work | None:
         """Reduce every array of `arrays` in place, as separate all_reduce calls would, with one
         collective per (dtype, memory) over a fused buffer.
 
@@ -356,13 +429,15 @@ class Communicator:
             if g.on_device:
                 fusion.check_device(what)
             chosen.append(self._transport("all_reduce", g.fused()))
-        if not async_op and all(isinstance(t, MpiTransport) and not g.on_device
-                                for g, t in zip(groups, chosen)):  # fmt: skip
+        if not async_op and all(
+            isinstance(t, MpiTransport) and not g.on_device for g, t in zip(groups, chosen)
+        ):
             sizes = [g.total * storage_dtype(g.dtype).itemsize for g in groups]
             mpi = chosen[0]  # the communicator's one mpi transport
             assert isinstance(mpi, MpiTransport)
-            if all(map(mpi.fits_node, sizes)) and self._coalesced_on_node(groups, sizes, mpi,
-                                                                           rop, timeout):  # fmt: skip
+            if all(map(mpi.fits_node, sizes)) and self._coalesced_on_node(
+                groups, sizes, mpi, rop, timeout
+            ):
                 return None
         packed: list[tuple[Buffer, list[Callable[[], None]], Any]] = []
         for g in groups:
@@ -373,8 +448,9 @@ class Communicator:
                 pool = fusion.host_buffers(self)
                 flat = pool.take(g.dtype, g.total)
                 fusion.pack_host(g, flat)
-                packed.append((g.fused(flat[: g.total]), [_unpacker(g, flat),
-                               _giver(pool, flat)], flat))  # fmt: skip
+                packed.append(
+                    (g.fused(flat[: g.total]), [_unpacker(g, flat), _giver(pool, flat)], flat)
+                )
         works: list[Work] = []
         for fb, steps, holder in packed:
             # a group on another transport than the one before starts once the groups before it
@@ -397,9 +473,14 @@ class Communicator:
         self._inflight = [w for w in self._inflight if not w._done]
         return None
 
-    def _coalesced_on_node(self, groups: list[fusion.Group], sizes: list[int],
-                           transport: MpiTransport, rop: ReduceOp,
-                           timeout: float | None) -> bool:  # fmt: skip
+    def _coalesced_on_node(
+        self,
+        groups: list[fusion.Group],
+        sizes: list[int],
+        transport: MpiTransport,
+        rop: ReduceOp,
+        timeout: float | None,
+    ) -> bool:
         """A blocking all_reduce_coalesced of host arrays among one node's ranks: each group
         (of `sizes` bytes) packed into this rank's shared segment, reduced there, and unpacked,
         on this thread (hetcomm.transports.mpi_node). False, with nothing moved, where the
@@ -407,8 +488,7 @@ class Communicator:
         all-reduce."""
 
         def wait(request: Any, what: str, seq: int) -> None:
-            Work(self, f"all_reduce_coalesced ({what})", seq, request.Test,
-                 timeout=timeout).wait()  # fmt: skip
+            Work(self, f"all_reduce_coalesced ({what})", seq, request.Test, timeout=timeout).wait()
 
         node = transport.node_reduce("all_reduce_coalesced", self._seq + 1)
         try:
@@ -425,8 +505,15 @@ class Communicator:
             fusion.unpack_host(g, fused)
         return True
 
-    def reduce(self, x: Any, root: int, op: ReduceOp | str = ReduceOp.SUM, *,
-               async_op: bool = False, timeout: float | None = None) -> Work | None:  # fmt: skip
+    def reduce(
+        self,
+        x: Any,
+        root: int,
+        op: ReduceOp | str = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ) -> Work | None:
         """Reduce `x` over the group into `x` of `root`; the others' `x` is left as it was."""
         self._check_open()
         xb = as_buffer(x, "reduce: x")
@@ -441,8 +528,9 @@ class Communicator:
         work = transport.reduce(xc, rop, root, seq)
         return self._finish(_then(work, steps), async_op, timeout, (xb, xc))
 
-    def broadcast(self, x: Any, root: int, *, async_op: bool = False,
-                  timeout: float | None = None) -> Work | None:  # fmt: skip
+    def broadcast(
+        self, x: Any, root: int, *, async_op: bool = False, timeout: float | None = None
+    ) -> Work | None:
         """Copy `x` of `root` into `x` of every rank."""
         self._check_open()
         xb = as_buffer(x, "broadcast: x")
@@ -455,14 +543,20 @@ class Communicator:
         work = transport.broadcast(xc, root, seq)
         return self._finish(_then(work, steps), async_op, timeout, (xb, xc))
 
-    def all_gather(self, out: Any, x: Any, *, async_op: bool = False,
-                   timeout: float | None = None) -> Work | None:  # fmt: skip
+    def all_gather(
+        self, out: Any, x: Any, *, async_op: bool = False, timeout: float | None = None
+    ) -> Work | None:
         """Block i of `out` (size blocks the size of `x`) receives `x` of rank i."""
         self._check_open()
         xb = as_buffer(x, "all_gather: x")
         ob = as_buffer(out, "all_gather: out")
-        _same(ob, xb, "all_gather: out", ob.count == xb.count * self.size,
-              f"{self.size} x {xb.count} = {self.size * xb.count} elements")  # fmt: skip
+        _same(
+            ob,
+            xb,
+            "all_gather: out",
+            ob.count == xb.count * self.size,
+            f"{self.size} x {xb.count} = {self.size * xb.count} elements",
+        )
         _writable(ob, "all_gather: out")
         transport, seq = self._start("all_gather", xb, timeout=timeout, blocking=not async_op)
         steps: list[Callable[[], None]] = []
@@ -471,17 +565,29 @@ class Communicator:
         work = transport.all_gather(oc, xc, seq)
         return self._finish(_then(work, steps), async_op, timeout, (xb, ob, xc, oc))
 
-    def reduce_scatter(self, out: Any, x: Any, op: ReduceOp | str = ReduceOp.SUM, *,
-                       async_op: bool = False, timeout: float | None = None) -> Work | None:  # fmt: skip
+    def reduce_scatter(
+        self,
+        out: Any,
+        x: Any,
+        op: ReduceOp | str = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ) -> Work | None:
         """Rank i's `out` receives the reduction of block i (of size blocks) of every `x`."""
         self._check_open()
         xb = as_buffer(x, "reduce_scatter: x")
         ob = as_buffer(out, "reduce_scatter: out")
         rop = as_reduce_op(op, "reduce_scatter: op")
         check_op_for_dtype(rop, xb.dtype, "reduce_scatter")
-        _same(ob, xb, "reduce_scatter: out", ob.count * self.size == xb.count,
-              f"x's {xb.count} elements / {self.size} ranks"
-              + ("" if xb.count % self.size == 0 else " (x does not split evenly)"))  # fmt: skip
+        _same(
+            ob,
+            xb,
+            "reduce_scatter: out",
+            ob.count * self.size == xb.count,
+            f"x's {xb.count} elements / {self.size} ranks"
+            + ("" if xb.count % self.size == 0 else " (x does not split evenly)"),
+        )
         _writable(ob, "reduce_scatter: out")
         transport, seq = self._start("reduce_scatter", xb, timeout=timeout, blocking=not async_op)
         steps: list[Callable[[], None]] = []
@@ -490,8 +596,9 @@ class Communicator:
         work = transport.reduce_scatter(oc, xc, rop, seq)
         return self._finish(_then(work, steps), async_op, timeout, (xb, ob, xc, oc))
 
-    def all_to_all(self, out: Any, x: Any, *, async_op: bool = False,
-                   timeout: float | None = None) -> Work | None:  # fmt: skip
+    def all_to_all(
+        self, out: Any, x: Any, *, async_op: bool = False, timeout: float | None = None
+    ) -> Work | None:
         """Block j of `x` goes to rank j; block i of `out` comes from rank i."""
         self._check_open()
         xb = as_buffer(x, "all_to_all: x")
@@ -510,8 +617,15 @@ class Communicator:
         work = transport.all_to_all(oc, xc, seq)
         return self._finish(_then(work, steps), async_op, timeout, (xb, ob, xc, oc))
 
-    def send(self, x: Any, dst: int, tag: int = 0, *, async_op: bool = False,
-             timeout: float | None = None) -> Work | None:  # fmt: skip
+    def send(
+        self,
+        x: Any,
+        dst: int,
+        tag: int = 0,
+        *,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ) -> Work | None:
         """Send `x` to rank `dst`; pairs with the `recv` of the same tag there."""
         self._check_open()
         xb = as_buffer(x, "send: x")
@@ -522,8 +636,15 @@ class Communicator:
         work = transport.send(xc, dst, tag, seq)
         return self._finish(work, async_op, timeout, (xb, xc))
 
-    def recv(self, x: Any, src: int, tag: int = 0, *, async_op: bool = False,
-             timeout: float | None = None) -> Work | None:  # fmt: skip
+    def recv(
+        self,
+        x: Any,
+        src: int,
+        tag: int = 0,
+        *,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ) -> Work | None:
         """Receive into `x` from rank `src` (a message of exactly x's size and dtype)."""
         self._check_open()
         xb = as_buffer(x, "recv: x")
@@ -565,8 +686,9 @@ def _cpu_tensor_array(x: Any) -> np.ndarray | None:
 
 def _check_timeout(timeout: Any, op: str) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise InvalidArgument(f"{op}: timeout must be a positive number of seconds, "
-                              f"got {timeout!r}")  # fmt: skip
+        raise InvalidArgument(
+            f"{op}: timeout must be a positive number of seconds, got {timeout!r}"
+        )
     return float(timeout)
 
 
@@ -574,11 +696,11 @@ def _same(b: Buffer, ref: Buffer, what: str, count_ok: bool, expected: str) -> N
     if b.dtype != ref.dtype:
         raise InvalidArgument(f"{what}: expected dtype {ref.dtype} like x, got {b.dtype}")
     if b.on_device != ref.on_device or b.device_index != ref.device_index:
-        raise InvalidArgument(f"{what}: expected memory where x lives ({ref.describe()}), got "
-                              f"{b.describe()}")  # fmt: skip
+        raise InvalidArgument(
+            f"{what}: expected memory where x lives ({ref.describe()}), got {b.describe()}"
+        )
     if not count_ok:
-        raise InvalidArgument(f"{what}: expected {expected}, got {b.count} "
-                              f"(shape {list(b.shape)})")  # fmt: skip
+        raise InvalidArgument(f"{what}: expected {expected}, got {b.count} (shape {list(b.shape)})")
 
 
 def _writable(b: Buffer, what: str) -> None:
@@ -615,8 +737,18 @@ def _contiguous_out(b: Buffer, steps: list[Callable[[], None]]) -> Buffer:
 
 
 def _host_buffer(like: Buffer, flat: np.ndarray) -> Buffer:
-    return Buffer(like.obj, like.kind, like.dtype, like.shape, "cpu", None,
-                  flat.__array_interface__["data"][0], True, False, flat)  # fmt: skip
+    return Buffer(
+        like.obj,
+        like.kind,
+        like.dtype,
+        like.shape,
+        "cpu",
+        None,
+        flat.__array_interface__["data"][0],
+        True,
+        False,
+        flat,
+    )
 
 
 def _then(work: Work, steps: list[Callable[[], None]]) -> Work:

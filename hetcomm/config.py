@@ -1,4 +1,4 @@
-"""Configuration: the one place that reads HETCOMM_* variables (argument > environment > default)."""
+"""Configuration: the one reader of HETCOMM_* variables (argument > environment > default)."""
 
 from __future__ import annotations
 
@@ -95,17 +95,26 @@ class Config:
             raise ConfigError(f"host: expected a non-empty name, got {self.host!r}")
         if not isinstance(self.rails, str) or not self.rails.strip():
             raise ConfigError(f"rails: expected 'auto' or a list of interfaces, got {self.rails!r}")
-        if self.direct_min is not None and (isinstance(self.direct_min, bool) or
-                                            not isinstance(self.direct_min, int) or
-                                            self.direct_min < 0):  # fmt: skip
-            raise ConfigError(f"direct_min: expected a number of bytes >= 0, got {self.direct_min!r}")
-        if (isinstance(self.persistent_max, bool) or not isinstance(self.persistent_max, int)
-                or self.persistent_max < 0):  # fmt: skip
+        if self.direct_min is not None and (
+            isinstance(self.direct_min, bool)
+            or not isinstance(self.direct_min, int)
+            or self.direct_min < 0
+        ):
+            raise ConfigError(
+                f"direct_min: expected a number of bytes >= 0, got {self.direct_min!r}"
+            )
+        if (
+            isinstance(self.persistent_max, bool)
+            or not isinstance(self.persistent_max, int)
+            or self.persistent_max < 0
+        ):
             raise ConfigError(
                 f"persistent_max: expected a number of bytes >= 0, got {self.persistent_max!r}"
             )
         if not isinstance(self.tune_dir, str) or not self.tune_dir.strip():
-            raise ConfigError(f"tune_dir: expected a directory name or 'off', got {self.tune_dir!r}")
+            raise ConfigError(
+                f"tune_dir: expected a directory name or 'off', got {self.tune_dir!r}"
+            )
         if self.log not in LOG_LEVELS:
             raise ConfigError(f"log: expected one of {', '.join(LOG_LEVELS)}, got {self.log!r}")
         object.__setattr__(self, "_transport_map", parse_transport(self.transport))
@@ -224,7 +233,14 @@ def _from_env(name: str, key: str, raw: str) -> Any:
 
 def option_table() -> list[tuple[str, str, str]]:
     """(variable, default, meaning) for every option, for docs and `hetcomm info`."""
-    shown = {"vendor": "detected", "host": "host name", "debug": "0", "trace": "off",
-             "direct_min": "tuned, else 0"}
-    defaults = {f.name: shown.get(f.name, str(f.default)) for f in fields(Config) if f.name in OPTIONS}
+    shown = {
+        "vendor": "detected",
+        "host": "host name",
+        "debug": "0",
+        "trace": "off",
+        "direct_min": "tuned, else 0",
+    }
+    defaults = {
+        f.name: shown.get(f.name, str(f.default)) for f in fields(Config) if f.name in OPTIONS
+    }
     return [(env, defaults[name], text) for name, (env, text) in OPTIONS.items()]

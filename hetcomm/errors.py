@@ -26,7 +26,7 @@ class TopologyError(HetcommError):
 
 
 class TransportUnavailable(HetcommError):
-    """A transport was asked for (or is the only option) but cannot run here; the reason says why."""
+    """A transport was asked for (or is the only option) but cannot run here; the reason says."""
 
 
 class MismatchError(HetcommError):

@@ -1,4 +1,4 @@
-"""Tensor fusion: many arrays checked, grouped by (dtype, memory) and packed into one buffer each."""
+"""Tensor fusion: arrays checked, grouped by (dtype, memory) and packed into one buffer each."""
 
 from __future__ import annotations
 
@@ -32,8 +32,22 @@ class Group:
     Buffer, except for plain numpy arrays that needed none.
     """
 
-    __slots__ = ("addresses", "bufs", "contiguous", "counts", "dense", "device", "device_index",
-                 "dtype", "hosts", "index", "layouts", "offsets", "table", "total")  # fmt: skip
+    __slots__ = (
+        "addresses",
+        "bufs",
+        "contiguous",
+        "counts",
+        "dense",
+        "device",
+        "device_index",
+        "dtype",
+        "hosts",
+        "index",
+        "layouts",
+        "offsets",
+        "table",
+        "total",
+    )
 
     def __init__(self, dtype: str, device: str = "cpu", device_index: int | None = None) -> None:
         self.dtype, self.device, self.device_index = dtype, device, device_index
@@ -73,23 +87,57 @@ class Group:
         """The fused buffer as the transports see it: a host array `flat`, or memory at `ptr`
         with the first array's library and device (whose current stream orders device work)."""
         if flat is not None:
-            return Buffer(flat, "numpy", self.dtype, (self.total,), "cpu", None,
-                          int(flat.__array_interface__["data"][0]), True, False, flat,
-                          self.total)  # fmt: skip
+            return Buffer(
+                flat,
+                "numpy",
+                self.dtype,
+                (self.total,),
+                "cpu",
+                None,
+                int(flat.__array_interface__["data"][0]),
+                True,
+                False,
+                flat,
+                self.total,
+            )
         if not self.bufs:  # plain numpy arrays: a description for the plan
-            return Buffer(None, "numpy", self.dtype, (self.total,), "cpu", None, 0, True, False,
-                          None, self.total)  # fmt: skip
+            return Buffer(
+                None,
+                "numpy",
+                self.dtype,
+                (self.total,),
+                "cpu",
+                None,
+                0,
+                True,
+                False,
+                None,
+                self.total,
+            )
         first = self.bufs[0]
-        return Buffer(first.obj, first.kind, self.dtype, (self.total,), self.device,
-                      self.device_index, ptr, True, False, None, self.total)  # fmt: skip
+        return Buffer(
+            first.obj,
+            first.kind,
+            self.dtype,
+            (self.total,),
+            self.device,
+            self.device_index,
+            ptr,
+            True,
+            False,
+            None,
+            self.total,
+        )
 
 
 def prepare(arrays: Any, op: ReduceOp, what: str) -> tuple[list[Any], list[Group]]:
     """Check every array (before anything moves) and group them by (dtype, memory), in order of
     first appearance. Raises InvalidArgument / DtypeError naming the offending position."""
     if not isinstance(arrays, (list, tuple)):
-        raise InvalidArgument(f"{what}: expected a list or tuple of arrays, got "
-                              f"{type(arrays).__module__}.{type(arrays).__qualname__}")  # fmt: skip
+        raise InvalidArgument(
+            f"{what}: expected a list or tuple of arrays, got "
+            f"{type(arrays).__module__}.{type(arrays).__qualname__}"
+        )
     fast = _numpy_groups(arrays)
     if fast is not None:
         for g in fast:
@@ -100,8 +148,10 @@ def prepare(arrays: Any, op: ReduceOp, what: str) -> tuple[list[Any], list[Group
     for i, x in enumerate(arrays):
         b = as_buffer(x, f"{what}: arrays[{i}]")
         if b.readonly:
-            raise InvalidArgument(f"{what}: arrays[{i}] ({b.describe()}) is read-only, but every "
-                                  "array is reduced in place")  # fmt: skip
+            raise InvalidArgument(
+                f"{what}: arrays[{i}] ({b.describe()}) is read-only, but every "
+                "array is reduced in place"
+            )
         key = (b.dtype, b.device, b.device_index)
         group = groups.get(key)
         if group is None:
@@ -111,8 +161,9 @@ def prepare(arrays: Any, op: ReduceOp, what: str) -> tuple[list[Any], list[Group
     devices = [g for g in groups.values() if g.on_device]
     if len({(g.device, g.device_index) for g in devices}) > 1:
         first = devices[0]
-        other = next(g for g in devices
-                     if (g.device, g.device_index) != (first.device, first.device_index))  # fmt: skip
+        other = next(
+            g for g in devices if (g.device, g.device_index) != (first.device, first.device_index)
+        )
         raise InvalidArgument(
             f"{what}: device arrays must all live on one device; arrays[{first.index[0]}] is on "
             f"{first.bufs[0].describe()}, arrays[{other.index[0]}] on {other.bufs[0].describe()}"
@@ -296,11 +347,15 @@ def _sweep(items: list[_Item], what: str) -> None:
                 continue
             first, second = sorted((a[2], b[2]))
             if kind == "same":
-                raise InvalidArgument(f"{what}: arrays[{first}] and arrays[{second}] are the same "
-                                      "array; each array may appear once (it would be reduced "
-                                      "twice)")  # fmt: skip
-            raise InvalidArgument(f"{what}: arrays[{first}] and arrays[{second}] overlap in "
-                                  "memory; overlapping arrays would be reduced into each other")  # fmt: skip
+                raise InvalidArgument(
+                    f"{what}: arrays[{first}] and arrays[{second}] are the same "
+                    "array; each array may appear once (it would be reduced "
+                    "twice)"
+                )
+            raise InvalidArgument(
+                f"{what}: arrays[{first}] and arrays[{second}] overlap in "
+                "memory; overlapping arrays would be reduced into each other"
+            )
         open_.append((hi, k))
 
 
@@ -334,10 +389,16 @@ _shares_memory: Any = np.shares_memory
 class _Interface:
     """Describes memory to numpy without numpy ever reading it (for np.shares_memory)."""
 
-    def __init__(self, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],
-                 itemsize: int) -> None:  # fmt: skip
-        self.__array_interface__ = {"data": (ptr, True), "shape": shape, "strides": strides,
-                                    "typestr": f"|V{itemsize}", "version": 3}  # fmt: skip
+    def __init__(
+        self, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int
+    ) -> None:
+        self.__array_interface__ = {
+            "data": (ptr, True),
+            "shape": shape,
+            "strides": strides,
+            "typestr": f"|V{itemsize}",
+            "version": 3,
+        }
 
 
 def _probe(b: Buffer, layout: Any) -> np.ndarray:
@@ -346,8 +407,9 @@ def _probe(b: Buffer, layout: Any) -> np.ndarray:
         assert b.host is not None
         return b.host
     shape, strides = layout
-    return np.asarray(_Interface(b.ptr, tuple(shape), tuple(s * b.itemsize for s in strides),
-                                 b.itemsize))  # fmt: skip
+    return np.asarray(
+        _Interface(b.ptr, tuple(shape), tuple(s * b.itemsize for s in strides), b.itemsize)
+    )
 
 
 # ---- host arrays --------------------------------------------------------------------------------
@@ -426,8 +488,11 @@ def host_table(g: Group) -> tuple[np.ndarray, np.ndarray]:
     the compiled copies; made once per call, for packing and unpacking alike."""
     if g.table is None:
         found = g.addresses
-        addresses = (np.array(found, np.int64) if found is not None else
-                     np.fromiter(map(_address, g.hosts), np.int64, len(g.hosts)))  # fmt: skip
+        addresses = (
+            np.array(found, np.int64)
+            if found is not None
+            else np.fromiter(map(_address, g.hosts), np.int64, len(g.hosts))
+        )
         g.table = (addresses, np.array(g.counts, np.int64))
     return g.table
 
@@ -446,8 +511,10 @@ def device_layout(b: Buffer, what: str) -> tuple[tuple[int, ...], tuple[int, ...
     if strides is None:
         return shape, _c_strides(shape)
     if any(int(s) % b.itemsize for s in strides):
-        raise InvalidArgument(f"{what}: strides {tuple(strides)} bytes are not whole elements of "
-                              f"{b.itemsize} bytes ({b.describe()})")  # fmt: skip
+        raise InvalidArgument(
+            f"{what}: strides {tuple(strides)} bytes are not whole elements of "
+            f"{b.itemsize} bytes ({b.describe()})"
+        )
     return shape, tuple(int(s) // b.itemsize for s in strides)
 
 
@@ -461,8 +528,10 @@ def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def device_entries(g: Group) -> list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]]:
     """The rows of the pack/unpack table (hetcomm.kernels.fusion.table) for a device group."""
-    return [(b.ptr, off, b.count, layout[0], layout[1])
-            for b, off, layout in zip(g.bufs, g.offsets, g.layouts)]  # fmt: skip
+    return [
+        (b.ptr, off, b.count, layout[0], layout[1])
+        for b, off, layout in zip(g.bufs, g.offsets, g.layouts)
+    ]
 
 
 def check_device(what: str) -> None:
@@ -480,5 +549,6 @@ def pack_device(g: Group) -> Any:
     from .kernels import device, fusion
 
     streams = list(dict.fromkeys(device.current_stream(b) for b in g.bufs))
-    return fusion.shared().pack(device_entries(g), g.total, g.bufs[0].itemsize,
-                                g.device_index, streams)  # fmt: skip
+    return fusion.shared().pack(
+        device_entries(g), g.total, g.bufs[0].itemsize, g.device_index, streams
+    )

@@ -27,13 +27,17 @@ class ParallelGroups:
         order: str = DEFAULT_ORDER,
     ) -> None:
         self.world = world
-        self.layout = ParallelLayout.build(world.size, tp=tp, cp=cp, ep=ep, dp=dp, pp=pp,
-                                           order=order)  # fmt: skip
+        self.layout = ParallelLayout.build(
+            world.size, tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, order=order
+        )
         self._comms: dict[str, Communicator] = {}
         try:
             for dim in DIMENSIONS:
-                comm = world.split(self.layout.group_index(dim, world.rank),
-                                   key=self.layout.rank_in_group(dim, world.rank), name=dim)  # fmt: skip
+                comm = world.split(
+                    self.layout.group_index(dim, world.rank),
+                    key=self.layout.rank_in_group(dim, world.rank),
+                    name=dim,
+                )
                 assert comm is not None
                 self._comms[dim] = comm
         except BaseException:
@@ -44,7 +48,9 @@ class ParallelGroups:
         comms = self.__dict__.get("_comms", {})
         if name in comms:
             return comms[name]
-        raise AttributeError(f"ParallelGroups has no group {name!r}; groups: {', '.join(DIMENSIONS)}")
+        raise AttributeError(
+            f"ParallelGroups has no group {name!r}; groups: {', '.join(DIMENSIONS)}"
+        )
 
     def __getitem__(self, name: str) -> Communicator:
         try:

@@ -8,9 +8,16 @@ from dataclasses import dataclass
 from .errors import TransportUnavailable
 
 OPS = (
-    "all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all",
-    "send", "recv", "barrier",
-)  # fmt: skip
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "send",
+    "recv",
+    "barrier",
+)
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
 # Messages at or below this many bytes form the "small" class; the plan may choose per class.
 SMALL_BYTES = 64 * 1024
@@ -142,8 +149,11 @@ def _choose_device(
         else:
             rejected.append(f"nccl: {unavailable.get('nccl') or 'not installed'}")
     else:
-        rejected.append("nccl: CPU-only members" if vendors == ["cpu"]
-                        else f"nccl: members span vendors {', '.join(vendors)}")
+        rejected.append(
+            "nccl: CPU-only members"
+            if vendors == ["cpu"]
+            else f"nccl: members span vendors {', '.join(vendors)}"
+        )
     # one host whose GPUs map each other's memory: one hop over memory beats any hierarchy, even
     # across (simulated) vendor islands; real islands of two vendors cannot map each other
     hosts = {m.host for m in members}
@@ -157,8 +167,9 @@ def _choose_device(
         rejected.append(f"direct: messages up to {direct_min} bytes go staged (HETCOMM_DIRECT_MIN)")
     if len(parts) > 1 and op in COLLECTIVES:
         if "hier" in usable:
-            return Choice("hier",
-                          f"{len(parts)} vendor islands: native inside, staged/direct between")  # fmt: skip
+            return Choice(
+                "hier", f"{len(parts)} vendor islands: native inside, staged/direct between"
+            )
         rejected.append(f"hier: {unavailable.get('hier') or 'not installed'}")
     if not_aware:
         rejected.append(f"mpi: not GPU-aware on ranks {not_aware}")
@@ -167,8 +178,11 @@ def _choose_device(
     else:
         rejected.append(f"mpi: {unavailable.get('mpi') or 'not installed'}")
     if "staged" in usable:
-        return Choice("staged", "no native library or GPU-aware MPI serves these members: "
-                                "staged copies through pinned host memory")  # fmt: skip
+        return Choice(
+            "staged",
+            "no native library or GPU-aware MPI serves these members: "
+            "staged copies through pinned host memory",
+        )
     rejected.append(f"staged: {unavailable.get('staged') or 'not installed'}")
     exc = TransportUnavailable(
         f"group '{group}': no transport can move device buffers for {op}: " + "; ".join(rejected)
@@ -225,9 +239,16 @@ def plan_table(
                 continue  # a barrier moves no buffer
             for cls, nbytes in (("small", SMALL_BYTES), ("large", SMALL_BYTES * 1024)):
                 try:
-                    c = choose(members, op=op, memory=memory, nbytes=nbytes,
-                               requested=requested, unavailable=unavailable, group=group,
-                               direct_min=direct_min)  # fmt: skip
+                    c = choose(
+                        members,
+                        op=op,
+                        memory=memory,
+                        nbytes=nbytes,
+                        requested=requested,
+                        unavailable=unavailable,
+                        group=group,
+                        direct_min=direct_min,
+                    )
                     rows.append((op, memory, cls, c.transport, c.reason))
                 except TransportUnavailable as exc:
                     why = getattr(exc, "why", None) or str(exc).partition(", but ")[2] or str(exc)

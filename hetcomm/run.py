@@ -39,9 +39,12 @@ A command that starts with python and a script, -m module or -c code runs under
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Register `hetcomm run` on the subparsers object of the `hetcomm` command."""
     p = sub.add_parser(
-        "run", help="start a job with the installed MPI launcher (mpirun, mpiexec.hydra, srun)",
-        description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+        "run",
+        help="start a job with the installed MPI launcher (mpirun, mpiexec.hydra, srun)",
+        description=__doc__,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument(
         "-n",
         "-np",
@@ -117,10 +120,18 @@ def _request(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchRequ
         n = int(environ["SLURM_NTASKS"])
     vendors = tuple(v.strip().lower() for v in args.simulate_vendors.split(",") if v.strip())
     return LaunchRequest(
-        command=tuple(command), n=n, hostfile=args.hostfile, hosts=args.hosts, vendors=vendors,
-        simulate_hosts=args.simulate_hosts, rails=args.rails.strip(), bind=args.bind,
-        timeout=args.timeout, tag_output=args.tag_output, mpi4py_abort=args.mpi4py,
-    )  # fmt: skip
+        command=tuple(command),
+        n=n,
+        hostfile=args.hostfile,
+        hosts=args.hosts,
+        vendors=vendors,
+        simulate_hosts=args.simulate_hosts,
+        rails=args.rails.strip(),
+        bind=args.bind,
+        timeout=args.timeout,
+        tag_output=args.tag_output,
+        mpi4py_abort=args.mpi4py,
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -166,15 +177,19 @@ def describe(
     for note in launch.notes:
         print(f"# {note}", file=out)
     print(command_line(launch), file=out)
-    print("# each rank's environment, set by the shim on the rank's own host (computed here "
-          "with this host's devices):", file=out)  # fmt: skip
+    print(
+        "# each rank's environment, set by the shim on the rank's own host (computed here "
+        "with this host's devices):",
+        file=out,
+    )
     for rank, (host, local) in enumerate(launch.placement):
         env = rank_launcher_environ(launch, rank, environ)
         mine = rank_environment(launch.plan, env, root=root, addresses=addresses)
         values = " ".join(f"{k}={shlex.quote(v)}" for k, v in mine.variables.items())
         cpus = f" cpus={format_cpulist(mine.cpus)}" if mine.cpus else ""
-        print(f"rank {rank} ({host}, local rank {local}): {values or '(nothing set)'}{cpus}",
-              file=out)  # fmt: skip
+        print(
+            f"rank {rank} ({host}, local rank {local}): {values or '(nothing set)'}{cpus}", file=out
+        )
         for note in mine.notes[1:]:
             print(f"#   {note}", file=out)
     out.flush()
@@ -206,8 +221,9 @@ def execute(argv: Sequence[str], env: Mapping[str, str], timeout: float | None) 
         for s, handler in previous.items():
             signal.signal(s, handler)
     if timed_out:
-        print(f"hetcomm run: the job ran past --timeout {timeout:g} s and was ended",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"hetcomm run: the job ran past --timeout {timeout:g} s and was ended", file=sys.stderr
+        )
         return TIMEOUT_EXIT
     return 128 - code if code < 0 else code
 

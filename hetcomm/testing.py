@@ -25,8 +25,12 @@ if TYPE_CHECKING:
     from .comm import Communicator
 
 
-def simulated_config(rank: int, vendors: Sequence[str] | None = None,
-                     hosts: Sequence[str] | None = None, **options: Any) -> Any:  # fmt: skip
+def simulated_config(
+    rank: int,
+    vendors: Sequence[str] | None = None,
+    hosts: Sequence[str] | None = None,
+    **options: Any,
+) -> Any:
     """The Config a rank gets when `vendors` / `hosts` are cycled over ranks (rank i gets
     vendors[i % len(vendors)]), on top of the environment and `options`."""
     from .config import Config
@@ -66,8 +70,9 @@ def make_comm() -> Iterator[Callable[..., Communicator]]:
 
     made: list[Communicator] = []
 
-    def factory(vendors: Sequence[str] | None = None, hosts: Sequence[str] | None = None,
-                **options: Any) -> Communicator:  # fmt: skip
+    def factory(
+        vendors: Sequence[str] | None = None, hosts: Sequence[str] | None = None, **options: Any
+    ) -> Communicator:
         name = options.pop("name", None)
         config = simulated_config(MPI.COMM_WORLD.Get_rank(), vendors, hosts, **options)
         c = hetcomm.init(config=config, name=name)
@@ -115,8 +120,10 @@ class MpiJob:
     seconds: float
 
     def explain(self) -> str:
-        return (f"exit {self.returncode} after {self.seconds:.1f} s\n--- stdout\n"
-                f"{self.stdout[-4000:]}\n--- stderr\n{self.stderr[-4000:]}")  # fmt: skip
+        return (
+            f"exit {self.returncode} after {self.seconds:.1f} s\n--- stdout\n"
+            f"{self.stdout[-4000:]}\n--- stderr\n{self.stderr[-4000:]}"
+        )
 
     def ranks(self, n: int = 2) -> list[dict[str, Any]]:
         """Every rank's result; fails the test (with the output) unless all n reported cleanly."""
@@ -142,8 +149,9 @@ def mpirun_command() -> tuple[list[str], dict[str, str]] | None:
     exe = str(venv) if venv.exists() else shutil.which("mpirun") or shutil.which("mpiexec")
     if exe is None:
         return None
-    banner = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30,
-                            check=False)  # fmt: skip
+    banner = subprocess.run(
+        [exe, "--version"], capture_output=True, text=True, timeout=30, check=False
+    )
     cmd, env = [exe], {}
     if any(w in (banner.stdout + banner.stderr).lower() for w in ("open mpi", "prrte", "prterun")):
         cmd.append("--oversubscribe")
@@ -157,13 +165,24 @@ def run_mpi_job(argv: list[str], env: dict[str, str], limit: float) -> MpiJob:
     print as `RESULT {json}` (each with a "rank" key)."""
     cmd = ["timeout", "--kill-after=10", str(int(limit)), *argv]
     start = time.monotonic()
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False,
-                          stdin=subprocess.DEVNULL, timeout=limit + 30)  # fmt: skip
+    done = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        stdin=subprocess.DEVNULL,
+        timeout=limit + 30,
+    )
     seconds = time.monotonic() - start
-    results = [json.loads(line[line.index("RESULT {") + 7 :]) for line in done.stdout.splitlines()
-               if "RESULT {" in line]  # fmt: skip
-    return MpiJob(done.returncode, done.stdout, done.stderr,
-                  sorted(results, key=lambda r: r["rank"]), seconds)  # fmt: skip
+    results = [
+        json.loads(line[line.index("RESULT {") + 7 :])
+        for line in done.stdout.splitlines()
+        if "RESULT {" in line
+    ]
+    return MpiJob(
+        done.returncode, done.stdout, done.stderr, sorted(results, key=lambda r: r["rank"]), seconds
+    )
 
 
 @pytest.fixture(scope="session")

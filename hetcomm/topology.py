@@ -1,4 +1,4 @@
-"""Per-rank facts (host, vendor, device, local rank, NICs, GPU-aware MPI), gathered once over MPI."""
+"""Per-rank facts (host, vendor, device, local rank, NICs, GPU-aware MPI), gathered over MPI."""
 
 from __future__ import annotations
 
@@ -90,10 +90,12 @@ class Topology:
         for r in picked:
             local.append(by_host.get(r.host, 0))
             by_host[r.host] = local[-1] + 1
-        return Topology([
-            replace(r, rank=i, local_rank=local[i], local_size=by_host[r.host])
-            for i, r in enumerate(picked)
-        ])  # fmt: skip
+        return Topology(
+            [
+                replace(r, rank=i, local_rank=local[i], local_size=by_host[r.host])
+                for i, r in enumerate(picked)
+            ]
+        )
 
     def fingerprint(self) -> str:
         """A short hash of what shapes performance: hosts, vendors, devices, NICs per rank."""
@@ -109,20 +111,34 @@ class Topology:
             if r.device_uuid:
                 device += f" {r.device_uuid[:12]}"
             nics = ", ".join(f"{n.name} {n.ipv4}/{n.prefixlen}" for n in r.nics) or "-"
-            rows.append((str(r.rank), r.host, vendor, device, f"{r.local_rank}/{r.local_size}",
-                         "yes" if r.gpu_aware else "no", nics))  # fmt: skip
+            rows.append(
+                (
+                    str(r.rank),
+                    r.host,
+                    vendor,
+                    device,
+                    f"{r.local_rank}/{r.local_size}",
+                    "yes" if r.gpu_aware else "no",
+                    nics,
+                )
+            )
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+        return "\n".join(
+            "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows
+        )
 
     def __str__(self) -> str:
         return self.table()
 
 
 def detect_vendor() -> tuple[str, int]:
-    """(vendor, number of visible devices) from the driver files, without importing a GPU library."""
+    """(vendor, number of visible devices) from the driver files, importing no GPU library."""
     if os.path.isdir("/proc/driver/nvidia/gpus") or os.path.exists("/dev/nvidia0"):
-        total = len(os.listdir("/proc/driver/nvidia/gpus")) if os.path.isdir(
-            "/proc/driver/nvidia/gpus") else 1  # fmt: skip
+        total = (
+            len(os.listdir("/proc/driver/nvidia/gpus"))
+            if os.path.isdir("/proc/driver/nvidia/gpus")
+            else 1
+        )
         return "nvidia", _visible(("CUDA_VISIBLE_DEVICES",), total)
     if os.path.exists("/dev/kfd"):
         total = _amd_gpu_count()
@@ -227,8 +243,10 @@ def mpi_gpu_support() -> tuple[bool, str]:
             flag = ctypes.c_int(0)
             if query(ctypes.c_int(gpu_type), ctypes.byref(flag)) == 0 and flag.value:
                 return True, f"MPIX_GPU_query_support({label}) = 1"
-    has_query = any(getattr(lib, s, None) is not None for s in ("MPIX_Query_cuda_support",
-                                                                "MPIX_GPU_query_support"))  # fmt: skip
+    has_query = any(
+        getattr(lib, s, None) is not None
+        for s in ("MPIX_Query_cuda_support", "MPIX_GPU_query_support")
+    )
     if has_query:
         return False, "the MPI library says it is not GPU-aware"
     return False, "no GPU-support query in this MPI: assumed not GPU-aware"
@@ -252,9 +270,14 @@ def local_facts(config: Config) -> dict[str, Any]:
         nics = ()
     aware, how = mpi_gpu_support()
     return {
-        "host": host, "vendor": vendor, "detected_vendor": detected, "visible": visible,
-        "nics": nics, "gpu_aware": aware, "mpi_gpu": how,
-    }  # fmt: skip
+        "host": host,
+        "vendor": vendor,
+        "detected_vendor": detected,
+        "visible": visible,
+        "nics": nics,
+        "gpu_aware": aware,
+        "mpi_gpu": how,
+    }
 
 
 def gather(mpi_comm: Any, config: Config) -> Topology:
@@ -286,12 +309,23 @@ def gather(mpi_comm: Any, config: Config) -> Topology:
             index = nrank % f["visible"]
             if rank == me and f["detected_vendor"] != "cpu":
                 uuid = device_uuid(f["detected_vendor"], index)
-        ranks.append(RankInfo(
-            rank=rank, world_rank=wrank, host=f["host"], vendor=f["vendor"],
-            detected_vendor=f["detected_vendor"], device_index=index, device_uuid=uuid,
-            local_rank=local, local_size=per_host[f["host"]], node=leaders.index(leader),
-            nics=f["nics"], gpu_aware=f["gpu_aware"], mpi_gpu=f["mpi_gpu"],
-        ))  # fmt: skip
+        ranks.append(
+            RankInfo(
+                rank=rank,
+                world_rank=wrank,
+                host=f["host"],
+                vendor=f["vendor"],
+                detected_vendor=f["detected_vendor"],
+                device_index=index,
+                device_uuid=uuid,
+                local_rank=local,
+                local_size=per_host[f["host"]],
+                node=leaders.index(leader),
+                nics=f["nics"],
+                gpu_aware=f["gpu_aware"],
+                mpi_gpu=f["mpi_gpu"],
+            )
+        )
     # UUIDs are known only locally until shared: one more gather, of short strings
     uuids = mpi_comm.allgather(ranks[me].device_uuid)
     return Topology([replace(r, device_uuid=u) for r, u in zip(ranks, uuids)])

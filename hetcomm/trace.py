@@ -82,9 +82,15 @@ class TraceWriter:
         # wall clock of perf_counter's zero: events of all ranks land on one time line
         self._wall0 = time.time() - time.perf_counter()
         self._file: BinaryIO | None = open(self.path, "w+b")  # noqa: SIM115 (closed in close())
-        header = {"displayTimeUnit": "ms",
-                  "otherData": {"producer": "hetcomm", "rank": rank, "host": socket.gethostname(),
-                                "pid": os.getpid()}}  # fmt: skip
+        header = {
+            "displayTimeUnit": "ms",
+            "otherData": {
+                "producer": "hetcomm",
+                "rank": rank,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+            },
+        }
         head = json.dumps(header, separators=(",", ":"))[:-1] + ',"traceEvents":[\n'
         self._file.write(head.encode())
         self._end = self._file.tell()
@@ -105,14 +111,26 @@ class TraceWriter:
         if tid is None:
             tid = self._tids[group] = len(self._tids) + 1
             self._meta("thread_name", tid, {"name": group})
-        args: dict[str, Any] = {"op": work.op, "seq": work.seq, "group": group,
-                                "transport": None, "bytes": None, "stages": None}  # fmt: skip
+        args: dict[str, Any] = {
+            "op": work.op,
+            "seq": work.seq,
+            "group": group,
+            "transport": None,
+            "bytes": None,
+            "stages": None,
+        }
         if work.info:
             args.update(work.info)
-        event = {"name": work.op, "cat": "hetcomm", "ph": "X",
-                 "ts": round((self._wall0 + work._t0) * 1e6, 3),
-                 "dur": round((end - work._t0) * 1e6, 3),
-                 "pid": self.rank, "tid": tid, "args": args}  # fmt: skip
+        event = {
+            "name": work.op,
+            "cat": "hetcomm",
+            "ph": "X",
+            "ts": round((self._wall0 + work._t0) * 1e6, 3),
+            "dur": round((end - work._t0) * 1e6, 3),
+            "pid": self.rank,
+            "tid": tid,
+            "args": args,
+        }
         self._events.append(json.dumps(event, separators=(",", ":"), default=str))
         self.count += 1
         if len(self._events) >= self.flush_every:
@@ -245,10 +263,14 @@ def merge(directory: str, out: str) -> int:
         for event in read_events(path):
             (meta if event.get("ph") == "M" else spans).append(event)
     spans.sort(key=lambda e: (e.get("ts", 0), e.get("pid", 0)))
-    merged = {"displayTimeUnit": "ms",
-              "otherData": {"producer": "hetcomm merge-trace",
-                            "files": [os.path.basename(p) for p in paths]},
-              "traceEvents": meta + spans}  # fmt: skip
+    merged = {
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "producer": "hetcomm merge-trace",
+            "files": [os.path.basename(p) for p in paths],
+        },
+        "traceEvents": meta + spans,
+    }
     with open(out, "w", encoding="utf-8") as f:
         json.dump(merged, f, separators=(",", ":"))
         f.write("\n")

@@ -41,17 +41,22 @@ class Tuning:
 
     def summary(self) -> str:
         """One line per value, for `hetcomm info`."""
-        direct = (str(self.direct_min) if self.direct_min is not None
-                  else self.direct_note or "not measured")  # fmt: skip
+        direct = (
+            str(self.direct_min)
+            if self.direct_min is not None
+            else self.direct_note or "not measured"
+        )
         rails = ", ".join(f"{k} {w:.2f}" for k, w in sorted(self.rail_weights.items())) or "-"
-        return "\n".join([
-            f"file:         {self.path}",
-            f"measured:     {self.measured} by hetcomm {self.version}",
-            f"chunk bytes:  {self.chunk_bytes}",
-            f"slots:        {self.slots}",
-            f"rail weights: {rails}",
-            f"direct_min:   {direct}",
-        ])  # fmt: skip
+        return "\n".join(
+            [
+                f"file:         {self.path}",
+                f"measured:     {self.measured} by hetcomm {self.version}",
+                f"chunk bytes:  {self.chunk_bytes}",
+                f"slots:        {self.slots}",
+                f"rail weights: {rails}",
+                f"direct_min:   {direct}",
+            ]
+        )
 
 
 # ---- choosing from measured medians (pure) ---------------------------------------------------
@@ -61,8 +66,11 @@ def fastest(medians: Mapping[int, float]) -> int:
     """The setting with the smallest median time (the smaller setting on a tie)."""
     if not medians:
         raise ValueError("fastest: no measurements")
-    bad = {k: v for k, v in medians.items() if not (isinstance(v, (int, float)) and v > 0
-                                                   and math.isfinite(v))}  # fmt: skip
+    bad = {
+        k: v
+        for k, v in medians.items()
+        if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v))
+    }
     if bad:
         raise ValueError(f"fastest: expected positive finite times, got {bad}")
     return min(medians, key=lambda k: (medians[k], k))
@@ -73,10 +81,14 @@ def crossover(sizes: Sequence[int], direct_s: Sequence[float], staged_s: Sequenc
     still won, when direct wins at every larger size tried (0 when direct always wins; the
     largest size when direct never wins at the top)."""
     if not sizes or not len(sizes) == len(direct_s) == len(staged_s):
-        raise ValueError(f"crossover: expected one time of each transport per size, got "
-                         f"{len(sizes)} sizes, {len(direct_s)} direct, {len(staged_s)} staged")  # fmt: skip
+        raise ValueError(
+            f"crossover: expected one time of each transport per size, got "
+            f"{len(sizes)} sizes, {len(direct_s)} direct, {len(staged_s)} staged"
+        )
     if list(sizes) != sorted(set(sizes)) or sizes[0] < 0:
-        raise ValueError(f"crossover: sizes must be distinct, ascending and >= 0, got {list(sizes)}")
+        raise ValueError(
+            f"crossover: sizes must be distinct, ascending and >= 0, got {list(sizes)}"
+        )
     first = len(sizes)  # index from which direct wins at every size
     for i in range(len(sizes) - 1, -1, -1):
         if direct_s[i] < staged_s[i]:
@@ -92,8 +104,10 @@ def rail_weights(speeds: Mapping[str, float]) -> dict[str, float]:
     for key, speed in speeds.items():
         kind = key.split()[0]
         best[kind] = max(best.get(kind, 0.0), speed)
-    return {k: round(s / best[k.split()[0]], 3) if best[k.split()[0]] > 0 else 1.0
-            for k, s in speeds.items()}  # fmt: skip
+    return {
+        k: round(s / best[k.split()[0]], 3) if best[k.split()[0]] > 0 else 1.0
+        for k, s in speeds.items()
+    }
 
 
 def resolve_direct_min(explicit: int | None, tuned: Tuning | None) -> tuple[int, str]:
@@ -135,8 +149,10 @@ def parse(data: Any, fingerprint: str, path: str = "") -> Tuning:
     if data.get("schema") != SCHEMA:
         raise ValueError(f"schema {data.get('schema')!r}, this hetcomm reads schema {SCHEMA}")
     if data.get("fingerprint") != fingerprint:
-        raise ValueError(f"measured for topology {data.get('fingerprint')!r}, this job's "
-                         f"topology is {fingerprint!r}")  # fmt: skip
+        raise ValueError(
+            f"measured for topology {data.get('fingerprint')!r}, this job's "
+            f"topology is {fingerprint!r}"
+        )
     chunk = _value(data, "chunk_bytes")
     if not _int(chunk) or chunk < MIN_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes: expected an int >= {MIN_CHUNK_BYTES}, got {chunk!r}")
@@ -164,8 +180,17 @@ def parse(data: Any, fingerprint: str, path: str = "") -> Tuning:
     for key in ("measured", "hetcomm"):
         if not isinstance(data.get(key), str):
             raise ValueError(f"{key}: expected a string, got {data.get(key)!r}")
-    return Tuning(fingerprint, chunk, slots, weights, value, note if value is None else "",
-                  data["measured"], data["hetcomm"], path)  # fmt: skip
+    return Tuning(
+        fingerprint,
+        chunk,
+        slots,
+        weights,
+        value,
+        note if value is None else "",
+        data["measured"],
+        data["hetcomm"],
+        path,
+    )
 
 
 def read(path: Path, fingerprint: str) -> Tuning | None:
@@ -244,10 +269,20 @@ class Sweep:
     repeats: int
 
 
-FULL = Sweep(chunks=(1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB), slots=(2, 4, 8, 16),
-             message=64 * MiB, sizes=tuple(4096 << 2 * i for i in range(8)), repeats=5)  # fmt: skip
-QUICK = Sweep(chunks=(256 << 10, 1 * MiB), slots=(2, 4), message=4 * MiB,
-              sizes=(4096, 64 << 10, 1 * MiB), repeats=3)  # fmt: skip
+FULL = Sweep(
+    chunks=(1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB),
+    slots=(2, 4, 8, 16),
+    message=64 * MiB,
+    sizes=tuple(4096 << 2 * i for i in range(8)),
+    repeats=5,
+)
+QUICK = Sweep(
+    chunks=(256 << 10, 1 * MiB),
+    slots=(2, 4),
+    message=4 * MiB,
+    sizes=(4096, 64 << 10, 1 * MiB),
+    repeats=3,
+)
 
 
 class _Bench:
@@ -301,11 +336,15 @@ class _Bench:
             t0 = time.perf_counter()
             self.once(comm, nbytes)
             times.append(self.mpi.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-        ok = self.peer is None or self.rank % 2 == 0 or bool((self.y[:nbytes] ==
-                                                             self.x[:nbytes]).all())  # fmt: skip
+        ok = (
+            self.peer is None
+            or self.rank % 2 == 0
+            or bool((self.y[:nbytes] == self.x[:nbytes]).all())
+        )
         if not self.mpi.allreduce(ok, op=MPI.LAND):
-            raise RuntimeError(f"hetcomm tune: a {nbytes}-byte message arrived wrong; the "
-                               "measurement is void")  # fmt: skip
+            raise RuntimeError(
+                f"hetcomm tune: a {nbytes}-byte message arrived wrong; the measurement is void"
+            )
         return float(statistics.median(times))
 
 
@@ -350,7 +389,8 @@ def measure(sweep: Sweep, base: Config) -> dict[str, Any] | None:
     chunk = fastest(chunk_s)
     pairs = [(r, r ^ 1) for r in range(0, world.size - 1, 2)]
     shm = base.rails.strip().lower() != "mpi" and any(
-        topo[a].host == topo[b].host and topo[a].node == topo[b].node for a, b in pairs)  # fmt: skip
+        topo[a].host == topo[b].host and topo[a].node == topo[b].node for a, b in pairs
+    )
     slot_s: dict[int, float] = {}
     if shm:
         slot_s = {s: timed(staged(chunk, s), sweep.message) for s in sweep.slots}
@@ -371,32 +411,47 @@ def measure(sweep: Sweep, base: Config) -> dict[str, Any] | None:
     # the direct/staged crossover, where direct can run
     direct: dict[str, Any] = {"value": None}
     cls = registry().get("direct")
-    why = ("the transport is not part of this installation" if cls is None
-           else cls.unavailable(topo))  # fmt: skip
+    why = "the transport is not part of this installation" if cls is None else cls.unavailable(topo)
     if memory == "host":
         why = "no GPU on every rank, so no device buffers to move direct"
     if why is None:
-        d_s = [timed(hetcomm.init(config=plain.with_options(transport="direct"), name="tune"), n)
-               for n in sizes]  # fmt: skip
+        d_s = [
+            timed(hetcomm.init(config=plain.with_options(transport="direct"), name="tune"), n)
+            for n in sizes
+        ]
         s_s = [timed(staged(chunk, slots), n) for n in sizes]
-        direct = {"value": crossover(sizes, d_s, s_s), "sizes": sizes, "direct_s": d_s,
-                  "staged_s": s_s}  # fmt: skip
+        direct = {
+            "value": crossover(sizes, d_s, s_s),
+            "sizes": sizes,
+            "direct_s": d_s,
+            "staged_s": s_s,
+        }
     else:
         direct["note"] = f"not measured: {why}"
     world.close()
     if rank != 0:
         return None
     return {
-        "schema": SCHEMA, "fingerprint": fp, "hetcomm": hetcomm.__version__,
+        "schema": SCHEMA,
+        "fingerprint": fp,
+        "hetcomm": hetcomm.__version__,
         "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "ranks": len(topo), "hosts": topo.hosts(), "vendors": topo.vendors(), "memory": memory,
-        "repeats": sweep.repeats, "message_bytes": sweep.message, "rails_option": base.rails,
+        "ranks": len(topo),
+        "hosts": topo.hosts(),
+        "vendors": topo.vendors(),
+        "memory": memory,
+        "repeats": sweep.repeats,
+        "message_bytes": sweep.message,
+        "rails_option": base.rails,
         "chunk_bytes": {"value": chunk, "median_s": {str(k): v for k, v in chunk_s.items()}},
-        "slots": {"value": slots, "median_s": {str(k): v for k, v in slot_s.items()},
-                  **({} if shm else {"note": "not measured: no shm rail between the pairs"})},
+        "slots": {
+            "value": slots,
+            "median_s": {str(k): v for k, v in slot_s.items()},
+            **({} if shm else {"note": "not measured: no shm rail between the pairs"}),
+        },
         "rails": {k: {"GBps": v, "weight": weights[k]} for k, v in rail_GBps.items()},
         "direct_min": direct,
-    }  # fmt: skip
+    }
 
 
 def _cupy_ok() -> bool:
@@ -416,8 +471,11 @@ def _as_buffer(x: Any) -> Any:
 
 def describe(data: Mapping[str, Any]) -> str:
     """A short text of a cache file's contents (what `hetcomm tune` prints)."""
+
     def medians(entry: Mapping[str, Any]) -> str:
-        return ", ".join(f"{int(k)}: {v * 1e3:.2f} ms" for k, v in entry.get("median_s", {}).items())
+        return ", ".join(
+            f"{int(k)}: {v * 1e3:.2f} ms" for k, v in entry.get("median_s", {}).items()
+        )
 
     direct = data["direct_min"]
     lines = [
@@ -444,8 +502,10 @@ def run_args(args: Any) -> int:
     base = Config.load()
     directory = Path(os.path.expanduser(args.dir)) if args.dir else cache_dir(base)
     if directory is None:
-        raise SystemExit("hetcomm tune: HETCOMM_TUNE_DIR is 'off': give --dir DIR or set it to a "
-                         "directory to write the results to")  # fmt: skip
+        raise SystemExit(
+            "hetcomm tune: HETCOMM_TUNE_DIR is 'off': give --dir DIR or set it to a "
+            "directory to write the results to"
+        )
     sweep = QUICK if args.quick else FULL
     if args.repeats is not None:
         if args.repeats < 1:
@@ -473,13 +533,18 @@ def run_args(args: Any) -> int:
 def add_parser(sub: Any) -> Any:
     """Register `hetcomm tune` on the subparsers object of the `hetcomm` command."""
     p = sub.add_parser(
-        "tune", help="measure the staged chunk size, slots, rail speeds and the direct/staged "
+        "tune",
+        help="measure the staged chunk size, slots, rail speeds and the direct/staged "
         "crossover for this job's topology, and cache them (run under mpirun)",
         description=__doc__,
-    )  # fmt: skip
+    )
     p.add_argument("--quick", action="store_true", help="a tiny sweep (seconds; for tests)")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats per setting "
-                   f"(default {FULL.repeats}, {QUICK.repeats} with --quick)")  # fmt: skip
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help=f"timed repeats per setting (default {FULL.repeats}, {QUICK.repeats} with --quick)",
+    )
     p.add_argument("--dir", default=None, help="write here instead of HETCOMM_TUNE_DIR")
     p.set_defaults(func=run_args)
     return p

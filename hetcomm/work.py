@@ -80,8 +80,20 @@ class Work:
     it moved in), or anything JSON can hold.
     """
 
-    __slots__ = ("_comm", "_done", "_error", "_finish", "_keep", "_poll", "_t0", "_timeout",
-                 "_waiter", "info", "op", "seq")  # fmt: skip
+    __slots__ = (
+        "_comm",
+        "_done",
+        "_error",
+        "_finish",
+        "_keep",
+        "_poll",
+        "_t0",
+        "_timeout",
+        "_waiter",
+        "info",
+        "op",
+        "seq",
+    )
 
     def __init__(
         self,
@@ -141,8 +153,9 @@ class Work:
         if self.test():
             return
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
-            raise InvalidArgument(f"Work.wait: timeout must be a positive number of seconds, "
-                                  f"got {timeout!r}")  # fmt: skip
+            raise InvalidArgument(
+                f"Work.wait: timeout must be a positive number of seconds, got {timeout!r}"
+            )
         limit = timeout if timeout is not None else self._timeout
         if limit is None:
             limit = self._comm.config.timeout
@@ -174,9 +187,14 @@ class Work:
         log.warning(
             "group '%s': %s #%d has waited %.1f s without completing (CommTimeout in %.1f s); "
             "ranks being waited for: unknown (an MPI collective does not say which rank is "
-            "late)\nwhere each thread of this rank is:\n%s", self._comm.name, self.op,
-            self.seq, waited, left, thread_stacks(),
-        )  # fmt: skip
+            "late)\nwhere each thread of this rank is:\n%s",
+            self._comm.name,
+            self.op,
+            self.seq,
+            waited,
+            left,
+            thread_stacks(),
+        )
 
     def exception(self) -> BaseException | None:
         """The error the operation ended with, or None (also while it is still running)."""

@@ -27,8 +27,9 @@ def _copy_bytes(typingctx: Any, dst: types.Type, src: types.Type, nbytes: types.
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         byte_ptr = ir.IntType(8).as_pointer()
         d, s, n = (context.cast(builder, a, t, types.intp) for a, t in zip(args, sig.args))
-        cgutils.raw_memcpy(builder, builder.inttoptr(d, byte_ptr), builder.inttoptr(s, byte_ptr),
-                           n, 1)  # fmt: skip
+        cgutils.raw_memcpy(
+            builder, builder.inttoptr(d, byte_ptr), builder.inttoptr(s, byte_ptr), n, 1
+        )
         return context.get_dummy_value()
 
     return types.void(dst, src, nbytes), codegen
@@ -45,8 +46,9 @@ def _fits(fused: np.ndarray, counts: np.ndarray, itemsize: int) -> bool:
 
 
 @_jit
-def _copy_all(fused: np.ndarray, addresses: np.ndarray, counts: np.ndarray, itemsize: int,
-              into_fused: bool) -> bool:  # fmt: skip
+def _copy_all(
+    fused: np.ndarray, addresses: np.ndarray, counts: np.ndarray, itemsize: int, into_fused: bool
+) -> bool:
     """Each array's bytes to its place in `fused` (into_fused), or back; False when `fused`
     is too small."""
     if not _fits(fused, counts, itemsize):
@@ -65,8 +67,10 @@ def _copy_all(fused: np.ndarray, addresses: np.ndarray, counts: np.ndarray, item
 def _table(fused: np.ndarray, addresses: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """`fused` as bytes, once the tables are int64, one row per array."""
     if addresses.dtype != np.int64 or counts.dtype != np.int64 or addresses.ndim != 1:
-        raise ValueError(f"addresses and counts must be 1-D int64 arrays, got "
-                         f"{addresses.ndim}-D {addresses.dtype} and {counts.dtype}")  # fmt: skip
+        raise ValueError(
+            f"addresses and counts must be 1-D int64 arrays, got "
+            f"{addresses.ndim}-D {addresses.dtype} and {counts.dtype}"
+        )
     if addresses.shape != counts.shape:
         raise ValueError(f"{addresses.size} addresses but {counts.size} counts")
     if fused.ndim != 1 or not fused.flags.c_contiguous:
@@ -75,8 +79,10 @@ def _table(fused: np.ndarray, addresses: np.ndarray, counts: np.ndarray) -> np.n
 
 
 def _too_small(fused: np.ndarray, counts: np.ndarray, itemsize: int) -> ValueError:
-    return ValueError(f"fused holds {fused.nbytes} bytes, the arrays "
-                      f"{int(counts.sum()) * itemsize} (or a count is negative)")  # fmt: skip
+    return ValueError(
+        f"fused holds {fused.nbytes} bytes, the arrays "
+        f"{int(counts.sum()) * itemsize} (or a count is negative)"
+    )
 
 
 def gather(fused: np.ndarray, addresses: np.ndarray, counts: np.ndarray, itemsize: int) -> None:

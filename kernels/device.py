@@ -11,9 +11,16 @@ from typing import Any
 import numpy as np
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reduce.cu")
-_CTYPES = {"bool": "unsigned char", "uint8": "unsigned char", "int8": "signed char",
-           "int16": "short", "int32": "int", "int64": "long long", "float32": "float",
-           "float64": "double"}  # fmt: skip
+_CTYPES = {
+    "bool": "unsigned char",
+    "uint8": "unsigned char",
+    "int8": "signed char",
+    "int16": "short",
+    "int32": "int",
+    "int64": "long long",
+    "float32": "float",
+    "float64": "double",
+}
 _OPS = {"sum": "Sum", "prod": "Prod", "min": "Min", "max": "Max"}
 _BOOL_OPS = {"sum": "Or", "max": "Or", "prod": "And", "min": "And"}
 _THREADS = 256
@@ -71,8 +78,10 @@ class StreamFlags:
     def device_pointer(self, host_ptr: int) -> int:
         """The device address of registered (mapped) host memory, for the current context."""
         out = self._ctypes.c_uint64()
-        _check_driver(self._devptr(self._ctypes.byref(out), self._ctypes.c_void_p(host_ptr), 0),
-                      "cuMemHostGetDevicePointer")  # fmt: skip
+        _check_driver(
+            self._devptr(self._ctypes.byref(out), self._ctypes.c_void_p(host_ptr), 0),
+            "cuMemHostGetDevicePointer",
+        )
         return int(out.value)
 
     def wait(self, stream: Any, dev_ptr: int, value: int) -> None:
@@ -254,8 +263,9 @@ class StagingDevice:
         if event is not None:
             event.synchronize()
 
-    def _copy_async(self, dst: int, src: int, nbytes: int, kind: int, ready: Any,
-                    stream: Any = None) -> Any:  # fmt: skip
+    def _copy_async(
+        self, dst: int, src: int, nbytes: int, kind: int, ready: Any, stream: Any = None
+    ) -> Any:
         """Queue a copy on `stream` (default: this thread's); the returned event marks its end."""
         if nbytes == 0:
             return None
@@ -267,24 +277,71 @@ class StagingDevice:
         event.record(stream)
         return event
 
-    def copy_to_slot_flagged(self, dst: np.ndarray, src: Any, ready: Any, free_word: int,
-                             free_value: int, ready_word: int, ready_value: int) -> None:  # fmt: skip
+    def copy_to_slot_flagged(
+        self,
+        dst: np.ndarray,
+        src: Any,
+        ready: Any,
+        free_word: int,
+        free_value: int,
+        ready_word: int,
+        ready_value: int,
+    ) -> None:
         """On the outbound stream: wait until the receiver's flag `free_word` reaches
         `free_value` (its copy out of the slot has ended; 0: nothing to wait for), copy `src`
         into the slot, then set `ready_word` to `ready_value`. Nothing is waited for here."""
-        self._flagged_copy(self._outbound_stream(), _addr(dst), src.dev, src.nbytes, 2, ready,
-                           free_word, free_value, ready_word, ready_value)  # fmt: skip
+        self._flagged_copy(
+            self._outbound_stream(),
+            _addr(dst),
+            src.dev,
+            src.nbytes,
+            2,
+            ready,
+            free_word,
+            free_value,
+            ready_word,
+            ready_value,
+        )
 
-    def copy_from_slot_flagged(self, dst: Any, src: np.ndarray, ready: Any, ready_word: int,
-                               ready_value: int, free_word: int, free_value: int) -> None:  # fmt: skip
+    def copy_from_slot_flagged(
+        self,
+        dst: Any,
+        src: np.ndarray,
+        ready: Any,
+        ready_word: int,
+        ready_value: int,
+        free_word: int,
+        free_value: int,
+    ) -> None:
         """On this thread's stream: wait until the sender's flag `ready_word` reaches
         `ready_value` (its copy into the slot has ended), copy the slot into `dst`, then set
         `free_word` to `free_value`. Nothing is waited for here."""
-        self._flagged_copy(self._stream(), dst.dev, _addr(src), dst.nbytes, 1, ready,
-                           ready_word, ready_value, free_word, free_value)  # fmt: skip
+        self._flagged_copy(
+            self._stream(),
+            dst.dev,
+            _addr(src),
+            dst.nbytes,
+            1,
+            ready,
+            ready_word,
+            ready_value,
+            free_word,
+            free_value,
+        )
 
-    def _flagged_copy(self, stream: Any, dst: int, src: int, nbytes: int, kind: int, ready: Any,
-                      wait_word: int, wait_value: int, set_word: int, set_value: int) -> None:  # fmt: skip
+    def _flagged_copy(
+        self,
+        stream: Any,
+        dst: int,
+        src: int,
+        nbytes: int,
+        kind: int,
+        ready: Any,
+        wait_word: int,
+        wait_value: int,
+        set_word: int,
+        set_value: int,
+    ) -> None:
         """Queue on `stream`: the caller's event, a wait until `wait_word` reaches `wait_value`
         (0: none), the copy, then `set_value` written to `set_word`."""
         flags = stream_flags()
@@ -307,8 +364,7 @@ class StagingDevice:
 
     def copy_to_host_async(self, dst: np.ndarray, src: Any, ready: Any) -> Any:
         """A copy into a shared slot (on the one outbound stream); the event of its end."""
-        return self._copy_async(_addr(dst), src.dev, src.nbytes, 2, ready,
-                                self._outbound_stream())  # fmt: skip
+        return self._copy_async(_addr(dst), src.dev, src.nbytes, 2, ready, self._outbound_stream())
 
     def copy_from_host_async(self, dst: Any, src: np.ndarray, ready: Any) -> Any:
         return self._copy_async(dst.dev, _addr(src), dst.nbytes, 1, ready)
@@ -397,7 +453,8 @@ def kernel(name: str, source: str = _SOURCE) -> Any:
             with open(source) as f:
                 code = f.read()
             module = _MODULES[source, name] = cupy.RawModule(
-                code=code, options=("-std=c++14",), name_expressions=[name])
+                code=code, options=("-std=c++14",), name_expressions=[name]
+            )
         found = _FUNCTIONS[key] = module.get_function(name)
         return found
 
@@ -405,8 +462,9 @@ def kernel(name: str, source: str = _SOURCE) -> Any:
 _FUNCTIONS: dict[tuple[str, str, int], Any] = {}
 
 
-def launch_on(stream: Any, name: str, args: tuple[Any, ...], count: int,
-              source: str = _SOURCE) -> None:  # fmt: skip
+def launch_on(
+    stream: Any, name: str, args: tuple[Any, ...], count: int, source: str = _SOURCE
+) -> None:
     """Queue kernel `name` over `count` elements on `stream` (a cupy Stream); no waiting."""
     blocks = max(1, min(4096, (count + _THREADS - 1) // _THREADS))
     with stream:

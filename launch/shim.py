@@ -21,8 +21,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     text = os.environ.get(PLAN_VARIABLE)
     if text is None:
-        print(f"hetcomm shim: {PLAN_VARIABLE} is not set; start ranks with `hetcomm run`.\n"
-              f"{USAGE}", file=sys.stderr)  # fmt: skip
+        print(
+            f"hetcomm shim: {PLAN_VARIABLE} is not set; start ranks with `hetcomm run`.\n{USAGE}",
+            file=sys.stderr,
+        )
         return 2
     try:
         plan = LaunchPlan.from_json(text)
@@ -43,8 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         os.execvpe(args[0], args, env)
     except OSError as e:
-        print(f"hetcomm shim: rank {mine.rank}: cannot start {args[0]!r}: {e.strerror or e}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"hetcomm shim: rank {mine.rank}: cannot start {args[0]!r}: {e.strerror or e}",
+            file=sys.stderr,
+        )
         return 127 if isinstance(e, FileNotFoundError) else 126
     return 0  # not reached: execvpe does not return
 

@@ -81,18 +81,24 @@ def main() -> None:
                 times[name].append(took[name])
             ratios.append(took["separate"] / took["coalesced"])
     if rank == 0:
-        print(f"{size} ranks, {args.arrays} float32 arrays of {args.bytes} B, {args.repeats} "
-              f"repeats after {args.warmup} warm-up")  # fmt: skip
+        print(
+            f"{size} ranks, {args.arrays} float32 arrays of {args.bytes} B, {args.repeats} "
+            f"repeats after {args.warmup} warm-up"
+        )
         print("| way | median | p10-p90 | spread (max-min)/median |")
         print("|---|---:|---:|---:|")
         for name, ts in times.items():
             med = statistics.median(ts)
-            print(f"| {name} | {med * 1e3:.2f} ms | {percentile(ts, 0.1) * 1e3:.2f}-"
-                  f"{percentile(ts, 0.9) * 1e3:.2f} ms | {(max(ts) - min(ts)) / med:.0%} |")  # fmt: skip
+            print(
+                f"| {name} | {med * 1e3:.2f} ms | {percentile(ts, 0.1) * 1e3:.2f}-"
+                f"{percentile(ts, 0.9) * 1e3:.2f} ms | {(max(ts) - min(ts)) / med:.0%} |"
+            )
         ratio = statistics.median(times["separate"]) / statistics.median(times["coalesced"])
-        print(f"separate / coalesced: {ratio:.1f}x (ratio of medians); per-repeat ratios: median "
-              f"{statistics.median(ratios):.1f}x, p10-p90 {percentile(ratios, 0.1):.1f}-"
-              f"{percentile(ratios, 0.9):.1f}x")  # fmt: skip
+        print(
+            f"separate / coalesced: {ratio:.1f}x (ratio of medians); per-repeat ratios: median "
+            f"{statistics.median(ratios):.1f}x, p10-p90 {percentile(ratios, 0.1):.1f}-"
+            f"{percentile(ratios, 0.9):.1f}x"
+        )
     world.close()
 
 
@@ -102,8 +108,14 @@ def parts(args: argparse.Namespace) -> None:
     count = args.bytes // 4
     xs = [np.ones(count, dtype=np.float32) for _ in range(args.arrays)]
     flat = np.ones(count * args.arrays, dtype=np.float32)
-    names = ("check and group", "pack", "fused all_reduce", "unpack", "raw Allreduce, same bytes",
-             "fused all_reduce, started from the calling thread")  # fmt: skip
+    names = (
+        "check and group",
+        "pack",
+        "fused all_reduce",
+        "unpack",
+        "raw Allreduce, same bytes",
+        "fused all_reduce, started from the calling thread",
+    )
     times: dict[str, list[float]] = {name: [] for name in names}
     for repeat in range(args.warmup + args.repeats):
         world.mpi.Barrier()
@@ -139,8 +151,10 @@ def parts(args: argparse.Namespace) -> None:
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     slowest = world.mpi.allreduce(list(medians.values()), op=_max_each)
     if world.rank == 0:
-        print(f"{world.size} ranks, {args.arrays} float32 arrays of {args.bytes} B: median per "
-              f"piece (slowest rank), {args.repeats} repeats")  # fmt: skip
+        print(
+            f"{world.size} ranks, {args.arrays} float32 arrays of {args.bytes} B: median per "
+            f"piece (slowest rank), {args.repeats} repeats"
+        )
         for name, t in zip(names, slowest):
             print(f"| {name} | {t * 1e3:.2f} ms |")
     world.close()

@@ -30,11 +30,14 @@ import hetcomm.torch  # noqa: F401  (registers the backend)
 def make_model(width: int) -> torch.nn.Module:
     torch.manual_seed(1234)
     return torch.nn.Sequential(
-        torch.nn.Linear(width, 2 * width), torch.nn.ReLU(),
-        torch.nn.Linear(2 * width, 2 * width), torch.nn.ReLU(),
-        torch.nn.Linear(2 * width, width), torch.nn.ReLU(),
+        torch.nn.Linear(width, 2 * width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(2 * width, 2 * width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(2 * width, width),
+        torch.nn.ReLU(),
         torch.nn.Linear(width, width),
-    )  # fmt: skip
+    )
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -100,15 +103,19 @@ def main() -> None:
     # the slowest rank decides a step: take the per-sample maximum over ranks
     mine = {k: v for k, v in sorted(times.items())}
     every = MPI.COMM_WORLD.gather(mine, root=0)
-    diff = max(float((a - b).abs().max())
-               for a, b in zip(models["hetcomm"].parameters(), models["gloo"].parameters()))
+    diff = max(
+        float((a - b).abs().max())
+        for a, b in zip(models["hetcomm"].parameters(), models["gloo"].parameters())
+    )
     diff = MPI.COMM_WORLD.allreduce(diff, op=MPI.MAX)
     if rank == 0:
         assert every is not None
-        print(f"\n{size} ranks, {cores} cores, {torch.get_num_threads()} torch threads per rank, "
-              f"{params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MiB of float32 "
-              f"gradients), batch {args.batch}, {args.rounds} rounds x {args.steps} steps; after "
-              f"training, parameters differ between the backends by at most {diff:.2g}\n")  # fmt: skip
+        print(
+            f"\n{size} ranks, {cores} cores, {torch.get_num_threads()} torch threads per rank, "
+            f"{params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MiB of float32 "
+            f"gradients), batch {args.batch}, {args.rounds} rounds x {args.steps} steps; after "
+            f"training, parameters differ between the backends by at most {diff:.2g}\n"
+        )
         print("| ranks | what | backend | median ms | p10-p90 ms | vs gloo |")
         print("| ---: | --- | --- | ---: | --- | ---: |")
         for what in ("DDP step", "all_reduce"):
@@ -117,12 +124,17 @@ def main() -> None:
                 if (what, name) not in every[0]:
                     continue
                 samples = [max(col) for col in zip(*(e[(what, name)] for e in every))]
-                rows[name] = (statistics.median(samples), percentile(samples, 0.1),
-                              percentile(samples, 0.9))  # fmt: skip
+                rows[name] = (
+                    statistics.median(samples),
+                    percentile(samples, 0.1),
+                    percentile(samples, 0.9),
+                )
             for name, (median, lo, hi) in rows.items():
                 label = "none (no_sync)" if name == "none" else name
-                print(f"| {size} | {what} | {label} | {median * 1e3:.1f} | "
-                      f"{lo * 1e3:.1f}-{hi * 1e3:.1f} | {median / rows['gloo'][0]:.2f} |")  # fmt: skip
+                print(
+                    f"| {size} | {what} | {label} | {median * 1e3:.1f} | "
+                    f"{lo * 1e3:.1f}-{hi * 1e3:.1f} | {median / rows['gloo'][0]:.2f} |"
+                )
     dist.destroy_process_group()
 
 

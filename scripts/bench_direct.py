@@ -77,8 +77,9 @@ def copy16(dst: int, src: int, nbytes: int) -> None:
     """hetcomm's 16-byte copy kernel on the current stream."""
     from hetcomm.kernels.device import kernel
 
-    kernel("copy16")((2048,), (512,), (cupy.uint64(dst), cupy.uint64(src),
-                                       cupy.uint64(nbytes // 16)))  # fmt: skip
+    kernel("copy16")(
+        (2048,), (512,), (cupy.uint64(dst), cupy.uint64(src), cupy.uint64(nbytes // 16))
+    )
 
 
 def alone(world: MPI.Intracomm, fn, *args):
@@ -154,16 +155,30 @@ def p2p(out: str) -> None:
     rows = []
     rate = alone(world, copy_rate, 256 * MiB)
     rows.append({"case": "device-to-device copy", "bytes": 256 * MiB, "GBps": rate / 1e9})
-    rows.append({"case": "copy16 kernel", "bytes": 256 * MiB,
-                 "GBps": alone(world, kernel_copy_rate, 256 * MiB) / 1e9})
+    rows.append(
+        {
+            "case": "copy16 kernel",
+            "bytes": 256 * MiB,
+            "GBps": alone(world, kernel_copy_rate, 256 * MiB) / 1e9,
+        }
+    )
     for how, ipc_rate in ipc_copy_rates(world, 256 * MiB).items():
-        rows.append({"case": f"copy through the IPC mapping ({how})", "bytes": 256 * MiB,
-                     "GBps": ipc_rate / 1e9})  # fmt: skip
+        rows.append(
+            {
+                "case": f"copy through the IPC mapping ({how})",
+                "bytes": 256 * MiB,
+                "GBps": ipc_rate / 1e9,
+            }
+        )
     # the caller's arrays on the default stream, or on a stream of its own (then an operation
     # queued while the stream is idle waits for no event of it)
     own = cupy.cuda.Stream(non_blocking=True)
-    cases = [("direct", "kernel", None), ("direct", "memcpy", None), ("direct", "memcpy", own),
-             ("staged", "", None)]  # fmt: skip
+    cases = [
+        ("direct", "kernel", None),
+        ("direct", "memcpy", None),
+        ("direct", "memcpy", own),
+        ("staged", "", None),
+    ]
     if own_gpus(world):
         cases.append(("nccl", "", None))
     for transport, how, stream in cases:
@@ -185,15 +200,23 @@ def p2p(out: str) -> None:
 
             med, spread = median_time(start, world, 25 if size <= MiB else 9)
             ok = r != 1 or bool((y == x).all())
-            rows.append({"case": f"{name} send/recv", "bytes": size, "time_us": med * 1e6,
-                         "GBps": size / med / 1e9, "spread": round(spread, 3),
-                         "ok": bool(world.allreduce(ok, op=MPI.LAND))})  # fmt: skip
+            rows.append(
+                {
+                    "case": f"{name} send/recv",
+                    "bytes": size,
+                    "time_us": med * 1e6,
+                    "GBps": size / med / 1e9,
+                    "spread": round(spread, 3),
+                    "ok": bool(world.allreduce(ok, op=MPI.LAND)),
+                }
+            )
             if size >= 64 * 1024:
                 y[:] = 0
                 few, many = (2, 6) if transport == "staged" and size > 16 * MiB else (8, 32)
                 if transport == "nccl" and size > 16 * MiB:
                     few, many = (4, 12)
                 reps = 9 if size <= 16 * MiB else 5
+
                 def go(start=start):
                     return start(async_op=True)
 
@@ -201,11 +224,18 @@ def p2p(out: str) -> None:
                 per, spread = back_to_back(go, world, many, reps)
                 ok = r != 1 or bool((y == x).all())
                 steady = (many * per - few * p1) / (many - few)
-                rows.append({"case": f"{name} send/recv, {many} back to back", "bytes": size,
-                             "time_us": per * 1e6, "GBps": size / per / 1e9,
-                             "steady_us": steady * 1e6, "steady_GBps": size / steady / 1e9,
-                             "spread": round(spread, 3),
-                             "ok": bool(world.allreduce(ok, op=MPI.LAND))})  # fmt: skip
+                rows.append(
+                    {
+                        "case": f"{name} send/recv, {many} back to back",
+                        "bytes": size,
+                        "time_us": per * 1e6,
+                        "GBps": size / per / 1e9,
+                        "steady_us": steady * 1e6,
+                        "steady_GBps": size / steady / 1e9,
+                        "spread": round(spread, 3),
+                        "ok": bool(world.allreduce(ok, op=MPI.LAND)),
+                    }
+                )
         cupy.cuda.Stream.null.use()
         comm.close()
     direct.PEER_COPY = "memcpy"
@@ -223,8 +253,13 @@ def allreduce(out: str) -> None:
     separate = own_gpus(world)
     if separate:
         for how, ipc_rate in ipc_copy_rates(world, 256 * MiB).items():
-            rows.append({"case": f"copy through the IPC mapping ({how})", "bytes": 256 * MiB,
-                         "GBps": ipc_rate / 1e9})  # fmt: skip
+            rows.append(
+                {
+                    "case": f"copy through the IPC mapping ({how})",
+                    "bytes": 256 * MiB,
+                    "GBps": ipc_rate / 1e9,
+                }
+            )
     for transport in ("direct", "staged") + (("nccl",) if separate else ()):
         comm = _comm(transport, r)
         for nbytes in sizes:
@@ -236,36 +271,61 @@ def allreduce(out: str) -> None:
             x[:] = 1
             comm.all_reduce(x)
             ok = bool(world.allreduce(bool((x == n).all()), op=MPI.LAND))
-            row = {"case": f"{transport} all_reduce", "ranks": n, "bytes": nbytes,
-                   "time_us": med * 1e6, "algbw": nbytes / med / 1e9,
-                   "busbw": nbytes / med / 1e9 * factor, "spread": round(spread, 3), "ok": ok}
+            row = {
+                "case": f"{transport} all_reduce",
+                "ranks": n,
+                "bytes": nbytes,
+                "time_us": med * 1e6,
+                "algbw": nbytes / med / 1e9,
+                "busbw": nbytes / med / 1e9 * factor,
+                "spread": round(spread, 3),
+                "ok": ok,
+            }
             if transport == "direct" and nbytes >= 64 * MiB and not separate:
-                floor = n * 2 * nbytes / (2 * rate)  # each input read once, each output written once
+                floor = (
+                    n * 2 * nbytes / (2 * rate)
+                )  # each input read once, each output written once
                 row["floor_us"] = floor * 1e6
                 row["x_floor"] = med / floor
             rows.append(row)
             if transport == "direct" and nbytes >= 256 * MiB and not separate:
+
                 def go(comm=comm, x=x):
                     return comm.all_reduce(x, async_op=True)
 
                 p1, _ = back_to_back(go, world, 2, reps)
                 per, spread3 = back_to_back(go, world, 8, reps)
                 steady = (8 * per - 2 * p1) / 6
-                rows.append({**row, "case": "direct all_reduce, 8 back to back",
-                             "time_us": per * 1e6, "algbw": nbytes / per / 1e9,
-                             "busbw": nbytes / per / 1e9 * factor, "spread": round(spread3, 3),
-                             "x_floor": per / floor, "steady_us": steady * 1e6,
-                             "steady_x_floor": steady / floor})  # fmt: skip
+                rows.append(
+                    {
+                        **row,
+                        "case": "direct all_reduce, 8 back to back",
+                        "time_us": per * 1e6,
+                        "algbw": nbytes / per / 1e9,
+                        "busbw": nbytes / per / 1e9 * factor,
+                        "spread": round(spread3, 3),
+                        "x_floor": per / floor,
+                        "steady_us": steady * 1e6,
+                        "steady_x_floor": steady / floor,
+                    }
+                )
             if transport == "direct" and nbytes == 256 * MiB and not separate:
                 # the same with every rank reducing its own shard (ranks on separate GPUs)
                 t = comm._transports["direct"]
                 t.shared, shared = False, t.shared
                 med2, spread2 = median_time(lambda comm=comm, x=x: comm.all_reduce(x), world, reps)
                 t.shared = shared
-                rows.append({**row, "case": "direct all_reduce (two-shot, no leader)",
-                             "time_us": med2 * 1e6, "algbw": nbytes / med2 / 1e9,
-                             "busbw": nbytes / med2 / 1e9 * factor, "spread": round(spread2, 3),
-                             "x_floor": med2 / floor})  # fmt: skip
+                rows.append(
+                    {
+                        **row,
+                        "case": "direct all_reduce (two-shot, no leader)",
+                        "time_us": med2 * 1e6,
+                        "algbw": nbytes / med2 / 1e9,
+                        "busbw": nbytes / med2 / 1e9 * factor,
+                        "spread": round(spread2, 3),
+                        "x_floor": med2 / floor,
+                    }
+                )
             del x
         if transport == "direct":
             t = comm._transports.get("direct")
@@ -282,8 +342,13 @@ def profile(out: str) -> None:
     r = world.Get_rank()
     comm = _comm("direct", r)
     rows = []
-    for case, size in (("send/recv", 8), ("send/recv", 64 * 1024), ("send/recv", 256 * MiB),
-                       ("all_reduce", 1024), ("all_reduce", 256 * MiB)):  # fmt: skip
+    for case, size in (
+        ("send/recv", 8),
+        ("send/recv", 64 * 1024),
+        ("send/recv", 256 * MiB),
+        ("all_reduce", 1024),
+        ("all_reduce", 256 * MiB),
+    ):
         x = cupy.ones(max(size // 4, 2), dtype=cupy.float32)
         y = cupy.empty_like(x)
         for i in range(8):  # the last three are profiled
@@ -300,8 +365,14 @@ def profile(out: str) -> None:
             if direct_proxy.stamp.marks is None:
                 continue
             marks = [(round((t - t0) * 1e6, 1), what) for t, what in direct_proxy.stamp.marks]
-            rows.append({"case": f"{case} {size} B", "rank": r,
-                         "total_us": round((t1 - t0) * 1e6, 1), "marks_us": marks})  # fmt: skip
+            rows.append(
+                {
+                    "case": f"{case} {size} B",
+                    "rank": r,
+                    "total_us": round((t1 - t0) * 1e6, 1),
+                    "marks_us": marks,
+                }
+            )
         direct_proxy.stamp.marks = None
     every = world.gather(rows, root=0)
     comm.close()
@@ -345,19 +416,29 @@ def pieces(out: str) -> None:
             spin(svc.Irecv(small, 0, 7))
             spin(svc.Isend(small, 0, 8))
 
-    rows.append({"case": "MPI message between Python threads, one way",
-                 "us": rounds(ping, 2000) / 2 * 1e6})  # fmt: skip
+    rows.append(
+        {"case": "MPI message between Python threads, one way", "us": rounds(ping, 2000) / 2 * 1e6}
+    )
     null, own = cupy.cuda.Stream.null, cupy.cuda.Stream(non_blocking=True)
     for name, stream in (("default stream", null), ("own stream", own)):
+
         def record(stream=stream) -> None:
             e = cupy.cuda.Event(disable_timing=True)
             e.record(stream)
             e.synchronize()
 
-        rows.append({"case": f"event recorded on the {name} and waited for",
-                     "us": rounds(record, 2000) * 1e6})  # fmt: skip
-    rows.append({"case": "Device().synchronize()",
-                 "us": rounds(lambda: cupy.cuda.Device().synchronize(), 2000) * 1e6})
+        rows.append(
+            {
+                "case": f"event recorded on the {name} and waited for",
+                "us": rounds(record, 2000) * 1e6,
+            }
+        )
+    rows.append(
+        {
+            "case": "Device().synchronize()",
+            "us": rounds(lambda: cupy.cuda.Device().synchronize(), 2000) * 1e6,
+        }
+    )
     a = cupy.ones(nbytes, dtype=cupy.uint8)
     handle = svc.sendrecv(cupy.cuda.runtime.ipcGetMemHandle(a.data.ptr), peer, 0, None, peer, 0)
     src = cupy.cuda.runtime.ipcOpenMemHandle(handle)
@@ -370,10 +451,16 @@ def pieces(out: str) -> None:
         e.record(own)
         e.synchronize()
 
-    rows.append({"case": "64 KiB copy through the IPC mapping, queued and waited for, both "
-                 "ranks at once", "us": rounds(copy, 1000) * 1e6})  # fmt: skip
-    rows.append({"case": "the same, one rank", "us": rounds(copy if r else (lambda: None), 1000)
-                 * 1e6})  # fmt: skip
+    rows.append(
+        {
+            "case": "64 KiB copy through the IPC mapping, queued and waited for, both "
+            "ranks at once",
+            "us": rounds(copy, 1000) * 1e6,
+        }
+    )
+    rows.append(
+        {"case": "the same, one rank", "us": rounds(copy if r else (lambda: None), 1000) * 1e6}
+    )
 
     def turns(both: bool) -> None:
         # a ping-pong of 64 KiB copies: each rank copies in its turn (both), or rank 0 copies
@@ -390,22 +477,38 @@ def pieces(out: str) -> None:
                 copy()
             spin(svc.Isend(small, 0, 8))
 
-    rows.append({"case": "64 KiB copies, the ranks' processes in turn (a message between), "
-                 "per copy", "us": rounds(lambda: turns(True), 500) / 2 * 1e6})  # fmt: skip
-    rows.append({"case": "64 KiB copies, all by rank 0's process, per copy",
-                 "us": rounds(lambda: turns(False), 500) / 2 * 1e6})  # fmt: skip
+    rows.append(
+        {
+            "case": "64 KiB copies, the ranks' processes in turn (a message between), per copy",
+            "us": rounds(lambda: turns(True), 500) / 2 * 1e6,
+        }
+    )
+    rows.append(
+        {
+            "case": "64 KiB copies, all by rank 0's process, per copy",
+            "us": rounds(lambda: turns(False), 500) / 2 * 1e6,
+        }
+    )
 
     def launches(n: int = 500) -> None:  # queueing copies from the mapping, one wait at the end
         for _ in range(n):
             cupy.cuda.runtime.memcpyAsync(b.data.ptr, src, nbytes, 3, own.ptr)
         own.synchronize()
 
-    rows.append({"case": "queueing a 64 KiB copy from the IPC mapping (cudaMemcpyAsync), one "
-                 "rank", "us": rounds(launches if r else (lambda: None), 1) / 500 * 1e6})
+    rows.append(
+        {
+            "case": "queueing a 64 KiB copy from the IPC mapping (cudaMemcpyAsync), one rank",
+            "us": rounds(launches if r else (lambda: None), 1) / 500 * 1e6,
+        }
+    )
     mark = cupy.cuda.Event(disable_timing=True)
     mark.record(null)
-    rows.append({"case": "a stream waiting for an event of the default stream (streamWaitEvent)",
-                 "us": rounds(lambda: own.wait_event(mark), 2000) * 1e6})  # fmt: skip
+    rows.append(
+        {
+            "case": "a stream waiting for an event of the default stream (streamWaitEvent)",
+            "us": rounds(lambda: own.wait_event(mark), 2000) * 1e6,
+        }
+    )
     own.synchronize()
     world.Barrier()
     cupy.cuda.runtime.ipcCloseMemHandle(src)
@@ -428,13 +531,24 @@ def pieces(out: str) -> None:
                     comm.recv(y, 0)
 
             med, spread = median_time(one, world, 41)
-            rows.append({"case": f"{transport} send/recv, one at a time", "bytes": size,
-                         "us": med * 1e6, "spread": round(spread, 3)})  # fmt: skip
+            rows.append(
+                {
+                    "case": f"{transport} send/recv, one at a time",
+                    "bytes": size,
+                    "us": med * 1e6,
+                    "spread": round(spread, 3),
+                }
+            )
             if transport == "direct" and size == nbytes:
                 rows.extend(_profiled(pingpong, world))
-            rows.append({"case": f"{transport} send/recv ping-pong, half a round trip",
-                         "bytes": size, "us": rounds(pingpong, 200) / 2 * 1e6,
-                         "ok": bool(world.allreduce(bool((y == x).all()), op=MPI.LAND))})
+            rows.append(
+                {
+                    "case": f"{transport} send/recv ping-pong, half a round trip",
+                    "bytes": size,
+                    "us": rounds(pingpong, 200) / 2 * 1e6,
+                    "ok": bool(world.allreduce(bool((y == x).all()), op=MPI.LAND)),
+                }
+            )
         comm.close()
     svc.Free()
     _save(out, rows, r)
@@ -461,15 +575,22 @@ def latency(out: str) -> None:
     r = world.Get_rank()
     made = {t: _comm(t, r) for t in ("direct", "staged")}
     # name -> (communicator, whether a blocking call leaves the idle proxy asleep)
-    comms = {"direct": (made["direct"], True),
-             "direct, proxy woken by every call": (made["direct"], False),
-             "staged": (made["staged"], True)}  # fmt: skip
+    comms = {
+        "direct": (made["direct"], True),
+        "direct, proxy woken by every call": (made["direct"], False),
+        "staged": (made["staged"], True),
+    }
     own = cupy.cuda.Stream(non_blocking=True)
     null = cupy.cuda.Stream.null
-    cases = [(size, name, stream) for size in (8, 64 * 1024)
-             for name, stream in (("default stream", null), ("own stream", own))]  # fmt: skip
-    arrays = {size: (cupy.arange(size, dtype=cupy.uint8), cupy.zeros(size, dtype=cupy.uint8))
-              for size in (8, 64 * 1024)}  # fmt: skip
+    cases = [
+        (size, name, stream)
+        for size in (8, 64 * 1024)
+        for name, stream in (("default stream", null), ("own stream", own))
+    ]
+    arrays = {
+        size: (cupy.arange(size, dtype=cupy.uint8), cupy.zeros(size, dtype=cupy.uint8))
+        for size in (8, 64 * 1024)
+    }
     times: dict[tuple, list[float]] = {}
     oks = []
 
@@ -486,6 +607,7 @@ def latency(out: str) -> None:
             for transport, (comm, lazy) in comms.items():
                 direct_proxy.LAZY_WAKE = lazy
                 with stream:
+
                     def pingpong(comm=comm, x=x, y=y) -> None:
                         _pingpong(comm, r, x, y)
 
@@ -508,9 +630,14 @@ def latency(out: str) -> None:
     ok = bool(world.allreduce(all(oks), op=MPI.LAND))
     rows = []
     for (transport, size, name, how), ts in times.items():
-        row = {"case": f"{transport} send/recv, {how}, {name}", "bytes": size,
-               "us": statistics.median(ts) * 1e6, "min_us": min(ts) * 1e6,
-               "max_us": max(ts) * 1e6, "ok": ok}  # fmt: skip
+        row = {
+            "case": f"{transport} send/recv, {how}, {name}",
+            "bytes": size,
+            "us": statistics.median(ts) * 1e6,
+            "min_us": min(ts) * 1e6,
+            "max_us": max(ts) * 1e6,
+            "ok": ok,
+        }
         if transport != "staged":
             ratios = [s / d for s, d in zip(times[("staged", size, name, how)], ts)]
             row["staged_over_direct_per_round"] = [round(q, 2) for q in ratios]
@@ -540,8 +667,9 @@ def _profiled(fn, world: MPI.Intracomm, n: int = 300) -> list[dict]:
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
     texts = world.gather(text.getvalue(), root=0) or []
-    return [{"case": f"cProfile of {n} ping-pongs, rank {i}", "text": t} for i, t in
-            enumerate(texts)]  # fmt: skip
+    return [
+        {"case": f"cProfile of {n} ping-pongs, rank {i}", "text": t} for i, t in enumerate(texts)
+    ]
 
 
 def calls(out: str) -> None:
@@ -573,14 +701,15 @@ def calls(out: str) -> None:
         "as_buffer(cupy array)": lambda: as_buffer(x),
         "__cuda_array_interface__": lambda: x.__cuda_array_interface__,
         "current_stream + external_stream": lambda: kd.external_stream(
-            kd.current_stream(buf), buf.device_index),
+            kd.current_stream(buf), buf.device_index
+        ),
         "stream.done": lambda: stream.done,
         "with Device(d)": device,
         "Event() + record": event,
         "comm._transport (route lookup)": lambda: comm._transport("all_reduce", buf),
         "all_reduce, 1 rank, blocking": lambda: comm.all_reduce(x),
         "all_reduce, 1 rank, async + wait": lambda: comm.all_reduce(x, async_op=True).wait(),
-    }  # fmt: skip
+    }
     rows = []
     for name, fn in pieces.items():
         rounds = []
@@ -614,6 +743,11 @@ if __name__ == "__main__":
     from hetcomm.topology import use_local_device
 
     use_local_device()
-    {"p2p": p2p, "allreduce": allreduce, "profile": profile, "pieces": pieces,
-     "calls": calls, "latency": latency}[sys.argv[1]](
-        sys.argv[2])
+    {
+        "p2p": p2p,
+        "allreduce": allreduce,
+        "profile": profile,
+        "pieces": pieces,
+        "calls": calls,
+        "latency": latency,
+    }[sys.argv[1]](sys.argv[2])

@@ -54,9 +54,13 @@ def time_round(fn: Callable[[], None], calls: int, world: MPI.Intracomm) -> floa
     return float(world.allreduce((time.perf_counter() - t0) / calls, op=MPI.MAX))
 
 
-def implementations(hier: hetcomm.Communicator, flat: hetcomm.Communicator,
-                    world: MPI.Intracomm, x: np.ndarray,
-                    outs: dict[str, np.ndarray]) -> dict[str, Callable[[], None]]:  # fmt: skip
+def implementations(
+    hier: hetcomm.Communicator,
+    flat: hetcomm.Communicator,
+    world: MPI.Intracomm,
+    x: np.ndarray,
+    outs: dict[str, np.ndarray],
+) -> dict[str, Callable[[], None]]:
     """The same out-of-place all_reduce of `x`, one callable per implementation."""
     return {
         "hier": lambda: hier.all_reduce(x, out=outs["hier"]),
@@ -70,8 +74,11 @@ def main() -> None:
     ap.add_argument("--islands", default="2+2", help="island sizes in rank order (default 2+2)")
     ap.add_argument("--rounds", type=int, default=7, help="timed rounds per size (default 7)")
     ap.add_argument("--json", help="also write the rows to this file")
-    ap.add_argument("--steps", action="store_true",
-                    help="also time hier's steps as raw MPI calls at the largest size")  # fmt: skip
+    ap.add_argument(
+        "--steps",
+        action="store_true",
+        help="also time hier's steps as raw MPI calls at the largest size",
+    )
     args = ap.parse_args()
     world = MPI.COMM_WORLD
     rank, n = world.Get_rank(), world.Get_size()
@@ -110,12 +117,17 @@ def main() -> None:
     if args.steps:
         steps(world, vendor, args.rounds)
     if rank == 0:
-        print(f"\nislands {args.islands} on {n} ranks, {args.rounds} rounds; hier plan: "
-              f"{hier.plan.lookup('all_reduce', 'host', 'large')}")  # fmt: skip
+        print(
+            f"\nislands {args.islands} on {n} ranks, {args.rounds} rounds; hier plan: "
+            f"{hier.plan.lookup('all_reduce', 'host', 'large')}"
+        )
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"islands": args.islands, "ranks": n, "rounds": args.rounds,
-                           "rows": rows}, f, indent=1)  # fmt: skip
+                json.dump(
+                    {"islands": args.islands, "ranks": n, "rounds": args.rounds, "rows": rows},
+                    f,
+                    indent=1,
+                )
     hier.close()
     flat.close()
 
@@ -135,8 +147,9 @@ def steps(world: MPI.Intracomm, vendor: str, rounds: int) -> None:
     calls = {
         "flat Allreduce": lambda: world.Allreduce(x, y),
         "island Reduce_scatter_block": lambda: island.Reduce_scatter_block(x, shard),
-        "shard Sendrecv between islands": lambda: world.Sendrecv(shard, partner, 5, theirs,
-                                                                 partner, 5),
+        "shard Sendrecv between islands": lambda: world.Sendrecv(
+            shard, partner, 5, theirs, partner, 5
+        ),
         "island Allgather": lambda: island.Allgather(shard, y),
     }
     if rank == 0:
@@ -147,8 +160,11 @@ def steps(world: MPI.Intracomm, vendor: str, rounds: int) -> None:
         call()
         times = sorted(time_round(call, 1, world) for _ in range(rounds))
         if rank == 0:
-            print(f"  {name}: {_time(statistics.median(times) * 1e6)} "
-                  f"({_time(times[0] * 1e6)}..{_time(times[-1] * 1e6)})", flush=True)  # fmt: skip
+            print(
+                f"  {name}: {_time(statistics.median(times) * 1e6)} "
+                f"({_time(times[0] * 1e6)}..{_time(times[-1] * 1e6)})",
+                flush=True,
+            )
     island.Free()
 
 
@@ -164,8 +180,10 @@ def _line(row: dict[str, Any]) -> str:
     def cell(name: str) -> str:
         return f"{_time(row[f'{name}_us'])} ({row[f'{name}_spread']:.0%})"
 
-    return (f"| {_size(row['bytes'])} | {cell('hier')} | {cell('flat')} | {cell('mpi4py')} | "
-            f"{row['hier/flat']:.2f}x | {'yes' if row['ok'] else 'NO'} |")
+    return (
+        f"| {_size(row['bytes'])} | {cell('hier')} | {cell('flat')} | {cell('mpi4py')} | "
+        f"{row['hier/flat']:.2f}x | {'yes' if row['ok'] else 'NO'} |"
+    )
 
 
 if __name__ == "__main__":

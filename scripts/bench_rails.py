@@ -75,11 +75,29 @@ def mpirun_command() -> list[str]:
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    job = ["timeout", "--kill-after=10", str(int(args.timeout)), *mpirun_command(), "-n", "2",
-           sys.executable, "-m", "mpi4py", str(Path(__file__).resolve()), *argv]  # fmt: skip
+    job = [
+        "timeout",
+        "--kill-after=10",
+        str(int(args.timeout)),
+        *mpirun_command(),
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "mpi4py",
+        str(Path(__file__).resolve()),
+        *argv,
+    ]
     if "EMULATE_RAILS_NETNS" not in os.environ:
-        job = [str(ROOT / "scripts" / "emulate-rails"), "--rails", str(max(args.counts)),
-               "--rate", args.rate, "--", *job]  # fmt: skip
+        job = [
+            str(ROOT / "scripts" / "emulate-rails"),
+            "--rails",
+            str(max(args.counts)),
+            "--rate",
+            args.rate,
+            "--",
+            *job,
+        ]
     print("+ " + shlex.join(job), file=sys.stderr, flush=True)
     return subprocess.run(job, check=False).returncode
 
@@ -99,13 +117,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
         raise SystemExit("bench_rails: needs exactly 2 ranks")
     addrs = [a for a in os.environ.get("HETCOMM_RAILS", "").split(",") if a]
     if len(addrs) < max(args.counts) or "EMULATE_RAILS_NETNS" not in os.environ:
-        raise SystemExit(f"bench_rails: needs {max(args.counts)} emulated rails; run it through "
-                         f"scripts/emulate-rails (HETCOMM_RAILS={','.join(addrs) or 'unset'})")  # fmt: skip
+        raise SystemExit(
+            f"bench_rails: needs {max(args.counts)} emulated rails; run it through "
+            f"scripts/emulate-rails (HETCOMM_RAILS={','.join(addrs) or 'unset'})"
+        )
     nbytes = int(args.mib * MiB)
     comms, transports = {}, {}
     for k in args.counts:
-        config = hetcomm.Config.load(rails=",".join(addrs[:k]), host=f"host{rank}",
-                                     transport="staged")  # fmt: skip
+        config = hetcomm.Config.load(
+            rails=",".join(addrs[:k]), host=f"host{rank}", transport="staged"
+        )
         comms[k] = hetcomm.init(config=config, name=f"rails{k}")
         comms[k]._transport("send", _buffer(np.zeros(1, np.uint8)))
         transports[k] = comms[k]._transports["staged"]
@@ -146,14 +167,27 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
     rows = []
     for k in args.counts:
         med = statistics.median(samples[k])
-        rows.append({
-            "rails": k, "median_s": med, "min_s": min(samples[k]), "max_s": max(samples[k]),
-            "gbit_s": nbytes * 8 / med / 1e9, "ratio": base / med, "goal": goals.get(k),
-            "shares": shares[k], "samples": samples[k],
-        })  # fmt: skip
-    return {"bytes": nbytes, "rate": rate,
-            "repeats": args.repeats, "chunk_bytes": transports[args.counts[0]].chunk_bytes,
-            "correct": ok, "rows": rows}  # fmt: skip
+        rows.append(
+            {
+                "rails": k,
+                "median_s": med,
+                "min_s": min(samples[k]),
+                "max_s": max(samples[k]),
+                "gbit_s": nbytes * 8 / med / 1e9,
+                "ratio": base / med,
+                "goal": goals.get(k),
+                "shares": shares[k],
+                "samples": samples[k],
+            }
+        )
+    return {
+        "bytes": nbytes,
+        "rate": rate,
+        "repeats": args.repeats,
+        "chunk_bytes": transports[args.counts[0]].chunk_bytes,
+        "correct": ok,
+        "rows": rows,
+    }
 
 
 def _buffer(x: Any) -> Any:
@@ -180,14 +214,17 @@ def table(result: dict[str, Any]) -> str:
         f"chunks of {result['chunk_bytes'] / MiB:g} MiB, median of {result['repeats']}; "
         f"data verified: {'yes' if result['correct'] else 'NO'}",
         "",
-        "| rails | median time (s) | min..max (s) | Gbit/s | ratio to 1 rail | goal | bytes per rail |",
+        "| rails | median time (s) | min..max (s) | Gbit/s | ratio to 1 rail | goal "
+        "| bytes per rail |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in result["rows"]:
         goal = f"≥ {r['goal']}x" if r["goal"] else ""
         shares = " / ".join(f"{s:.0%}" for s in r["shares"])
-        lines.append(f"| {r['rails']} | {r['median_s']:.3f} | {r['min_s']:.3f}..{r['max_s']:.3f} "
-                     f"| {r['gbit_s']:.3f} | {r['ratio']:.2f}x | {goal} | {shares} |")  # fmt: skip
+        lines.append(
+            f"| {r['rails']} | {r['median_s']:.3f} | {r['min_s']:.3f}..{r['max_s']:.3f} "
+            f"| {r['gbit_s']:.3f} | {r['ratio']:.2f}x | {goal} | {shares} |"
+        )
     return "\n".join(lines)
 
 

@@ -5,7 +5,7 @@ mpirun -n 4 python -m mpi4py scripts/bench_staged.py allreduce OUT.json
 mpirun -n 2 python -m mpi4py scripts/bench_staged.py latency OUT.json
 mpirun -n 2 python -m mpi4py scripts/bench_staged.py timeline OUT.json   (one op's pipeline)
 mpirun -n 2 python -m mpi4py scripts/bench_staged.py early OUT.json   (early chunks, ramps)
-mpirun -n 2 python -m mpi4py scripts/bench_staged.py pingstamp OUT.json   (small ping-pongs, stamped)
+mpirun -n 2 python -m mpi4py scripts/bench_staged.py pingstamp OUT.json (small ping-pongs, stamped)
 """
 
 from __future__ import annotations
@@ -70,8 +70,14 @@ def naive_p2p(world: MPI.Intracomm, x: Any, y: Any, repeats: int) -> dict[str, A
             y.set(host)
 
     med, spread = median_time(naive, world, repeats)
-    return {"case": "naive (pageable copy, MPI, copy back)", "bytes": x.nbytes,
-            "time_ms": med * 1e3, "GBps": x.nbytes / med / 1e9, "spread": spread, "ok": True}
+    return {
+        "case": "naive (pageable copy, MPI, copy back)",
+        "bytes": x.nbytes,
+        "time_ms": med * 1e3,
+        "GBps": x.nbytes / med / 1e9,
+        "spread": spread,
+        "ok": True,
+    }
 
 
 def host_memory_rates(nbytes: int) -> list[dict[str, Any]]:
@@ -105,16 +111,23 @@ def host_memory_rates(nbytes: int) -> list[dict[str, Any]]:
     kd.host_register(huge_ptr, nbytes, dev)
     rows = []
     hugename = "anonymous, huge pages " + ("asked" if advised else "not available")
-    kinds = (("pinned (cudaMallocHost)", pinned.ptr),
-             ("shared /dev/shm segment, registered", seg.ptr),
-             (hugename + ", registered", huge_ptr))  # fmt: skip
+    kinds = (
+        ("pinned (cudaMallocHost)", pinned.ptr),
+        ("shared /dev/shm segment, registered", seg.ptr),
+        (hugename + ", registered", huge_ptr),
+    )
     for name, ptr in kinds:
         d2h = gpu_seconds(lambda p=ptr: memcpy(p, src.data.ptr, nbytes, 2), runs=6)
         h2d = gpu_seconds(lambda p=ptr: memcpy(back.data.ptr, p, nbytes, 1), runs=6)
         rows.append({"case": f"device->host, {name}", "bytes": nbytes, "GBps": nbytes / d2h / 1e9})
         rows.append({"case": f"host->device, {name}", "bytes": nbytes, "GBps": nbytes / h2d / 1e9})
-    rows.append({"case": "both ways at once through the shared segment (each way)",
-                 "bytes": nbytes, "GBps": pinned_both_ways(nbytes, seg.ptr, seg.ptr + nbytes) / 1e9})
+    rows.append(
+        {
+            "case": "both ways at once through the shared segment (each way)",
+            "bytes": nbytes,
+            "GBps": pinned_both_ways(nbytes, seg.ptr, seg.ptr + nbytes) / 1e9,
+        }
+    )
     kd.host_unregister(huge_ptr)
     seg.close()
     return rows
@@ -130,8 +143,9 @@ def p2p(out: str) -> None:
     x = cupy.arange(nbytes, dtype=cupy.uint8)
     y = cupy.zeros(nbytes, dtype=cupy.uint8)
     for chunk in (1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB):
-        comm = hetcomm.init(config=hetcomm.Config.load(
-            transport="staged", vendor=("nvidia", "amd")[r % 2]))
+        comm = hetcomm.init(
+            config=hetcomm.Config.load(transport="staged", vendor=("nvidia", "amd")[r % 2])
+        )
         t = comm._transport("send", hetcomm.arrays.as_buffer(x))
         t.chunk_bytes = chunk
 
@@ -143,10 +157,17 @@ def p2p(out: str) -> None:
 
         med, spread = median_time(once, world)
         ok = r != 1 or bool((y == x).all())
-        rows.append({"case": "staged send/recv", "chunk_MiB": chunk // MiB, "bytes": nbytes,
-                     "time_ms": med * 1e3, "GBps": nbytes / med / 1e9, "spread": spread,
-                     "ok": bool(world.allreduce(ok, op=MPI.LAND)),
-                     })
+        rows.append(
+            {
+                "case": "staged send/recv",
+                "chunk_MiB": chunk // MiB,
+                "bytes": nbytes,
+                "time_ms": med * 1e3,
+                "GBps": nbytes / med / 1e9,
+                "spread": spread,
+                "ok": bool(world.allreduce(ok, op=MPI.LAND)),
+            }
+        )
         if chunk >= 4 * MiB:
             # back to back: the time each further operation adds (see bench_direct.py)
             def start(comm: hetcomm.Communicator = comm) -> Any:
@@ -157,13 +178,22 @@ def p2p(out: str) -> None:
             p2, _ = back_to_back(start, world, 2, 5)
             p6, spread = back_to_back(start, world, 6, 5)
             steady = (6 * p6 - 2 * p2) / 4
-            rows.append({"case": "staged send/recv, steady state back to back",
-                         "chunk_MiB": chunk // MiB, "bytes": nbytes, "time_ms": steady * 1e3,
-                         "GBps": nbytes / steady / 1e9, "spread": spread, "ok": True})
+            rows.append(
+                {
+                    "case": "staged send/recv, steady state back to back",
+                    "chunk_MiB": chunk // MiB,
+                    "bytes": nbytes,
+                    "time_ms": steady * 1e3,
+                    "GBps": nbytes / steady / 1e9,
+                    "spread": spread,
+                    "ok": True,
+                }
+            )
         comm.close()
     for size in (64 * 1024, 1 * MiB, 16 * MiB):
-        comm = hetcomm.init(config=hetcomm.Config.load(
-            transport="staged", vendor=("nvidia", "amd")[r % 2]))
+        comm = hetcomm.init(
+            config=hetcomm.Config.load(transport="staged", vendor=("nvidia", "amd")[r % 2])
+        )
         a = cupy.ones(size, dtype=cupy.uint8)
 
         def small(comm: hetcomm.Communicator = comm, a: cupy.ndarray = a) -> None:
@@ -173,14 +203,23 @@ def p2p(out: str) -> None:
                 comm.recv(a, 0)
 
         med, spread = median_time(small, world, 21)
-        rows.append({"case": "staged send/recv", "chunk_MiB": 4, "bytes": size,
-                     "time_ms": med * 1e3, "GBps": size / med / 1e9, "spread": spread,
-                     "ok": True})
+        rows.append(
+            {
+                "case": "staged send/recv",
+                "chunk_MiB": 4,
+                "bytes": size,
+                "time_ms": med * 1e3,
+                "GBps": size / med / 1e9,
+                "spread": spread,
+                "ok": True,
+            }
+        )
         comm.close()
     rows.append(naive_p2p(world, x, y, 7))
     rows.append({"case": "pinned device->host copy", "bytes": nbytes, "GBps": copy / 1e9})
-    rows.append({"case": "pinned copies both ways at once (each way)", "bytes": nbytes,
-                 "GBps": both / 1e9})
+    rows.append(
+        {"case": "pinned copies both ways at once (each way)", "bytes": nbytes, "GBps": both / 1e9}
+    )
     _save(out, rows, r)
 
 
@@ -206,8 +245,9 @@ class SlowCalls:
                 us = (time.perf_counter() - t0) * 1e6
                 name = getattr(arg, "__qualname__", None) or getattr(arg, "__name__", "?")
                 where = f"{frame.f_code.co_name}:{frame.f_lineno}"
-                self.slow.append((t0, f"[{threading.current_thread().name}] {name} "
-                                      f"{us:.0f} us in {where}"))  # fmt: skip
+                self.slow.append(
+                    (t0, f"[{threading.current_thread().name}] {name} {us:.0f} us in {where}")
+                )
 
     def install(self) -> None:
         threading.setprofile(self)
@@ -232,8 +272,9 @@ def timeline(out: str) -> None:
     y = cupy.zeros(nbytes, dtype=cupy.uint8)
     rows = []
     for chunk in (4 * MiB, 8 * MiB):
-        comm = hetcomm.init(config=hetcomm.Config.load(
-            transport="staged", vendor=("nvidia", "amd")[r % 2]))
+        comm = hetcomm.init(
+            config=hetcomm.Config.load(transport="staged", vendor=("nvidia", "amd")[r % 2])
+        )
         t = comm._transport("send", hetcomm.arrays.as_buffer(x))
         t.chunk_bytes = chunk
         times = []
@@ -254,10 +295,17 @@ def timeline(out: str) -> None:
             if i == 10:
                 ok = world.allreduce(r != 1 or bool((y == x).all()), op=MPI.LAND)
                 med = statistics.median(times)
-                rows.append({"case": f"256 MiB send/recv, {chunk // MiB} MiB chunks, one at a "
-                             "time (median of 9, slowest rank)", "time_ms": med * 1e3,
-                             "GBps": nbytes / med / 1e9, "min_ms": min(times) * 1e3,
-                             "max_ms": max(times) * 1e3, "ok": ok})  # fmt: skip
+                rows.append(
+                    {
+                        "case": f"256 MiB send/recv, {chunk // MiB} MiB chunks, one at a "
+                        "time (median of 9, slowest rank)",
+                        "time_ms": med * 1e3,
+                        "GBps": nbytes / med / 1e9,
+                        "min_ms": min(times) * 1e3,
+                        "max_ms": max(times) * 1e3,
+                        "ok": ok,
+                    }
+                )
             if staged_ops.stamp.marks is None:
                 continue
             mine = staged_ops.stamp.marks + (calls.slow if calls is not None else [])
@@ -265,16 +313,26 @@ def timeline(out: str) -> None:
             if r == 0:
                 start = min(m[1] for m in marks)
                 merged = sorted(m for ms, _, _ in marks for m in ms)
-                rows.append({"case": f"256 MiB send/recv, {chunk // MiB} MiB chunks",
-                             "total_us": [round((m[2] - start) * 1e6) for m in marks],
-                             "marks": [(round((t - start) * 1e6), rank, what)
-                                       for t, rank, what in merged]})  # fmt: skip
+                rows.append(
+                    {
+                        "case": f"256 MiB send/recv, {chunk // MiB} MiB chunks",
+                        "total_us": [round((m[2] - start) * 1e6) for m in marks],
+                        "marks": [
+                            (round((t - start) * 1e6), rank, what) for t, rank, what in merged
+                        ],
+                    }
+                )
         staged_ops.stamp.marks = None
         if calls is not None:
             calls.on = False
         comm.close()
-    rows.append({"case": "pinned device->host copy", "bytes": nbytes,
-                 "GBps": alone(world, pinned_copy_rate, nbytes) / 1e9})  # fmt: skip
+    rows.append(
+        {
+            "case": "pinned device->host copy",
+            "bytes": nbytes,
+            "GBps": alone(world, pinned_copy_rate, nbytes) / 1e9,
+        }
+    )
     if r == 0:
         for row in rows:
             if "marks" not in row:
@@ -306,15 +364,18 @@ def early(out: str) -> None:
     # name -> (chunk, early chunks, ramp, flags); a communicator per chunk size and flags
     # setting (the shared slots are as large as the chunks of the transport's first operation,
     # and a channel decides on flags when it opens)
-    variants = {"before: plain 8 MiB chunks": (8 * MiB, 0, (0, 0), False),
-                "early chunks": (8 * MiB, 4, (0, 0), False),
-                "early chunks, copies ordered by flags": (8 * MiB, 4, (0, 0), True),
-                "early chunks, 4 MiB chunks": (4 * MiB, 4, (0, 0), False),
-                "early + ramp 3/2": (8 * MiB, 4, (3, 2), False)}  # fmt: skip
+    variants = {
+        "before: plain 8 MiB chunks": (8 * MiB, 0, (0, 0), False),
+        "early chunks": (8 * MiB, 4, (0, 0), False),
+        "early chunks, copies ordered by flags": (8 * MiB, 4, (0, 0), True),
+        "early chunks, 4 MiB chunks": (4 * MiB, 4, (0, 0), False),
+        "early + ramp 3/2": (8 * MiB, 4, (3, 2), False),
+    }
     comms = {}
     for chunk, flags in sorted({(v[0], v[3]) for v in variants.values()}):
-        c = comms[chunk, flags] = hetcomm.init(config=hetcomm.Config.load(
-            transport="staged", vendor=("nvidia", "amd")[r % 2]))
+        c = comms[chunk, flags] = hetcomm.init(
+            config=hetcomm.Config.load(transport="staged", vendor=("nvidia", "amd")[r % 2])
+        )
         c._transport("send", hetcomm.arrays.as_buffer(x)).chunk_bytes = chunk
         staged.GPU_FLAGS = flags
         if r < 2:  # open the channel now, with this setting
@@ -353,27 +414,47 @@ def early(out: str) -> None:
     rows = []
     for name, ts in times.items():
         med = statistics.median(ts)
-        rows.append({"case": f"256 MiB send/recv one at a time, {name}", "bytes": nbytes,
-                     "time_ms": med * 1e3, "GBps": nbytes / med / 1e9,
-                     "of_pinned_copy": nbytes / med / copy, "min_ms": min(ts) * 1e3,
-                     "max_ms": max(ts) * 1e3, "spread": (max(ts) - min(ts)) / med, "ok": ok})
+        rows.append(
+            {
+                "case": f"256 MiB send/recv one at a time, {name}",
+                "bytes": nbytes,
+                "time_ms": med * 1e3,
+                "GBps": nbytes / med / 1e9,
+                "of_pinned_copy": nbytes / med / copy,
+                "min_ms": min(ts) * 1e3,
+                "max_ms": max(ts) * 1e3,
+                "spread": (max(ts) - min(ts)) / med,
+                "ok": ok,
+            }
+        )
     for name in (next(iter(variants)), "early chunks", "early chunks, copies ordered by flags"):
         use(name)
         p20, spread = back_to_back(start, world, 20, 5)
         p2, _ = back_to_back(start, world, 2, 5)
         p6, _ = back_to_back(start, world, 6, 5)
         steady = (6 * p6 - 2 * p2) / 4
-        for case, sec in ((f"20 back to back, per operation, {name}", p20),
-                          (f"steady state, {name}", steady)):  # fmt: skip
-            rows.append({"case": f"256 MiB send/recv {case}", "bytes": nbytes,
-                         "time_ms": sec * 1e3, "GBps": nbytes / sec / 1e9,
-                         "of_pinned_copy": nbytes / sec / copy, "spread": spread, "ok": ok})
+        for case, sec in (
+            (f"20 back to back, per operation, {name}", p20),
+            (f"steady state, {name}", steady),
+        ):
+            rows.append(
+                {
+                    "case": f"256 MiB send/recv {case}",
+                    "bytes": nbytes,
+                    "time_ms": sec * 1e3,
+                    "GBps": nbytes / sec / 1e9,
+                    "of_pinned_copy": nbytes / sec / copy,
+                    "spread": spread,
+                    "ok": ok,
+                }
+            )
     for c in comms.values():
         c.close()
     rows.append(naive_p2p(world, x, y, 5))
     rows.append({"case": "pinned device->host copy", "bytes": nbytes, "GBps": copy / 1e9})
-    rows.append({"case": "pinned copies both ways at once (each way)", "bytes": nbytes,
-                 "GBps": both / 1e9})
+    rows.append(
+        {"case": "pinned copies both ways at once (each way)", "bytes": nbytes, "GBps": both / 1e9}
+    )
     rows.extend(alone(world, host_memory_rates, nbytes))
     if r == 0:
         for row in rows:
@@ -390,8 +471,9 @@ def pingstamp(out: str) -> None:
     world = MPI.COMM_WORLD
     r = world.Get_rank()
     stamp = staged_ops.stamp
-    comm = hetcomm.init(config=hetcomm.Config.load(
-        transport="staged", vendor=("nvidia", "amd")[r % 2]))
+    comm = hetcomm.init(
+        config=hetcomm.Config.load(transport="staged", vendor=("nvidia", "amd")[r % 2])
+    )
     rows = []
     for memory in ("host", "device"):
         for size in (8, 64 * 1024, 8):
@@ -431,17 +513,31 @@ def pingstamp(out: str) -> None:
             if r == 0:
                 start = min(m[0] for ms in marks for m in ms)
                 merged = sorted(m for ms in marks for m in ms)
-                rows.append({"case": f"staged ping-pong, {memory} arrays", "bytes": size,
-                             "half_rtt_us": statistics.median(runs) * 1e6,
-                             "min_us": min(runs) * 1e6, "max_us": max(runs) * 1e6,
-                             "marks": [(round((t - start) * 1e6, 1), rank, what)
-                                       for t, rank, what in merged]})  # fmt: skip
+                rows.append(
+                    {
+                        "case": f"staged ping-pong, {memory} arrays",
+                        "bytes": size,
+                        "half_rtt_us": statistics.median(runs) * 1e6,
+                        "min_us": min(runs) * 1e6,
+                        "max_us": max(runs) * 1e6,
+                        "marks": [
+                            (round((t - start) * 1e6, 1), rank, what) for t, rank, what in merged
+                        ],
+                    }
+                )
     comm.close()
     if r == 0:
         for row in rows:
-            print(row["case"], row["bytes"], "B: half round trip",
-                  round(row["half_rtt_us"], 1), "us", round(row["min_us"], 1), "-",
-                  round(row["max_us"], 1))
+            print(
+                row["case"],
+                row["bytes"],
+                "B: half round trip",
+                round(row["half_rtt_us"], 1),
+                "us",
+                round(row["min_us"], 1),
+                "-",
+                round(row["max_us"], 1),
+            )
             for m in row["marks"]:
                 print("   ", m)
     _save(out, rows, r)
@@ -452,8 +548,9 @@ def allreduce(out: str) -> None:
     r, n = world.Get_rank(), world.Get_size()
     rows = []
     count = 64 * MiB  # float32: 256 MiB
-    comm = hetcomm.init(config=hetcomm.Config.load(
-        transport="staged", vendor=("nvidia", "amd")[r % 2]))
+    comm = hetcomm.init(
+        config=hetcomm.Config.load(transport="staged", vendor=("nvidia", "amd")[r % 2])
+    )
     x = cupy.ones(count, dtype=cupy.float32)
     med, spread = median_time(lambda: comm.all_reduce(x), world, 5)
     x[:] = 1
@@ -461,9 +558,17 @@ def allreduce(out: str) -> None:
     ok = bool(world.allreduce(bool((x == n).all()), op=MPI.LAND))
     nbytes = count * 4
     factor = 2 * (n - 1) / n
-    rows.append({"case": f"staged all_reduce {n} ranks", "bytes": nbytes, "time_ms": med * 1e3,
-                 "algbw": nbytes / med / 1e9, "busbw": nbytes / med / 1e9 * factor,
-                 "spread": spread, "ok": ok})
+    rows.append(
+        {
+            "case": f"staged all_reduce {n} ranks",
+            "bytes": nbytes,
+            "time_ms": med * 1e3,
+            "algbw": nbytes / med / 1e9,
+            "busbw": nbytes / med / 1e9 * factor,
+            "spread": spread,
+            "ok": ok,
+        }
+    )
     host = np.empty(count, dtype=np.float32)
 
     def naive() -> None:
@@ -472,9 +577,17 @@ def allreduce(out: str) -> None:
         x.set(host)
 
     med, spread = median_time(naive, world, 5)
-    rows.append({"case": f"naive all_reduce {n} ranks", "bytes": nbytes, "time_ms": med * 1e3,
-                 "algbw": nbytes / med / 1e9, "busbw": nbytes / med / 1e9 * factor,
-                 "spread": spread, "ok": True})
+    rows.append(
+        {
+            "case": f"naive all_reduce {n} ranks",
+            "bytes": nbytes,
+            "time_ms": med * 1e3,
+            "algbw": nbytes / med / 1e9,
+            "busbw": nbytes / med / 1e9 * factor,
+            "spread": spread,
+            "ok": True,
+        }
+    )
     comm.close()
     _save(out, rows, r)
 
@@ -492,23 +605,31 @@ def latency(out: str) -> None:
 
     world = MPI.COMM_WORLD
     r = world.Get_rank()
-    comm = hetcomm.init(config=hetcomm.Config.load(
-        transport="staged", vendor=("nvidia", "amd")[r % 2]))
+    comm = hetcomm.init(
+        config=hetcomm.Config.load(transport="staged", vendor=("nvidia", "amd")[r % 2])
+    )
     calling, inline = st.StagedTransport._on_calling_thread, sr.INLINE_COPY_BYTES
-    variants = {"driver thread, sleeping events, helper threads": (False, True, 0),
-                "calling thread, sleeping events, helper threads": (True, True, 0),
-                "calling thread, runtime-chosen events, helper threads": (True, False, 0),
-                "calling thread, runtime-chosen events, short copies inline": (
-                    True, False, inline)}
-    cases = [(size, memory) for size in (8, 64 * 1024, 1 * MiB, 16 * MiB)
-             for memory in ("host", "device")] + [(256 * MiB, "device")]
+    variants = {
+        "driver thread, sleeping events, helper threads": (False, True, 0),
+        "calling thread, sleeping events, helper threads": (True, True, 0),
+        "calling thread, runtime-chosen events, helper threads": (True, False, 0),
+        "calling thread, runtime-chosen events, short copies inline": (True, False, inline),
+    }
+    cases = [
+        (size, memory)
+        for size in (8, 64 * 1024, 1 * MiB, 16 * MiB)
+        for memory in ("host", "device")
+    ] + [(256 * MiB, "device")]
     times: dict[tuple[str, int, str], list[float]] = {}
-    arrays = {(size, memory): (np if memory == "host" else cupy).ones(size, dtype=np.uint8)
-              for size, memory in cases}
+    arrays = {
+        (size, memory): (np if memory == "host" else cupy).ones(size, dtype=np.uint8)
+        for size, memory in cases
+    }
     for _ in range(15):
         for name, (on_calling, blocking, inline_bytes) in variants.items():
-            st.StagedTransport._on_calling_thread = calling if on_calling else (
-                lambda self, peer: False)
+            st.StagedTransport._on_calling_thread = (
+                calling if on_calling else (lambda self, peer: False)
+            )
             kd.BLOCKING_EVENTS = blocking
             sr.INLINE_COPY_BYTES = inline_bytes
             for size, memory in cases:
@@ -527,9 +648,16 @@ def latency(out: str) -> None:
     rows = []
     for (name, size, memory), ts in times.items():
         med = statistics.median(ts)
-        rows.append({"case": f"staged send/recv, {memory} arrays, {name}", "bytes": size,
-                     "time_us": med * 1e6, "GBps": size / med / 1e9,
-                     "spread": (max(ts) - min(ts)) / med, "ok": True})
+        rows.append(
+            {
+                "case": f"staged send/recv, {memory} arrays, {name}",
+                "bytes": size,
+                "time_us": med * 1e6,
+                "GBps": size / med / 1e9,
+                "spread": (max(ts) - min(ts)) / med,
+                "ok": True,
+            }
+        )
     comm.close()
     _save(out, rows, r)
 
@@ -544,6 +672,12 @@ if __name__ == "__main__":
         device.BLOCKING_EVENTS = True
     if os.environ.get("SWITCH_INTERVAL"):  # the interpreter's switch interval, in seconds
         sys.setswitchinterval(float(os.environ["SWITCH_INTERVAL"]))
-    modes = {"p2p": p2p, "allreduce": allreduce, "latency": latency, "timeline": timeline,
-             "early": early, "pingstamp": pingstamp}  # fmt: skip
+    modes = {
+        "p2p": p2p,
+        "allreduce": allreduce,
+        "latency": latency,
+        "timeline": timeline,
+        "early": early,
+        "pingstamp": pingstamp,
+    }
     modes[sys.argv[1]](sys.argv[2])

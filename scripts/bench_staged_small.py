@@ -70,17 +70,29 @@ def main() -> None:
     if world.Get_rank() != 0:
         return
     rows = []
-    print(f"{n} ranks, {'device' if args.device else 'host'} arrays, float32 sum, "
-          f"{args.rounds} rounds")
-    print(f"{'bytes':>8} {'ring us':>9} {'spread':>7} {'doubling us':>12} {'spread':>7} "
-          f"{'ring/doubling':>14}")
+    print(
+        f"{n} ranks, {'device' if args.device else 'host'} arrays, float32 sum, "
+        f"{args.rounds} rounds"
+    )
+    print(
+        f"{'bytes':>8} {'ring us':>9} {'spread':>7} {'doubling us':>12} {'spread':>7} "
+        f"{'ring/doubling':>14}"
+    )
     for size in SIZES:
         ring, dbl = times[("ring", size)], times[("doubling", size)]
         a, b = statistics.median(ring), statistics.median(dbl)
         sa, sb = (max(ring) - min(ring)) / a, (max(dbl) - min(dbl)) / b
         print(f"{size:>8} {a * 1e6:>9.0f} {sa:>7.0%} {b * 1e6:>12.0f} {sb:>7.0%} {a / b:>14.2f}")
-        rows.append({"bytes": size, "ranks": n, "ring_us": a * 1e6, "doubling_us": b * 1e6,
-                     "ring_spread": sa, "doubling_spread": sb})
+        rows.append(
+            {
+                "bytes": size,
+                "ranks": n,
+                "ring_us": a * 1e6,
+                "doubling_us": b * 1e6,
+                "ring_spread": sa,
+                "doubling_spread": sb,
+            }
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)

@@ -29,8 +29,9 @@ def steps_from_argv(argv: list[str]) -> int:
     return int(argv[1])
 
 
-def make_model_and_data(steps: int = STEPS) -> tuple[torch.nn.Module, torch.nn.Module,
-                                                     torch.Tensor, torch.Tensor]:  # fmt: skip
+def make_model_and_data(
+    steps: int = STEPS,
+) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor, torch.Tensor]:
     """The same initial weights and data on every rank (fixed seed)."""
     gen = torch.Generator().manual_seed(1234)
     first = torch.nn.Sequential(torch.nn.Linear(D_IN, D_HIDDEN), torch.nn.Tanh())
@@ -74,8 +75,11 @@ def main() -> int:
     if world.rank == 0:
         print("topology:\n" + world.topology.table() + "\n")
         print(report, "\n", flush=True)
-        print(f"training on {device}: {steps} steps, batch {BATCH} split over dp=2, "
-              f"stage 0 on ranks 0-1, stage 1 on ranks 2-3\n", flush=True)  # fmt: skip
+        print(
+            f"training on {device}: {steps} steps, batch {BATCH} split over dp=2, "
+            f"stage 0 on ranks 0-1, stage 1 on ranks 2-3\n",
+            flush=True,
+        )
 
     first, second, x, y = make_model_and_data(steps)
     model = (first if stage == 0 else second).to(device)
@@ -124,20 +128,32 @@ def pick_device(groups: hetcomm.ParallelGroups) -> str:
                     usable = False
     usable = all(groups.world.mpi.allgather(usable))
     if torch.cuda.is_available() and not usable and groups.world.rank == 0:
-        print("GPU present, but this hetcomm has no transport for device buffers across these "
-              "groups (see the plans above): training on the CPU\n", flush=True)  # fmt: skip
+        print(
+            "GPU present, but this hetcomm has no transport for device buffers across these "
+            "groups (see the plans above): training on the CPU\n",
+            flush=True,
+        )
     return "cuda" if usable else "cpu"
 
 
-def check(world: hetcomm.Communicator, groups: hetcomm.ParallelGroups, stage: int,
-          params: list[torch.Tensor], losses: list[float], steps: int) -> bool:  # fmt: skip
+def check(
+    world: hetcomm.Communicator,
+    groups: hetcomm.ParallelGroups,
+    stage: int,
+    params: list[torch.Tensor],
+    losses: list[float],
+    steps: int,
+) -> bool:
     """Compare losses and parameters with the one-process run; report on rank 0."""
     ref_losses, ref_params = reference(steps)
     mine = ref_params[:2] if stage == 0 else ref_params[2:]
-    worst = max(float((p.detach().cpu() - r).abs().max() / (r.abs().max() + 1e-12))
-                for p, r in zip(params, mine))  # fmt: skip
-    params_ok = all(torch.allclose(p.detach().cpu(), r, rtol=1e-5, atol=1e-6)
-                    for p, r in zip(params, mine))  # fmt: skip
+    worst = max(
+        float((p.detach().cpu() - r).abs().max() / (r.abs().max() + 1e-12))
+        for p, r in zip(params, mine)
+    )
+    params_ok = all(
+        torch.allclose(p.detach().cpu(), r, rtol=1e-5, atol=1e-6) for p, r in zip(params, mine)
+    )
     verdicts = world.mpi.gather((stage, params_ok, worst, losses), root=0)
     if world.rank != 0:
         return all(world.mpi.allgather(params_ok))
@@ -151,8 +167,10 @@ def check(world: hetcomm.Communicator, groups: hetcomm.ParallelGroups, stage: in
     worst_all = max(v[2] for v in verdicts)
     all_params = all(v[1] for v in verdicts)
     print(f"\nlosses match the one-process run to float32 rounding: {'yes' if loss_ok else 'NO'}")
-    print(f"final weights match (largest relative difference {worst_all:.1e}): "
-          f"{'yes' if all_params else 'NO'}")  # fmt: skip
+    print(
+        f"final weights match (largest relative difference {worst_all:.1e}): "
+        f"{'yes' if all_params else 'NO'}"
+    )
     sys.stdout.flush()
     ok = loss_ok and all(world.mpi.allgather(all_params))
     return ok

@@ -48,8 +48,9 @@ class Waiter:
         stream = cupy.cuda.Stream(non_blocking=True)
         while not self.stop:
             for _ in range(8):  # about 1 ms of copying, then one wait for all of it
-                cupy.cuda.runtime.memcpyAsync(self.b.data.ptr, self.a.data.ptr, self.a.nbytes,
-                                              3, stream.ptr)  # fmt: skip
+                cupy.cuda.runtime.memcpyAsync(
+                    self.b.data.ptr, self.a.data.ptr, self.a.nbytes, 3, stream.ptr
+                )
             event = cupy.cuda.Event(block=self.blocking, disable_timing=True)
             event.record(stream)
             event.synchronize()
@@ -123,9 +124,15 @@ def main(out: str) -> None:
                         for way, kind in (("device->host", 2), ("host->device", 1)):
                             dst, src = (ptr, d.data.ptr) if kind == 2 else (d.data.ptr, ptr)
                             med, p90 = call_times(dst, src, n, kind, stream)
-                            row = {"memory": mem, "way": way, "bytes": n,
-                                   "waiter": waiter_kind, "peer_busy": peer_busy,
-                                   "call_us_median": round(med, 1), "call_us_p90": round(p90, 1)}  # fmt: skip
+                            row = {
+                                "memory": mem,
+                                "way": way,
+                                "bytes": n,
+                                "waiter": waiter_kind,
+                                "peer_busy": peer_busy,
+                                "call_us_median": round(med, 1),
+                                "call_us_p90": round(p90, 1),
+                            }
                             rows.append(row)
                             print(row, flush=True)
                 world.send(True, dest=1, tag=7)
@@ -139,9 +146,13 @@ def main(out: str) -> None:
                 if r == 0:
                     dst, src = (seg.ptr, d.data.ptr) if kind == 2 else (d.data.ptr, seg.ptr)
                     runs = [queued_times(dst, src, n, kind, stream, ready) for _ in range(5)]
-                    row = {"memory": "/dev/shm segment", "way": way, "bytes": n,
-                           "queued": "8 back to back" + (", each after an event" if ready else ""),
-                           "call_us_each": [round(statistics.median(c), 1) for c in zip(*runs)]}  # fmt: skip
+                    row = {
+                        "memory": "/dev/shm segment",
+                        "way": way,
+                        "bytes": n,
+                        "queued": "8 back to back" + (", each after an event" if ready else ""),
+                        "call_us_each": [round(statistics.median(c), 1) for c in zip(*runs)],
+                    }
                     rows.append(row)
                     print(row, flush=True)
     world.Barrier()

@@ -117,8 +117,10 @@ def main(out: str) -> None:
     both = alone(world, pinned_both_ways, NBYTES)
     x = cupy.arange(NBYTES, dtype=cupy.uint8) * 3
     y = cupy.zeros(NBYTES, dtype=cupy.uint8)
-    rows = [{"case": "pinned device->host copy", "GBps": copy / 1e9},
-            {"case": "pinned copies both ways at once (each way)", "GBps": both / 1e9}]  # fmt: skip
+    rows = [
+        {"case": "pinned device->host copy", "GBps": copy / 1e9},
+        {"case": "pinned copies both ways at once (each way)", "GBps": both / 1e9},
+    ]
     stalled = False
     for chunk in (2 * MiB, 4 * MiB, 8 * MiB):
         pipe = Pipe(world, 8, chunk)
@@ -141,15 +143,27 @@ def main(out: str) -> None:
         ok = world.allreduce(r != 1 or bool((y == x).all()), op=MPI.LAND)
         b2b = statistics.median(once(20) for _ in range(3)) / 20
         ok &= world.allreduce(r != 1 or bool((y == x).all()), op=MPI.LAND)
-        for case, sec in (("one at a time (median of 9)", single),
-                          ("20 back to back, per message", b2b)):  # fmt: skip
-            rows.append({"case": f"256 MiB, {chunk // MiB} MiB chunks, 8 slots, {case}",
-                         "time_ms": sec * 1e3, "GBps": NBYTES / sec / 1e9,
-                         "of_pinned_copy": NBYTES / sec / copy, "ok": bool(ok)})  # fmt: skip
+        for case, sec in (
+            ("one at a time (median of 9)", single),
+            ("20 back to back, per message", b2b),
+        ):
+            rows.append(
+                {
+                    "case": f"256 MiB, {chunk // MiB} MiB chunks, 8 slots, {case}",
+                    "time_ms": sec * 1e3,
+                    "GBps": NBYTES / sec / 1e9,
+                    "of_pinned_copy": NBYTES / sec / copy,
+                    "ok": bool(ok),
+                }
+            )
         pipe.data.close()
         pipe.flags.close()
-    rows.append({"case": "a wait had to be released from the host", "stalled":
-                 bool(world.allreduce(stalled, op=MPI.LOR))})  # fmt: skip
+    rows.append(
+        {
+            "case": "a wait had to be released from the host",
+            "stalled": bool(world.allreduce(stalled, op=MPI.LOR)),
+        }
+    )
     if r == 0:
         for row in rows:
             print(row, flush=True)

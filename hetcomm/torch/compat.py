@@ -24,13 +24,17 @@ METHOD_NAMES: dict[str, tuple[str, ...]] = {
     "all_gather_single": ("all_gather_single", "_allgather_base"),
     "reduce_scatter_single": ("reduce_scatter_single", "_reduce_scatter_base"),
     "all_to_all_single": ("all_to_all_single", "alltoall_base"),
-    "all_gather_single_coalesced": ("all_gather_single_coalesced",
-                                    "allgather_into_tensor_coalesced"),
-    "reduce_scatter_single_coalesced": ("reduce_scatter_single_coalesced",
-                                        "reduce_scatter_tensor_coalesced"),
+    "all_gather_single_coalesced": (
+        "all_gather_single_coalesced",
+        "allgather_into_tensor_coalesced",
+    ),
+    "reduce_scatter_single_coalesced": (
+        "reduce_scatter_single_coalesced",
+        "reduce_scatter_tensor_coalesced",
+    ),
     "start_coalescing": ("start_coalescing", "_start_coalescing"),
     "end_coalescing": ("end_coalescing", "_end_coalescing"),
-}  # fmt: skip
+}
 #: canonical torch.distributed function -> its names, newest first (2.13 deprecated the others)
 API_NAMES: dict[str, tuple[str, ...]] = {
     "all_gather_single": ("all_gather_single", "all_gather_into_tensor"),
@@ -93,10 +97,16 @@ def rendezvous_handlers() -> dict[str, Callable[..., Iterator[tuple[Any, int, in
 
     return getattr(importlib.import_module(_RENDEZVOUS_MODULE), _RENDEZVOUS_TABLE)
 
+
 # ---- reduce ops ---------------------------------------------------------------------------------
 
-_OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PROD,
-        "MIN": ReduceOp.MIN, "MAX": ReduceOp.MAX}  # fmt: skip
+_OPS = {
+    "SUM": ReduceOp.SUM,
+    "AVG": ReduceOp.AVG,
+    "PRODUCT": ReduceOp.PROD,
+    "MIN": ReduceOp.MIN,
+    "MAX": ReduceOp.MAX,
+}
 
 
 def reduce_op(op: Any, what: str = "reduce") -> ReduceOp:

@@ -107,17 +107,25 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         split_group, DeviceMesh on a GPU machine); the group serves every device itself."""
         return _BackendView(self)
 
-    def split_group(self, new_ranks: Sequence[int], timeout: Any = None, opts: Any = None,
-                    group_name: Any = None, group_desc: str | None = None,
-                    device_types: Any = None) -> ProcessGroupHetcomm | None:  # fmt: skip
+    def split_group(
+        self,
+        new_ranks: Sequence[int],
+        timeout: Any = None,
+        opts: Any = None,
+        group_name: Any = None,
+        group_desc: str | None = None,
+        device_types: Any = None,
+    ) -> ProcessGroupHetcomm | None:
         """This rank's group of `new_ranks` (ranks of this group), or None when not among them.
         Collective over this group: every member calls it with its own piece of the split."""
         me = self.comm.rank
         members = [int(r) for r in new_ranks]
         inside = me in members
-        sub = self.comm.split(min(members) if inside else None,
-                              members.index(me) if inside else None,
-                              name=f"{self.comm.name}.split{self._splits}")  # fmt: skip
+        sub = self.comm.split(
+            min(members) if inside else None,
+            members.index(me) if inside else None,
+            name=f"{self.comm.name}.split{self._splits}",
+        )
         self._splits += 1
         if sub is None:
             return None
@@ -136,8 +144,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else -1.0
         return seconds if seconds > 0 else self.timeout_s
 
-    def _run(self, name: str, ops: Sequence[_Op], opts: Any = None,
-             timeout: Any = None) -> _Work:  # fmt: skip
+    def _run(self, name: str, ops: Sequence[_Op], opts: Any = None, timeout: Any = None) -> _Work:
         """Start prepared operations (in order, as one torch call) and hand back their Work."""
         if self._closed:
             raise RuntimeError(f"hetcomm {name}: process group '{self.comm.name}' was destroyed")
@@ -175,16 +182,16 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         op = reduce_op(_opt(opts, "reduceOp"), "allreduce")
         t = _one(_listed(tensors), "allreduce")
         x = _reducible(t, op, "allreduce")
-        return self._run("allreduce", [_Op("all_reduce", (x, op), [t])],
-                         opts, timeout)  # fmt: skip
+        return self._run("allreduce", [_Op("all_reduce", (x, op), [t])], opts, timeout)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
         op = reduce_op(_opt(opts, "reduceOp"), "allreduce_coalesced")
         _nonempty(tensors, "allreduce_coalesced")
         xs = [_reducible(t, op, "allreduce_coalesced") for t in tensors]
         # one fused all_reduce per (dtype, device), packed and unpacked by hetcomm
-        return self._run("allreduce_coalesced", [_Op(
-            "all_reduce_coalesced", (xs, op), list(tensors))], opts)  # fmt: skip
+        return self._run(
+            "allreduce_coalesced", [_Op("all_reduce_coalesced", (xs, op), list(tensors))], opts
+        )
 
     def broadcast(self, tensors: Any, opts: Any = None, timeout: Any = None) -> _Work:
         root = self._rank_arg(_opt(opts, "rootRank", 0), "broadcast: root")
@@ -192,16 +199,14 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             raise ValueError("hetcomm broadcast: rootTensor must be 0 (one tensor per process)")
         t = _one(_listed(tensors), "broadcast")
         x, after = _movable(t, write=self.comm.rank != root)
-        return self._run("broadcast", [_Op("broadcast", (x, root), [t], after)], opts, timeout)  # fmt: skip
+        return self._run("broadcast", [_Op("broadcast", (x, root), [t], after)], opts, timeout)
 
-    def reduce(self, tensors: Any, opts: Any = None, op: Any = None,
-               timeout: Any = None) -> _Work:  # fmt: skip
+    def reduce(self, tensors: Any, opts: Any = None, op: Any = None, timeout: Any = None) -> _Work:
         rop = reduce_op(op if op is not None else _opt(opts, "reduceOp"), "reduce")
         root = self._rank_arg(_opt(opts, "rootRank", 0), "reduce: root")
         t = _one(_listed(tensors), "reduce")
         x = _reducible(t, rop, "reduce")
-        return self._run("reduce", [_Op("reduce", (x, root, rop), [t])],
-                         opts, timeout)  # fmt: skip
+        return self._run("reduce", [_Op("reduce", (x, root, rop), [t])], opts, timeout)
 
     def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> _Work:
         if isinstance(input_tensors, torch.Tensor):  # the (outputs, input, timeout) form
@@ -210,32 +215,45 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         outs = _one(output_tensors, "allgather: output")
         return self._run("allgather", [self._allgather_op(outs, t, "allgather")], opts)
 
-    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
-                            input_list: list[torch.Tensor], opts: Any = None) -> _Work:  # fmt: skip
+    def allgather_coalesced(
+        self,
+        output_lists: list[list[torch.Tensor]],
+        input_list: list[torch.Tensor],
+        opts: Any = None,
+    ) -> _Work:
         _nonempty(input_list, "allgather_coalesced: input")
         if len(output_lists) != self.comm.size:
-            raise ValueError(f"hetcomm allgather_coalesced: expected {self.comm.size} output "
-                             f"lists (one per rank), got {len(output_lists)}")  # fmt: skip
+            raise ValueError(
+                f"hetcomm allgather_coalesced: expected {self.comm.size} output "
+                f"lists (one per rank), got {len(output_lists)}"
+            )
         for r, outs in enumerate(output_lists):
             if len(outs) != len(input_list):
-                raise ValueError(f"hetcomm allgather_coalesced: output list {r} holds "
-                                 f"{len(outs)} tensors for {len(input_list)} inputs")  # fmt: skip
-        ops = [self._allgather_op([outs[i] for outs in output_lists], t, "allgather_coalesced")
-               for i, t in enumerate(input_list)]  # fmt: skip
+                raise ValueError(
+                    f"hetcomm allgather_coalesced: output list {r} holds "
+                    f"{len(outs)} tensors for {len(input_list)} inputs"
+                )
+        ops = [
+            self._allgather_op([outs[i] for outs in output_lists], t, "allgather_coalesced")
+            for i, t in enumerate(input_list)
+        ]
         return self._run("allgather_coalesced", ops, opts)
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
-                          opts: Any = None) -> _Work:  # fmt: skip
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> _Work:
         return self._run("all_gather_into_tensor", [self._gather_single_op(output, input)], opts)
 
-    def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
-                                    inputs: list[torch.Tensor], opts: Any = None) -> _Work:  # fmt: skip
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> _Work:
         _pairs(outputs, inputs, "all_gather_into_tensor_coalesced")
         ops = [self._gather_single_op(o, i) for o, i in zip(outputs, inputs)]
         return self._run("all_gather_into_tensor_coalesced", ops, opts)
 
-    def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None,
-                       timeout: Any = None) -> _Work:  # fmt: skip
+    def reduce_scatter(
+        self, output_tensors: Any, input_tensors: Any, opts: Any = None, timeout: Any = None
+    ) -> _Work:
         if isinstance(output_tensors, torch.Tensor):  # the (output, inputs, op, timeout) form
             output_tensors, input_tensors = [output_tensors], [input_tensors]
         op = reduce_op(_opt(opts, "reduceOp"), "reduce_scatter")
@@ -244,56 +262,73 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         self._check_blocks(ins, t, "reduce_scatter: input")
         o = _reducible(t, op, "reduce_scatter")
         flat = torch.stack([_reducible(i, op, "reduce_scatter").reshape(o.shape) for i in ins])
-        return self._run("reduce_scatter", [_Op(
-            "reduce_scatter", (o, flat, op), [t])], opts,
-            timeout)  # fmt: skip
+        return self._run(
+            "reduce_scatter", [_Op("reduce_scatter", (o, flat, op), [t])], opts, timeout
+        )
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
-                              opts: Any = None) -> _Work:  # fmt: skip
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> _Work:
         op = reduce_op(_opt(opts, "reduceOp"), "reduce_scatter_tensor")
-        return self._run("reduce_scatter_tensor", [self._scatter_single_op(output, input, op)],
-                         opts)  # fmt: skip
+        return self._run(
+            "reduce_scatter_tensor", [self._scatter_single_op(output, input, op)], opts
+        )
 
-    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
-                                        inputs: list[torch.Tensor], opts: Any = None) -> _Work:  # fmt: skip
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> _Work:
         op = reduce_op(_opt(opts, "reduceOp"), "reduce_scatter_tensor_coalesced")
         _pairs(outputs, inputs, "reduce_scatter_tensor_coalesced")
         ops = [self._scatter_single_op(o, i, op) for o, i in zip(outputs, inputs)]
         return self._run("reduce_scatter_tensor_coalesced", ops, opts)
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
-                          output_split_sizes: Sequence[int] | None = None,
-                          input_split_sizes: Sequence[int] | None = None,
-                          opts: Any = None) -> _Work:  # fmt: skip
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        opts: Any = None,
+    ) -> _Work:
         n = self.comm.size
         _same_dtype(output, input, "all_to_all_single: output")
         if not output_split_sizes and not input_split_sizes:
             if input.numel() % n or output.numel() != input.numel():
-                raise ValueError(f"hetcomm all_to_all_single: input and output must hold the "
-                                 f"same multiple of {n} elements, got {input.numel()} and "
-                                 f"{output.numel()}")  # fmt: skip
+                raise ValueError(
+                    f"hetcomm all_to_all_single: input and output must hold the "
+                    f"same multiple of {n} elements, got {input.numel()} and "
+                    f"{output.numel()}"
+                )
             x, _ = _movable(input, write=False)
             o, after = _movable(output, write=True)
-            return self._run("all_to_all_single", [_Op(
-                "all_to_all", (o, x), [output], after)], opts)  # fmt: skip
+            return self._run(
+                "all_to_all_single", [_Op("all_to_all", (o, x), [output], after)], opts
+            )
         sends = split_rows(input, input_split_sizes, n, "all_to_all_single: input")
         recvs = split_rows(output, output_split_sizes, n, "all_to_all_single: output")
         return self._exchange("all_to_all_single", sends, recvs, [output], opts)
 
-    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
-                 opts: Any = None) -> _Work:  # fmt: skip
+    def alltoall(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> _Work:
         n = self.comm.size
         for what, ts in (("output", output_tensors), ("input", input_tensors)):
             if len(ts) != n:
-                raise ValueError(f"hetcomm alltoall: expected {n} {what} tensors (one per rank), "
-                                 f"got {len(ts)}")  # fmt: skip
+                raise ValueError(
+                    f"hetcomm alltoall: expected {n} {what} tensors (one per rank), got {len(ts)}"
+                )
         for i, t in enumerate([*output_tensors, *input_tensors]):
             _same_dtype(t, input_tensors[0], f"alltoall: tensor {i}")
-        return self._exchange("alltoall", list(input_tensors), list(output_tensors),
-                              list(output_tensors), opts)  # fmt: skip
+        return self._exchange(
+            "alltoall", list(input_tensors), list(output_tensors), list(output_tensors), opts
+        )
 
-    def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None,
-               timeout: Any = None) -> _Work:  # fmt: skip
+    def gather(
+        self, output_tensors: Any, input_tensors: Any, opts: Any = None, timeout: Any = None
+    ) -> _Work:
         if isinstance(input_tensors, torch.Tensor):  # the (outputs, input, root, timeout) form
             output_tensors = [output_tensors] if output_tensors else []
             input_tensors = [input_tensors]
@@ -308,14 +343,16 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             result = list(outs)
         else:
             if any(output_tensors):
-                raise ValueError(f"hetcomm gather: only the root (rank {root}) passes output "
-                                 f"tensors")  # fmt: skip
+                raise ValueError(
+                    f"hetcomm gather: only the root (rank {root}) passes output tensors"
+                )
             sends = [t if r == root else None for r in range(n)]
             recvs, result = [None] * n, []
         return self._exchange("gather", sends, recvs, result, opts, timeout)
 
-    def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None,
-                timeout: Any = None) -> _Work:  # fmt: skip
+    def scatter(
+        self, output_tensors: Any, input_tensors: Any, opts: Any = None, timeout: Any = None
+    ) -> _Work:
         if isinstance(output_tensors, torch.Tensor):  # the (output, inputs, root, timeout) form
             output_tensors = [output_tensors]
             input_tensors = [input_tensors] if input_tensors else []
@@ -329,8 +366,9 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             recvs: list[torch.Tensor | None] = [t if r == me else None for r in range(n)]
         else:
             if any(input_tensors):
-                raise ValueError(f"hetcomm scatter: only the root (rank {root}) passes input "
-                                 f"tensors")  # fmt: skip
+                raise ValueError(
+                    f"hetcomm scatter: only the root (rank {root}) passes input tensors"
+                )
             sends = [None] * n
             recvs = [t if r == root else None for r in range(n)]
         return self._exchange("scatter", sends, recvs, [t], opts, timeout)
@@ -353,8 +391,9 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         return self._run("recv", [_Op("recv", (x, src, tag), [t], after)])
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> _Work:
-        raise RuntimeError("hetcomm recv: a source rank is required (receiving from any source "
-                           "is not supported)")  # fmt: skip
+        raise RuntimeError(
+            "hetcomm recv: a source rank is required (receiving from any source is not supported)"
+        )
 
     # ---- coalescing (batch_isend_irecv, _coalescing_manager) ----------------------------------
 
@@ -375,13 +414,15 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         self._check_blocks(outs, t, f"{what}: output")
         x, _ = _movable(t, write=False)
         flat = torch.empty((self.comm.size, *x.shape), dtype=x.dtype, device=x.device)
-        return _Op("all_gather", (flat, x), list(outs), [_copy_rows(flat, outs)])  # fmt: skip
+        return _Op("all_gather", (flat, x), list(outs), [_copy_rows(flat, outs)])
 
     def _gather_single_op(self, output: torch.Tensor, input: torch.Tensor) -> _Op:
         _same_dtype(output, input, "all_gather_into_tensor: output")
         if output.numel() != input.numel() * self.comm.size:
-            raise ValueError(f"hetcomm all_gather_into_tensor: output must hold {self.comm.size} "
-                             f"x {input.numel()} elements, got {output.numel()}")  # fmt: skip
+            raise ValueError(
+                f"hetcomm all_gather_into_tensor: output must hold {self.comm.size} "
+                f"x {input.numel()} elements, got {output.numel()}"
+            )
         x, _ = _movable(input, write=False)
         o, after = _movable(output, write=True)
         return _Op("all_gather", (o, x), [output], after)
@@ -389,15 +430,23 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
     def _scatter_single_op(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> _Op:
         _same_dtype(output, input, "reduce_scatter_tensor: output")
         if output.numel() * self.comm.size != input.numel():
-            raise ValueError(f"hetcomm reduce_scatter_tensor: input must hold {self.comm.size} x "
-                             f"{output.numel()} elements, got {input.numel()}")  # fmt: skip
+            raise ValueError(
+                f"hetcomm reduce_scatter_tensor: input must hold {self.comm.size} x "
+                f"{output.numel()} elements, got {input.numel()}"
+            )
         o = _reducible(output, op, "reduce_scatter_tensor")
         x = _reducible(input, op, "reduce_scatter_tensor")
         return _Op("reduce_scatter", (o, x, op), [output])
 
-    def _exchange(self, name: str, sends: Sequence[torch.Tensor | None],
-                  recvs: Sequence[torch.Tensor | None], result: list[torch.Tensor],
-                  opts: Any, timeout: Any = None) -> _Work:  # fmt: skip
+    def _exchange(
+        self,
+        name: str,
+        sends: Sequence[torch.Tensor | None],
+        recvs: Sequence[torch.Tensor | None],
+        result: list[torch.Tensor],
+        opts: Any,
+        timeout: Any = None,
+    ) -> _Work:
         """Block j of `sends` goes to rank j, block i of `recvs` comes from rank i (p2p)."""
         me = self.comm.rank
         mine_in, mine_out = sends[me], recvs[me]
@@ -407,15 +456,17 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         for peer, t in enumerate(recvs):
             if t is not None and peer != me and t.numel():
                 x, after = _movable(t, write=True)
-                ops.append(_Op("recv", (x, peer), [], after, aux=True))  # fmt: skip
+                ops.append(_Op("recv", (x, peer), [], after, aux=True))
         for peer, t in enumerate(sends):
             if t is not None and peer != me and t.numel():
                 x, _ = _movable(t, write=False)
                 ops.append(_Op("send", (x, peer), [], aux=True))
         if mine_in is not None and mine_out is not None:
             if mine_in.numel() != mine_out.numel():
-                raise ValueError(f"hetcomm {name}: this rank sends itself {mine_in.numel()} "
-                                 f"elements but expects {mine_out.numel()}")  # fmt: skip
+                raise ValueError(
+                    f"hetcomm {name}: this rank sends itself {mine_in.numel()} "
+                    f"elements but expects {mine_out.numel()}"
+                )
             own, target = mine_in.clone(), mine_out  # the input may change before the copy
             ops.append(_Op(None, (), [], [_copier(target, own)]))
         if ops:
@@ -424,19 +475,24 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
 
     def _rank_arg(self, rank: Any, what: str) -> int:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.comm.size:
-            raise ValueError(f"hetcomm {what}: expected a rank in [0, {self.comm.size}), "
-                             f"got {rank!r}")  # fmt: skip
+            raise ValueError(
+                f"hetcomm {what}: expected a rank in [0, {self.comm.size}), got {rank!r}"
+            )
         return rank
 
     def _check_blocks(self, blocks: Sequence[torch.Tensor], like: torch.Tensor, what: str) -> None:
         if len(blocks) != self.comm.size:
-            raise ValueError(f"hetcomm {what}: expected {self.comm.size} tensors (one per rank), "
-                             f"got {len(blocks)}")  # fmt: skip
+            raise ValueError(
+                f"hetcomm {what}: expected {self.comm.size} tensors (one per rank), "
+                f"got {len(blocks)}"
+            )
         for i, t in enumerate(blocks):
             _same_dtype(t, like, f"{what}[{i}]")
             if t.numel() != like.numel():
-                raise ValueError(f"hetcomm {what}[{i}]: expected {like.numel()} elements like "
-                                 f"the input, got {t.numel()} (shape {list(t.shape)})")  # fmt: skip
+                raise ValueError(
+                    f"hetcomm {what}[{i}]: expected {like.numel()} elements like "
+                    f"the input, got {t.numel()} (shape {list(t.shape)})"
+                )
 
 
 class _BackendView:
@@ -477,8 +533,14 @@ class _Op:
 
     __slots__ = ("after", "args", "aux", "method", "result")
 
-    def __init__(self, method: str | None, args: tuple, result: list[torch.Tensor],
-                 after: Sequence[Callable[[], None]] = (), aux: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        method: str | None,
+        args: tuple,
+        result: list[torch.Tensor],
+        after: Sequence[Callable[[], None]] = (),
+        aux: bool = False,
+    ) -> None:
         self.method, self.args, self.result = method, args, result
         self.after, self.aux = list(after), aux
 

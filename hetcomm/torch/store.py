@@ -61,8 +61,10 @@ class MpiStore(dist.Store):
                         break
                     continue  # the late answer to a request that timed out here
                 if time.monotonic() > give_up:
-                    raise _StoreError(f"hetcomm MpiStore: {op} got no answer from rank 0 within "
-                                      f"{limit + 30:.0f} s")  # fmt: skip
+                    raise _StoreError(
+                        f"hetcomm MpiStore: {op} got no answer from rank 0 within "
+                        f"{limit + 30:.0f} s"
+                    )
                 time.sleep(sleep)
                 sleep = min(sleep * 2, 2e-3)
         if not ok:
@@ -192,8 +194,9 @@ class _StoreServer:
 
     def _answer_wait(self, src: int, serial: int, op: str, keys: list[str]) -> None:
         data = self._data
-        value: Any = (data[keys[0]] if op == "get" else [data[k] for k in keys]
-                      if op == "multi_get" else None)  # fmt: skip
+        value: Any = (
+            data[keys[0]] if op == "get" else [data[k] for k in keys] if op == "multi_get" else None
+        )
         self._reply(src, serial, True, value)
 
     def _wake(self) -> None:
@@ -232,8 +235,9 @@ def _launched_by_mpi() -> bool:
     return any(os.environ.get(v) for v in _LAUNCHER_VARS)
 
 
-def _mpi_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30),
-                    **kwargs: Any) -> Iterator[tuple[Any, int, int]]:  # fmt: skip
+def _mpi_rendezvous(
+    url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any
+) -> Iterator[tuple[Any, int, int]]:
     """mpi:// (and env:// without MASTER_ADDR under mpirun): rank and size from MPI.COMM_WORLD."""
     from mpi4py import MPI
 
@@ -262,11 +266,11 @@ def _mpi_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30),
 
 def _env_or_mpi(original: Callable[..., Iterator[tuple[Any, int, int]]]) -> Callable[..., Any]:
     def handler(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
-        if _launched_by_mpi() and not (os.environ.get("MASTER_ADDR")
-                                       and os.environ.get("MASTER_PORT")):  # fmt: skip
+        if _launched_by_mpi() and not (
+            os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")
+        ):
             return _mpi_rendezvous(url, **kwargs)
         return original(url, **kwargs)
 
     handler.hetcomm_wraps = original  # type: ignore[attr-defined]
     return handler
-

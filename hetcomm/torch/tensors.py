@@ -14,8 +14,20 @@ from ..ops import ReduceOp
 
 # the dtypes hetcomm knows: it reduces these (and complex ones as real views) and moves the rest
 # as bytes
-_NATIVE = frozenset(("bool", "int8", "int16", "int32", "int64", "uint8", "float16", "bfloat16",
-                     "float32", "float64"))  # fmt: skip
+_NATIVE = frozenset(
+    (
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+    )
+)
 
 # ---- arguments ----------------------------------------------------------------------------------
 
@@ -47,9 +59,11 @@ def _nonempty(ts: Sequence[Any], what: str) -> None:
 def _one(ts: Sequence[Any], what: str) -> Any:
     _nonempty(ts, what)
     if len(ts) != 1:
-        raise ValueError(f"hetcomm {what}: expected one tensor (or list) per process, got "
-                         f"{len(ts)}; several per process is the multi-device API torch has "
-                         "deprecated")  # fmt: skip
+        raise ValueError(
+            f"hetcomm {what}: expected one tensor (or list) per process, got "
+            f"{len(ts)}; several per process is the multi-device API torch has "
+            "deprecated"
+        )
     return ts[0]
 
 
@@ -63,8 +77,9 @@ def _same_dtype(t: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     if t.dtype != ref.dtype:
         raise TypeError(f"hetcomm {what}: expected dtype {ref.dtype} like the input, got {t.dtype}")
     if t.device != ref.device:
-        raise ValueError(f"hetcomm {what}: expected a tensor on {ref.device} like the input, got "
-                         f"{t.device}")  # fmt: skip
+        raise ValueError(
+            f"hetcomm {what}: expected a tensor on {ref.device} like the input, got {t.device}"
+        )
 
 
 # ---- tensors ------------------------------------------------------------------------------------
@@ -78,12 +93,15 @@ def _reducible(t: torch.Tensor, op: ReduceOp, what: str) -> torch.Tensor:
     """`t` as hetcomm reduces it: itself, or the real view of a complex tensor (SUM/AVG)."""
     if t.is_complex():
         if op not in (ReduceOp.SUM, ReduceOp.AVG):
-            raise ValueError(f"hetcomm {what}: complex tensors reduce with SUM or AVG only, "
-                             f"got {op.name}")  # fmt: skip
+            raise ValueError(
+                f"hetcomm {what}: complex tensors reduce with SUM or AVG only, got {op.name}"
+            )
         return torch.view_as_real(t)
     if _dtype_name(t) not in _NATIVE:
-        raise DtypeError(f"hetcomm {what}: cannot reduce {t.dtype}; expected one of "
-                         f"{', '.join(sorted(_NATIVE))} or a complex dtype")  # fmt: skip
+        raise DtypeError(
+            f"hetcomm {what}: cannot reduce {t.dtype}; expected one of "
+            f"{', '.join(sorted(_NATIVE))} or a complex dtype"
+        )
     return t
 
 
@@ -104,8 +122,9 @@ def _movable(t: torch.Tensor, write: bool) -> tuple[torch.Tensor, list[Callable[
     return packed.reshape(-1).view(torch.uint8), steps
 
 
-def split_rows(t: torch.Tensor, splits: Sequence[int] | None, n: int,
-               what: str) -> list[torch.Tensor]:  # fmt: skip
+def split_rows(
+    t: torch.Tensor, splits: Sequence[int] | None, n: int, what: str
+) -> list[torch.Tensor]:
     """`t` cut along dim 0 into `n` pieces of `splits` rows (equal pieces when splits is empty)."""
     rows = t.shape[0] if t.dim() else 1
     if not splits:
@@ -113,8 +132,10 @@ def split_rows(t: torch.Tensor, splits: Sequence[int] | None, n: int,
             raise ValueError(f"hetcomm {what}: {rows} rows do not split evenly over {n} ranks")
         splits = [rows // n] * n
     if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
-        raise ValueError(f"hetcomm {what}: expected {n} non-negative split sizes adding up to "
-                         f"{rows} rows, got {list(splits)}")  # fmt: skip
+        raise ValueError(
+            f"hetcomm {what}: expected {n} non-negative split sizes adding up to "
+            f"{rows} rows, got {list(splits)}"
+        )
     return list(torch.split(t, list(splits), dim=0)) if t.dim() else [t]
 
 
@@ -140,4 +161,3 @@ def _restore(moved: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if moved.dtype != like.dtype:
         return moved.reshape(-1).view(like.dtype).reshape(like.shape)
     return moved.reshape(like.shape)
-

@@ -30,11 +30,27 @@ log = logging.getLogger("hetcomm")
 class _Pending:
     """One torch-level operation: hetcomm Works, steps to run after them, the result, a future."""
 
-    __slots__ = ("_after", "_lock", "_works", "deadline", "done", "error", "future", "limit",
-                 "name", "result")  # fmt: skip
+    __slots__ = (
+        "_after",
+        "_lock",
+        "_works",
+        "deadline",
+        "done",
+        "error",
+        "future",
+        "limit",
+        "name",
+        "result",
+    )
 
-    def __init__(self, name: str, works: list[Any], after: list[Callable[[], None]],
-                 result: list[torch.Tensor], limit: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        works: list[Any],
+        after: list[Callable[[], None]],
+        result: list[torch.Tensor],
+        limit: float,
+    ) -> None:
         self.name, self._works, self._after, self.result = name, works, after, result
         self.limit = limit
         self.deadline = time.monotonic() + limit
@@ -43,7 +59,8 @@ class _Pending:
         self._lock = threading.RLock()
         devices = sorted({t.device for t in result if t.device.type != "cpu"}, key=str)
         self.future: torch.futures.Future = torch.futures.Future(
-            devices=list[int | str | torch.device](devices) or None)
+            devices=list[int | str | torch.device](devices) or None
+        )
 
     def poll(self) -> bool:
         """True once complete (never blocks; skips when another thread is completing it)."""
@@ -127,8 +144,9 @@ class _Progress:
         with self._cond:
             self._queues.setdefault(key, collections.deque()).append(pending)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="hetcomm-torch-progress",
-                                                daemon=True)  # fmt: skip
+                self._thread = threading.Thread(
+                    target=self._run, name="hetcomm-torch-progress", daemon=True
+                )
                 self._thread.start()
                 _at_exit(self.stop)
             self._cond.notify()
@@ -241,8 +259,10 @@ def _synchronous() -> bool:
 
         _Threads.multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
         if not _Threads.multiple:
-            log.warning("hetcomm.torch: MPI is not THREAD_MULTIPLE; operations complete before "
-                        "they return (no overlap with computation)")  # fmt: skip
+            log.warning(
+                "hetcomm.torch: MPI is not THREAD_MULTIPLE; operations complete before "
+                "they return (no overlap with computation)"
+            )
     return not _Threads.multiple
 
 

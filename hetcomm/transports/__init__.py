@@ -140,6 +140,11 @@ def registry() -> dict[str, type[Transport]]:
     from .nccl import NcclTransport
     from .staged import StagedTransport
 
-    found: list[type[Transport]] = [DirectTransport, HierTransport, MpiTransport, NcclTransport,
-                                     StagedTransport]
+    found: list[type[Transport]] = [
+        DirectTransport,
+        HierTransport,
+        MpiTransport,
+        NcclTransport,
+        StagedTransport,
+    ]
     return {cls.name: cls for cls in found}

@@ -49,30 +49,46 @@ TAG_P2P = 64
 # the top 2 * LEAD_TAGS tags: records sent to the one-GPU leader and its "done" replies, by
 # collective number modulo LEAD_TAGS (same-tag messages between two ranks stay in order)
 LEAD_TAGS = 1024
-_OPS = {ReduceOp.SUM: "Sum", ReduceOp.AVG: "Sum", ReduceOp.PROD: "Prod", ReduceOp.MIN: "Min",
-        ReduceOp.MAX: "Max"}  # fmt: skip
+_OPS = {
+    ReduceOp.SUM: "Sum",
+    ReduceOp.AVG: "Sum",
+    ReduceOp.PROD: "Prod",
+    ReduceOp.MIN: "Min",
+    ReduceOp.MAX: "Max",
+}
 _BOOL_OPS = {ReduceOp.SUM: "Or", ReduceOp.MAX: "Or", ReduceOp.PROD: "And", ReduceOp.MIN: "And"}
-_CTYPES = {"bool": "unsigned char", "uint8": "unsigned char", "int8": "signed char",
-           "int16": "short", "int32": "int", "int64": "long long", "float32": "float",
-           "float64": "double"}  # fmt: skip
+_CTYPES = {
+    "bool": "unsigned char",
+    "uint8": "unsigned char",
+    "int8": "signed char",
+    "int16": "short",
+    "int32": "int",
+    "int64": "long long",
+    "float32": "float",
+    "float64": "double",
+}
 _THREADS = 512
 # how peer memory is copied: "memcpy" (cudaMemcpyAsync) or "kernel" (copy16). On the H200,
 # 256 MiB through an IPC mapping: cudaMemcpyAsync 1987 GB/s, the kernel 1849 GB/s (2026-11-29)
 PEER_COPY = "memcpy"
 
 
-
-def group_unavailable(hosts: list[str], real_vendors: list[str], devices: list[str | None]
-                      ) -> str | None:  # fmt: skip
+def group_unavailable(
+    hosts: list[str], real_vendors: list[str], devices: list[str | None]
+) -> str | None:
     """Why peer mapping cannot join these members (pure), or None."""
     if len(set(hosts)) > 1:
-        return (f"members on {len(set(hosts))} hosts: peer mapping joins one host's GPUs (across "
-                "hosts direct needs a GPU-aware MPI)")  # fmt: skip
+        return (
+            f"members on {len(set(hosts))} hosts: peer mapping joins one host's GPUs (across "
+            "hosts direct needs a GPU-aware MPI)"
+        )
     if any(d is None for d in devices):
         return "some members have no device"
     if len(set(real_vendors)) > 1:
-        return f"members' GPUs come from vendors {', '.join(sorted(set(real_vendors)))}: no IPC " \
-               "between them"  # fmt: skip
+        return (
+            f"members' GPUs come from vendors {', '.join(sorted(set(real_vendors)))}: no IPC "
+            "between them"
+        )
     return None
 
 
@@ -113,8 +129,9 @@ class DirectTransport(Transport):
     @classmethod
     def unavailable(cls, topology: Topology) -> str | None:
         ranks = topology.ranks
-        why = group_unavailable([r.host for r in ranks], [r.detected_vendor for r in ranks],
-                                [r.device for r in ranks])  # fmt: skip
+        why = group_unavailable(
+            [r.host for r in ranks], [r.detected_vendor for r in ranks], [r.device for r in ranks]
+        )
         if why is not None:
             return why
         if len({r.node for r in ranks}) > 1:
@@ -156,9 +173,16 @@ class DirectTransport(Transport):
         ready.record(stream)
         return ready
 
-    def _queue(self, op: str, seq: int, bufs: tuple[Buffer, ...], nbytes: int,
-               body: Callable[[], Step], collective: bool = True,
-               wait_ready: bool = True) -> Work:  # fmt: skip
+    def _queue(
+        self,
+        op: str,
+        seq: int,
+        bufs: tuple[Buffer, ...],
+        nbytes: int,
+        body: Callable[[], Step],
+        collective: bool = True,
+        wait_ready: bool = True,
+    ) -> Work:
         """Hand the operation `body` to the proxy; unless told otherwise (`wait_ready`), it
         starts once the caller's stream has run what was queued before the call."""
         DP.stamp("prepared")
@@ -174,8 +198,13 @@ class DirectTransport(Transport):
         DP.stamp("queued")
         proxy = self._proxy
         proxy.submit(task, collective, nbytes, take_blocking())
-        work = Work(self.comm, op, seq, task.poll,
-                    waiter=lambda seconds: proxy.wait(task, collective, seconds))
+        work = Work(
+            self.comm,
+            op,
+            seq,
+            task.poll,
+            waiter=lambda seconds: proxy.wait(task, collective, seconds),
+        )
         work.info = {"transport": self.name, "bytes": nbytes}
         return work
 
@@ -195,8 +224,10 @@ class DirectTransport(Transport):
 
     def _addresses(self, table: np.ndarray, col: int, mine: int) -> list[int]:
         """Our address of column `col` of every rank's records (our own: `mine`)."""
-        return [mine if p == self.rank else self.peers.resolve(p, table[p, col])
-                for p in range(self.size)]  # fmt: skip
+        return [
+            mine if p == self.rank else self.peers.resolve(p, table[p, col])
+            for p in range(self.size)
+        ]
 
     def _sync(self) -> Step:
         yield self._proxy.mark()
@@ -216,8 +247,9 @@ class DirectTransport(Transport):
         rest = nbytes - 16 * words
         if rest:
             done = 16 * words
-            self.cupy.cuda.runtime.memcpyAsync(dst + done, src + done, rest, _D2D,
-                                               self._proxy.stream.ptr)  # fmt: skip
+            self.cupy.cuda.runtime.memcpyAsync(
+                dst + done, src + done, rest, _D2D, self._proxy.stream.ptr
+            )
 
     def _reduce(self, dst: int, srcs: list[int], count: int, dtype: str, op: ReduceOp) -> None:
         """dst = op over srcs (in order), `count` elements, on the proxy's stream."""
@@ -230,24 +262,38 @@ class DirectTransport(Transport):
             ptrs = [dst if i < 0 else srcs[i] for i in group]
             self._reduce_into([dst], ptrs, count, dtype, op, 0)
 
-    def _reduce_into(self, outs: list[int], srcs: list[int], count: int, dtype: str,
-                     op: ReduceOp, div: int) -> None:  # fmt: skip
+    def _reduce_into(
+        self, outs: list[int], srcs: list[int], count: int, dtype: str, op: ReduceOp, div: int
+    ) -> None:
         """Every one of `outs` = op over `srcs` (divided by `div` when > 0), one pass."""
-        vector = dtype == "float32" and op in (ReduceOp.SUM, ReduceOp.AVG) and not any(
-            p % 16 for p in (*outs, *srcs))  # fmt: skip
+        vector = (
+            dtype == "float32"
+            and op in (ReduceOp.SUM, ReduceOp.AVG)
+            and not any(p % 16 for p in (*outs, *srcs))
+        )
         head = count // 4 if vector else 0  # float32 sums of aligned memory: 4 per thread
         if head:
             self._launch("reduce_peers_f32x4", outs, srcs, head, div)
         if count > 4 * head:
             skip = 16 * head
-            self._launch(_kernel_name(dtype, op), [p + skip for p in outs],
-                         [p + skip for p in srcs], count - 4 * head, div)  # fmt: skip
+            self._launch(
+                _kernel_name(dtype, op),
+                [p + skip for p in outs],
+                [p + skip for p in srcs],
+                count - 4 * head,
+                div,
+            )
 
     def _launch(self, name: str, outs: list[int], srcs: list[int], count: int, div: int) -> None:
         pad = S.MAX_SOURCES
-        args = (*(np.uint64(p) for p in outs + [outs[0]] * (pad - len(outs))), np.int32(len(outs)),
-                *(np.uint64(p) for p in srcs + [srcs[0]] * (pad - len(srcs))), np.int32(len(srcs)),
-                np.uint64(count), np.int64(div))  # fmt: skip
+        args = (
+            *(np.uint64(p) for p in outs + [outs[0]] * (pad - len(outs))),
+            np.int32(len(outs)),
+            *(np.uint64(p) for p in srcs + [srcs[0]] * (pad - len(srcs))),
+            np.int32(len(srcs)),
+            np.uint64(count),
+            np.int64(div),
+        )
         blocks = max(1, min(2048, (count + _THREADS - 1) // _THREADS))
         with self._proxy.stream:
             self.kd.kernel(name)((blocks,), (_THREADS,), args)
@@ -277,13 +323,21 @@ class DirectTransport(Transport):
 
             return self._leader_op("all_reduce", seq, (x, out), x.nbytes, all_reduce)
         if S.algorithm(x.nbytes, self.size) == "one-shot":
-            return self._queue("all_reduce", seq, (x, out), x.nbytes,
-                               lambda: self._one_shot(x, out, op))  # fmt: skip
-        return self._queue("all_reduce", seq, (x, out), x.nbytes,
-                           lambda: self._two_shot(x, out, op))  # fmt: skip
+            return self._queue(
+                "all_reduce", seq, (x, out), x.nbytes, lambda: self._one_shot(x, out, op)
+            )
+        return self._queue(
+            "all_reduce", seq, (x, out), x.nbytes, lambda: self._two_shot(x, out, op)
+        )
 
-    def _leader_op(self, name: str, seq: int, bufs: tuple[Buffer, ...], nbytes: int,
-                   launch: Callable[[np.ndarray], None]) -> Work:  # fmt: skip
+    def _leader_op(
+        self,
+        name: str,
+        seq: int,
+        bufs: tuple[Buffer, ...],
+        nbytes: int,
+        launch: Callable[[np.ndarray], None],
+    ) -> Work:
         """A collective that rank 0 does alone for every rank sharing its GPU.
 
         Each other rank sends rank 0 its buffers' records once its stream is ready and waits for
@@ -297,8 +351,9 @@ class DirectTransport(Transport):
         t_rec = self._lead_tag + 2 * (seq % LEAD_TAGS)
         t_done = t_rec + 1
         if self.rank != 0:
-            rec = np.concatenate([self.peers.describe(b.ptr, b.nbytes, [0], full=True)
-                                  for b in bufs])  # fmt: skip
+            rec = np.concatenate(
+                [self.peers.describe(b.ptr, b.nbytes, [0], full=True) for b in bufs]
+            )
             done = np.zeros(1, np.int8)
             finished = self.svc.Irecv(done, 0, t_done)
 
@@ -321,8 +376,9 @@ class DirectTransport(Transport):
 
         return self._queue(name, seq, bufs, nbytes, leader)
 
-    def _reduce_all(self, outs: list[int], srcs: list[int], count: int, dtype: str,
-                    op: ReduceOp) -> None:  # fmt: skip
+    def _reduce_all(
+        self, outs: list[int], srcs: list[int], count: int, dtype: str, op: ReduceOp
+    ) -> None:
         """outs[k] = op over srcs for every k, one pass (AVG divides in the same pass)."""
         if count:
             self._reduce_into(outs, srcs, count, dtype, op, self.size if op is ReduceOp.AVG else 0)
@@ -450,8 +506,13 @@ class DirectTransport(Transport):
         task = DP.Task(self._barrier())
         proxy = self._proxy
         proxy.submit(task, True)
-        return Work(self.comm, "barrier", seq, task.poll,
-                    waiter=lambda seconds: proxy.wait(task, True, seconds))
+        return Work(
+            self.comm,
+            "barrier",
+            seq,
+            task.poll,
+            waiter=lambda seconds: proxy.wait(task, True, seconds),
+        )
 
     # ---- point-to-point: one rank of the pair copies (S.copier) ------------------------------
 
@@ -459,8 +520,9 @@ class DirectTransport(Transport):
         """The tags of a message's record and its "done"."""
         top = self._lead_tag - 1
         if TAG_P2P + 4 * tag + 3 > top:
-            raise InvalidArgument(f"{op}: the direct transport takes tags up to "
-                                  f"{(top - TAG_P2P - 3) // 4}, got {tag}")  # fmt: skip
+            raise InvalidArgument(
+                f"{op}: the direct transport takes tags up to {(top - TAG_P2P - 3) // 4}, got {tag}"
+            )
         base = TAG_P2P + 4 * tag + (2 if pushed else 0)
         return base, base + 1
 
@@ -509,8 +571,10 @@ class DirectTransport(Transport):
             head = queue[0]
             if head.ready is not None and not head.ready.done:
                 return head.ready
-            head.reqs = [self.svc.Isend(head.rec.view(np.uint8), peer, tags[0]),
-                         self.svc.Irecv(head.done, peer, tags[1])]  # fmt: skip
+            head.reqs = [
+                self.svc.Isend(head.rec.view(np.uint8), peer, tags[0]),
+                self.svc.Irecv(head.done, peer, tags[1]),
+            ]
             queue.popleft()
         return None
 
@@ -548,15 +612,19 @@ class DirectTransport(Transport):
     @staticmethod
     def _mismatch(op: str, peer: int, theirs: int, x: Buffer) -> InvalidArgument:
         if op == "send":
-            return InvalidArgument(f"send: rank {peer} posted a receive of {theirs} bytes for "
-                                   f"this {x.nbytes}-byte message")  # fmt: skip
-        return InvalidArgument(f"recv: rank {peer} sent {theirs} bytes, this buffer holds "
-                               f"{x.nbytes} ({x.describe()})")  # fmt: skip
+            return InvalidArgument(
+                f"send: rank {peer} posted a receive of {theirs} bytes for "
+                f"this {x.nbytes}-byte message"
+            )
+        return InvalidArgument(
+            f"recv: rank {peer} sent {theirs} bytes, this buffer holds {x.nbytes} ({x.describe()})"
+        )
 
     def _self_check(self, peer: int, op: str) -> None:
         if peer == self.rank:
-            raise InvalidArgument(f"{op}: rank {peer} is this rank; the direct transport moves "
-                                  "data between ranks")  # fmt: skip
+            raise InvalidArgument(
+                f"{op}: rank {peer} is this rank; the direct transport moves data between ranks"
+            )
 
     # ---- life cycle ----------------------------------------------------------------------------
 

@@ -120,8 +120,7 @@ class Proxy:
         self._thread.start()
         self._started.wait()
 
-    def submit(self, task: Task, collective: bool, nbytes: int = 0,
-               blocking: bool = False) -> None:  # fmt: skip
+    def submit(self, task: Task, collective: bool, nbytes: int = 0, blocking: bool = False) -> None:
         """Queue `task` for the proxy. For a blocking call (`blocking`) that finds the proxy
         with nothing to do, the proxy is left asleep: the calling thread is about to run the
         operation itself (wait), and a proxy woken for nothing would take the interpreter
@@ -186,8 +185,13 @@ class Proxy:
                     elif not _mpi_ready(w):
                         return False
                 if stamp.marks is not None:
-                    stamp("start" if w is None else
-                          "gpu" if not isinstance(w, (MPI.Request, list)) else "mpi")
+                    stamp(
+                        "start"
+                        if w is None
+                        else "gpu"
+                        if not isinstance(w, (MPI.Request, list))
+                        else "mpi"
+                    )
                 task.waiting = next(task.gen)
         except StopIteration:
             task.done = True
@@ -212,8 +216,14 @@ class Proxy:
         proxy, so the wait stays bounded and the calling thread does not spin.
         """
         with self._lock:
-            alone = (task.here and not self._inline and not self._colls and not self._p2p
-                     and len(self._new) == 1 and self._new[0][0] is task)  # fmt: skip
+            alone = (
+                task.here
+                and not self._inline
+                and not self._colls
+                and not self._p2p
+                and len(self._new) == 1
+                and self._new[0][0] is task
+            )
             if alone:
                 self._new.popleft()
                 self._inline = True
@@ -226,8 +236,9 @@ class Proxy:
         ended = False
         stamp("inline")
         try:
-            ended = kd.on_device(self.device, self._drive, task,
-                                 time.monotonic() + min(seconds, _INLINE_S))  # fmt: skip
+            ended = kd.on_device(
+                self.device, self._drive, task, time.monotonic() + min(seconds, _INLINE_S)
+            )
         finally:
             with self._lock:
                 self._inline = False
@@ -272,8 +283,9 @@ class Proxy:
             if moved:
                 continue
             active = ([self._colls[0]] if self._colls else []) + self._p2p
-            gpu = next((t.waiting for t in active
-                        if not isinstance(t.waiting, (MPI.Request, list))), None)  # fmt: skip
+            gpu = next(
+                (t.waiting for t in active if not isinstance(t.waiting, (MPI.Request, list))), None
+            )
             if gpu is not None:
                 # every other operation waits for GPU work or for another rank: the GPU work
                 # finishes on its own, so waiting for it blocks nobody for long. Operations

@@ -18,8 +18,7 @@ def algorithm(nbytes: int, size: int) -> str:
     return "one-shot" if size == 1 or nbytes <= ONE_SHOT_BYTES else "two-shot"
 
 
-def shards(count: int, itemsize: int, size: int,
-           align: int = ALIGN_BYTES) -> list[tuple[int, int]]:  # fmt: skip
+def shards(count: int, itemsize: int, size: int, align: int = ALIGN_BYTES) -> list[tuple[int, int]]:
     """[start, stop) element ranges, one per rank, covering `count` elements in order.
 
     Boundaries are multiples of `align` bytes where the item size allows; the shards differ by
@@ -49,7 +48,6 @@ def batches(sources: list[int]) -> list[list[int]]:
         out.append([-1, *rest[: MAX_SOURCES - 1]])
         rest = rest[MAX_SOURCES - 1 :]
     return out
-
 
 
 def copier(src: int, dst: int, devices: list[str | None]) -> int:

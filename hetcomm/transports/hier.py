@@ -100,15 +100,25 @@ class _Parts:
         _all_arrived(comm, svc)
         name = f"{comm.name}/island{index}"
         island_mpi: Any = svc.Split(index, comm.rank)
-        self.island = Communicator(island_mpi, _part_config(comm.config, name),
-                                   comm.topology.subset(islands[index]), name,
-                                   exclude=EXCLUDED)  # fmt: skip
+        self.island = Communicator(
+            island_mpi,
+            _part_config(comm.config, name),
+            comm.topology.subset(islands[index]),
+            name,
+            exclude=EXCLUDED,
+        )
         # islands exchange shards over `cross`; the collectives hier hands on whole go to
         # `flat`: neither shares a message space with the caller's own send/recv
         self.cross, self.flat = (
-            Communicator(svc.Dup(), _part_config(comm.config, f"{comm.name}/{what}"),
-                         comm.topology, f"{comm.name}/{what}", exclude=EXCLUDED)
-            for what in ("cross", "flat"))  # fmt: skip
+            Communicator(
+                svc.Dup(),
+                _part_config(comm.config, f"{comm.name}/{what}"),
+                comm.topology,
+                f"{comm.name}/{what}",
+                exclude=EXCLUDED,
+            )
+            for what in ("cross", "flat")
+        )
 
     def all(self) -> tuple[Communicator, ...]:
         return self.island, self.cross, self.flat
@@ -144,9 +154,14 @@ class HierTransport(Transport):
         """The parts, made by the first collective (on every rank, in program order)."""
         if self._parts is None:
             self._parts = _Parts(self.comm, self.islands, self.index)
-            log.info("hier: group '%s' islands %s; rank %d is member %d of island %d",
-                     self.comm.name, [list(i) for i in self.islands], self.rank, self.local,
-                     self.index)  # fmt: skip
+            log.info(
+                "hier: group '%s' islands %s; rank %d is member %d of island %d",
+                self.comm.name,
+                [list(i) for i in self.islands],
+                self.rank,
+                self.local,
+                self.index,
+            )
         return self._parts
 
     @property
@@ -166,8 +181,10 @@ class HierTransport(Transport):
 
     def _made(self) -> _Parts:
         if self._parts is None:
-            raise HetcommError(f"group '{self.comm.name}': the hier transport's parts are made "
-                               "by its first collective, and none has run yet")  # fmt: skip
+            raise HetcommError(
+                f"group '{self.comm.name}': the hier transport's parts are made "
+                "by its first collective, and none has run yet"
+            )
         return self._parts
 
     @classmethod
@@ -176,8 +193,7 @@ class HierTransport(Transport):
 
     # ---- running operations ------------------------------------------------------------------
 
-    def _submit(self, op: str, seq: int, bufs: list[Buffer],
-                body: Callable[[_Ctx], None]) -> Work:  # fmt: skip
+    def _submit(self, op: str, seq: int, bufs: list[Buffer], body: Callable[[_Ctx], None]) -> Work:
         """Queue `body` on the worker thread; the Work completes when it has run."""
         device = next((b for b in bufs if b.on_device), None)
         mem = self._host if device is None else self._device_memory(device)
@@ -192,8 +208,11 @@ class HierTransport(Transport):
             self._worker = _Worker(f"hetcomm-hier-{self.rank}", self._stopping)
         job = self._worker.submit(run)
         work = Work(self.comm, op, seq, job.is_set, [job.check], waiter=job.wait)
-        work.info = {"transport": self.name, "bytes": max(b.nbytes for b in bufs),
-                     "islands": len(self.islands)}  # fmt: skip
+        work.info = {
+            "transport": self.name,
+            "bytes": max(b.nbytes for b in bufs),
+            "islands": len(self.islands),
+        }
         return work
 
     def _device_memory(self, like: Buffer) -> _Memory:
@@ -215,13 +234,21 @@ class HierTransport(Transport):
             while not w.test():
                 if self._stopping.is_set() or self.comm._aborted is not None:
                     self._abandoned = True
-                    raise CommAborted(f"communicator '{self.comm.name}' was aborted or closed "
-                                      f"during {ctx.name} #{ctx.seq}")  # fmt: skip
+                    raise CommAborted(
+                        f"communicator '{self.comm.name}' was aborted or closed "
+                        f"during {ctx.name} #{ctx.seq}"
+                    )
                 left = ctx.deadline - time.monotonic()
                 if left <= 0:
                     self._abandoned = True
-                    raise CommTimeout(self.comm.name, ctx.name, ctx.seq, self.timeout, None,
-                                      f"waiting for {w.op} on group '{w._comm.name}'")  # fmt: skip
+                    raise CommTimeout(
+                        self.comm.name,
+                        ctx.name,
+                        ctx.seq,
+                        self.timeout,
+                        None,
+                        f"waiting for {w.op} on group '{w._comm.name}'",
+                    )
                 if w._waiter is not None:
                     w._waiter(min(left, 0.05))
                 else:
@@ -230,13 +257,15 @@ class HierTransport(Transport):
                     time.sleep(min(sleep, left))
                     sleep = min(2 * sleep, _MAX_SLEEP_S)
 
-    def _part_op(self, part: Communicator, op: str, buf: Buffer,
-                 start: Callable[[Transport, int], Work]) -> Work:  # fmt: skip
+    def _part_op(
+        self, part: Communicator, op: str, buf: Buffer, start: Callable[[Transport, int], Work]
+    ) -> Work:
         transport, seq = part._start(op, buf)
         return start(transport, seq)
 
-    def _in_island(self, ctx: _Ctx, op: str, buf: Buffer,
-                   start: Callable[[Transport, int], Work]) -> None:  # fmt: skip
+    def _in_island(
+        self, ctx: _Ctx, op: str, buf: Buffer, start: Callable[[Transport, int], Work]
+    ) -> None:
         """Run one collective of the island's communicator to its end."""
         self._wait([self._part_op(self.island, op, buf, start)], ctx)
 
@@ -261,8 +290,9 @@ class HierTransport(Transport):
         self._setup()
         if x.count == 0:
             return completed(self.comm, "all_reduce", seq)
-        return self._submit("all_reduce", seq, [x, out],
-                            lambda ctx: self._all_reduce(ctx, x, out, op))  # fmt: skip
+        return self._submit(
+            "all_reduce", seq, [x, out], lambda ctx: self._all_reduce(ctx, x, out, op)
+        )
 
     def _all_reduce(self, ctx: _Ctx, x: Buffer, out: Buffer, op: ReduceOp) -> None:
         mem, count = ctx.mem, x.count
@@ -282,19 +312,27 @@ class HierTransport(Transport):
                 mem.copy(_sub(padded, 0, count), x)
                 mem.zero(_sub(padded, count, n * c - count))
             shard = mem.empty(c, x, "shard")
-            self._in_island(ctx, "reduce_scatter", src,
-                            lambda t, s: t.reduce_scatter(shard, src, part_op, s))  # fmt: skip
+            self._in_island(
+                ctx, "reduce_scatter", src, lambda t, s: t.reduce_scatter(shard, src, part_op, s)
+            )
         # 2. every other island's partial of this shard, from the ranks whose shards overlap it
         width = sch.stop - sch.start
         mine = _sub(shard, 0, width)
         if width:
             k = len(self.islands)
             rows = mem.empty(k * width, x, "rows")
-            works = [self._recv(_sub(rows, t.island * width + t.start - sch.start,
-                                     t.stop - t.start), t.peer, _tag(t.start))
-                     for t in sch.exchanges]  # fmt: skip
-            works += [self._send(_sub(mine, t.start - sch.start, t.stop - t.start), t.peer,
-                                 _tag(t.start)) for t in sch.exchanges]  # fmt: skip
+            works = [
+                self._recv(
+                    _sub(rows, t.island * width + t.start - sch.start, t.stop - t.start),
+                    t.peer,
+                    _tag(t.start),
+                )
+                for t in sch.exchanges
+            ]
+            works += [
+                self._send(_sub(mine, t.start - sch.start, t.stop - t.start), t.peer, _tag(t.start))
+                for t in sch.exchanges
+            ]
             self._wait(works, ctx)
             # 3. reduce the partials in island order: every island's owner of an element folds
             # the same values in the same order, so every rank ends with the same bits
@@ -317,8 +355,9 @@ class HierTransport(Transport):
         self._setup()
         if out.count == 0:
             return completed(self.comm, "reduce_scatter", seq)
-        return self._submit("reduce_scatter", seq, [out, x],
-                            lambda ctx: self._reduce_scatter(ctx, out, x, op))  # fmt: skip
+        return self._submit(
+            "reduce_scatter", seq, [out, x], lambda ctx: self._reduce_scatter(ctx, out, x, op)
+        )
 
     def _reduce_scatter(self, ctx: _Ctx, out: Buffer, x: Buffer, op: ReduceOp) -> None:
         mem, block = ctx.mem, out.count
@@ -332,8 +371,12 @@ class HierTransport(Transport):
             mem.copy(_sub(scratch, at, count), _sub(x, pos, count))
         if n > 1:
             chunk = mem.empty(size, x, "chunk")
-            self._in_island(ctx, "reduce_scatter", scratch,
-                            lambda t, s: t.reduce_scatter(chunk, scratch, part_op, s))  # fmt: skip
+            self._in_island(
+                ctx,
+                "reduce_scatter",
+                scratch,
+                lambda t, s: t.reduce_scatter(chunk, scratch, part_op, s),
+            )
         else:
             chunk = scratch
         # 2. pieces of the chunk to the blocks' owners; one partial of this block per island
@@ -342,8 +385,11 @@ class HierTransport(Transport):
         works = []
         for p in sch.owned:
             if p.peer != self.rank:
-                works.append(self._recv(_sub(rows, p.island * block + p.block, p.count), p.peer,
-                                        _tag(p.block)))  # fmt: skip
+                works.append(
+                    self._recv(
+                        _sub(rows, p.island * block + p.block, p.count), p.peer, _tag(p.block)
+                    )
+                )
         for p in sch.held:
             piece = _sub(chunk, p.chunk, p.count)
             if p.peer == self.rank:
@@ -362,8 +408,7 @@ class HierTransport(Transport):
         self._setup()
         if x.count == 0:
             return completed(self.comm, "all_gather", seq)
-        return self._submit("all_gather", seq, [out, x],
-                            lambda ctx: self._all_gather(ctx, out, x))  # fmt: skip
+        return self._submit("all_gather", seq, [out, x], lambda ctx: self._all_gather(ctx, out, x))
 
     def _all_gather(self, ctx: _Ctx, out: Buffer, x: Buffer) -> None:
         """reduce_scatter run backwards: blocks to their holders, then the island gathers."""
@@ -397,8 +442,7 @@ class HierTransport(Transport):
         self._setup()
         if x.count == 0:
             return completed(self.comm, "broadcast", seq)
-        return self._submit("broadcast", seq, [x],
-                            lambda ctx: self._broadcast(ctx, x, root))  # fmt: skip
+        return self._submit("broadcast", seq, [x], lambda ctx: self._broadcast(ctx, x, root))
 
     def _broadcast(self, ctx: _Ctx, x: Buffer, root: int) -> None:
         """The root to one member of every other island, then a broadcast inside each island."""
@@ -416,8 +460,9 @@ class HierTransport(Transport):
 
     # ---- operations handed on -------------------------------------------------------------
 
-    def _flat(self, op: str, seq: int, buf: Buffer | None,
-              start: Callable[[Transport, int], Work]) -> Work:  # fmt: skip
+    def _flat(
+        self, op: str, seq: int, buf: Buffer | None, start: Callable[[Transport, int], Work]
+    ) -> Work:
         """Start `op` on the flat part from the calling thread (it needs nothing hier shapes);
         the Work follows the part's."""
         flat = self._setup().flat
@@ -440,10 +485,14 @@ class HierTransport(Transport):
         and the caller's tags keep their meaning: the message space is the group's own."""
         comm = self.comm
         choice = planning.choose(
-            comm.topology.members(), op=op, memory="device" if buf.on_device else "host",
-            nbytes=buf.nbytes, requested="auto", unavailable={**comm._unavailable, **EXCLUDED},
+            comm.topology.members(),
+            op=op,
+            memory="device" if buf.on_device else "host",
+            nbytes=buf.nbytes,
+            requested="auto",
+            unavailable={**comm._unavailable, **EXCLUDED},
             group=comm.name,
-        )  # fmt: skip
+        )
         found = comm._transports.get(choice.transport)
         if found is None:
             found = comm._transports[choice.transport] = comm._available[choice.transport](comm)
@@ -466,8 +515,9 @@ class HierTransport(Transport):
             if aborted is not None or not stopped or self._abandoned:
                 # operations may still be in flight there: leave their MPI communicators to
                 # MPI_Finalize rather than free memory MPI may still write
-                part._abort(aborted or CommAborted("the hier transport closed with an "
-                                                   "operation unfinished"))  # fmt: skip
+                part._abort(
+                    aborted or CommAborted("the hier transport closed with an operation unfinished")
+                )
             part.close()
         self._host.clear()
         if self._gpu is not None:
@@ -483,8 +533,14 @@ def _all_arrived(comm: Communicator, svc: Any) -> None:
     while not req.Test():
         waited = time.monotonic() - start
         if waited > comm.config.timeout:
-            exc = CommTimeout(comm.name, "hier setup", comm._seq + 1, comm.config.timeout, None,
-                              "not every rank came to set up the hier transport")  # fmt: skip
+            exc = CommTimeout(
+                comm.name,
+                "hier setup",
+                comm._seq + 1,
+                comm.config.timeout,
+                None,
+                "not every rank came to set up the hier transport",
+            )
             comm._abort(exc)
             raise exc
         time.sleep(sleep)
@@ -504,8 +560,18 @@ def _sub(buf: Buffer, start: int, count: int) -> Buffer:
     if buf.host is not None:
         host = buf.host[start : start + count]
         return Buffer(host, buf.kind, buf.dtype, (count,), "cpu", None, -1, True, False, host)
-    return Buffer(buf.obj, buf.kind, buf.dtype, (count,), buf.device, buf.device_index,
-                  buf.ptr + start * buf.itemsize, True, False, None)  # fmt: skip
+    return Buffer(
+        buf.obj,
+        buf.kind,
+        buf.dtype,
+        (count,),
+        buf.device,
+        buf.device_index,
+        buf.ptr + start * buf.itemsize,
+        True,
+        False,
+        None,
+    )
 
 
 # ---- scratch memory, copies and reductions where the data lives -----------------------------
@@ -574,8 +640,9 @@ class _HostMemory(_Memory):
 
         assert dst.host is not None and src.host is not None
         sd = kr.storage_dtype(dtype)
-        kr.combine(dst.host.view(sd), src.host.view(sd), "sum" if op is ReduceOp.AVG else op.value,
-                   dtype)  # fmt: skip
+        kr.combine(
+            dst.host.view(sd), src.host.view(sd), "sum" if op is ReduceOp.AVG else op.value, dtype
+        )
 
     def divide(self, buf: Buffer, n: int, dtype: str) -> None:
         from ..kernels import reduce as kr
@@ -607,8 +674,18 @@ class _DeviceMemory(_Memory):
         import cupy  # its memory pool keeps freed blocks for the next operation
 
         mem = cupy.empty(max(1, count * like.itemsize), dtype=cupy.uint8)
-        return Buffer(mem, "cupy", like.dtype, (count,), like.device, like.device_index,
-                      int(mem.data.ptr), True, False, None)  # fmt: skip
+        return Buffer(
+            mem,
+            "cupy",
+            like.dtype,
+            (count,),
+            like.device,
+            like.device_index,
+            int(mem.data.ptr),
+            True,
+            False,
+            None,
+        )
 
     def zero(self, buf: Buffer) -> None:
         # on the copy stream (non-blocking), so that a copy into the same memory right after
@@ -633,4 +710,3 @@ def _region(buf: Buffer) -> Any:
     from .staged_ops import Region
 
     return Region(buf.nbytes, None, buf.ptr)
-

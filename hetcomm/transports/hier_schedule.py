@@ -25,8 +25,9 @@ def shards(count: int, parts: int) -> list[tuple[int, int]]:
     return [(min(i * size, count), min((i + 1) * size, count)) for i in range(parts)]
 
 
-def overlaps(a: Sequence[tuple[int, int]],
-             b: Sequence[tuple[int, int]]) -> list[tuple[int, int, int, int]]:  # fmt: skip
+def overlaps(
+    a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]
+) -> list[tuple[int, int, int, int]]:
     """(i, j, start, stop) for every non-empty intersection of span i of `a` with span j of `b`."""
     found = []
     for i, (a0, a1) in enumerate(a):
@@ -89,8 +90,9 @@ def all_reduce_schedule(islands: Islands, count: int, rank: int) -> AllReduceSch
             continue
         for _, k, lo, hi in overlaps([(start, stop)], shards(count, len(members))):
             exchanges.append(Transfer(members[k], i, lo, hi))
-    return AllReduceSchedule(j, m, len(islands[j]), shard_size(count, len(islands[j])), start,
-                             stop, tuple(exchanges))  # fmt: skip
+    return AllReduceSchedule(
+        j, m, len(islands[j]), shard_size(count, len(islands[j])), start, stop, tuple(exchanges)
+    )
 
 
 # ---- reduce_scatter and all_gather: blocks of `block` elements, one per rank -----------------
@@ -170,10 +172,10 @@ def block_schedule(islands: Islands, block: int, rank: int) -> BlockSchedule:
         theirs = shards(size * block, len(members))
         there = _offsets(islands, block, len(members))
         for k, _, lo, hi in overlaps(theirs, [mine]):
-            owned.append(Piece(members[k], i, there[j] + lo - theirs[k][0], lo - mine[0],
-                               hi - lo))  # fmt: skip
-    return BlockSchedule(j, m, size, offs[-1], tuple(offs[:-1]), tuple(held), tuple(owned),
-                         tuple(layout))  # fmt: skip
+            owned.append(Piece(members[k], i, there[j] + lo - theirs[k][0], lo - mine[0], hi - lo))
+    return BlockSchedule(
+        j, m, size, offs[-1], tuple(offs[:-1]), tuple(held), tuple(owned), tuple(layout)
+    )
 
 
 def broadcast_entries(islands: Islands, root: int) -> list[int]:

@@ -22,17 +22,30 @@ if TYPE_CHECKING:
 
 # bool travels as uint8: MAX of 0/1 is "or", MIN is "and"
 _BOOL_OPS = {
-    ReduceOp.SUM: MPI.MAX, ReduceOp.MAX: MPI.MAX, ReduceOp.PROD: MPI.MIN, ReduceOp.MIN: MPI.MIN,
-}  # fmt: skip
+    ReduceOp.SUM: MPI.MAX,
+    ReduceOp.MAX: MPI.MAX,
+    ReduceOp.PROD: MPI.MIN,
+    ReduceOp.MIN: MPI.MIN,
+}
 _NATIVE_OPS = {
-    ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PROD: MPI.PROD,
-    ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
-}  # fmt: skip
+    ReduceOp.SUM: MPI.SUM,
+    ReduceOp.AVG: MPI.SUM,
+    ReduceOp.PROD: MPI.PROD,
+    ReduceOp.MIN: MPI.MIN,
+    ReduceOp.MAX: MPI.MAX,
+}
 _DATATYPES = {
-    "bool": MPI.UINT8_T, "uint8": MPI.UINT8_T, "int8": MPI.INT8_T, "int16": MPI.INT16_T,
-    "int32": MPI.INT32_T, "int64": MPI.INT64_T, "float32": MPI.FLOAT, "float64": MPI.DOUBLE,
-    "float16": MPI.UINT16_T, "bfloat16": MPI.UINT16_T,
-}  # fmt: skip
+    "bool": MPI.UINT8_T,
+    "uint8": MPI.UINT8_T,
+    "int8": MPI.INT8_T,
+    "int16": MPI.INT16_T,
+    "int32": MPI.INT32_T,
+    "int64": MPI.INT64_T,
+    "float32": MPI.FLOAT,
+    "float64": MPI.DOUBLE,
+    "float16": MPI.UINT16_T,
+    "bfloat16": MPI.UINT16_T,
+}
 _INTS = ("int8", "int16", "int32", "int64", "uint8")
 
 
@@ -49,7 +62,7 @@ def _wrong_integer_ops() -> frozenset[tuple[str, str]]:
         big = np.iinfo(dtype).max - 1
         for op, mpi in ((ReduceOp.SUM, MPI.SUM), (ReduceOp.PROD, MPI.PROD)):
             a, b = np.full(64, big, dtype), np.full(64, big, dtype)
-            want = (a.astype(np.int64) * b if op is ReduceOp.PROD else a.astype(np.int64) + b)
+            want = a.astype(np.int64) * b if op is ReduceOp.PROD else a.astype(np.int64) + b
             mpi.Reduce_local((a, _DATATYPES[name]), (b, _DATATYPES[name]))
             if not np.array_equal(b, want.astype(dtype)):
                 wrong.add((name, op.value))
@@ -93,10 +106,18 @@ _PERSISTENT = _persistent_kinds()
 _KINDS = len({kind.index for kind in _PERSISTENT.values()})
 # (numpy dtype, op) -> kind, for the pairs of the short path: those MPI reduces itself, AVG and
 # bool aside; kind.op and kind.datatype serve its Iallreduce too
-_FAST = {(kind.dtype, op): kind for (name, op), kind in _PERSISTENT.items()
-         if name != "bool" and op != _AVG.value}  # fmt: skip
-_OPS = {(d, op.value): mpi for d in _DATATYPES if d not in ("bool", "float16", "bfloat16")
-        for op, mpi in _NATIVE_OPS.items() if (d, op.value) not in _WRONG}  # fmt: skip
+_FAST = {
+    (kind.dtype, op): kind
+    for (name, op), kind in _PERSISTENT.items()
+    if name != "bool" and op != _AVG.value
+}
+_OPS = {
+    (d, op.value): mpi
+    for d in _DATATYPES
+    if d not in ("bool", "float16", "bfloat16")
+    for op, mpi in _NATIVE_OPS.items()
+    if (d, op.value) not in _WRONG
+}
 
 
 def mpi_op(dtype: str, op: ReduceOp) -> MPI.Op:
@@ -121,9 +142,11 @@ def _own_reducer(dtype: str, op: ReduceOp) -> Callable[[Any, Any, Any], None]:
 
     def reducer(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
         combine(
-            np.frombuffer(inoutbuf, dtype=storage), np.frombuffer(inbuf, dtype=storage),
-            kind, dtype,
-        )  # fmt: skip
+            np.frombuffer(inoutbuf, dtype=storage),
+            np.frombuffer(inbuf, dtype=storage),
+            kind,
+            dtype,
+        )
 
     return reducer
 
@@ -172,8 +195,7 @@ class _Lane:
         job = Job(call)
         self.pending += 1
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="hetcomm-mpi-lane",
-                                            daemon=True)  # fmt: skip
+            self._thread = threading.Thread(target=self._loop, name="hetcomm-mpi-lane", daemon=True)
             self._thread.start()
         self._queue.put(job)
         return job
@@ -271,8 +293,15 @@ class MpiTransport(Transport):
     def unavailable(cls, topology: Topology) -> str | None:
         return None  # the communicator itself is MPI, so MPI is always there
 
-    def _start(self, op: str, seq: int, nbytes: int, nonblocking: Callable[[], MPI.Request],
-               blocking: Callable[[], Any], finish: Sequence[Callable[[], None]] = ()) -> Work:  # fmt: skip
+    def _start(
+        self,
+        op: str,
+        seq: int,
+        nbytes: int,
+        nonblocking: Callable[[], MPI.Request],
+        blocking: Callable[[], Any],
+        finish: Sequence[Callable[[], None]] = (),
+    ) -> Work:
         """One MPI call: up to LANE_BYTES non-blocking, from this thread while the lane is idle
         and else on the lane behind its jobs (see LANE_BYTES); larger ones blocking on the
         lane."""
@@ -288,8 +317,14 @@ class MpiTransport(Transport):
         work.info = {"transport": "mpi", "bytes": nbytes, "stages": 1}
         return work
 
-    def _start_calls(self, op: str, seq: int, nbytes: int, calls: Sequence[Callable[[], Any]],
-                     finish: Sequence[Callable[[], None]] = ()) -> Work:  # fmt: skip
+    def _start_calls(
+        self,
+        op: str,
+        seq: int,
+        nbytes: int,
+        calls: Sequence[Callable[[], Any]],
+        finish: Sequence[Callable[[], None]] = (),
+    ) -> Work:
         """An operation cut into several blocking MPI calls (large counts): all of them, in
         order, as one job of the lane."""
 
@@ -339,16 +374,30 @@ class MpiTransport(Transport):
         spans = _spans(out)
         if len(spans) > 1:
             xs, os_ = _flat(x), _flat(out)
-            calls = [partial(mpi.Allreduce, _IN_PLACE if out is x else (xs[s : s + n], dt),
-                             (os_[s : s + n], dt), mop) for s, n in spans]  # fmt: skip
+            calls = [
+                partial(
+                    mpi.Allreduce,
+                    _IN_PLACE if out is x else (xs[s : s + n], dt),
+                    (os_[s : s + n], dt),
+                    mop,
+                )
+                for s, n in spans
+            ]
             return self._start_calls("all_reduce", seq, out.nbytes, calls, finish)
         send = _IN_PLACE if out is x else (self._mem(x), dt)
         recv = (self._mem(out), dt)
-        return self._start("all_reduce", seq, out.nbytes, lambda: mpi.Iallreduce(send, recv, mop),
-                           lambda: mpi.Allreduce(send, recv, mop), finish)  # fmt: skip
+        return self._start(
+            "all_reduce",
+            seq,
+            out.nbytes,
+            lambda: mpi.Iallreduce(send, recv, mop),
+            lambda: mpi.Allreduce(send, recv, mop),
+            finish,
+        )
 
-    def _all_reduce_persistent(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int,
-                               kind: mpi_persistent.Kind) -> Work:  # fmt: skip
+    def _all_reduce_persistent(
+        self, x: Buffer, out: Buffer, op: ReduceOp, seq: int, kind: mpi_persistent.Kind
+    ) -> Work:
         """A small all-reduce through the cached persistent request of (dtype, count, op):
         started from this thread while the lane is idle, else queued on the lane behind its
         jobs, so that it keeps its place in issue order either way."""
@@ -451,9 +500,12 @@ class MpiTransport(Transport):
         spans = _spans(x)
         if len(spans) > 1:
             xs = _flat(x)
-            calls = [partial(mpi.Reduce, _IN_PLACE, (xs[s : s + n], dt), mop, root) if at_root
-                     else partial(mpi.Reduce, (xs[s : s + n], dt), None, mop, root)
-                     for s, n in spans]  # fmt: skip
+            calls = [
+                partial(mpi.Reduce, _IN_PLACE, (xs[s : s + n], dt), mop, root)
+                if at_root
+                else partial(mpi.Reduce, (xs[s : s + n], dt), None, mop, root)
+                for s, n in spans
+            ]
             return self._start_calls("reduce", seq, x.nbytes, calls, finish)
         send: Any
         recv: Any
@@ -461,8 +513,14 @@ class MpiTransport(Transport):
             send, recv = _IN_PLACE, (self._mem(x), dt)
         else:
             send, recv = (self._mem(x), dt), None
-        return self._start("reduce", seq, x.nbytes, lambda: mpi.Ireduce(send, recv, mop, root),
-                           lambda: mpi.Reduce(send, recv, mop, root), finish)  # fmt: skip
+        return self._start(
+            "reduce",
+            seq,
+            x.nbytes,
+            lambda: mpi.Ireduce(send, recv, mop, root),
+            lambda: mpi.Reduce(send, recv, mop, root),
+            finish,
+        )
 
     def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
         dt, mpi = _DATATYPES[x.dtype], self._mpi
@@ -472,8 +530,9 @@ class MpiTransport(Transport):
             calls = [partial(mpi.Bcast, (xs[s : s + n], dt), root) for s, n in spans]
             return self._start_calls("broadcast", seq, x.nbytes, calls)
         buf = (self._mem(x), dt)
-        return self._start("broadcast", seq, x.nbytes, lambda: mpi.Ibcast(buf, root),
-                           lambda: mpi.Bcast(buf, root))  # fmt: skip
+        return self._start(
+            "broadcast", seq, x.nbytes, lambda: mpi.Ibcast(buf, root), lambda: mpi.Bcast(buf, root)
+        )
 
     def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
         dt, mpi = _DATATYPES[x.dtype], self._mpi
@@ -486,12 +545,19 @@ class MpiTransport(Transport):
             def gather(t: MPI.Datatype, s: int, n: int) -> None:
                 mpi.Allgather((xs[s : s + n], dt), (o, 1, t))
 
-            calls = [partial(_with_block_type, dt, s, n, x.nbytes, partial(gather, s=s, n=n))
-                     for s, n in spans]  # fmt: skip
+            calls = [
+                partial(_with_block_type, dt, s, n, x.nbytes, partial(gather, s=s, n=n))
+                for s, n in spans
+            ]
             return self._start_calls("all_gather", seq, out.nbytes, calls)
         send, recv = (self._mem(x), dt), (self._mem(out), dt)
-        return self._start("all_gather", seq, out.nbytes, lambda: mpi.Iallgather(send, recv),
-                           lambda: mpi.Allgather(send, recv))  # fmt: skip
+        return self._start(
+            "all_gather",
+            seq,
+            out.nbytes,
+            lambda: mpi.Iallgather(send, recv),
+            lambda: mpi.Allgather(send, recv),
+        )
 
     def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
         self._reducible(x)
@@ -505,14 +571,27 @@ class MpiTransport(Transport):
             # is reduced into rank i's out by a reduce rooted there (x and out never overlap:
             # the communicator copies an x that overlaps out)
             xs, o, block = _flat(x), _flat(out), out.count
-            calls = [partial(mpi.Reduce, (xs[i * block + s : i * block + s + n], dt),
-                             (o[s : s + n], dt) if i == me else None, mop, i)
-                     for s, n in spans for i in range(size)]  # fmt: skip
+            calls = [
+                partial(
+                    mpi.Reduce,
+                    (xs[i * block + s : i * block + s + n], dt),
+                    (o[s : s + n], dt) if i == me else None,
+                    mop,
+                    i,
+                )
+                for s, n in spans
+                for i in range(size)
+            ]
             return self._start_calls("reduce_scatter", seq, x.nbytes, calls, finish)
         send, recv = (self._mem(x), dt), (self._mem(out), dt)
-        return self._start("reduce_scatter", seq, x.nbytes,
-                           lambda: mpi.Ireduce_scatter_block(send, recv, mop),
-                           lambda: mpi.Reduce_scatter_block(send, recv, mop), finish)  # fmt: skip
+        return self._start(
+            "reduce_scatter",
+            seq,
+            x.nbytes,
+            lambda: mpi.Ireduce_scatter_block(send, recv, mop),
+            lambda: mpi.Reduce_scatter_block(send, recv, mop),
+            finish,
+        )
 
     def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
         dt, mpi = _DATATYPES[x.dtype], self._mpi
@@ -525,12 +604,18 @@ class MpiTransport(Transport):
             def exchange(t: MPI.Datatype) -> None:
                 mpi.Alltoall((xs, 1, t), (o, 1, t))
 
-            calls = [partial(_with_block_type, dt, s, n, block * x.itemsize, exchange)
-                     for s, n in spans]  # fmt: skip
+            calls = [
+                partial(_with_block_type, dt, s, n, block * x.itemsize, exchange) for s, n in spans
+            ]
             return self._start_calls("all_to_all", seq, x.nbytes, calls)
         send, recv = (self._mem(x), dt), (self._mem(out), dt)
-        return self._start("all_to_all", seq, x.nbytes, lambda: mpi.Ialltoall(send, recv),
-                           lambda: mpi.Alltoall(send, recv))  # fmt: skip
+        return self._start(
+            "all_to_all",
+            seq,
+            x.nbytes,
+            lambda: mpi.Ialltoall(send, recv),
+            lambda: mpi.Alltoall(send, recv),
+        )
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
         dt, spans = _DATATYPES[x.dtype], _spans(x)
@@ -547,8 +632,9 @@ class MpiTransport(Transport):
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
         spans = _spans(x)
-        work = Work(self.comm, "recv", seq,
-                    _Receive(self._mpi, x, self._mem(x), src, tag, spans).poll)  # fmt: skip
+        work = Work(
+            self.comm, "recv", seq, _Receive(self._mpi, x, self._mem(x), src, tag, spans).poll
+        )
         work.info = {"transport": "mpi", "bytes": x.nbytes, "stages": len(spans)}
         return work
 
@@ -564,8 +650,15 @@ class _Receive:
     mismatch it may hold the first part of the message; probing each message first would keep
     it untouched, at the price of posting every receive late (measured: slower)."""
 
-    def __init__(self, mpi: MPI.Intracomm, x: Buffer, mem: Any, src: int, tag: int,
-                 spans: list[tuple[int, int]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        mpi: MPI.Intracomm,
+        x: Buffer,
+        mem: Any,
+        src: int,
+        tag: int,
+        spans: list[tuple[int, int]],
+    ) -> None:
         self.src, self.nbytes, self.itemsize = src, x.nbytes, x.itemsize
         dt = _DATATYPES[x.dtype]
         if len(spans) == 1:
@@ -585,18 +678,24 @@ class _Receive:
         except MPI.Exception as exc:
             # one request fails with ERR_TRUNCATE; Testall says ERR_IN_STATUS and the status
             # holds the reason
-            errors = {exc.Get_error_class(),
-                      *(MPI.Get_error_class(st.Get_error()) for st in self.statuses)}  # fmt: skip
+            errors = {
+                exc.Get_error_class(),
+                *(MPI.Get_error_class(st.Get_error()) for st in self.statuses),
+            }
             if MPI.ERR_TRUNCATE not in errors:
                 raise
-            raise MismatchError(f"receive from rank {self.src}: the sender has more than "
-                                f"{self.nbytes} bytes, this receive takes {self.nbytes}") from None  # fmt: skip
+            raise MismatchError(
+                f"receive from rank {self.src}: the sender has more than "
+                f"{self.nbytes} bytes, this receive takes {self.nbytes}"
+            ) from None
         for (_, n), status in zip(self.spans, self.statuses):
             got = status.Get_count(MPI.BYTE)
             if got != n * self.itemsize:
                 sent = got if len(self.spans) == 1 else f"a piece of {got}"
-                raise MismatchError(f"receive from rank {self.src}: the sender has {sent} "
-                                    f"bytes, this receive takes {n * self.itemsize}")  # fmt: skip
+                raise MismatchError(
+                    f"receive from rank {self.src}: the sender has {sent} "
+                    f"bytes, this receive takes {n * self.itemsize}"
+                )
         return True
 
 
@@ -638,8 +737,9 @@ def _flat(buf: Buffer) -> np.ndarray:
     return buf.host.reshape(-1)
 
 
-def _with_block_type(base: MPI.Datatype, start: int, count: int, extent: int,
-                     call: Callable[[MPI.Datatype], Any]) -> None:  # fmt: skip
+def _with_block_type(
+    base: MPI.Datatype, start: int, count: int, extent: int, call: Callable[[MPI.Datatype], Any]
+) -> None:
     """`call(t)` with a datatype of `count` elements `start` elements into a block of `extent`
     bytes, freed afterwards."""
     size = base.Get_size()

@@ -39,15 +39,22 @@ from .rails import RailError, SharedSlots
 MAX_BYTES = 16 << 20
 _LINE = 64  # blocks start on cache lines
 _NAME_BYTES = 64  # a segment's name, as it travels
-_NAMES = {ReduceOp.SUM: "sum", ReduceOp.AVG: "sum", ReduceOp.PROD: "prod", ReduceOp.MIN: "min",
-          ReduceOp.MAX: "max"}  # fmt: skip
+_NAMES = {
+    ReduceOp.SUM: "sum",
+    ReduceOp.AVG: "sum",
+    ReduceOp.PROD: "prod",
+    ReduceOp.MIN: "min",
+    ReduceOp.MAX: "max",
+}
 
 
 def blocks(nbytes: int, itemsize: int, size: int) -> list[tuple[int, int]]:
     """[start, stop) byte ranges of `nbytes`, one per rank, in order, covering them all: starts
     on 64-byte lines, whole items, sizes as even as that allows (trailing ones may be empty)."""
-    return [(a * itemsize, b * itemsize)
-            for a, b in shards(nbytes // itemsize, itemsize, size, align=_LINE)]  # fmt: skip
+    return [
+        (a * itemsize, b * itemsize)
+        for a, b in shards(nbytes // itemsize, itemsize, size, align=_LINE)
+    ]
 
 
 class NodeReduce:
@@ -99,9 +106,12 @@ class NodeReduce:
                 )
             assert mine is not None
             self._slots = [mine]  # closed (and unlinked) by _unmap even if a peer's fails to map
-            slots = [mine if r == self.rank else
-                     SharedSlots(bytes(names[r]).rstrip(b"\0").decode(), 1, capacity, False)
-                     for r in range(self.size)]  # fmt: skip
+            slots = [
+                mine
+                if r == self.rank
+                else SharedSlots(bytes(names[r]).rstrip(b"\0").decode(), 1, capacity, False)
+                for r in range(self.size)
+            ]
             self._slots = slots
             wait(self._comm.Ibarrier(), "every rank mapping the shared segments")
             mine.unlink()
@@ -109,8 +119,9 @@ class NodeReduce:
             self.capacity = capacity
         return self._segments[self.rank][:nbytes]
 
-    def all_reduce(self, nbytes: int, dtype: str, op: ReduceOp,
-                   wait: Callable[[Any, str], None]) -> None:  # fmt: skip
+    def all_reduce(
+        self, nbytes: int, dtype: str, op: ReduceOp, wait: Callable[[Any, str], None]
+    ) -> None:
         """Reduce the `nbytes` every rank packed into its segment (values of `dtype`); the
         result is in every segment after. `wait(request, what)` waits for a barrier within the
         operation's timeout."""

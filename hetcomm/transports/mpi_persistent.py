@@ -93,8 +93,22 @@ class Slot:
     poll of a call already delivered returns at once without touching the request.
     """
 
-    __slots__ = ("active", "deliver", "delivered", "job", "key", "kind", "lock", "mpi", "request",
-                 "scratch", "seq", "started", "used", "view")  # fmt: skip
+    __slots__ = (
+        "active",
+        "deliver",
+        "delivered",
+        "job",
+        "key",
+        "kind",
+        "lock",
+        "mpi",
+        "request",
+        "scratch",
+        "seq",
+        "started",
+        "used",
+        "view",
+    )
 
     def __init__(self, key: tuple[int, int], kind: Kind, mpi: MPI.Intracomm) -> None:
         self.key = key  # (kind index, element count)
@@ -125,7 +139,8 @@ class Slot:
         if request is None:
             kind = self.kind
             request = self.request = self.mpi.Allreduce_init(
-                MPI.IN_PLACE, (self.scratch, kind.datatype), kind.op)
+                MPI.IN_PLACE, (self.scratch, kind.datatype), kind.op
+            )
         return request
 
     def copy_in(self, x: np.ndarray) -> np.ndarray:
@@ -204,8 +219,9 @@ class Requests:
     """The persistent all-reduces of one transport's communicator, evicted least recently used
     first. Requests are found by kind, then by element count: two small dict lookups."""
 
-    def __init__(self, comm: Communicator, mpi: MPI.Intracomm, kinds: int,
-                 capacity: int = CAPACITY) -> None:  # fmt: skip
+    def __init__(
+        self, comm: Communicator, mpi: MPI.Intracomm, kinds: int, capacity: int = CAPACITY
+    ) -> None:
         self._comm = comm
         self._mpi = mpi
         self._capacity = capacity
@@ -245,8 +261,13 @@ class Requests:
         """Wait for the slot's call in flight and copy its result out. That call was issued
         before the present one on every rank, so it completes; the wait is bounded."""
         job = slot.job
-        Work(self._comm, "all_reduce", slot.seq, partial(slot.poll, slot.started),
-             waiter=None if job is None else job.wait).wait()  # fmt: skip
+        Work(
+            self._comm,
+            "all_reduce",
+            slot.seq,
+            partial(slot.poll, slot.started),
+            waiter=None if job is None else job.wait,
+        ).wait()
 
     def _drop(self, slot: Slot) -> None:
         index, count = slot.key

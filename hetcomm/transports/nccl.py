@@ -29,13 +29,25 @@ if TYPE_CHECKING:
 
 # ncclDataType_t and ncclRedOp_t values (nccl.h; the same in RCCL)
 _TYPES = {
-    "int8": 0, "uint8": 1, "bool": 1, "int32": 2, "int64": 4, "float16": 6, "float32": 7,
-    "float64": 8, "bfloat16": 9,
-}  # fmt: skip
+    "int8": 0,
+    "uint8": 1,
+    "bool": 1,
+    "int32": 2,
+    "int64": 4,
+    "float16": 6,
+    "float32": 7,
+    "float64": 8,
+    "bfloat16": 9,
+}
 _UINT8 = 1
 _SUM, _PROD, _MAX, _MIN = 0, 1, 2, 3
-_OPS = {ReduceOp.SUM: _SUM, ReduceOp.AVG: _SUM, ReduceOp.PROD: _PROD, ReduceOp.MIN: _MIN,
-        ReduceOp.MAX: _MAX}  # fmt: skip
+_OPS = {
+    ReduceOp.SUM: _SUM,
+    ReduceOp.AVG: _SUM,
+    ReduceOp.PROD: _PROD,
+    ReduceOp.MIN: _MIN,
+    ReduceOp.MAX: _MAX,
+}
 # bool travels as uint8 0/1: MAX is "or", MIN is "and"
 _BOOL_OPS = {ReduceOp.SUM: _MAX, ReduceOp.MAX: _MAX, ReduceOp.PROD: _MIN, ReduceOp.MIN: _MIN}
 TAG_UID = 21
@@ -80,8 +92,11 @@ def abort_left_over(limit: float | None = None) -> int:
         left = list(_LIVE.values())
     if not left:
         return 0
-    log.warning("%d NCCL communicator(s) of hetcomm were not closed; aborting them at exit "
-                "(close every Communicator, on every rank, to end them cleanly)", len(left))  # fmt: skip
+    log.warning(
+        "%d NCCL communicator(s) of hetcomm were not closed; aborting them at exit "
+        "(close every Communicator, on every rank, to end them cleanly)",
+        len(left),
+    )
 
     def run() -> None:
         for c in left:
@@ -111,7 +126,9 @@ def library_unavailable() -> str | None:
     return unavailable()  # a usable GPU runtime with a device
 
 
-def group_unavailable(devices: Sequence[tuple[int, str | None]], vendors: Sequence[str]) -> str | None:
+def group_unavailable(
+    devices: Sequence[tuple[int, str | None]], vendors: Sequence[str]
+) -> str | None:
     """Why NCCL cannot serve members with these (rank, device identity) and vendors, or None.
 
     Pure: no import of any GPU library.
@@ -128,8 +145,10 @@ def group_unavailable(devices: Sequence[tuple[int, str | None]], vendors: Sequen
     for rank, dev in devices:
         assert dev is not None
         if dev in seen:
-            return (f"ranks {seen[dev]} and {rank} share device {dev}; NCCL refuses two ranks on "
-                    "one GPU ('duplicate GPU')")  # fmt: skip
+            return (
+                f"ranks {seen[dev]} and {rank} share device {dev}; NCCL refuses two ranks on "
+                "one GPU ('duplicate GPU')"
+            )
         seen[dev] = rank
     return None
 
@@ -234,8 +253,14 @@ class NcclTransport(Transport):
 
         return external_stream(current_stream(buf), self._device)
 
-    def _run(self, op: str, seq: int, buf: Buffer, nbytes: int,
-             body: Callable[[Any, int], tuple[Any, ...]]) -> Work:  # fmt: skip
+    def _run(
+        self,
+        op: str,
+        seq: int,
+        buf: Buffer,
+        nbytes: int,
+        body: Callable[[Any, int], tuple[Any, ...]],
+    ) -> Work:
         """Enqueue `body(stream_object, stream_ptr)` on the array's stream; the Work completes
         when an event recorded after it has passed."""
         self._bind(buf, op)
@@ -261,8 +286,9 @@ class NcclTransport(Transport):
         work.info = {"transport": self.name, "bytes": nbytes}
         return work
 
-    def _typed(self, buf: Buffer, op: ReduceOp | None, stream: Any
-               ) -> tuple[int, int, int, Callable[[], None] | None, tuple[Any, ...]]:  # fmt: skip
+    def _typed(
+        self, buf: Buffer, op: ReduceOp | None, stream: Any
+    ) -> tuple[int, int, int, Callable[[], None] | None, tuple[Any, ...]]:
         """(pointer, count, nccl type, write-back, keep) for `buf`; int16 widens to int32 around
         a reduction (exact: wrap-around sums and products agree modulo 2^16) and moves as bytes
         otherwise, since NCCL has no 16-bit integer type."""
@@ -273,8 +299,13 @@ class NcclTransport(Transport):
         cupy = self.cupy
         with stream:
             wide = _int16_view(cupy, buf, self._device).astype(cupy.int32)
-        return (int(wide.data.ptr), buf.count, _TYPES["int32"],
-                lambda: _narrow_into(cupy, wide, buf, stream, self._device), (wide,))  # fmt: skip
+        return (
+            int(wide.data.ptr),
+            buf.count,
+            _TYPES["int32"],
+            lambda: _narrow_into(cupy, wide, buf, stream, self._device),
+            (wide,),
+        )
 
     def _average(self, buf: Buffer, stream: Any) -> None:
         from ..kernels.device import divide_on
@@ -389,8 +420,9 @@ class NcclTransport(Transport):
 
     def _p2p(self, op: str, x: Buffer, peer: int, seq: int) -> Work:
         if peer == self.rank:
-            raise InvalidArgument(f"{op}: rank {peer} is this rank; NCCL has no send to self "
-                                  "outside a group call")  # fmt: skip
+            raise InvalidArgument(
+                f"{op}: rank {peer} is this rank; NCCL has no send to self outside a group call"
+            )
         self._bind(x, op)
         pc = self._pair_comm(peer)
         other = 1 if self.rank < peer else 0
@@ -413,8 +445,9 @@ class NcclTransport(Transport):
             if self._scratch is None:
                 self._scratch = cupy.zeros(1, cupy.int32)
             stream = cupy.cuda.get_current_stream()
-            nc.allReduce(self._scratch.data.ptr, self._scratch.data.ptr, 1, _TYPES["int32"],
-                         _SUM, stream.ptr)  # fmt: skip
+            nc.allReduce(
+                self._scratch.data.ptr, self._scratch.data.ptr, 1, _TYPES["int32"], _SUM, stream.ptr
+            )
             event = cupy.cuda.Event(disable_timing=True)
             event.record(stream)
         return Work(self.comm, "barrier", seq, lambda: bool(event.done))
@@ -441,4 +474,3 @@ def _narrow_into(cupy: Any, wide: Any, out: Buffer, stream: Any, device: int | N
     """`out` = `wide` (int32) narrowed to int16, queued on `stream`."""
     with stream:
         _int16_view(cupy, out, device)[...] = wide.astype(cupy.int16)
-

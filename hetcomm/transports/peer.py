@@ -18,8 +18,9 @@ import numpy as np
 log = logging.getLogger("hetcomm")
 
 # one record per exposed buffer, exchanged over MPI as raw bytes
-RECORD = np.dtype([("id", "<u8"), ("offset", "<u8"), ("nbytes", "<u8"), ("has", "<u8"),
-                   ("handle", "V64")])  # fmt: skip
+RECORD = np.dtype(
+    [("id", "<u8"), ("offset", "<u8"), ("nbytes", "<u8"), ("has", "<u8"), ("handle", "V64")]
+)
 _BUFFER_ID = 7  # CU_POINTER_ATTRIBUTE_BUFFER_ID == HIP_POINTER_ATTRIBUTE_BUFFER_ID
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess / hipIpcMemLazyEnablePeerAccess
 
@@ -36,8 +37,11 @@ class _Driver:
             lib = ctypes.CDLL("libcuda.so.1")
             self._range = lib.cuMemGetAddressRange_v2
             self._attr = lib.cuPointerGetAttribute
-        self._range.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
-                                ctypes.c_uint64]  # fmt: skip
+        self._range.argtypes = [
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.POINTER(ctypes.c_size_t),
+            ctypes.c_uint64,
+        ]
         self._attr.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
 
     def buffer_id(self, ptr: int) -> int:
@@ -75,8 +79,9 @@ class PeerMap:
         self.hits = 0
         self.misses = 0
 
-    def describe(self, ptr: int, nbytes: int, audience: Iterable[int],
-                 full: bool = False) -> np.ndarray:  # fmt: skip
+    def describe(
+        self, ptr: int, nbytes: int, audience: Iterable[int], full: bool = False
+    ) -> np.ndarray:
         """The record of `nbytes` at `ptr` for the ranks in `audience`; the handle rides along
         only when one of them has not had it yet, or always (`full`: for records that may
         overtake or be overtaken by others, which cannot rely on an earlier one)."""
@@ -129,8 +134,10 @@ class PeerMap:
         if handle is None and has:
             handle = bytes(rec["handle"])
         if handle is None:
-            raise RuntimeError(f"rank {peer} sent no handle for buffer {ident} and it is not "
-                               "mapped here: the registration caches disagree")  # fmt: skip
+            raise RuntimeError(
+                f"rank {peer} sent no handle for buffer {ident} and it is not "
+                "mapped here: the registration caches disagree"
+            )
         base = int(self.rt.ipcOpenMemHandle(handle, _LAZY_PEER_ACCESS))
         self._mapped[key] = base
         self.misses += 1
@@ -191,8 +198,10 @@ def probe(mpi_comm: Any, node_of: Sequence[int], has_device: Sequence[bool]) -> 
                 ptr = rt.ipcOpenMemHandle(handles[peer], _LAZY_PEER_ACCESS)
                 rt.ipcCloseMemHandle(ptr)
             except Exception as exc:
-                why = f"opening rank {peer}'s memory handle failed ({exc}); IPC may be " \
-                      "disabled in this container"  # fmt: skip
+                why = (
+                    f"opening rank {peer}'s memory handle failed ({exc}); IPC may be "
+                    "disabled in this container"
+                )
                 break
     verdicts = mpi_comm.allgather(why)
     del mem

@@ -79,8 +79,16 @@ class Link:
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def send(self, kind: int, slot: int, op: int, chunk: int, offset: int, nbytes: int,
-             payload: Any = None) -> None:  # fmt: skip
+    def send(
+        self,
+        kind: int,
+        slot: int,
+        op: int,
+        chunk: int,
+        offset: int,
+        nbytes: int,
+        payload: Any = None,
+    ) -> None:
         """Send one message; raises RailError when the link is broken."""
         head = HEADER.pack(kind, slot, op, chunk, offset, nbytes)
         try:
@@ -148,8 +156,9 @@ class Listener:
         u.bind("\0" + self.unix_name)
         u.listen(64)
         self._socks.append(u)
-        self._thread = threading.Thread(target=self._accept_loop, name="hetcomm-accept",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._accept_loop, name="hetcomm-accept", daemon=True
+        )
         self._thread.start()
 
     def _accept_loop(self) -> None:
@@ -214,8 +223,9 @@ class Listener:
             self._cond.notify_all()
 
 
-def connect(spec: RailSpec, peer: int, token: bytes, rank: int, unix_name: str,
-            deadline: float) -> socket.socket:  # fmt: skip
+def connect(
+    spec: RailSpec, peer: int, token: bytes, rank: int, unix_name: str, deadline: float
+) -> socket.socket:
     """Open `spec` to `peer` (bound to the rail's own address) and present `token`."""
     while True:
         try:
@@ -270,16 +280,19 @@ class SharedSlots:
                     fd = -1
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(self.path)
-                    raise RailError(f"cannot reserve {size >> 20} MiB in /dev/shm for shared "
-                                    f"slots ({exc}); free some or set HETCOMM_RAILS") from exc  # fmt: skip
+                    raise RailError(
+                        f"cannot reserve {size >> 20} MiB in /dev/shm for shared "
+                        f"slots ({exc}); free some or set HETCOMM_RAILS"
+                    ) from exc
             self._map = mmap.mmap(fd, size)
         finally:
             if fd >= 0:
                 os.close(fd)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.ptr = self.array.__array_interface__["data"][0]
-        self.flags = np.frombuffer(self._map, dtype=np.uint32, count=flag_bytes // 4,
-                                   offset=self.flag_base)  # fmt: skip
+        self.flags = np.frombuffer(
+            self._map, dtype=np.uint32, count=flag_bytes // 4, offset=self.flag_base
+        )
         self._registered = False
         self.dev_ptr = 0  # the segment's device address, once registered
         self._register_lock = threading.Lock()
@@ -315,14 +328,17 @@ class SharedSlots:
         """The current value of a flag, read from the shared page."""
         return int(self.flags[(which * self.slots + slot) * self.FLAG_STRIDE // 4])
 
-    def wait_flag(self, which: int, slot: int, value: int, deadline: float,
-                  alive: Callable[[], bool]) -> None:  # fmt: skip
+    def wait_flag(
+        self, which: int, slot: int, value: int, deadline: float, alive: Callable[[], bool]
+    ) -> None:
         """Wait on this thread until flag READY or FREE of `slot` reaches `value` (a device
         copy queued by either rank has ended); RailError past `deadline` or once not alive()."""
         while self.flag(which, slot) < value:
             if time.monotonic() > deadline or not alive():
-                raise RailError(f"{('READY', 'FREE')[which]} flag of shared slot {slot} of "
-                                f"{self.name} never reached {value}")  # fmt: skip
+                raise RailError(
+                    f"{('READY', 'FREE')[which]} flag of shared slot {slot} of "
+                    f"{self.name} never reached {value}"
+                )
             time.sleep(20e-6)
 
     def release_waits(self) -> None:

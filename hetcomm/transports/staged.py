@@ -91,10 +91,16 @@ class StagedTransport(RailThreads, Transport):
         self.token = R.new_token()
         self.listener = R.Listener(addrs, self.token, self.rank)
         info = comm.topology[self.rank]
-        self.card = {"rank": self.rank, "host": info.host, "node": info.node, "addrs": addrs,
-                     "prefixes": {n.ipv4: n.prefixlen for n in info.nics},
-                     "ports": self.listener.ports, "unix": self.listener.unix_name,
-                     "token": self.token}  # fmt: skip
+        self.card = {
+            "rank": self.rank,
+            "host": info.host,
+            "node": info.node,
+            "addrs": addrs,
+            "prefixes": {n.ipv4: n.prefixlen for n in info.nics},
+            "ports": self.listener.ports,
+            "unix": self.listener.unix_name,
+            "token": self.token,
+        }
         self._channels: dict[int, Channel] = {}
         self._lock = threading.Lock()
         self._peer_locks: dict[int, threading.Lock] = {}
@@ -187,8 +193,9 @@ class StagedTransport(RailThreads, Transport):
             ch.start()
             self._channels[peer] = ch
 
-    def _connect(self, peers: list[int], cards: dict[int, Any], opened: dict[int, Channel],
-                 deadline: float) -> None:  # fmt: skip
+    def _connect(
+        self, peers: list[int], cards: dict[int, Any], opened: dict[int, Channel], deadline: float
+    ) -> None:
         """The links and shared segments of a channel to each of `peers`, into `opened` as they
         are made."""
         # ascending peers: a rank connects to higher ranks (their listeners always accept) and
@@ -200,8 +207,9 @@ class StagedTransport(RailThreads, Transport):
                 if spec.kind == "mpi":
                     continue
                 if self.rank < peer:
-                    sock = R.connect(spec, peer, theirs["token"], self.rank, theirs["unix"],
-                                     deadline)  # fmt: skip
+                    sock = R.connect(
+                        spec, peer, theirs["token"], self.rank, theirs["unix"], deadline
+                    )
                 else:
                     sock = self.listener.take(peer, spec.index, deadline)
                 ch.links.append(R.Link(sock, spec, peer))
@@ -210,10 +218,12 @@ class StagedTransport(RailThreads, Transport):
             base = f"hetcomm-{self.token.hex()[:12]}"
             slots = slots_that_fit(self.slots, self.chunk_bytes, 2 * len(shm))
             for p in shm:
-                opened[p].shm_out = R.SharedSlots(f"{base}-{self.rank}-{p}", slots,
-                                                  self.chunk_bytes, create=True)  # fmt: skip
-            names = self._swap({p: (f"{base}-{self.rank}-{p}", slots, self.chunk_bytes)
-                                for p in shm}, deadline)  # fmt: skip
+                opened[p].shm_out = R.SharedSlots(
+                    f"{base}-{self.rank}-{p}", slots, self.chunk_bytes, create=True
+                )
+            names = self._swap(
+                {p: (f"{base}-{self.rank}-{p}", slots, self.chunk_bytes) for p in shm}, deadline
+            )
             for p in shm:
                 name, count, slot_bytes = names[p]
                 opened[p].shm_in = R.SharedSlots(name, count, slot_bytes, create=False)
@@ -225,8 +235,16 @@ class StagedTransport(RailThreads, Transport):
 
     # ---- messages: the building block of every operation -----------------------------------
 
-    def post_recv(self, peer: int, region: Region, kind: int, k1: int, k2: int,
-                  deadline: float, ready: Any = None) -> _Op:  # fmt: skip
+    def post_recv(
+        self,
+        peer: int,
+        region: Region,
+        kind: int,
+        k1: int,
+        k2: int,
+        deadline: float,
+        ready: Any = None,
+    ) -> _Op:
         """Register a receive into `region` and tell `peer` it may send."""
         if peer != self.rank:
             self.channel(peer, deadline)
@@ -242,8 +260,16 @@ class StagedTransport(RailThreads, Transport):
         stamp("cts sent")
         return op
 
-    def start_send(self, peer: int, region: Region, kind: int, k1: int, k2: int,
-                   deadline: float, ready: Any = None) -> _Op:  # fmt: skip
+    def start_send(
+        self,
+        peer: int,
+        region: Region,
+        kind: int,
+        k1: int,
+        k2: int,
+        deadline: float,
+        ready: Any = None,
+    ) -> _Op:
         """Queue every chunk of a message on the peer's rails once `peer`'s clear-to-send is
         here: at once if it is; where it rings the shm doorbell, by the thread that files it
         (this one returns at once); else (over MPI) after waiting for it here."""
@@ -309,8 +335,10 @@ class StagedTransport(RailThreads, Transport):
         stamp("chunks queued")
         op.remote, op.awaiting_cts = remote, False
         if expected != op.region.nbytes:
-            exc = MismatchError(f"rank {self.rank} sends {op.region.nbytes} bytes, rank "
-                                f"{op.peer} receives {expected}")  # fmt: skip
+            exc = MismatchError(
+                f"rank {self.rank} sends {op.region.nbytes} bytes, rank "
+                f"{op.peer} receives {expected}"
+            )
             if op.early:
                 ch.drop_early(op)
             self._notify_error(ch, remote, op.region.nbytes)
@@ -332,8 +360,9 @@ class StagedTransport(RailThreads, Transport):
         for idx in range(len(early), len(op.spans)):
             ch.queue.put((op, idx, op.spans[idx]))
 
-    def _send_to_self(self, region: Region, kind: int, k1: int, k2: int, deadline: float,
-                      ready: Any) -> _Op:  # fmt: skip
+    def _send_to_self(
+        self, region: Region, kind: int, k1: int, k2: int, deadline: float, ready: Any
+    ) -> _Op:
         """A message to this very rank: one local copy into the matching receive."""
         remote, expected = self._await_cts(self.rank, kind, k1, k2, deadline)
         op = _Op(self.rank, region, [], ready=ready)
@@ -392,8 +421,15 @@ class StagedTransport(RailThreads, Transport):
             return Region(buf.nbytes, buf.host.view(np.uint8).reshape(-1))
         return Region(buf.nbytes, None, buf.ptr)
 
-    def _run(self, op: str, seq: int, bufs: list[Buffer], body: Callable[[float, Any], None],
-             reduce_op: ReduceOp | None = None, nbytes: int | None = None) -> Work:  # fmt: skip
+    def _run(
+        self,
+        op: str,
+        seq: int,
+        bufs: list[Buffer],
+        body: Callable[[float, Any], None],
+        reduce_op: ReduceOp | None = None,
+        nbytes: int | None = None,
+    ) -> Work:
         """Start `body(deadline, ready)` on a driver thread; the Work completes with it.
 
         Its `info` (for the trace) counts as stages the chunks this rank sends and receives
@@ -401,24 +437,34 @@ class StagedTransport(RailThreads, Transport):
         """
         ready = self._ready(bufs, reduce_op)
         deadline = time.monotonic() + self.timeout
-        info = {"transport": "staged", "bytes": bufs[0].nbytes if nbytes is None else nbytes,
-                "stages": 0}  # fmt: skip
+        info = {
+            "transport": "staged",
+            "bytes": bufs[0].nbytes if nbytes is None else nbytes,
+            "stages": 0,
+        }
 
         def task() -> None:
             self._counting.info = info
             try:
                 body(deadline, ready)
             except PeerTimeout as exc:
-                raise CommTimeout(self.comm.name, op, seq, self.timeout, exc.ranks,
-                                  str(exc)) from None  # fmt: skip
+                raise CommTimeout(
+                    self.comm.name, op, seq, self.timeout, exc.ranks, str(exc)
+                ) from None
             finally:
                 self._counting.info = None
 
         future = self._driver.submit(task)
         # the waiting thread sleeps until the driver ends the body: no spinning while the
         # transport's own threads need the interpreter
-        work = Work(self.comm, op, seq, future.done, [future.result],
-                    waiter=lambda seconds: bool(futures.wait((future,), seconds).done))  # fmt: skip
+        work = Work(
+            self.comm,
+            op,
+            seq,
+            future.done,
+            [future.result],
+            waiter=lambda seconds: bool(futures.wait((future,), seconds).done),
+        )
         work.info = info
         return work
 
@@ -459,8 +505,9 @@ class StagedTransport(RailThreads, Transport):
         doorbell = self._doorbell(peer)
         return doorbell is not None and doorbell.alive
 
-    def _op_work(self, name: str, seq: int, x: Buffer, op: _Op, deadline: float,
-                 cleanup: Callable[[], None]) -> Work:  # fmt: skip
+    def _op_work(
+        self, name: str, seq: int, x: Buffer, op: _Op, deadline: float, cleanup: Callable[[], None]
+    ) -> Work:
         """The Work of a message started on the calling thread: done when `op` is, failing
         with CommTimeout (naming the peer and why) when `deadline` passes first; `cleanup`
         runs once it ends either way."""
@@ -471,14 +518,20 @@ class StagedTransport(RailThreads, Transport):
             try:
                 op.wait(deadline)  # past the deadline it does not block
             except PeerTimeout as exc:
-                raise CommTimeout(self.comm.name, name, seq, self.timeout, exc.ranks,
-                                  str(exc)) from None  # fmt: skip
+                raise CommTimeout(
+                    self.comm.name, name, seq, self.timeout, exc.ranks, str(exc)
+                ) from None
             finally:
                 cleanup()
             return True
 
-        work = Work(self.comm, name, seq, poll,
-                    waiter=lambda seconds: op.done.wait(min(seconds, deadline - time.monotonic())))
+        work = Work(
+            self.comm,
+            name,
+            seq,
+            poll,
+            waiter=lambda seconds: op.done.wait(min(seconds, deadline - time.monotonic())),
+        )
         work.info = {"transport": "staged", "bytes": x.nbytes, "stages": len(op.spans)}
         return work
 
@@ -508,8 +561,9 @@ class StagedTransport(RailThreads, Transport):
             return self._op_work("send", seq, x, op, deadline, lambda: self._unwait(op))
 
         def body(deadline: float, ready: Any) -> None:
-            self.finish_send(self.start_send(dst, region, CTS_P2P, tag, k, deadline, ready),
-                             deadline)  # fmt: skip
+            self.finish_send(
+                self.start_send(dst, region, CTS_P2P, tag, k, deadline, ready), deadline
+            )
 
         return self._run("send", seq, [x], body)
 
@@ -530,15 +584,25 @@ class StagedTransport(RailThreads, Transport):
 
         return self._run("recv", seq, [x], body)
 
-    def exchange(self, seq: int, step: int, send_to: int, out: Region | None, recv_from: int,
-                 into: Region | None, deadline: float, ready: Any) -> None:  # fmt: skip
+    def exchange(
+        self,
+        seq: int,
+        step: int,
+        send_to: int,
+        out: Region | None,
+        recv_from: int,
+        into: Region | None,
+        deadline: float,
+        ready: Any,
+    ) -> None:
         """One step of a collective: send `out` to one rank while receiving `into` from one."""
         rop = None
         if into is not None:
             rop = self.post_recv(recv_from, into, CTS_COLL, seq, step, deadline, ready)
         if out is not None:
-            self.finish_send(self.start_send(send_to, out, CTS_COLL, seq, step, deadline, ready),
-                             deadline)  # fmt: skip
+            self.finish_send(
+                self.start_send(send_to, out, CTS_COLL, seq, step, deadline, ready), deadline
+            )
         if rop is not None:
             self.finish_recv(rop, deadline)
 
@@ -560,20 +624,23 @@ class StagedTransport(RailThreads, Transport):
     def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
         from . import staged_collectives as C
 
-        return self._run("all_gather", seq, [out, x], C.all_gather(self, out, x, seq),
-                         nbytes=out.nbytes)  # fmt: skip
+        return self._run(
+            "all_gather", seq, [out, x], C.all_gather(self, out, x, seq), nbytes=out.nbytes
+        )
 
     def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
         from . import staged_collectives as C
 
-        return self._run("reduce_scatter", seq, [out, x],
-                         C.reduce_scatter(self, out, x, op, seq), op, x.nbytes)  # fmt: skip
+        return self._run(
+            "reduce_scatter", seq, [out, x], C.reduce_scatter(self, out, x, op, seq), op, x.nbytes
+        )
 
     def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
         from . import staged_collectives as C
 
-        return self._run("all_to_all", seq, [out, x], C.all_to_all(self, out, x, seq),
-                         nbytes=x.nbytes)  # fmt: skip
+        return self._run(
+            "all_to_all", seq, [out, x], C.all_to_all(self, out, x, seq), nbytes=x.nbytes
+        )
 
     def barrier(self, seq: int) -> Work:
         work = Work(self.comm, "barrier", seq, self.svc.Ibarrier().Test, ())

@@ -34,8 +34,11 @@ class Channel:
         self.uses_mpi = any(s.kind == "mpi" for s in specs)
         # tcp rail index -> chunks it may hold unacknowledged (tuned rail weights), else no limit
         keys = [rail_key(s) for s in specs]
-        self.windows = {s.index: w for s, w in zip(specs, rail_windows(keys, owner.rail_weights))
-                        if w is not None and s.kind == "tcp"}  # fmt: skip
+        self.windows = {
+            s.index: w
+            for s, w in zip(specs, rail_windows(keys, owner.rail_weights))
+            if w is not None and s.kind == "tcp"
+        }
         self._signals: queue.Queue[Any] | None = None
         self._completions: queue.Queue[Any] | None = None
         self._lock = threading.Lock()  # the two queues' creation, and `early`
@@ -88,8 +91,9 @@ class Channel:
             self.owner._start_mpi_rail()
 
     def _thread(self, fn: Callable[..., None], *args: Any) -> None:
-        t = threading.Thread(target=fn, args=args, daemon=True,
-                             name=f"hetcomm-rail-{self.owner.rank}-{self.peer}")  # fmt: skip
+        t = threading.Thread(
+            target=fn, args=args, daemon=True, name=f"hetcomm-rail-{self.owner.rank}-{self.peer}"
+        )
         t.start()
         self.threads.append(t)
 

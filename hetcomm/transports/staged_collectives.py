@@ -73,9 +73,17 @@ def _blocks(region: Region, count: int, parts: int, itemsize: int) -> list[Regio
     return [region.sub(start * itemsize, n * itemsize) for start, n in block_spans(count, parts)]
 
 
-def _ring_reduce_scatter(t: StagedTransport, seq: int, work: list[Region], tmp: Region,
-                         local: _Local, dtype: str, op: ReduceOp, deadline: float,
-                         ready: Any) -> None:  # fmt: skip
+def _ring_reduce_scatter(
+    t: StagedTransport,
+    seq: int,
+    work: list[Region],
+    tmp: Region,
+    local: _Local,
+    dtype: str,
+    op: ReduceOp,
+    deadline: float,
+    ready: Any,
+) -> None:
     """After this, block r of `work` on rank r holds the reduction over every rank."""
     n, r = t.size, t.rank
     right, left = (r + 1) % n, (r - 1) % n
@@ -86,14 +94,23 @@ def _ring_reduce_scatter(t: StagedTransport, seq: int, work: list[Region], tmp: 
         local.combine(work[recv_b], into, dtype, op)
 
 
-def _ring_all_gather(t: StagedTransport, seq: int, first_step: int, blocks: list[Region],
-                     deadline: float, ready: Any) -> None:  # fmt: skip
+def _ring_all_gather(
+    t: StagedTransport, seq: int, first_step: int, blocks: list[Region], deadline: float, ready: Any
+) -> None:
     """Starting with its own block r, every rank ends with every block."""
     n, r = t.size, t.rank
     right, left = (r + 1) % n, (r - 1) % n
     for s in range(n - 1):
-        t.exchange(seq, first_step + s, right, blocks[(r - s) % n], left,
-                   blocks[(r - s - 1) % n], deadline, ready)  # fmt: skip
+        t.exchange(
+            seq,
+            first_step + s,
+            right,
+            blocks[(r - s) % n],
+            left,
+            blocks[(r - s - 1) % n],
+            deadline,
+            ready,
+        )
 
 
 # all_reduce of at most this many bytes over a power-of-two group: recursive doubling
@@ -102,8 +119,16 @@ def _ring_all_gather(t: StagedTransport, seq: int, first_step: int, blocks: list
 DOUBLING_MAX_BYTES = 256 << 10
 
 
-def _doubling(t: StagedTransport, seq: int, acc: Region, local: _Local, dtype: str,
-              op: ReduceOp, deadline: float, ready: Any) -> None:  # fmt: skip
+def _doubling(
+    t: StagedTransport,
+    seq: int,
+    acc: Region,
+    local: _Local,
+    dtype: str,
+    op: ReduceOp,
+    deadline: float,
+    ready: Any,
+) -> None:
     """Recursive doubling: at step k, swap `acc` with rank r XOR 2^k and combine. Both
     partners combine the same two values (IEEE sums, products, minima and maxima commute), so
     every rank ends with the same bits."""
@@ -206,8 +231,11 @@ def broadcast(t: StagedTransport, x: Buffer, root: int, seq: int) -> Body:
         seg = max(t.chunk_bytes, math.ceil(xr.nbytes / 16))
         segs = [xr.sub(off, k) for off, k in chunk_spans(xr.nbytes, seg)]
         left, right = (r - 1) % n, (r + 1) % n
-        recvs = [t.post_recv(left, s, CTS_COLL, seq, k, deadline, ready)
-                 for k, s in enumerate(segs)] if pos > 0 else []  # fmt: skip
+        recvs = (
+            [t.post_recv(left, s, CTS_COLL, seq, k, deadline, ready) for k, s in enumerate(segs)]
+            if pos > 0
+            else []
+        )
         sends = []
         for k, s in enumerate(segs):
             if pos > 0:

@@ -80,8 +80,9 @@ class ClearToSend:
             self._file_cts(status.Get_source(), kind, k1, k2, op_id, nbytes)
             taken += 1
 
-    def _await_cts(self, peer: int, kind: int, k1: int, k2: int,
-                   deadline: float) -> tuple[int, int]:  # fmt: skip
+    def _await_cts(
+        self, peer: int, kind: int, k1: int, k2: int, deadline: float
+    ) -> tuple[int, int]:
         key = (peer, kind, k1, k2)
         doorbell = self._doorbell(peer) if peer != self.rank else None
         by_mpi = peer != self.rank and doorbell is None
@@ -94,8 +95,10 @@ class ClearToSend:
                     # the peer closed its transport or died: its receive can never come
                     ch = self._channels[peer]
                     why = "; ".join(ch.dead) or "the peer closed it"
-                    raise HetcommError(f"send to rank {peer}: its shm rail is gone ({why}) "
-                                       "while waiting for the matching receive")  # fmt: skip
+                    raise HetcommError(
+                        f"send to rank {peer}: its shm rail is gone ({why}) "
+                        "while waiting for the matching receive"
+                    )
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise PeerTimeout([peer], f"rank {peer} never posted the matching receive")
@@ -125,8 +128,9 @@ class ClearToSend:
             del self._inbox[key]
         return entry
 
-    def _cts_or_register(self, ch: Channel, op: _Op, key: tuple[int, int, int, int],
-                         deadline: float) -> tuple[int, int] | None:  # fmt: skip
+    def _cts_or_register(
+        self, ch: Channel, op: _Op, key: tuple[int, int, int, int], deadline: float
+    ) -> tuple[int, int] | None:
         """The clear-to-send of the send `op` (peer, kind and keys in `key`) if it is here.
         Where the peer rings the shm doorbell and it is not, the send is registered for the
         thread that files it (None); over MPI this thread waits for it."""
@@ -172,10 +176,17 @@ class ClearToSend:
         waiting on a doorbell that has gone fail now, naming it."""
         with self._inbox_cond:
             self._inbox_cond.notify_all()
-            gone = [(key, ch) for key, (ch, _) in self._waiting_sends.items()
-                    if not any(link.alive for link in ch.links if link.spec.kind == "shm")]
+            gone = [
+                (key, ch)
+                for key, (ch, _) in self._waiting_sends.items()
+                if not any(link.alive for link in ch.links if link.spec.kind == "shm")
+            ]
             failed = [(ch, self._waiting_sends.pop(key)[1]) for key, ch in gone]
         for ch, op in failed:
             why = "; ".join(ch.dead) or "the peer closed it"
-            op.fail(HetcommError(f"send to rank {ch.peer}: its shm rail is gone ({why}) while "
-                                 "waiting for the matching receive"))  # fmt: skip
+            op.fail(
+                HetcommError(
+                    f"send to rank {ch.peer}: its shm rail is gone ({why}) while "
+                    "waiting for the matching receive"
+                )
+            )

@@ -76,8 +76,9 @@ class _Op:
     def wait(self, deadline: float) -> None:
         if not self.done.wait(max(0.0, deadline - time.monotonic())):
             if self.awaiting_cts:
-                raise PeerTimeout([self.peer], f"rank {self.peer} never posted the matching "
-                                               "receive")  # fmt: skip
+                raise PeerTimeout(
+                    [self.peer], f"rank {self.peer} never posted the matching receive"
+                )
             raise PeerTimeout([self.peer], f"no progress with rank {self.peer}")
         if self.error is not None:
             raise self.error
@@ -93,8 +94,10 @@ class _Drivers:
     def __init__(self, count: int, name: str) -> None:
         self.submitted = 0  # bodies handed over so far
         self._queue: queue.Queue[Any] = queue.Queue()
-        self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True)
-                         for i in range(count)]  # fmt: skip
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True)
+            for i in range(count)
+        ]
         for t in self._threads:
             t.start()
 

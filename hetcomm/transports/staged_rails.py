@@ -82,8 +82,9 @@ class RailThreads(ClearToSend):
             except BaseException as exc:
                 op.fail(exc)
 
-    def _send_chunk(self, ch: Channel, link: R.Link | None, op: _Op, idx: int, off: int,
-                    n: int) -> bool:  # fmt: skip
+    def _send_chunk(
+        self, ch: Channel, link: R.Link | None, op: _Op, idx: int, off: int, n: int
+    ) -> bool:
         """Send one chunk; False when a signaller thread finishes (and counts) it later."""
         src = op.region.sub(off, n)
         if link is None:  # the MPI rail
@@ -135,16 +136,24 @@ class RailThreads(ClearToSend):
             link.send(R.DATA, -1, op.remote, idx, off, n, memoryview(payload))
         return False  # counted when the receiver acknowledges it
 
-    def _copy_flagged(self, ch: Channel, slot: int, target: np.ndarray, src: Region, op: _Op,
-                      idx: int) -> int:  # fmt: skip
+    def _copy_flagged(
+        self, ch: Channel, slot: int, target: np.ndarray, src: Region, op: _Op, idx: int
+    ) -> int:
         """Queue a device copy of `src` into outgoing `slot`, ordered by the slot's flags (after
         the receiver's last copy out of it); returns the READY value it sets."""
         seg = ch.shm_out
         assert seg is not None
         gen, free = ch.next_use(slot)
         stamp("d2h call", idx)
-        self._gpu.copy_to_slot_flagged(target, src, op.ready, seg.flag_address(seg.FREE, slot),
-                                       free, seg.flag_address(seg.READY, slot), gen)  # fmt: skip
+        self._gpu.copy_to_slot_flagged(
+            target,
+            src,
+            op.ready,
+            seg.flag_address(seg.FREE, slot),
+            free,
+            seg.flag_address(seg.READY, slot),
+            gen,
+        )
         stamp("d2h queued", idx)
         return gen
 
@@ -190,8 +199,9 @@ class RailThreads(ClearToSend):
             else:
                 handle(*item)
 
-    def _announce_soon(self, ch: Channel, event: Any, link: R.Link, slot: int, op: _Op,
-                       idx: int, off: int, n: int) -> None:  # fmt: skip
+    def _announce_soon(
+        self, ch: Channel, event: Any, link: R.Link, slot: int, op: _Op, idx: int, off: int, n: int
+    ) -> None:
         """Announce a chunk staged into a shared slot: from this thread where its copy is done
         (host bytes, `event` None, or a device copy that has ended already) or short, else by
         the signaller thread once it has ended, so that this one goes on to the next chunk.
@@ -205,8 +215,9 @@ class RailThreads(ClearToSend):
         else:
             ch.signals().put(item)
 
-    def _announce(self, event: Any, link: R.Link, slot: int, op: _Op, idx: int, off: int,
-                  n: int) -> None:  # fmt: skip
+    def _announce(
+        self, event: Any, link: R.Link, slot: int, op: _Op, idx: int, off: int, n: int
+    ) -> None:
         """Once a chunk's copy into its slot has finished, tell the receiver where it is."""
         try:
             if event is not None:  # None: host bytes, copied already
@@ -217,8 +228,9 @@ class RailThreads(ClearToSend):
         except BaseException as exc:
             op.fail(exc)
 
-    def _hand_back(self, event: Any, link: R.Link, slot: int, op: _Op, op_id: int,
-                   idx: int) -> None:  # fmt: skip
+    def _hand_back(
+        self, event: Any, link: R.Link, slot: int, op: _Op, op_id: int, idx: int
+    ) -> None:
         """Once a chunk's copy out of its slot has finished, count it and give the slot back."""
         try:
             if event is not None:
@@ -239,8 +251,9 @@ class RailThreads(ClearToSend):
         try:
             link.send(kind, slot, op_id, idx, 0, 0)
         except R.RailError as exc:
-            log.debug("rank %d: no reply to rank %d over %s (%s)", self.rank, link.peer,
-                      link.spec, exc)  # fmt: skip
+            log.debug(
+                "rank %d: no reply to rank %d over %s (%s)", self.rank, link.peer, link.spec, exc
+            )
 
     @contextlib.contextmanager
     def _staged(self, src: Region, op: _Op) -> Any:
@@ -290,15 +303,17 @@ class RailThreads(ClearToSend):
                     self._land(link, op, idx, off, n)
                     self._reply(link, R.ACK, -1, op_id, idx)
                 elif kind == R.SLOT_GPU:
-                    self._take_flagged(ch, link, op, slot, op_id, idx & 0xFFFFFFFF, idx >> 32,
-                                       off, n)  # fmt: skip
+                    self._take_flagged(
+                        ch, link, op, slot, op_id, idx & 0xFFFFFFFF, idx >> 32, off, n
+                    )
                 elif kind == R.SLOT:
                     assert ch.shm_in is not None
                     if op is not None and not op.done.is_set() and op.region.host is None:
                         stamp("slot got", idx)
                         ch.shm_in.register_with_gpu(self._gpu.device)
-                        event = self._gpu.copy_from_host_async(op.region.sub(off, n),
-                                                               ch.shm_in.view(slot, n), op.ready)  # fmt: skip
+                        event = self._gpu.copy_from_host_async(
+                            op.region.sub(off, n), ch.shm_in.view(slot, n), op.ready
+                        )
                         stamp("h2d queued", idx)
                         item = (event, link, slot, op, op_id, idx)
                         if _short(n, op):
@@ -320,8 +335,18 @@ class RailThreads(ClearToSend):
                 self._rail_down(ch, link, exc)
                 return
 
-    def _take_flagged(self, ch: Channel, link: R.Link, op: _Op | None, slot: int, op_id: int,
-                      idx: int, gen: int, off: int, n: int) -> None:  # fmt: skip
+    def _take_flagged(
+        self,
+        ch: Channel,
+        link: R.Link,
+        op: _Op | None,
+        slot: int,
+        op_id: int,
+        idx: int,
+        gen: int,
+        off: int,
+        n: int,
+    ) -> None:
         """A chunk announced with SLOT_GPU: in slot `slot` once its READY flag reaches `gen`.
         Into device memory, the copy out is queued behind that flag and the slot handed back at
         once (FREE_GPU: writable once this rank's copy has set its FREE flag); into host memory
@@ -331,9 +356,15 @@ class RailThreads(ClearToSend):
         stamp("slot got", idx)
         if op is not None and not op.done.is_set() and op.region.host is None:
             seg.register_with_gpu(self._gpu.device)
-            self._gpu.copy_from_slot_flagged(op.region.sub(off, n), seg.view(slot, n), op.ready,
-                                             seg.flag_address(seg.READY, slot), gen,
-                                             seg.flag_address(seg.FREE, slot), gen)  # fmt: skip
+            self._gpu.copy_from_slot_flagged(
+                op.region.sub(off, n),
+                seg.view(slot, n),
+                op.ready,
+                seg.flag_address(seg.READY, slot),
+                gen,
+                seg.flag_address(seg.FREE, slot),
+                gen,
+            )
             stamp("h2d queued", idx)
             self._reply_freed(link, slot, op_id, idx, gen)
             self._queued_on_gpu(ch, op, idx, outbound=False)
@@ -349,8 +380,9 @@ class RailThreads(ClearToSend):
         try:
             link.send(R.FREE_GPU, slot, op_id, idx, gen, 0)
         except R.RailError as exc:
-            log.debug("rank %d: no reply to rank %d over %s (%s)", self.rank, link.peer,
-                      link.spec, exc)  # fmt: skip
+            log.debug(
+                "rank %d: no reply to rank %d over %s (%s)", self.rank, link.peer, link.spec, exc
+            )
 
     def _rail_down(self, ch: Channel, link: R.Link, exc: BaseException) -> None:
         """A link broke: its unacknowledged chunks go back to the other rails, or, with no
@@ -366,14 +398,20 @@ class RailThreads(ClearToSend):
         self._wake_senders()  # a sender waiting on this link's doorbell fails now, naming it
         if known:
             return
-        log.warning("rank %d: rail %s to rank %d failed (%s); its chunks move to the other "
-                    "rails", self.rank, link.spec, ch.peer, exc)  # fmt: skip
+        log.warning(
+            "rank %d: rail %s to rank %d failed (%s); its chunks move to the other rails",
+            self.rank,
+            link.spec,
+            ch.peer,
+            exc,
+        )
         for item in pending:
             if not item[0].done.is_set():
                 ch.queue.put(item)
         if not ch.alive():
-            self._fail_channel(ch, HetcommError(
-                f"every rail to rank {ch.peer} failed: " + "; ".join(ch.dead)))  # fmt: skip
+            self._fail_channel(
+                ch, HetcommError(f"every rail to rank {ch.peer} failed: " + "; ".join(ch.dead))
+            )
 
     def _land(self, link: R.Link, op: _Op | None, idx: int, off: int, n: int) -> None:
         if op is None or op.done.is_set():
@@ -434,8 +472,9 @@ class RailThreads(ClearToSend):
     def _start_mpi_rail(self) -> None:
         with self._lock:
             if self._mpi_rail is None:
-                self._mpi_rail = threading.Thread(target=self._mpi_recv_loop, daemon=True,
-                                                  name="hetcomm-mpi-rail")  # fmt: skip
+                self._mpi_rail = threading.Thread(
+                    target=self._mpi_recv_loop, daemon=True, name="hetcomm-mpi-rail"
+                )
                 self._mpi_rail.start()
 
     def _fail_channel(self, ch: Channel, exc: BaseException) -> None:
@@ -466,8 +505,9 @@ def _flagged(n: int, op: _Op) -> bool:
 
 
 def _size_mismatch(peer: int, sent: int, expected: int) -> MismatchError:
-    return MismatchError(f"receive from rank {peer}: the sender has {sent} bytes, this receive "
-                         f"takes {expected}")  # fmt: skip
+    return MismatchError(
+        f"receive from rank {peer}: the sender has {sent} bytes, this receive takes {expected}"
+    )
 
 
 def _rail_name(link: R.Link | None) -> str:

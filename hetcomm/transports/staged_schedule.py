@@ -18,8 +18,9 @@ def chunk_spans(nbytes: int, chunk_bytes: int, itemsize: int = 1) -> list[tuple[
     return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
 
 
-def message_spans(nbytes: int, chunk_bytes: int,
-                  ramp: tuple[int, int] = (0, 0)) -> list[tuple[int, int]]:  # fmt: skip
+def message_spans(
+    nbytes: int, chunk_bytes: int, ramp: tuple[int, int] = (0, 0)
+) -> list[tuple[int, int]]:
     """(offset, length) of a message's chunks: `ramp` = (up, down) halvings of the chunk at
     either end of a message longer than two chunks, so chunk sizes grow chunk/2**up, ...,
     chunk/2, chunk, ... and shrink ..., chunk/2, ..., chunk/2**down at the end.
@@ -72,8 +73,9 @@ def choose_rails(me: dict[str, Any], peer: dict[str, Any], mode: str) -> list[R.
             # joins two networks that may not route to each other (or a host-local bridge
             # address that both hosts happen to share)
             mine, theirs = _pair_by_subnet(me, peer)
-    specs = [R.RailSpec("tcp", i, a, b, peer["ports"][b]) for i, (a, b) in
-             enumerate(zip(mine, theirs))]  # fmt: skip
+    specs = [
+        R.RailSpec("tcp", i, a, b, peer["ports"][b]) for i, (a, b) in enumerate(zip(mine, theirs))
+    ]
     return specs or [R.RailSpec("mpi", 0)]
 
 
@@ -90,8 +92,9 @@ def rail_key(spec: R.RailSpec) -> str:
     return spec.kind
 
 
-def rail_windows(keys: Sequence[str], weights: Mapping[str, float],
-                 depth: int = RAIL_DEPTH) -> list[int | None]:  # fmt: skip
+def rail_windows(
+    keys: Sequence[str], weights: Mapping[str, float], depth: int = RAIL_DEPTH
+) -> list[int | None]:
     """Unacknowledged chunks each rail of one channel may hold: `depth` times its weight over
     the fastest of these rails, at least 1. None (no limit) for every rail unless the channel
     has two or more tcp rails, all with a weight.
@@ -108,8 +111,11 @@ def rail_windows(keys: Sequence[str], weights: Mapping[str, float],
 def _pair_by_subnet(me: dict[str, Any], peer: dict[str, Any]) -> tuple[list[str], list[str]]:
     def nets(card: dict[str, Any]) -> list[tuple[str, Any]]:
         prefixes = card.get("prefixes", {})
-        return [(a, ipaddress.ip_interface(f"{a}/{prefixes.get(a, 32)}").network)
-                for a in card["addrs"] if not a.startswith("127.")]  # fmt: skip
+        return [
+            (a, ipaddress.ip_interface(f"{a}/{prefixes.get(a, 32)}").network)
+            for a in card["addrs"]
+            if not a.startswith("127.")
+        ]
 
     theirs = nets(peer)
     pairs: list[tuple[str, str]] = []

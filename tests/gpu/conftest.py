@@ -42,5 +42,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     otherwise take the end-of-run summary with it."""
     if report.failed:
         rank = os.environ.get("OMPI_COMM_WORLD_RANK", "?")
-        print(f"\n[rank {rank}] FAILED {report.nodeid} ({report.when}):\n{report.longreprtext[-3000:]}",
-              file=sys.stderr, flush=True)
+        print(
+            f"\n[rank {rank}] FAILED {report.nodeid} ({report.when}):\n"
+            f"{report.longreprtext[-3000:]}",
+            file=sys.stderr,
+            flush=True,
+        )

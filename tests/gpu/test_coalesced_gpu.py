@@ -21,7 +21,7 @@ SENTINEL = 77
 
 
 def carve(backing: Any, layout: str, n: int) -> Any:
-    """A view of `n` (or n x 3 / 2 x 3 x n) elements of `backing` in `layout`, away from its ends."""
+    """A view of `n` (or n x 3 / 2 x 3 x n) elements of `backing` in `layout`, off its ends."""
     if layout == "contiguous":
         return backing[5 : 5 + n]
     if layout == "strided":
@@ -59,7 +59,9 @@ def fill(view: Any, values: np.ndarray) -> None:
         view[...] = cupy.asarray(values.astype(view.dtype))
 
 
-def small_values(rng: np.random.Generator, dtype: str, shape: tuple[int, ...], n: int) -> np.ndarray:
+def small_values(
+    rng: np.random.Generator, dtype: str, shape: tuple[int, ...], n: int
+) -> np.ndarray:
     """Inputs of `n` ranks that every dtype holds exactly, and whose products stay in range."""
     if dtype == "bool":
         return rng.integers(0, 2, (n, *shape)).astype(np.float64)
@@ -113,8 +115,11 @@ def test_pack_unpack_kernels(dtype: str) -> None:
         off += v.size
     stream = cupy.cuda.get_current_stream()
     packed = K.shared().pack(entries, off, item, None, [stream.ptr])
-    fused = cupy.ndarray((off,), dtype, cupy.cuda.MemoryPointer(
-        cupy.cuda.UnownedMemory(packed.ptr, off * item, packed), 0))  # fmt: skip
+    fused = cupy.ndarray(
+        (off,),
+        dtype,
+        cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(packed.ptr, off * item, packed), 0),
+    )
     want = np.concatenate([cupy.asnumpy(v).reshape(-1) for v in views])
     assert np.array_equal(cupy.asnumpy(fused), want)
     fused[...] = fused + 1
@@ -141,13 +146,22 @@ def test_pack_waits_for_every_stream() -> None:
         b = torch.zeros(1 << 20, device="cuda")
         torch.cuda._sleep(20_000_000)
         b.add_(2)
-    entries = [(a.data_ptr(), 0, a.numel(), (a.numel(),), (1,)),
-               (b.data_ptr(), a.numel(), b.numel(), (b.numel(),), (1,))]  # fmt: skip
+    entries = [
+        (a.data_ptr(), 0, a.numel(), (a.numel(),), (1,)),
+        (b.data_ptr(), a.numel(), b.numel(), (b.numel(),), (1,)),
+    ]
     total = a.numel() + b.numel()
-    packed = K.shared().pack(entries, total, 4, torch.cuda.current_device(),
-                             [s1.cuda_stream, s2.cuda_stream])  # fmt: skip
-    fused = torch.as_tensor(cupy.ndarray((total,), cupy.float32, cupy.cuda.MemoryPointer(
-        cupy.cuda.UnownedMemory(packed.ptr, total * 4, packed), 0)), device="cuda")  # fmt: skip
+    packed = K.shared().pack(
+        entries, total, 4, torch.cuda.current_device(), [s1.cuda_stream, s2.cuda_stream]
+    )
+    fused = torch.as_tensor(
+        cupy.ndarray(
+            (total,),
+            cupy.float32,
+            cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(packed.ptr, total * 4, packed), 0),
+        ),
+        device="cuda",
+    )
     s1.synchronize()
     assert float(fused[: a.numel()].min()) == 1.0 and float(fused[a.numel() :].min()) == 2.0
     with torch.cuda.stream(s1):
@@ -162,19 +176,33 @@ def test_pack_waits_for_every_stream() -> None:
 # ---- all_reduce_coalesced under mpirun ----------------------------------------------------------
 
 ARRAYS = [  # (library, dtype, layout, n)
-    ("cupy", "float32", "contiguous", 1000), ("cupy", "int32", "strided", 33),
-    ("cupy", "float64", "transposed", 5), ("torch", "bfloat16", "contiguous", 17),
-    ("torch", "float16", "permuted", 4), ("torch", "int64", "transposed", 9),
-    ("cupy", "uint8", "reversed", 12), ("torch", "bool", "strided", 10),
-    ("cupy", "float32", "contiguous", 0), ("cupy", "float32", "contiguous", 1),
-    ("torch", "float32", "contiguous", 70_000), ("numba", "int16", "contiguous", 8),
+    ("cupy", "float32", "contiguous", 1000),
+    ("cupy", "int32", "strided", 33),
+    ("cupy", "float64", "transposed", 5),
+    ("torch", "bfloat16", "contiguous", 17),
+    ("torch", "float16", "permuted", 4),
+    ("torch", "int64", "transposed", 9),
+    ("cupy", "uint8", "reversed", 12),
+    ("torch", "bool", "strided", 10),
+    ("cupy", "float32", "contiguous", 0),
+    ("cupy", "float32", "contiguous", 1),
+    ("torch", "float32", "contiguous", 70_000),
+    ("numba", "int16", "contiguous", 8),
     ("numpy", "float32", "contiguous", 6),
-]  # fmt: skip
+]
 
 
 class Item:
-    def __init__(self, rng: np.random.Generator, size: int, rank: int, lib: str, dtype: str,
-                 layout: str, n: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        rng: np.random.Generator,
+        size: int,
+        rank: int,
+        lib: str,
+        dtype: str,
+        layout: str,
+        n: int,
+    ) -> None:
         self.lib, self.dtype, self.what = lib, dtype, f"{lib} {dtype} {layout} {n}"
         if lib == "numba":
             from numba import cuda
@@ -216,8 +244,11 @@ def test_every_op_mixed_device_and_host(make_comm, shared_seed, async_op) -> Non
     rng = np.random.default_rng(shared_seed)
     problems: list[str] = []
     for op in OPS:
-        items = [Item(rng, comm.size, comm.rank, *spec) for spec in ARRAYS
-                 if not (op is ReduceOp.AVG and spec[1] == "bool")]  # fmt: skip
+        items = [
+            Item(rng, comm.size, comm.rank, *spec)
+            for spec in ARRAYS
+            if not (op is ReduceOp.AVG and spec[1] == "bool")
+        ]
         work = comm.all_reduce_coalesced([i.array for i in items], op, async_op=async_op)
         if work is not None:
             work.wait()
@@ -252,8 +283,11 @@ def test_bad_device_calls(make_comm) -> None:
     comm = make_comm(transport="staged", vendors=("nvidia", "amd"))
     x = cupy.arange(10, dtype=cupy.float32)
     problems = []
-    for what, arrays in (("twice", [x, x]), ("overlap", [x[0:6], x[4:8]]),
-                         ("strided overlap", [x[::3], x[3:4]])):  # fmt: skip
+    for what, arrays in (
+        ("twice", [x, x]),
+        ("overlap", [x[0:6], x[4:8]]),
+        ("strided overlap", [x[::3], x[3:4]]),
+    ):
         try:
             comm.all_reduce_coalesced(arrays)
             problems.append(f"{what}: accepted")

@@ -17,8 +17,18 @@ from hetcomm.transports import direct_schedule
 cupy = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")
 
-DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "float16", "bfloat16", "float32",
-          "float64")  # fmt: skip
+DTYPES = (
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+)
 OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX)
 SMALL, LARGE = 37, direct_schedule.ONE_SHOT_BYTES // 2 + 1001  # one-shot and two-shot counts
 
@@ -74,15 +84,17 @@ def test_all_reduce_every_dtype_and_op(make_comm, shared_seed, count, mode):
             x = _tensor(data[r], dtype)
             guard = _tensor(np.arange(count + 64) % 3, dtype)  # memory next to the output
             before = _host(guard)
-            out = guard[32:32 + count]
+            out = guard[32 : 32 + count]
             comm.all_reduce(x, op, out=out)
             if not _close(_host(out), want, dtype):
                 problems.append(f"out-of-place {dtype} {op}")
             if not np.array_equal(_host(x), data[r]):
                 problems.append(f"{dtype} {op}: input changed")
             g = _host(guard)
-            if not (np.array_equal(g[:32], before[:32])
-                    and np.array_equal(g[32 + count:], before[32 + count:])):
+            if not (
+                np.array_equal(g[:32], before[:32])
+                and np.array_equal(g[32 + count :], before[32 + count :])
+            ):
                 problems.append(f"{dtype} {op}: wrote outside the output")
             comm.all_reduce(x, op)
             if not _close(_host(x), want, dtype):
@@ -112,7 +124,7 @@ def test_other_collectives(make_comm, shared_seed, mode):
                 problems.append(f"reduce {dtype} {op}")
             blk = torch.empty(count, dtype=y.dtype, device="cuda")
             comm.reduce_scatter(blk, _tensor(data[r], dtype), op)
-            if not _close(_host(blk), want[r * count:(r + 1) * count], dtype):
+            if not _close(_host(blk), want[r * count : (r + 1) * count], dtype):
                 problems.append(f"reduce_scatter {dtype} {op}")
         b = _tensor(data[r], dtype)
         comm.broadcast(b, n - 1)
@@ -275,9 +287,13 @@ def test_registration_cache_hits_misses_and_close(make_comm, shared_seed):
     fresh.fill(2)
     comm.all_reduce(fresh)
     last = t.stats()
-    ok = (bool((x == n ** 4).all()) and bool((fresh == 2 * n).all())
-          and again["misses"] == first["misses"] and again["hits"] > first["hits"]
-          and last["misses"] > again["misses"])  # fmt: skip
+    ok = (
+        bool((x == n**4).all())
+        and bool((fresh == 2 * n).all())
+        and again["misses"] == first["misses"]
+        and again["hits"] > first["hits"]
+        and last["misses"] > again["misses"]
+    )
     comm.close()
     ok = ok and t.stats()["mapped"] == 0
     assert_all_ranks(make_comm(), ok, f"cache {first} -> {again} -> {last}")

@@ -76,8 +76,11 @@ def test_islands_of_own_gpus_reduce_through_nccl(make_comm, shared_seed) -> None
     hier = comm._transports["hier"]
     own = _own_devices(comm, hier.islands[hier.index])
     inside = hier.island.plan.lookup("all_reduce", "device", "large")[0]
-    assert_all_ranks(comm, ok and (inside == "nccl") == own,
-                     f"sum {'right' if ok else 'wrong'}; own devices {own}, inside {inside}")
+    assert_all_ranks(
+        comm,
+        ok and (inside == "nccl") == own,
+        f"sum {'right' if ok else 'wrong'}; own devices {own}, inside {inside}",
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -90,11 +93,14 @@ def test_plan_picks_hier_for_device_collectives(make_comm, setup) -> None:
     choice = comm.plan.lookup("all_reduce", "device", "large")
     if len(set(comm.topology.hosts())) == 1:
         # one island whose ranks each have a GPU of their own: NCCL; else direct
-        ok = choice[0] == ("nccl" if len(islands) == 1 and _own_devices(comm, islands[0])
-                           else "direct")  # fmt: skip
+        ok = choice[0] == (
+            "nccl" if len(islands) == 1 and _own_devices(comm, islands[0]) else "direct"
+        )
     elif len(islands) > 1:
-        ok = choice == ("hier", f"{len(islands)} vendor islands: native inside, staged/direct "
-                                "between")  # fmt: skip
+        ok = choice == (
+            "hier",
+            f"{len(islands)} vendor islands: native inside, staged/direct between",
+        )
     else:
         ok = choice[0] != "hier"
     assert_all_ranks(comm, ok, f"islands {islands}: plan {choice}")

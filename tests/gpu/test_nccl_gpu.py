@@ -20,8 +20,18 @@ from hetcomm.testing import assert_all_ranks
 cupy = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")
 
-DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "float16", "bfloat16", "float32",
-          "float64")  # fmt: skip
+DTYPES = (
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+)
 OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX)
 
 
@@ -80,8 +90,9 @@ def test_every_op_through_nccl(make_comm, group_of, shared_seed):
                     problems.append(f"reduce {dtype} {op}")
                 blocks = torch.empty(count, dtype=x.dtype, device="cuda")
                 group.reduce_scatter(blocks, _tensor(data[r], dtype), op)
-                if not np.allclose(blocks.double().cpu().numpy(),
-                                   want[r * count:(r + 1) * count], rtol=1e-2):  # fmt: skip
+                if not np.allclose(
+                    blocks.double().cpu().numpy(), want[r * count : (r + 1) * count], rtol=1e-2
+                ):
                     problems.append(f"reduce_scatter {dtype} {op}")
             b = _tensor(data[r], dtype)
             group.broadcast(b, 0)
@@ -146,8 +157,11 @@ def test_dropped_communicators_do_not_hang(make_comm):
         gc.collect()
     # the communicators are gone; their NCCL communicators are kept, not destroyed
     assert_all_ranks(world, all(r() is None for r in refs), "a dropped group was not freed")
-    assert_all_ranks(world, len(nccl._LIVE) == kept,
-                     f"NCCL communicators kept: {len(nccl._LIVE)}, before the drop: {kept}")  # fmt: skip
+    assert_all_ranks(
+        world,
+        len(nccl._LIVE) == kept,
+        f"NCCL communicators kept: {len(nccl._LIVE)}, before the drop: {kept}",
+    )
     y = cupy.ones(4, dtype=cupy.float32)
     world.all_reduce(y)  # the ranks are not stuck: world (staged or other) still works
     assert_all_ranks(world, float(y[0]) == world.size, "all_reduce after the drop")
@@ -164,8 +178,14 @@ def test_shared_gpu_is_refused_with_the_reason(make_comm):
         message = ""
     except TransportUnavailable as exc:
         message = str(exc)
-    assert_all_ranks(world, "duplicate" in message and "share device" in message,
-                     f"expected a refusal naming the shared device, got {message!r}")  # fmt: skip
+    assert_all_ranks(
+        world,
+        "duplicate" in message and "share device" in message,
+        f"expected a refusal naming the shared device, got {message!r}",
+    )
     auto = make_comm()
-    assert_all_ranks(world, auto.plan.lookup("all_reduce", "device", "large")[0] != "nccl",
-                     "the automatic plan chose nccl for a shared GPU")  # fmt: skip
+    assert_all_ranks(
+        world,
+        auto.plan.lookup("all_reduce", "device", "large")[0] != "nccl",
+        "the automatic plan chose nccl for a shared GPU",
+    )

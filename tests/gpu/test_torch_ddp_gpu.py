@@ -60,11 +60,17 @@ def test_groups_on_a_bound_device(device: torch.device) -> None:
 def test_ddp_on_cuda_matches_a_cpu_reference(device: torch.device) -> None:
     n, me = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(7)
-    data = [[(torch.randn(BATCH, 12, generator=g), torch.randn(BATCH, 3, generator=g))
-             for _ in range(n)] for _ in range(STEPS)]  # fmt: skip
+    data = [
+        [
+            (torch.randn(BATCH, 12, generator=g), torch.randn(BATCH, 3, generator=g))
+            for _ in range(n)
+        ]
+        for _ in range(STEPS)
+    ]
     try:
-        model = torch.nn.parallel.DistributedDataParallel(make_model(1).to(device),
-                                                          device_ids=[device])  # fmt: skip
+        model = torch.nn.parallel.DistributedDataParallel(
+            make_model(1).to(device), device_ids=[device]
+        )
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         for step in data:
             x, y = step[me]
@@ -85,5 +91,4 @@ def test_ddp_on_cuda_matches_a_cpu_reference(device: torch.device) -> None:
         ref_opt.step()
         ref_opt.zero_grad()
     for got, want in zip(model.module.parameters(), reference.parameters()):
-        torch.testing.assert_close(got.detach().cpu().double(), want.detach(), rtol=1e-4,
-                                   atol=1e-5)  # fmt: skip
+        torch.testing.assert_close(got.detach().cpu().double(), want.detach(), rtol=1e-4, atol=1e-5)

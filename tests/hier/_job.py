@@ -75,7 +75,11 @@ def logical(arr: Any) -> np.ndarray:
     if not isinstance(arr, np.ndarray):  # a torch tensor
         return arr.to(torch().float64).numpy()
     a = np.asarray(arr)
-    return a.copy() if a.dtype == np.bool_ else a.astype(np.float64 if a.dtype.kind == "f" else np.int64)
+    return (
+        a.copy()
+        if a.dtype == np.bool_
+        else a.astype(np.float64 if a.dtype.kind == "f" else np.int64)
+    )
 
 
 def raw(arr: Any) -> bytes:
@@ -116,8 +120,9 @@ def reference(stack: np.ndarray, op: ReduceOp, dtype: str) -> np.ndarray:
     return total
 
 
-def check(got: np.ndarray, stack: np.ndarray, op: ReduceOp | None, dtype: str,
-          what: str) -> list[str]:  # fmt: skip
+def check(
+    got: np.ndarray, stack: np.ndarray, op: ReduceOp | None, dtype: str, what: str
+) -> list[str]:
     """[] when `got` matches the reduction of `stack` (op None: `stack` itself is expected).
 
     Float SUM, AVG and PROD round at each step: |error| <= n * eps * scale, scale being the
@@ -135,8 +140,10 @@ def check(got: np.ndarray, stack: np.ndarray, op: ReduceOp | None, dtype: str,
     if not bad.any():
         return []
     i = int(np.flatnonzero(bad)[0])
-    return [f"{what}: {int(bad.sum())} of {bad.size} differ, first at {i}: got "
-            f"{got.reshape(-1)[i]}, want {want.reshape(-1)[i]}"]  # fmt: skip
+    return [
+        f"{what}: {int(bad.sum())} of {bad.size} differ, first at {i}: got "
+        f"{got.reshape(-1)[i]}, want {want.reshape(-1)[i]}"
+    ]
 
 
 # ---- the scenarios -------------------------------------------------------------------------------
@@ -151,8 +158,11 @@ def collectives(params: dict[str, Any]) -> None:
     digest = hashlib.sha256()
     start = time.monotonic()
     cases = [(d, c) for d in params["dtypes"] for c in params["counts"]]
-    cases += [(d, params["large"]) for d in ("float32", "bfloat16")
-              if params.get("large") and d in params["dtypes"]]  # fmt: skip
+    cases += [
+        (d, params["large"])
+        for d in ("float32", "bfloat16")
+        if params.get("large") and d in params["dtypes"]
+    ]
     for dtype, count in cases:
         for op in OPS:
             if dtype == "bool" and op is ReduceOp.AVG:
@@ -171,24 +181,45 @@ def collectives(params: dict[str, Any]) -> None:
     parts = {}
     if transport is not None:
         for part in (transport.island, transport.cross, transport.flat):  # type: ignore[attr-defined]
-            parts[part.name] = {"hier": part._unavailable.get("hier"),
-                                "device": part.plan.lookup("all_reduce", "device", "large")[0],
-                                "host": part.plan.lookup("all_reduce", "host", "large")[0]}  # fmt: skip
+            parts[part.name] = {
+                "hier": part._unavailable.get("hier"),
+                "device": part.plan.lookup("all_reduce", "device", "large")[0],
+                "host": part.plan.lookup("all_reduce", "host", "large")[0],
+            }
     # without forcing a transport: host buffers stay on mpi, device collectives go to hier
     auto = hetcomm.init(config=hetcomm.Config.load(transport="auto"), name="hier-auto")
     table = auto.plan
-    planned = {f"{op} {memory}": list(table.lookup(op, memory, "large"))
-               for op in ("all_reduce", "all_gather", "send") for memory in ("host", "device")}  # fmt: skip
+    planned = {
+        f"{op} {memory}": list(table.lookup(op, memory, "large"))
+        for op in ("all_reduce", "all_gather", "send")
+        for memory in ("host", "device")
+    }
     auto.close()
-    report(ok=not errors, errors=errors[:10], n_errors=len(errors), seed=seed, seconds=seconds,
-           digest=digest.hexdigest(), plan=list(plan), parts=parts, auto=planned,
-           device_plan=list(world.plan.lookup("all_reduce", "device", "large")),
-           routed=sorted(world._transports))  # fmt: skip
+    report(
+        ok=not errors,
+        errors=errors[:10],
+        n_errors=len(errors),
+        seed=seed,
+        seconds=seconds,
+        digest=digest.hexdigest(),
+        plan=list(plan),
+        parts=parts,
+        auto=planned,
+        device_plan=list(world.plan.lookup("all_reduce", "device", "large")),
+        routed=sorted(world._transports),
+    )
     world.close()
 
 
-def _all_reduce(world: Any, rng: np.random.Generator, dtype: str, count: int, op: ReduceOp,
-                case: str, digest: Any) -> list[str]:  # fmt: skip
+def _all_reduce(
+    world: Any,
+    rng: np.random.Generator,
+    dtype: str,
+    count: int,
+    op: ReduceOp,
+    case: str,
+    digest: Any,
+) -> list[str]:
     n, me = world.size, world.rank
     stack = draw(rng, dtype, n, count)
     errors = []
@@ -212,23 +243,30 @@ def _all_reduce(world: Any, rng: np.random.Generator, dtype: str, count: int, op
     return errors
 
 
-def _reduce_scatter(world: Any, rng: np.random.Generator, dtype: str, count: int, op: ReduceOp,
-                    case: str) -> list[str]:  # fmt: skip
+def _reduce_scatter(
+    world: Any, rng: np.random.Generator, dtype: str, count: int, op: ReduceOp, case: str
+) -> list[str]:
     n, me = world.size, world.rank
     stack = draw(rng, dtype, n, n * count)
     x = array(stack[me], dtype)
     out = Placed(draw(rng, dtype, 1, count)[0], dtype)
     world.reduce_scatter(out.array, x, op)
-    errors = check(logical(out.array), stack[:, me * count : (me + 1) * count], op, dtype,
-                   f"reduce_scatter {case}")  # fmt: skip
+    errors = check(
+        logical(out.array),
+        stack[:, me * count : (me + 1) * count],
+        op,
+        dtype,
+        f"reduce_scatter {case}",
+    )
     errors += check(logical(x), stack[me], None, dtype, f"reduce_scatter {case}: x changed")
     if not out.intact():
         errors.append(f"reduce_scatter {case}: wrote outside out")
     return errors
 
 
-def _reduce(world: Any, rng: np.random.Generator, dtype: str, count: int, op: ReduceOp,
-            case: str) -> list[str]:  # fmt: skip
+def _reduce(
+    world: Any, rng: np.random.Generator, dtype: str, count: int, op: ReduceOp, case: str
+) -> list[str]:
     n, me = world.size, world.rank
     root = int(rng.integers(n))
     stack = draw(rng, dtype, n, count)
@@ -286,15 +324,22 @@ def _asynchronous(world: Any, rng: np.random.Generator) -> list[str]:
     ob = np.zeros(count)
     oc = np.zeros(n * count, np.int32)
     xd = array(a[me], "float32")
-    works = [world.all_reduce(xa, ReduceOp.SUM, async_op=True),
-             world.reduce_scatter(ob, array(b[me], "float64"), ReduceOp.MAX, async_op=True),
-             world.all_gather(oc, array(c[me], "int32"), async_op=True),
-             world.broadcast(xd, n - 1, async_op=True)]  # fmt: skip
+    works = [
+        world.all_reduce(xa, ReduceOp.SUM, async_op=True),
+        world.reduce_scatter(ob, array(b[me], "float64"), ReduceOp.MAX, async_op=True),
+        world.all_gather(oc, array(c[me], "int32"), async_op=True),
+        world.broadcast(xd, n - 1, async_op=True),
+    ]
     for w in reversed(works):
         w.wait()
     errors += check(logical(xa), a, ReduceOp.SUM, "float32", "async all_reduce")
-    errors += check(logical(ob), b[:, me * count : (me + 1) * count], ReduceOp.MAX, "float64",
-                    "async reduce_scatter")  # fmt: skip
+    errors += check(
+        logical(ob),
+        b[:, me * count : (me + 1) * count],
+        ReduceOp.MAX,
+        "float64",
+        "async reduce_scatter",
+    )
     errors += check(logical(oc), c.reshape(-1), None, "int32", "async all_gather")
     errors += check(logical(xd), a[n - 1], None, "float32", "async broadcast")
     # rank n-1 comes late: the others' all_reduce cannot be complete when the call returns
@@ -351,8 +396,13 @@ def _timed(call: Any) -> dict[str, Any]:
     try:
         call()
     except CommTimeout as exc:
-        return {"error": "CommTimeout", "message": str(exc), "group": exc.group, "op": exc.op,
-                "seconds": time.monotonic() - start}  # fmt: skip
+        return {
+            "error": "CommTimeout",
+            "message": str(exc),
+            "group": exc.group,
+            "op": exc.op,
+            "seconds": time.monotonic() - start,
+        }
     except Exception as exc:
         return {"error": type(exc).__name__, "message": str(exc)}
     return {"error": None}

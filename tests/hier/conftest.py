@@ -19,8 +19,12 @@ JOB = Path(__file__).resolve().parent / "_job.py"
 MPI_TESTS = Path(__file__).resolve().parent.parent / "mpi"
 
 
-def mpmd_argv(prefix: list[str], ranks: Sequence[tuple[int, str, str]], program: list[str],
-              variables: dict[str, str]) -> list[str]:  # fmt: skip
+def mpmd_argv(
+    prefix: list[str],
+    ranks: Sequence[tuple[int, str, str]],
+    program: list[str],
+    variables: dict[str, str],
+) -> list[str]:
     """mpirun -n N1 env VENDOR/HOST/VARS python -m mpi4py PROGRAM... : -n N2 env ... for each
     (count, vendor, host) of `ranks`, in rank order."""
     argv = list(prefix)
@@ -28,8 +32,16 @@ def mpmd_argv(prefix: list[str], ranks: Sequence[tuple[int, str, str]], program:
         if i:
             argv.append(":")
         settings = {"HETCOMM_VENDOR": vendor, "HETCOMM_HOST": host, **variables}
-        argv += ["-n", str(count), "env", *(f"{k}={v}" for k, v in settings.items()),
-                 sys.executable, "-m", "mpi4py", *program]  # fmt: skip
+        argv += [
+            "-n",
+            str(count),
+            "env",
+            *(f"{k}={v}" for k, v in settings.items()),
+            sys.executable,
+            "-m",
+            "mpi4py",
+            *program,
+        ]
     return argv
 
 
@@ -38,9 +50,13 @@ def hier_job(mpirun: tuple[list[str], dict[str, str]]) -> Any:
     """hier_job(ranks, scenario, params, limit, **HETCOMM_variables) -> MpiJob; `ranks` lists
     (count, vendor, host) in rank order, and the hier transport is forced for every group."""
 
-    def start(ranks: Sequence[tuple[int, str, str]], scenario: str,
-              params: dict[str, Any] | None = None, limit: float = 120,
-              **variables: str) -> MpiJob:  # fmt: skip
+    def start(
+        ranks: Sequence[tuple[int, str, str]],
+        scenario: str,
+        params: dict[str, Any] | None = None,
+        limit: float = 120,
+        **variables: str,
+    ) -> MpiJob:
         prefix, mpi_env = mpirun
         settings = {"HETCOMM_TRANSPORT": "hier", "HETCOMM_TIMEOUT": "60", **variables}
         program = [str(JOB), scenario, json.dumps(params or {})]
@@ -55,11 +71,19 @@ def hier_pytest(mpirun: tuple[list[str], dict[str, str]]) -> Any:
     """hier_pytest(ranks, files, limit) -> MpiJob: test files of tests/mpi run under mpirun on
     those simulated islands, with hier forced for every group."""
 
-    def start(ranks: Sequence[tuple[int, str, str]], files: Sequence[str],
-              limit: float = 150) -> MpiJob:  # fmt: skip
+    def start(
+        ranks: Sequence[tuple[int, str, str]], files: Sequence[str], limit: float = 150
+    ) -> MpiJob:
         prefix, mpi_env = mpirun
-        program = ["-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
-                   *(str(MPI_TESTS / f) for f in files)]  # fmt: skip
+        program = [
+            "-m",
+            "pytest",
+            "--with-mpi",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *(str(MPI_TESTS / f) for f in files),
+        ]
         argv = mpmd_argv(prefix, ranks, program, {"HETCOMM_TRANSPORT": "hier"})
         return run_mpi_job(argv, clean_environ(**mpi_env), limit)
 

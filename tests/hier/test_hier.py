@@ -24,11 +24,19 @@ LAYOUTS = {
     "2+2": ([(2, "nvidia", "ha"), (2, "amd", "ha")], DTYPES, [0, 1, 3, 7, 1001], 70_001),
     "3+1": ([(3, "nvidia", "ha"), (1, "amd", "ha")], NO_TORCH, [0, 1, 2, 7, 1001], 70_001),
     "1+1": ([(1, "nvidia", "ha"), (1, "amd", "ha")], NO_TORCH, [0, 1, 7, 1001], 70_001),
-    "1+2+1": ([(1, "nvidia", "ha"), (2, "amd", "ha"), (1, "cpu", "hb")], FEW_DTYPES,
-              [1, 3, 7, 1001], 0),
-    "interleaved 2+2": ([(1, "nvidia", "ha"), (1, "amd", "ha"), (1, "nvidia", "ha"),
-                         (1, "amd", "ha")], NO_TORCH, [3, 1001], 0),
-}  # fmt: skip
+    "1+2+1": (
+        [(1, "nvidia", "ha"), (2, "amd", "ha"), (1, "cpu", "hb")],
+        FEW_DTYPES,
+        [1, 3, 7, 1001],
+        0,
+    ),
+    "interleaved 2+2": (
+        [(1, "nvidia", "ha"), (1, "amd", "ha"), (1, "nvidia", "ha"), (1, "amd", "ha")],
+        NO_TORCH,
+        [3, 1001],
+        0,
+    ),
+}
 REASON = "{} vendor islands: native inside, staged/direct between"
 
 
@@ -70,8 +78,11 @@ def test_timeouts_abort_and_close(hier_job) -> None:
     ranks = [(1, "nvidia", "ha"), (1, "amd", "ha")]
     job = hier_job(ranks, "timeouts", {}, limit=60)
     lone = job.ranks(2)[0]
-    for case, group, op in (("setup", "lonely-setup", "hier setup"), ("op", "lonely-op",
-                            "all_reduce"), ("async", "lonely-async", "all_reduce")):  # fmt: skip
+    for case, group, op in (
+        ("setup", "lonely-setup", "hier setup"),
+        ("op", "lonely-op", "all_reduce"),
+        ("async", "lonely-async", "all_reduce"),
+    ):
         found = lone[case]
         assert found["error"] == "CommTimeout", (case, found, job.explain())
         assert (found["group"], found["op"]) == (group, op), (case, found)
@@ -84,11 +95,13 @@ def test_mpi_suite_on_hier(hier_pytest) -> None:
     """The collectives and point-to-point tests of tests/mpi (every dtype, numpy and torch, empty,
     0-d, strided and transposed arrays, sentinels around every output), on islands 3 + 1 with
     hier forced: every rank's pytest passes."""
-    job = hier_pytest([(3, "nvidia", "ha"), (1, "amd", "ha")],
-                      ["test_collectives.py", "test_p2p.py"])  # fmt: skip
+    job = hier_pytest(
+        [(3, "nvidia", "ha"), (1, "amd", "ha")], ["test_collectives.py", "test_p2p.py"]
+    )
     text = re.sub(r"\x1b\[[0-9;]*m", "", job.stdout)  # pytest's colours
-    summaries = [line for line in text.splitlines()
-                 if "passed" in line and re.search(r" in [\d.]+s", line)]  # fmt: skip
+    summaries = [
+        line for line in text.splitlines() if "passed" in line and re.search(r" in [\d.]+s", line)
+    ]
     assert job.returncode == 0 and len(summaries) == 4, job.explain()
     for line in summaries:
         assert "failed" not in line and "error" not in line, job.explain()

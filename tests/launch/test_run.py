@@ -25,28 +25,57 @@ HARD_LIMIT_S = 150
 def hetcomm_run(
     *args: str, env: dict[str, str] | None = None
 ) -> tuple[subprocess.CompletedProcess[str], float]:
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("HETCOMM_", "OMPI_", "PMIX_", "PRTE_", "SLURM_"))}  # fmt: skip
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HETCOMM_", "OMPI_", "PMIX_", "PRTE_", "SLURM_"))
+    }
     clean.update(env or {})
     start = time.monotonic()
     done = subprocess.run(
-        ["timeout", "--kill-after=10", str(HARD_LIMIT_S), sys.executable, "-m", "hetcomm", "run",
-         *args],
-        capture_output=True, text=True, env=clean, check=False, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            "timeout",
+            "--kill-after=10",
+            str(HARD_LIMIT_S),
+            sys.executable,
+            "-m",
+            "hetcomm",
+            "run",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=clean,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
     return done, time.monotonic() - start
 
 
 def reports(done: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
-    found = [json.loads(line[line.index("REPORT ") + 7 :]) for line in done.stdout.splitlines()
-             if "REPORT " in line]  # fmt: skip
+    found = [
+        json.loads(line[line.index("REPORT ") + 7 :])
+        for line in done.stdout.splitlines()
+        if "REPORT " in line
+    ]
     return sorted(found, key=lambda r: r["rank"])
 
 
 def test_two_ranks_simulated_vendors_and_hosts() -> None:
-    done, _ = hetcomm_run("-n", "2", "--simulate-vendors", "nvidia,amd", "--simulate-hosts", "2",
-                          "--timeout", "100", "--", sys.executable, str(REPORT),
-                          env={"HETCOMM_TIMEOUT": "77"})  # fmt: skip
+    done, _ = hetcomm_run(
+        "-n",
+        "2",
+        "--simulate-vendors",
+        "nvidia,amd",
+        "--simulate-hosts",
+        "2",
+        "--timeout",
+        "100",
+        "--",
+        sys.executable,
+        str(REPORT),
+        env={"HETCOMM_TIMEOUT": "77"},
+    )
     assert done.returncode == 0, done.stderr
     got = reports(done)
     assert [r["rank"] for r in got] == [0, 1]
@@ -59,9 +88,22 @@ def test_two_ranks_simulated_vendors_and_hosts() -> None:
 
 
 def test_four_ranks_cycle_vendors_over_host_blocks() -> None:
-    done, _ = hetcomm_run("-n", "4", "--simulate-vendors", "nvidia,amd,cpu", "--simulate-hosts",
-                          "2", "--rails", "127.0.0.1", "--tag-output", "--timeout", "100", "--",
-                          sys.executable, str(REPORT))  # fmt: skip
+    done, _ = hetcomm_run(
+        "-n",
+        "4",
+        "--simulate-vendors",
+        "nvidia,amd,cpu",
+        "--simulate-hosts",
+        "2",
+        "--rails",
+        "127.0.0.1",
+        "--tag-output",
+        "--timeout",
+        "100",
+        "--",
+        sys.executable,
+        str(REPORT),
+    )
     assert done.returncode == 0, done.stderr
     got = reports(done)
     assert [r["rank"] for r in got] == [0, 1, 2, 3]
@@ -78,8 +120,9 @@ def test_four_ranks_cycle_vendors_over_host_blocks() -> None:
 
 
 def test_a_rank_that_raises_ends_the_job() -> None:
-    done, took = hetcomm_run("-n", "2", "--timeout", "100", "--", sys.executable, str(REPORT),
-                             "raise")  # fmt: skip
+    done, took = hetcomm_run(
+        "-n", "2", "--timeout", "100", "--", sys.executable, str(REPORT), "raise"
+    )
     assert done.returncode not in (0, 124), done.stderr
     assert "rank 1 fails on purpose" in done.stderr
     assert reports(done) == []
@@ -87,8 +130,9 @@ def test_a_rank_that_raises_ends_the_job() -> None:
 
 
 def test_timeout_kills_a_sleeping_job() -> None:
-    done, took = hetcomm_run("-n", "2", "--timeout", "2", "--", sys.executable, "-c",
-                             "import time; time.sleep(120)")  # fmt: skip
+    done, took = hetcomm_run(
+        "-n", "2", "--timeout", "2", "--", sys.executable, "-c", "import time; time.sleep(120)"
+    )
     assert done.returncode == 124, done.stderr
     assert "--timeout 2 s" in done.stderr
     assert took < 30
@@ -96,8 +140,19 @@ def test_timeout_kills_a_sleeping_job() -> None:
 
 @pytest.mark.parametrize("flag", ["--dry-run", "--verbose"])
 def test_dry_run_and_verbose_with_the_real_launcher(flag: str) -> None:
-    done, _ = hetcomm_run("-n", "2", "--simulate-vendors", "amd", flag, "--timeout", "100", "--",
-                          sys.executable, "-c", "print('ran')")  # fmt: skip
+    done, _ = hetcomm_run(
+        "-n",
+        "2",
+        "--simulate-vendors",
+        "amd",
+        flag,
+        "--timeout",
+        "100",
+        "--",
+        sys.executable,
+        "-c",
+        "print('ran')",
+    )
     assert done.returncode == 0, done.stderr
     shown = done.stdout if flag == "--dry-run" else done.stderr
     assert "Open MPI" in shown and "-m hetcomm.launch.shim --" in shown

@@ -20,8 +20,18 @@ import torch
 
 from hetcomm import ReduceOp
 
-DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8",
-          "float16", "bfloat16", "float32", "float64")  # fmt: skip
+DTYPES = (
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+)
 INTS = ("int8", "int16", "int32", "int64", "uint8")
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 REDUCE_OPS = tuple(ReduceOp)
@@ -252,8 +262,9 @@ def compare(
 Cases = dict[str, tuple[Callable[[], Any], Sequence[str]]]
 
 
-def expect_raises(errors, exc_type: type[Exception], cases: Cases,
-                  untouched: Sequence[Any] = ()) -> None:  # fmt: skip
+def expect_raises(
+    errors, exc_type: type[Exception], cases: Cases, untouched: Sequence[Any] = ()
+) -> None:
     """Each call of `cases` must raise `exc_type` with every one of its words in the message,
     and leave every array of `untouched` with the contents it had before."""
     for what, (call, words) in cases.items():

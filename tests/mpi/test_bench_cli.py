@@ -19,10 +19,32 @@ def test_bench_sweep_checks_json_and_plot():
     where = tempfile.mkdtemp(prefix="hetcomm-bench-") if world.Get_rank() == 0 else None
     where = world.bcast(where, root=0)
     out_json, out_png = os.path.join(where, "rows.json"), os.path.join(where, "bw.png")
-    code = bench.main(["--op", "all_reduce,allgather", "-b", "8", "-e", "4K", "-f", "8",
-                       "--check", "--iters", "2", "--warmup", "1", "--transport", "auto",
-                       "--baselines", "mpi4py,gloo,naive", "--no-progress",
-                       "--json", out_json, "--plot", out_png])  # fmt: skip
+    code = bench.main(
+        [
+            "--op",
+            "all_reduce,allgather",
+            "-b",
+            "8",
+            "-e",
+            "4K",
+            "-f",
+            "8",
+            "--check",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--transport",
+            "auto",
+            "--baselines",
+            "mpi4py,gloo,naive",
+            "--no-progress",
+            "--json",
+            out_json,
+            "--plot",
+            out_png,
+        ]
+    )
     assert code == 0
     with open(out_json) as f:
         rows = json.load(f)["rows"]

@@ -35,16 +35,29 @@ pytestmark = pytest.mark.mpi(min_size=2)
 class Case:
     """One array of a call: its inputs on every rank, the placed array, what it must become."""
 
-    def __init__(self, rng: np.random.Generator, size: int, rank: int, dtype: str, lib: str,
-                 shape: tuple[int, ...], layout: str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        rng: np.random.Generator,
+        size: int,
+        rank: int,
+        dtype: str,
+        lib: str,
+        shape: tuple[int, ...],
+        layout: str,
+    ) -> None:
         self.dtype, self.what = dtype, f"{lib} {dtype} {layout}{list(shape)}"
         self.stack = draw(rng, dtype, shape, size)
         self.placed = Placed(self.stack[rank], dtype, lib, layout)
 
     def check(self, op: ReduceOp, what: str) -> list[str]:
-        problems = compare(self.placed.values(), reference(self.stack, op, self.dtype),
-                           f"{what}: {self.what}", stack=self.stack, op=op,
-                           dtype=self.dtype)  # fmt: skip
+        problems = compare(
+            self.placed.values(),
+            reference(self.stack, op, self.dtype),
+            f"{what}: {self.what}",
+            stack=self.stack,
+            op=op,
+            dtype=self.dtype,
+        )
         if not self.placed.intact():
             problems.append(f"{what}: {self.what}: wrote outside the array")
         return problems
@@ -79,10 +92,13 @@ def test_every_op_on_mixed_arrays(comm, rng, errors):
 
 
 def test_op_by_name_and_tuple(comm, rng, errors):
-    cases = [Case(rng, comm.size, comm.rank, "float64", "numpy", (5, 4), "contiguous"),
-             Case(rng, comm.size, comm.rank, "int32", "torch", (9,), "strided")]  # fmt: skip
-    if errors.run("max by name", comm.all_reduce_coalesced,
-                  tuple(c.placed.array for c in cases), "max"):  # fmt: skip
+    cases = [
+        Case(rng, comm.size, comm.rank, "float64", "numpy", (5, 4), "contiguous"),
+        Case(rng, comm.size, comm.rank, "int32", "torch", (9,), "strided"),
+    ]
+    if errors.run(
+        "max by name", comm.all_reduce_coalesced, tuple(c.placed.array for c in cases), "max"
+    ):
         for c in cases:
             errors += c.check(ReduceOp.MAX, "max by name")
     errors.verify()
@@ -91,8 +107,7 @@ def test_op_by_name_and_tuple(comm, rng, errors):
 def test_many_small_arrays(comm, rng, errors):
     """Hundreds of arrays of one dtype (one fused collective), 1-element and empty among them."""
     sizes = [int(n) for n in rng.integers(0, 40, size=300)] + [1, 0, 1]
-    cases = [Case(rng, comm.size, comm.rank, "float32", "numpy", (n,), "contiguous")
-             for n in sizes]  # fmt: skip
+    cases = [Case(rng, comm.size, comm.rank, "float32", "numpy", (n,), "contiguous") for n in sizes]
     if errors.run("300 arrays", comm.all_reduce_coalesced, [c.placed.array for c in cases]):
         for c in cases:
             errors += c.check(ReduceOp.SUM, "300 arrays")
@@ -107,27 +122,32 @@ def test_views_of_one_buffer(comm, rng, errors):
     base = stack[me].copy()
     views = [base[0:10], base[10:11], base[12:30:2], base[13:30:2], base[40:64].reshape(4, 6).T]
     index = np.arange(64)
-    used = np.concatenate([index[0:10], index[10:11], index[12:30:2], index[13:30:2],
-                           index[40:64]])  # fmt: skip
+    used = np.concatenate([index[0:10], index[10:11], index[12:30:2], index[13:30:2], index[40:64]])
     want = stack[me].copy()
     want[used] = stack[:, used].sum(axis=0)
     if errors.run("views", comm.all_reduce_coalesced, views):
-        errors += compare(base, want, "views of one buffer", stack=stack, op=ReduceOp.SUM,
-                          dtype="float64")  # fmt: skip
+        errors += compare(
+            base, want, "views of one buffer", stack=stack, op=ReduceOp.SUM, dtype="float64"
+        )
     errors.verify()
 
 
 def test_async(comm, rng, errors):
     """async_op: a Work whose completion unpacks; two calls in flight at once, a synchronous
     one of the same dtype in between (the fused buffers are never shared)."""
-    first = [Case(rng, comm.size, comm.rank, d, lib, (33,), "strided")
-             for d, lib in (("float32", "torch"), ("bfloat16", "torch"), ("int64", "numpy"))]  # fmt: skip
-    second = [Case(rng, comm.size, comm.rank, "float32", "numpy", (300, 7), "transposed")
-              for _ in range(3)]  # fmt: skip
+    first = [
+        Case(rng, comm.size, comm.rank, d, lib, (33,), "strided")
+        for d, lib in (("float32", "torch"), ("bfloat16", "torch"), ("int64", "numpy"))
+    ]
+    second = [
+        Case(rng, comm.size, comm.rank, "float32", "numpy", (300, 7), "transposed")
+        for _ in range(3)
+    ]
     middle = [Case(rng, comm.size, comm.rank, "float32", "numpy", (500,), "contiguous")]
     work1 = comm.all_reduce_coalesced([c.placed.array for c in first], async_op=True)
-    work2 = comm.all_reduce_coalesced([c.placed.array for c in second], ReduceOp.MIN,
-                                      async_op=True, timeout=60)  # fmt: skip
+    work2 = comm.all_reduce_coalesced(
+        [c.placed.array for c in second], ReduceOp.MIN, async_op=True, timeout=60
+    )
     errors.expect(isinstance(work1, Work) and isinstance(work2, Work), "async_op returns Works")
     comm.all_reduce_coalesced([c.placed.array for c in middle])
     errors += middle[0].check(ReduceOp.SUM, "synchronous, between two in flight")
@@ -144,10 +164,13 @@ def test_async(comm, rng, errors):
 def test_sizes_grow_and_shrink(comm, rng, errors):
     """Reused fused buffers: a small call, a large one, a small one again."""
     for n in (10, 50_000, 3):
-        cases = [Case(rng, comm.size, comm.rank, "float16", "numpy", (n,), "contiguous"),
-                 Case(rng, comm.size, comm.rank, "float16", "torch", (n,), "strided")]  # fmt: skip
-        if errors.run(f"n={n}", comm.all_reduce_coalesced, [c.placed.array for c in cases],
-                      ReduceOp.PROD):  # fmt: skip
+        cases = [
+            Case(rng, comm.size, comm.rank, "float16", "numpy", (n,), "contiguous"),
+            Case(rng, comm.size, comm.rank, "float16", "torch", (n,), "strided"),
+        ]
+        if errors.run(
+            f"n={n}", comm.all_reduce_coalesced, [c.placed.array for c in cases], ReduceOp.PROD
+        ):
             for c in cases:
                 errors += c.check(ReduceOp.PROD, f"n={n}")
     errors.verify()
@@ -157,8 +180,14 @@ def test_requires_grad_tensor(comm, rng, errors):
     stack = draw(rng, "float32", (7,), comm.size)
     t = torch.tensor(stack[comm.rank], dtype=torch.float32, requires_grad=True)
     if errors.run("requires_grad", comm.all_reduce_coalesced, [t]):
-        errors += compare(logical(t), stack.sum(axis=0), "requires_grad", stack=stack,
-                          op=ReduceOp.SUM, dtype="float32")  # fmt: skip
+        errors += compare(
+            logical(t),
+            stack.sum(axis=0),
+            "requires_grad",
+            stack=stack,
+            op=ReduceOp.SUM,
+            dtype="float32",
+        )
     errors.verify()
 
 
@@ -192,17 +221,29 @@ def test_bad_calls_move_nothing(comm, errors):
         ("None inside", InvalidArgument, lambda: ar([f, g, None]), ["arrays[2]"]),
         ("read-only", InvalidArgument, lambda: ar([f, ro]), ["arrays[1]", "read-only"]),
         ("twice", InvalidArgument, lambda: ar([f, g, f]), ["arrays[0]", "arrays[2]", "same"]),
-        ("overlap", InvalidArgument, lambda: ar([g, base[0:10], base[5:15]]),
-         ["arrays[1]", "arrays[2]", "overlap"]),
-        ("strided overlap", InvalidArgument, lambda: ar([base[::2], base[4:8]]),
-         ["arrays[0]", "arrays[1]", "overlap"]),
-        ("torch view of numpy", InvalidArgument, lambda: ar([f, torch.from_numpy(f)]),
-         ["arrays[0]", "arrays[1]"]),
+        (
+            "overlap",
+            InvalidArgument,
+            lambda: ar([g, base[0:10], base[5:15]]),
+            ["arrays[1]", "arrays[2]", "overlap"],
+        ),
+        (
+            "strided overlap",
+            InvalidArgument,
+            lambda: ar([base[::2], base[4:8]]),
+            ["arrays[0]", "arrays[1]", "overlap"],
+        ),
+        (
+            "torch view of numpy",
+            InvalidArgument,
+            lambda: ar([f, torch.from_numpy(f)]),
+            ["arrays[0]", "arrays[1]"],
+        ),
         ("AVG on bool", DtypeError, lambda: ar([f, flags], ReduceOp.AVG), ["arrays[1]", "bool"]),
         ("unknown op", InvalidArgument, lambda: ar([f], "xor"), ["op", "xor"]),
         ("bad timeout", InvalidArgument, lambda: ar([f], timeout=-1), ["timeout"]),
         ("complex", DtypeError, lambda: ar([f, np.zeros(2, complex)]), ["arrays[1]", "complex"]),
-    ]  # fmt: skip
+    ]
     for what, exc_type, call, words in cases:
         expect_raises(errors, exc_type, {what: (call, words)}, keep)
     # the ranks are still in step, and the arrays reduce normally afterwards
@@ -218,9 +259,12 @@ def test_debug_mode_catches_another_order(make_comm, errors):
     comm = make_comm(debug=True, timeout=30)
     a, b = np.ones(4, dtype=np.float32), np.ones(4, dtype=np.int32)
     arrays = [a, b] if comm.rank == 0 else [b, a]
-    expect_raises(errors, MismatchError,
-                  {"different order": (lambda: comm.all_reduce_coalesced(arrays), ["dtype"])},
-                  [a, b])  # fmt: skip
+    expect_raises(
+        errors,
+        MismatchError,
+        {"different order": (lambda: comm.all_reduce_coalesced(arrays), ["dtype"])},
+        [a, b],
+    )
     errors.verify()
 
 
@@ -234,20 +278,29 @@ def test_one_node_reduces_in_shared_segments(comm, rng, errors):
     if t.name != "mpi" or not t.fits_node(16):
         pytest.skip(f"host all-reduces go through {t.name} here, or the ranks span nodes")
     for n in (1000, 300_000):  # 2.4 MB of float64 alone: past the first segments (1 MiB)
-        cases = [Case(rng, comm.size, comm.rank, d, lib, (n,), layout)
-                 for d, lib, layout in (("float32", "numpy", "contiguous"),
-                                        ("float64", "numpy", "strided"),
-                                        ("int32", "torch", "contiguous"),
-                                        ("float32", "numpy", "contiguous"))]  # fmt: skip
-        if errors.run(f"n={n}", comm.all_reduce_coalesced, [c.placed.array for c in cases],
-                      ReduceOp.AVG):  # fmt: skip
+        cases = [
+            Case(rng, comm.size, comm.rank, d, lib, (n,), layout)
+            for d, lib, layout in (
+                ("float32", "numpy", "contiguous"),
+                ("float64", "numpy", "strided"),
+                ("int32", "torch", "contiguous"),
+                ("float32", "numpy", "contiguous"),
+            )
+        ]
+        if errors.run(
+            f"n={n}", comm.all_reduce_coalesced, [c.placed.array for c in cases], ReduceOp.AVG
+        ):
             for c in cases:
                 errors += c.check(ReduceOp.AVG, f"n={n}")
         node = t._node
-        errors.expect(node is not None and node.capacity >= n * 8,
-                      f"n={n}: the shared segments hold the largest group")  # fmt: skip
-        again = [Case(rng, comm.size, comm.rank, "float32", "numpy", (n,), "contiguous")
-                 for _ in range(3)]  # fmt: skip
+        errors.expect(
+            node is not None and node.capacity >= n * 8,
+            f"n={n}: the shared segments hold the largest group",
+        )
+        again = [
+            Case(rng, comm.size, comm.rank, "float32", "numpy", (n,), "contiguous")
+            for _ in range(3)
+        ]
         work = comm.all_reduce_coalesced([c.placed.array for c in again], async_op=True)
         work.wait()
         for c in again:
@@ -257,8 +310,9 @@ def test_one_node_reduces_in_shared_segments(comm, rng, errors):
     errors.verify()
 
 
-def test_without_shared_segments_the_fused_all_reduce_goes_through_mpi(make_comm, rng, errors,
-                                                                       monkeypatch):  # fmt: skip
+def test_without_shared_segments_the_fused_all_reduce_goes_through_mpi(
+    make_comm, rng, errors, monkeypatch
+):
     """Rank 1 cannot have its shared segment (a full /dev/shm): every rank learns it in the
     same call, the others drop theirs, and the call reduces through the fused MPI all-reduce
     with the right results; later calls go there at once."""
@@ -270,15 +324,19 @@ def test_without_shared_segments_the_fused_all_reduce_goes_through_mpi(make_comm
     if t.name != "mpi" or not t.fits_node(16):
         pytest.skip(f"host all-reduces go through {t.name} here, or the ranks span nodes")
     if c.rank == 1:
+
         def full(*args: Any, **kwargs: Any) -> Any:
             raise rails.RailError("cannot reserve 1 MiB in /dev/shm (test: no space)")
 
         monkeypatch.setattr(mpi_node, "SharedSlots", full)
     for k in range(2):
-        cases = [Case(rng, c.size, c.rank, d, "numpy", (n,), "contiguous")
-                 for d, n in (("float32", 300), ("int64", 50))]  # fmt: skip
-        if errors.run(f"call {k}", c.all_reduce_coalesced, [x.placed.array for x in cases],
-                      ReduceOp.MAX):  # fmt: skip
+        cases = [
+            Case(rng, c.size, c.rank, d, "numpy", (n,), "contiguous")
+            for d, n in (("float32", 300), ("int64", 50))
+        ]
+        if errors.run(
+            f"call {k}", c.all_reduce_coalesced, [x.placed.array for x in cases], ReduceOp.MAX
+        ):
             for x in cases:
                 errors += x.check(ReduceOp.MAX, f"call {k}")
     errors.expect(t.fits_node(16) is False, "the group's fused all-reduces went back to MPI")

@@ -192,12 +192,15 @@ def test_integer_sums_and_products_wrap(comm, rng, errors, dtype):
             want = fold(want, row.astype(dtype), dtype=dtype)  # numpy wraps in the dtype
         x = stack[comm.rank].astype(dtype)
         if errors.run(f"all_reduce {op}", comm.all_reduce, x, op):
-            errors.expect(np.array_equal(x, want), f"all_reduce {op} {dtype}: got {x[:4]}, "
-                          f"want {want[:4]}")  # fmt: skip
+            errors.expect(
+                np.array_equal(x, want), f"all_reduce {op} {dtype}: got {x[:4]}, want {want[:4]}"
+            )
         out = np.zeros(n // comm.size, dtype)
         full = np.resize(stack[comm.rank], (n // comm.size) * comm.size).astype(dtype)
         if errors.run(f"reduce_scatter {op}", comm.reduce_scatter, out, full, op):
             block = slice(comm.rank * len(out), (comm.rank + 1) * len(out))
-            errors.expect(np.array_equal(out, want[block]), f"reduce_scatter {op} {dtype}: got "
-                          f"{out[:4]}, want {want[block][:4]}")  # fmt: skip
+            errors.expect(
+                np.array_equal(out, want[block]),
+                f"reduce_scatter {op} {dtype}: got {out[:4]}, want {want[block][:4]}",
+            )
     errors.verify()

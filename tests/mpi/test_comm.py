@@ -243,9 +243,17 @@ def _start_with_packed_input(comm, op, n):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize(
     "op",
-    ["all_reduce", "reduce", "broadcast", "all_gather", "all_gather_in_place",
-     "reduce_scatter", "all_to_all", "send_recv"],
-)  # fmt: skip
+    [
+        "all_reduce",
+        "reduce",
+        "broadcast",
+        "all_gather",
+        "all_gather_in_place",
+        "reduce_scatter",
+        "all_to_all",
+        "send_recv",
+    ],
+)
 def test_async_keeps_its_packed_input_alive(comm, errors, op):
     """hetcomm packs a strided (or aliased) input into a copy of its own before handing it to
     MPI; an async operation must keep that copy alive until it completes, even while the
@@ -449,8 +457,9 @@ def test_simulated_vendors_and_hosts(make_comm, errors):
     expected = sim.config.transport_for(sim.name)
     expected = "mpi" if expected == "auto" else expected
     host_lines = [line for line in text.splitlines() if line.strip().startswith("host")]
-    errors.expect(bool(host_lines) and all(expected in line for line in host_lines),
-                  f"plan:\n{text}")  # fmt: skip
+    errors.expect(
+        bool(host_lines) and all(expected in line for line in host_lines), f"plan:\n{text}"
+    )
     transport, _ = sim.plan.lookup("all_reduce", "host", "small")
     errors.expect(transport == expected, f"all_reduce on small host buffers -> {transport}")
 
@@ -458,8 +467,10 @@ def test_simulated_vendors_and_hosts(make_comm, errors):
     with sim.split(0, key=-sim.rank) as rev:
         parents = list(range(sim.size))[::-1]
         host_of = [hosts[p % 2] for p in parents]
-        want = [(vendors[p % 2], h, host_of[:i].count(h), host_of.count(h))
-                for i, (p, h) in enumerate(zip(parents, host_of))]  # fmt: skip
+        want = [
+            (vendors[p % 2], h, host_of[:i].count(h), host_of.count(h))
+            for i, (p, h) in enumerate(zip(parents, host_of))
+        ]
         got = [(t.vendor, t.host, t.local_rank, t.local_size) for t in rev.topology]
         errors.expect(got == want, f"reversed split topology {got}, expected {want}")
     errors.verify()
@@ -510,8 +521,9 @@ def test_use_local_device_follows_the_topology(comm, errors, monkeypatch):
     told: dict[str, int] = {}
     fake_cupy = types.ModuleType("cupy")
     fake_cupy.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
-    fake_cupy.cuda = types.SimpleNamespace(Device=lambda i: types.SimpleNamespace(
-        use=lambda: told.__setitem__("cupy", i)))  # fmt: skip
+    fake_cupy.cuda = types.SimpleNamespace(
+        Device=lambda i: types.SimpleNamespace(use=lambda: told.__setitem__("cupy", i))
+    )
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: told.__setitem__("torch", i))
@@ -520,10 +532,11 @@ def test_use_local_device_follows_the_topology(comm, errors, monkeypatch):
     node = comm.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
     want = node.Get_rank() % 3
     node.Free()
-    errors.expect(index == want and told == {"cupy": want, "torch": want},
-                  f"use_local_device gave {index}, told {told}, expected {want}")
+    errors.expect(
+        index == want and told == {"cupy": want, "torch": want},
+        f"use_local_device gave {index}, told {told}, expected {want}",
+    )
     told.clear()
     monkeypatch.setattr(topology, "detect_vendor", lambda: ("cpu", 0))
-    errors.expect(topology.use_local_device(comm.mpi) is None and not told,
-                  f"no GPU: told {told}")
+    errors.expect(topology.use_local_device(comm.mpi) is None and not told, f"no GPU: told {told}")
     errors.verify()

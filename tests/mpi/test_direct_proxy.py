@@ -15,8 +15,11 @@ import pytest
 
 from hetcomm.transports.direct_proxy import Proxy, Task
 
-_NO_GPU = types.SimpleNamespace(cuda=types.SimpleNamespace(
-    Device=lambda d: types.SimpleNamespace(use=lambda: None), Stream=lambda non_blocking: None))  # fmt: skip
+_NO_GPU = types.SimpleNamespace(
+    cuda=types.SimpleNamespace(
+        Device=lambda d: types.SimpleNamespace(use=lambda: None), Stream=lambda non_blocking: None
+    )
+)
 
 
 def _proxy(comm):
@@ -37,8 +40,10 @@ def test_ring_of_operations_with_idle_spells(comm, errors):
 
     def ring(i):
         buf = np.zeros(1, np.int64)
-        yield [mpi.Isend(np.array([i * n + r], np.int64), (r + 1) % n, 7),
-               mpi.Irecv(buf, (r - 1) % n, 7)]  # fmt: skip
+        yield [
+            mpi.Isend(np.array([i * n + r], np.int64), (r + 1) % n, 7),
+            mpi.Irecv(buf, (r - 1) % n, 7),
+        ]
         got.append(int(buf[0]))
 
     try:

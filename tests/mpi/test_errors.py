@@ -33,27 +33,51 @@ def test_out_with_wrong_dtype_or_count(comm, errors):
         "all_reduce out dtype": (lambda: comm.all_reduce(x, out=out64), ("float32", "float64")),
         "all_reduce out count": (lambda: comm.all_reduce(x, out=short), ("5 elements", "got 4")),
         "all_reduce torch out dtype": (
-            lambda: comm.all_reduce(t, out=t_out), ("bfloat16", "float16")),
+            lambda: comm.all_reduce(t, out=t_out),
+            ("bfloat16", "float16"),
+        ),
         "all_gather out too small": (
-            lambda: comm.all_gather(gathered, x), (f"{size * 5} elements", f"got {size * 5 - 1}")),
+            lambda: comm.all_gather(gathered, x),
+            (f"{size * 5} elements", f"got {size * 5 - 1}"),
+        ),
         "all_gather out dtype": (lambda: comm.all_gather(wrong, x), ("float32", "int32")),
         "reduce_scatter x not divisible": (
-            lambda: comm.reduce_scatter(part, uneven), (str(size * 3 + 1),)),
+            lambda: comm.reduce_scatter(part, uneven),
+            (str(size * 3 + 1),),
+        ),
         "reduce_scatter out count": (lambda: comm.reduce_scatter(big, even), ("got 4",)),
-        "all_to_all x not divisible": (
-            lambda: comm.all_to_all(odd_out, odd), (str(size * 2 + 1),)),
-        "all_to_all out count": (
-            lambda: comm.all_to_all(fewer, blocks), (f"got {size * 2 - 1}",)),
+        "all_to_all x not divisible": (lambda: comm.all_to_all(odd_out, odd), (str(size * 2 + 1),)),
+        "all_to_all out count": (lambda: comm.all_to_all(fewer, blocks), (f"got {size * 2 - 1}",)),
         "reduce_scatter out dtype": (
-            lambda: comm.reduce_scatter(part64, even), ("float32", "float64")),
+            lambda: comm.reduce_scatter(part64, even),
+            ("float32", "float64"),
+        ),
         "all_to_all out dtype": (lambda: comm.all_to_all(blocks32, blocks), ("int64", "int32")),
         "all_gather out empty": (lambda: comm.all_gather(empty, x), (f"{size * 5}", "got 0")),
         "all_reduce out empty": (lambda: comm.all_reduce(x, out=empty), ("5", "got 0")),
-    }  # fmt: skip
+    }
     part64, blocks32 = np.full(3, 9.0), np.zeros(size * 2, dtype=np.int32)
     empty = np.zeros(0, dtype=np.float32)
-    buffers = (x, out64, short, t, t_out, gathered, wrong, uneven, part, even, big, odd, odd_out,
-               blocks, fewer, part64, blocks32, empty)  # fmt: skip
+    buffers = (
+        x,
+        out64,
+        short,
+        t,
+        t_out,
+        gathered,
+        wrong,
+        uneven,
+        part,
+        even,
+        big,
+        odd,
+        odd_out,
+        blocks,
+        fewer,
+        part64,
+        blocks32,
+        empty,
+    )
     expect_raises(errors, hetcomm.InvalidArgument, cases, buffers)
     errors.verify()
 
@@ -164,8 +188,12 @@ def test_receive_of_another_size_raises(comm, errors):
     elif comm.rank == 1:
         for n in (8, 3):
             y = np.full(n, -1.0, dtype=np.float32)
-            cases: Cases = {f"recv into {n}": (lambda y=y: comm.recv(y, 0, tag=4, timeout=30),
-                                               ("rank 0", f"takes {4 * n}"))}  # fmt: skip
+            cases: Cases = {
+                f"recv into {n}": (
+                    lambda y=y: comm.recv(y, 0, tag=4, timeout=30),
+                    ("rank 0", f"takes {4 * n}"),
+                )
+            }
             expect_raises(errors, hetcomm.MismatchError, cases)
             k = min(n, 5)
             prefix = np.concatenate([np.arange(k), np.full(n - k, -1.0)])
@@ -265,8 +293,10 @@ def test_unknown_ops(comm, errors):
             f"all_reduce op={bad!r}": (lambda b=bad: comm.all_reduce(x, b), (repr(bad),)),
             f"reduce op={bad!r}": (lambda b=bad: comm.reduce(x, 0, b), (repr(bad),)),
             f"reduce_scatter op={bad!r}": (
-                lambda b=bad: comm.reduce_scatter(out, x, b), (repr(bad),)),
-        }  # fmt: skip
+                lambda b=bad: comm.reduce_scatter(out, x, b),
+                (repr(bad),),
+            ),
+        }
     expect_raises(errors, hetcomm.InvalidArgument, cases, (x, out))
 
     # names are case-insensitive and "mean" / "product" are aliases
@@ -289,8 +319,10 @@ def test_avg_on_bool_raises(comm, errors):
             f"{lib} all_reduce 'avg'": (lambda x=x: comm.all_reduce(x, "avg"), ("AVG", "bool")),
             f"{lib} reduce": (lambda x=x: comm.reduce(x, 0, ReduceOp.AVG), ("AVG", "bool")),
             f"{lib} reduce_scatter": (
-                lambda x=x, out=out: comm.reduce_scatter(out, x, ReduceOp.AVG), ("AVG", "bool")),
-        }  # fmt: skip
+                lambda x=x, out=out: comm.reduce_scatter(out, x, ReduceOp.AVG),
+                ("AVG", "bool"),
+            ),
+        }
         expect_raises(errors, hetcomm.DtypeError, cases, (x, out))
     errors.verify()
 
@@ -327,10 +359,14 @@ def test_bad_timeouts_raise_before_anything_moves(comm, errors):
     for bad in (-1.0, 0, "5"):
         cases |= {
             f"all_reduce timeout={bad!r}": (
-                lambda b=bad: comm.all_reduce(x, timeout=b), ("timeout",)),
+                lambda b=bad: comm.all_reduce(x, timeout=b),
+                ("timeout",),
+            ),
             f"broadcast timeout={bad!r}": (
-                lambda b=bad: comm.broadcast(y, 0, timeout=b), ("timeout",)),
-        }  # fmt: skip
+                lambda b=bad: comm.broadcast(y, 0, timeout=b),
+                ("timeout",),
+            ),
+        }
     expect_raises(errors, hetcomm.InvalidArgument, cases)
     for _ in range(3):
         comm.barrier()

@@ -50,8 +50,10 @@ def run(errors, what: str, call, *args, **kwargs) -> bool:
     if not errors.run(what, go):
         return False
     info = work.info or {}
-    errors.expect(info.get("transport") == "mpi" and info.get("stages", 0) > 1,
-                  f"{what}: not cut into several MPI calls: {info}")  # fmt: skip
+    errors.expect(
+        info.get("transport") == "mpi" and info.get("stages", 0) > 1,
+        f"{what}: not cut into several MPI calls: {info}",
+    )
     return True
 
 
@@ -66,15 +68,27 @@ def test_every_operation_cut_into_pieces(make_comm, rng, errors, cut, lib, dtype
         stack = draw(rng, dtype, (COUNT,), size)
         x = Placed(stack[me], dtype, lib, "contiguous")
         if run(errors, f"all_reduce {op}", comm.all_reduce, x.array, op):
-            errors += compare(x.values(), reference(stack, op, dtype), f"all_reduce {op}",
-                              stack=stack, op=op, dtype=dtype)  # fmt: skip
+            errors += compare(
+                x.values(),
+                reference(stack, op, dtype),
+                f"all_reduce {op}",
+                stack=stack,
+                op=op,
+                dtype=dtype,
+            )
             errors.expect(x.intact(), f"all_reduce {op}: wrote outside x")
 
         x = Placed(stack[me], dtype, lib, "contiguous")
         out = Placed(draw(rng, dtype, (COUNT,), 1)[0], dtype, lib, "contiguous")
         if run(errors, f"all_reduce out= {op}", comm.all_reduce, x.array, op, out=out.array):
-            errors += compare(out.values(), reference(stack, op, dtype), f"all_reduce out= {op}",
-                              stack=stack, op=op, dtype=dtype)  # fmt: skip
+            errors += compare(
+                out.values(),
+                reference(stack, op, dtype),
+                f"all_reduce out= {op}",
+                stack=stack,
+                op=op,
+                dtype=dtype,
+            )
             errors += compare(x.values(), stack[me], f"all_reduce out= {op}: x changed")
             errors.expect(x.intact() and out.intact(), f"all_reduce out= {op}: wrote outside")
 
@@ -82,8 +96,9 @@ def test_every_operation_cut_into_pieces(make_comm, rng, errors, cut, lib, dtype
         x = Placed(stack[me], dtype, lib, "contiguous")
         if run(errors, f"reduce {op} root {root}", comm.reduce, x.array, root, op):
             want = reference(stack, op, dtype) if me == root else stack[me]
-            errors += compare(x.values(), want, f"reduce {op} root {root}", stack=stack, op=op,
-                              dtype=dtype)  # fmt: skip
+            errors += compare(
+                x.values(), want, f"reduce {op} root {root}", stack=stack, op=op, dtype=dtype
+            )
             errors.expect(x.intact(), f"reduce {op}: wrote outside x")
 
         blocks = draw(rng, dtype, (size * COUNT,), size)
@@ -91,8 +106,14 @@ def test_every_operation_cut_into_pieces(make_comm, rng, errors, cut, lib, dtype
         out = Placed(draw(rng, dtype, (COUNT,), 1)[0], dtype, lib, "contiguous")
         if run(errors, f"reduce_scatter {op}", comm.reduce_scatter, out.array, x.array, op):
             mine = blocks[:, me * COUNT : (me + 1) * COUNT]
-            errors += compare(out.values(), reference(mine, op, dtype), f"reduce_scatter {op}",
-                              stack=mine, op=op, dtype=dtype)  # fmt: skip
+            errors += compare(
+                out.values(),
+                reference(mine, op, dtype),
+                f"reduce_scatter {op}",
+                stack=mine,
+                op=op,
+                dtype=dtype,
+            )
             errors += compare(x.values(), blocks[me], f"reduce_scatter {op}: x changed")
             errors.expect(x.intact() and out.intact(), f"reduce_scatter {op}: wrote outside")
 
@@ -162,6 +183,8 @@ def test_small_in_place_all_reduce_steps_aside(make_comm, errors, cut, monkeypat
         want = total * comm.size**2
         errors.expect((x == want).all(), f"all_reduce of {n}: got {x[:4]}, want {want}")
         tried = [done for size, done in taken if size == n]
-        errors.expect(len(tried) >= 2 and all(done == (n * 8 <= LIMIT) for done in tried),
-                      f"all_reduce of {n} float64: short path taken {tried}")  # fmt: skip
+        errors.expect(
+            len(tried) >= 2 and all(done == (n * 8 <= LIMIT) for done in tried),
+            f"all_reduce of {n} float64: short path taken {tried}",
+        )
     errors.verify()

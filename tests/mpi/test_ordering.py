@@ -15,8 +15,9 @@ from hetcomm.transports.staged import StagedTransport
 @pytest.mark.mpi(min_size=2)
 def test_switching_transport_finishes_the_earlier_collectives_first(comm, shared_seed, errors):
     """Large all-reduces go through the staged transport, small ones through mpi (routes set by
-    hand: the plan sends every host buffer to one transport); issued asynchronously and interleaved, each
-    switch must find the other transport's collectives complete, and every result is right."""
+    hand: the plan sends every host buffer to one transport); issued asynchronously and
+    interleaved, each switch must find the other transport's collectives complete, and every
+    result is right."""
     staged = comm._transports["staged"] = StagedTransport(comm)
     comm._routes[("all_reduce", False, False)] = staged
     # the small ones through mpi, whatever HETCOMM_TRANSPORT says for this run
@@ -31,14 +32,16 @@ def test_switching_transport_finishes_the_earlier_collectives_first(comm, shared
         wb = comm.all_reduce(xb, async_op=True)
         errors.expect(comm._last is staged, f"round {i}: the large one did not go through staged")
         ws = comm.all_reduce(xs, op=ReduceOp.MAX, async_op=True)
-        errors.expect(wb.test(), f"round {i}: the mpi collective started before the staged one "
-                                 "had completed")  # fmt: skip
+        errors.expect(
+            wb.test(), f"round {i}: the mpi collective started before the staged one had completed"
+        )
         pending.append((wb, xb, big[i].sum(0), ws, xs, small[i].max(0)))
     for i, (wb, xb, eb, ws, xs, es) in enumerate(pending):
         wb.wait()
         ws.wait()
-        errors += compare(xb, eb, f"round {i} staged sum", stack=big[i], op=ReduceOp.SUM,
-                          dtype="float64")
+        errors += compare(
+            xb, eb, f"round {i} staged sum", stack=big[i], op=ReduceOp.SUM, dtype="float64"
+        )
         errors += compare(xs, es, f"round {i} mpi max")
     errors.verify()
 

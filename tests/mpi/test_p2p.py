@@ -155,13 +155,13 @@ def test_staged_send_recv_start_on_the_calling_thread(make_comm, rng, errors):
     for w in reversed(works):
         w.wait()
     want = 0 if staged._doorbell(1 - comm.rank) is not None else 5
-    errors.expect(staged._driver.submitted - before == want,
-                  f"{staged._driver.submitted - before} sends/recvs went to a driver thread, "
-                  f"expected {want}")  # fmt: skip
+    errors.expect(
+        staged._driver.submitted - before == want,
+        f"{staged._driver.submitted - before} sends/recvs went to a driver thread, expected {want}",
+    )
     if comm.rank == 1:
         errors += compare(got, data, "received")
     errors.verify()
-
 
 
 @pytest.mark.mpi(min_size=2)

@@ -40,8 +40,9 @@ _LARGE = LANE_BYTES // 8 + 1000  # float64 elements of an all-reduce that runs o
 # where this MPI has no persistent collectives (Open MPI 4.1: MPI 3.1), why; the tests of the
 # cache itself skip, the sequences run on the non-persistent path
 _NO_PERSISTENT = mpi_persistent.unavailable()
-_needs_persistent = pytest.mark.skipif(_NO_PERSISTENT is not None,
-                                       reason=f"no persistent collectives: {_NO_PERSISTENT}")
+_needs_persistent = pytest.mark.skipif(
+    _NO_PERSISTENT is not None, reason=f"no persistent collectives: {_NO_PERSISTENT}"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -85,8 +86,9 @@ def ops_for(dtype: str) -> list[ReduceOp]:
 class Call:
     """One small all-reduce, the same on every rank but for the form this rank gives it."""
 
-    def __init__(self, shared: np.random.Generator, mine: np.random.Generator, size: int,
-                 rank: int) -> None:  # fmt: skip
+    def __init__(
+        self, shared: np.random.Generator, mine: np.random.Generator, size: int, rank: int
+    ) -> None:
         self.rank = rank
         self.dtype = str(shared.choice(_DTYPES))
         count = int(shared.choice(_COUNTS))
@@ -101,10 +103,14 @@ class Call:
         self.async_op = bool(mine.random() < 0.3)
         self.stack = draw(shared, self.dtype, shape, size)
         self.x = Placed(self.stack[rank], self.dtype, lib, layout)
-        self.out = (Placed(draw(mine, self.dtype, shape, 1)[0], self.dtype, lib, layout)
-                    if self.form == "out=" else None)  # fmt: skip
-        self.what = (f"{self.op} of {lib} {self.dtype}{list(shape)} {layout} {self.form}"
-                     + (" async" if self.async_op else ""))  # fmt: skip
+        self.out = (
+            Placed(draw(mine, self.dtype, shape, 1)[0], self.dtype, lib, layout)
+            if self.form == "out="
+            else None
+        )
+        self.what = f"{self.op} of {lib} {self.dtype}{list(shape)} {layout} {self.form}" + (
+            " async" if self.async_op else ""
+        )
 
     def start(self, comm: Any) -> Any:
         out = {"out=": self.out.array if self.out else None, "out=x": self.x.array}.get(self.form)
@@ -113,8 +119,9 @@ class Call:
     def check(self) -> list[str]:
         got = self.out if self.out is not None else self.x
         want = reference(self.stack, self.op, self.dtype)
-        found = compare(got.values(), want, self.what, stack=self.stack, op=self.op,
-                        dtype=self.dtype)  # fmt: skip
+        found = compare(
+            got.values(), want, self.what, stack=self.stack, op=self.op, dtype=self.dtype
+        )
         if self.out is not None:
             found += compare(self.x.values(), self.stack[self.rank], f"{self.what}: x changed")
         if not (self.x.intact() and (self.out is None or self.out.intact())):
@@ -192,8 +199,9 @@ def test_every_rank_its_own_form(make_comm, shared_seed, errors):
             continue
         call = Call(shared, mine, comm.size, comm.rank)
         others += not call.persistent
-        if not errors.run(f"step {i}: {call.what}",
-                          lambda c=call: pending.append((c.start(comm), c))):  # fmt: skip
+        if not errors.run(
+            f"step {i}: {call.what}", lambda c=call: pending.append((c.start(comm), c))
+        ):
             continue
         # each rank waits for its asynchronous calls at moments of its own
         if pending and mine.random() < 0.3:
@@ -208,16 +216,21 @@ def test_every_rank_its_own_form(make_comm, shared_seed, errors):
         errors += done.check()
     for j, (work, x, stack) in enumerate(larges):
         work.wait()
-        errors += compare(x, stack.sum(0), f"large all_reduce {j}", stack=stack,
-                          op=ReduceOp.SUM, dtype="float64")  # fmt: skip
+        errors += compare(
+            x, stack.sum(0), f"large all_reduce {j}", stack=stack, op=ReduceOp.SUM, dtype="float64"
+        )
     if _NO_PERSISTENT is None:  # else: the same sequence on the non-persistent path
         # every small one of a kind MPI reduces itself went through a persistent request
         plain = calls["Iallreduce"] + calls["Allreduce"]
-        errors.expect(plain == others, f"{plain} Iallreduce/Allreduce calls for {others} "
-                                       f"all-reduces outside the persistent path ({dict(calls)})")
-        errors.expect(calls["Allreduce_init"] == transport.requests.made > 0,
-                      f"requests made: {transport.requests.made}, "
-                      f"inits: {calls['Allreduce_init']}")  # fmt: skip
+        errors.expect(
+            plain == others,
+            f"{plain} Iallreduce/Allreduce calls for {others} "
+            f"all-reduces outside the persistent path ({dict(calls)})",
+        )
+        errors.expect(
+            calls["Allreduce_init"] == transport.requests.made > 0,
+            f"requests made: {transport.requests.made}, inits: {calls['Allreduce_init']}",
+        )
     errors.verify()
 
 
@@ -252,8 +265,10 @@ def test_more_keys_than_the_cache_holds(make_comm, shared_seed, errors):
             errors += compare(early, first.sum(0), "the call evicted in flight")
     cold = 2 * len(counts) + 1  # every cold key, twice (each evicted before its next use) + 500
     errors.expect(requests.made == cold + 1, f"made {requests.made}, expected {cold + 1}")
-    errors.expect(requests.freed == requests.made - cap and len(requests) == cap,
-                  f"freed {requests.freed}, cached {len(requests)} of {requests.made}")  # fmt: skip
+    errors.expect(
+        requests.freed == requests.made - cap and len(requests) == cap,
+        f"freed {requests.freed}, cached {len(requests)} of {requests.made}",
+    )
     errors.expect(calls["Iallreduce"] + calls["Allreduce"] == 0, f"plain calls: {dict(calls)}")
     errors.verify()
 
@@ -277,14 +292,18 @@ def test_requests_are_reused_and_freed_on_close(make_comm, errors):
     comm.all_reduce(x, ReduceOp.AVG)
     errors.expect((x == 3).all(), f"AVG through SUM's request: {x}")
     requests = transport.requests
-    errors.expect(requests.made == 1 and requests.uses >= 71,
-                  f"made {requests.made}, uses {requests.uses}")  # fmt: skip
-    errors.expect(calls["Allreduce_init"] == 1 and calls["Iallreduce"] == 0,
-                  f"MPI calls: {dict(calls)}")  # fmt: skip
+    errors.expect(
+        requests.made == 1 and requests.uses >= 71, f"made {requests.made}, uses {requests.uses}"
+    )
+    errors.expect(
+        calls["Allreduce_init"] == 1 and calls["Iallreduce"] == 0, f"MPI calls: {dict(calls)}"
+    )
     slots = [s for by_count in requests._by_kind for s in by_count.values()]
     comm.close()
-    errors.expect(requests.freed == 1 and len(requests) == 0,
-                  f"after close: freed {requests.freed}, cached {len(requests)}")  # fmt: skip
+    errors.expect(
+        requests.freed == 1 and len(requests) == 0,
+        f"after close: freed {requests.freed}, cached {len(requests)}",
+    )
     errors.expect(all(s.request == MPI.REQUEST_NULL for s in slots), "a request was not freed")
     errors.verify()
 
@@ -300,16 +319,19 @@ def test_off(make_comm, errors, monkeypatch, why):
         monkeypatch.setattr(mpi_persistent, "unavailable", lambda: "MPI 3.1")
     comm = make_comm(transport="mpi", name="persistent-off", **options)
     transport, calls = counted(comm)
-    errors.expect((transport.persistent_off == "MPI 3.1") == (why != "limit 0"),
-                  f"reason: {transport.persistent_off}")  # fmt: skip
+    errors.expect(
+        (transport.persistent_off == "MPI 3.1") == (why != "limit 0"),
+        f"reason: {transport.persistent_off}",
+    )
     for i in range(5):
         x = np.full(3, float(i))
         comm.all_reduce(x)
         y = np.zeros(3)
         comm.all_reduce(x, out=y)
         errors.expect((x == i * comm.size).all() and (y == i * comm.size**2).all(), f"{i}: {x}")
-    errors.expect(calls["Allreduce_init"] == 0 and calls["Iallreduce"] == 10,
-                  f"MPI calls: {dict(calls)}")  # fmt: skip
+    errors.expect(
+        calls["Allreduce_init"] == 0 and calls["Iallreduce"] == 10, f"MPI calls: {dict(calls)}"
+    )
     errors.verify()
 
 
@@ -320,8 +342,13 @@ def test_calls_outside_the_transport_come_after_the_lane(make_comm, shared_seed,
     some ranks only, they must come after those everywhere. Even ranks' lanes are kept busy by
     a job of their own (a sleep), so that the small collectives queue there and run at once on
     odd ranks."""
-    comm = make_comm(transport="mpi", name="persistent-outside", timeout=20,
-                     persistent_max=_LIMIT, debug=then == "fingerprint")  # fmt: skip
+    comm = make_comm(
+        transport="mpi",
+        name="persistent-outside",
+        timeout=20,
+        persistent_max=_LIMIT,
+        debug=then == "fingerprint",
+    )
     transport, _ = counted(comm)
     lane = transport._lane
     rng = np.random.default_rng(shared_seed)

@@ -28,8 +28,13 @@ from hetcomm import ReduceOp
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
-OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PROD, "MIN": ReduceOp.MIN,
-       "MAX": ReduceOp.MAX}  # fmt: skip
+OPS = {
+    "SUM": ReduceOp.SUM,
+    "AVG": ReduceOp.AVG,
+    "PRODUCT": ReduceOp.PROD,
+    "MIN": ReduceOp.MIN,
+    "MAX": ReduceOp.MAX,
+}
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "bool")
 all_gather_single = ht.dist_function("all_gather_single")
 reduce_scatter_single = ht.dist_function("reduce_scatter_single")
@@ -79,8 +84,10 @@ def torch_tensor(values: np.ndarray, dtype: str) -> torch.Tensor:
 class TestInit:
     def check_world(self, errors, how: str) -> None:
         rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-        errors.expect((dist.get_rank(), dist.get_world_size()) == (rank, size),
-                      f"{how}: torch says rank {dist.get_rank()} of {dist.get_world_size()}")  # fmt: skip
+        errors.expect(
+            (dist.get_rank(), dist.get_world_size()) == (rank, size),
+            f"{how}: torch says rank {dist.get_rank()} of {dist.get_world_size()}",
+        )
         errors.expect(dist.get_backend() == "hetcomm", f"{how}: backend {dist.get_backend()}")
         errors.expect(isinstance(dist.group.WORLD, ht.ProcessGroupHetcomm), f"{how}: group type")
         t = torch.full((3,), float(rank + 1))
@@ -103,8 +110,7 @@ class TestInit:
         errors.verify()
 
     def test_init_method_mpi(self, errors) -> None:
-        dist.init_process_group("hetcomm", init_method="mpi://",
-                                timeout=timedelta(seconds=120))  # fmt: skip
+        dist.init_process_group("hetcomm", init_method="mpi://", timeout=timedelta(seconds=120))
         try:
             self.check_world(errors, "mpi://")
             group = dist.group.WORLD
@@ -120,8 +126,10 @@ class TestInit:
         dist.init_process_group("hetcomm", init_method="env://")
         try:
             self.check_world(errors, "env://")
-            errors.expect(isinstance(dist.distributed_c10d._get_default_store(), dist.Store),
-                          "env:// makes torch's own store")  # fmt: skip
+            errors.expect(
+                isinstance(dist.distributed_c10d._get_default_store(), dist.Store),
+                "env:// makes torch's own store",
+            )
         finally:
             dist.destroy_process_group()
         errors.verify()
@@ -146,8 +154,11 @@ class TestInit:
             firsts = dist.new_group([0, 1], backend="hetcomm")
             t = torch.full((2,), float(me))
             dist.all_reduce(t, group=everyone)
-            errors.expect(isinstance(everyone, ht.ProcessGroupHetcomm)
-                          and t.tolist() == [n * (n - 1) / 2] * 2, f"hetcomm group: {t}")  # fmt: skip
+            errors.expect(
+                isinstance(everyone, ht.ProcessGroupHetcomm)
+                and t.tolist() == [n * (n - 1) / 2] * 2,
+                f"hetcomm group: {t}",
+            )
             if me < 2:
                 t = torch.ones(1)
                 dist.all_reduce(t, group=firsts)
@@ -177,8 +188,10 @@ class TestInit:
         store.set(f"k{rank}", f"v{rank}")
         errors.expect(store.add("counter", rank + 1) >= rank + 1, "add returns the new value")
         store.wait([f"k{r}" for r in range(size)])
-        errors.expect(store.get(f"k{(rank + 1) % size}") == f"v{(rank + 1) % size}".encode(),
-                      "get another rank's key")  # fmt: skip
+        errors.expect(
+            store.get(f"k{(rank + 1) % size}") == f"v{(rank + 1) % size}".encode(),
+            "get another rank's key",
+        )
         errors.expect(store.check([f"k{r}" for r in range(size)]), "check sees every key")
         errors.expect(not store.check(["nobody-set-this"]), "check of a missing key")
         store.append("log", f"{rank};")
@@ -186,8 +199,11 @@ class TestInit:
         errors.expect(int(store.get("counter")) == size * (size + 1) // 2, "every add counted")
         got = sorted(store.get("log").decode().strip(";").split(";"))
         errors.expect(got == sorted(str(r) for r in range(size)), f"append: {got}")
-        errors.expect(store.multi_get([f"k{r}" for r in range(size)]) ==
-                      [f"v{r}".encode() for r in range(size)], "multi_get")  # fmt: skip
+        errors.expect(
+            store.multi_get([f"k{r}" for r in range(size)])
+            == [f"v{r}".encode() for r in range(size)],
+            "multi_get",
+        )
         if rank == 0:
             errors.expect(store.compare_set("cas", "", "first") == b"first", "cas on no key")
             errors.expect(store.compare_set("cas", "wrong", "x") == b"first", "cas mismatch")
@@ -220,9 +236,14 @@ class TestCollectives:
                 stack = draw(rng, dtype, shape, n)
                 t = torch_tensor(stack[me], dtype)
                 dist.all_reduce(t, op=getattr(dist.ReduceOp, name))
-                errors += compare(logical(t), reference(stack, OPS[name], dtype),
-                                  f"{name} {list(shape)}", stack=stack, op=OPS[name],
-                                  dtype=dtype)  # fmt: skip
+                errors += compare(
+                    logical(t),
+                    reference(stack, OPS[name], dtype),
+                    f"{name} {list(shape)}",
+                    stack=stack,
+                    op=OPS[name],
+                    dtype=dtype,
+                )
         # non-contiguous, asynchronous
         stack = draw(rng, dtype, (4, 6), n)
         base = torch_tensor(stack[me].T.copy(), dtype)
@@ -236,8 +257,14 @@ class TestCollectives:
         stack = draw(rng, "float16", (4099,), n)
         t = torch_tensor(stack[me], "float16")
         dist.all_reduce(t)
-        errors += compare(logical(t), stack.sum(axis=0), "float16 SUM", stack=stack,
-                          op=ReduceOp.SUM, dtype="float16")  # fmt: skip
+        errors += compare(
+            logical(t),
+            stack.sum(axis=0),
+            "float16 SUM",
+            stack=stack,
+            op=ReduceOp.SUM,
+            dtype="float16",
+        )
         errors.verify()
 
     def test_work_and_future(self, rng, errors) -> None:
@@ -255,13 +282,29 @@ class TestCollectives:
         errors.expect(work.is_completed() and work.is_success(), "work says done")
         value = fut.wait()
         errors.expect(isinstance(value, list) and value[0] is t, "the future carries the tensor")
-        errors += compare(logical(t), stack.sum(axis=0), "async SUM", stack=stack,
-                          op=ReduceOp.SUM, dtype="float64")  # fmt: skip
+        errors += compare(
+            logical(t),
+            stack.sum(axis=0),
+            "async SUM",
+            stack=stack,
+            op=ReduceOp.SUM,
+            dtype="float64",
+        )
         errors.expect(work.wait() is True, "wait() returns True")
-        doubled = dist.all_reduce(t.clone(), async_op=True).get_future().then(
-            lambda f: f.value()[0] * 2).wait()  # fmt: skip
-        errors += compare(logical(doubled), 2 * n * logical(t), "then()", stack=stack * 2 * n,
-                          op=ReduceOp.SUM, dtype="float64")  # fmt: skip
+        doubled = (
+            dist.all_reduce(t.clone(), async_op=True)
+            .get_future()
+            .then(lambda f: f.value()[0] * 2)
+            .wait()
+        )
+        errors += compare(
+            logical(doubled),
+            2 * n * logical(t),
+            "then()",
+            stack=stack * 2 * n,
+            op=ReduceOp.SUM,
+            dtype="float64",
+        )
         errors.verify()
 
     def test_allreduce_coalesced(self, rng, errors, pg) -> None:
@@ -273,8 +316,14 @@ class TestCollectives:
             opts.reduceOp = dist.ReduceOp.SUM
             pg.allreduce_coalesced(ts, opts).wait()
             for t, s, d in zip(ts, stacks, dtypes):
-                errors += compare(logical(t), reference(s, ReduceOp.SUM, d), f"coalesced {d}",
-                                  stack=s, op=ReduceOp.SUM, dtype=d)  # fmt: skip
+                errors += compare(
+                    logical(t),
+                    reference(s, ReduceOp.SUM, d),
+                    f"coalesced {d}",
+                    stack=s,
+                    op=ReduceOp.SUM,
+                    dtype=d,
+                )
         errors.verify()
 
     @pytest.mark.filterwarnings("ignore:`torch.distributed.all_reduce_coalesced`:FutureWarning")
@@ -285,8 +334,11 @@ class TestCollectives:
         n, me = dist.get_world_size(), dist.get_rank()
         shapes = ((5,), (4, 6), (0,), ())
         for name, op in OPS.items():
-            dtypes = [d for d in ("float32", "bfloat16", "int64", "float64", "bool", "uint8")
-                      if name in ops_for(d) and not (d == "bool" and name == "AVG")]  # fmt: skip
+            dtypes = [
+                d
+                for d in ("float32", "bfloat16", "int64", "float64", "bool", "uint8")
+                if name in ops_for(d) and not (d == "bool" and name == "AVG")
+            ]
             stacks, ts = [], []
             for k, d in enumerate(dtypes):
                 shape = shapes[k % len(shapes)]
@@ -300,22 +352,42 @@ class TestCollectives:
             opts.reduceOp = getattr(dist.ReduceOp, name)
             pg.allreduce_coalesced(ts, opts).wait()
             for t, s, d in zip(ts, stacks, dtypes):
-                errors += compare(logical(t), reference(s, op, d), f"coalesced {name} {d}",
-                                  stack=s, op=op, dtype=d)  # fmt: skip
+                errors += compare(
+                    logical(t),
+                    reference(s, op, d),
+                    f"coalesced {name} {d}",
+                    stack=s,
+                    op=op,
+                    dtype=d,
+                )
         stacks = [draw(rng, "float32", (k + 1, 3), n) for k in range(4)]
         ts = [torch_tensor(s[me].T.copy(), "float32").t() for s in stacks]
         dist.all_reduce_coalesced(ts, op=dist.ReduceOp.MAX, async_op=True).wait()
         for k, (t, s) in enumerate(zip(ts, stacks)):
             errors += compare(logical(t), s.max(axis=0), f"dist.all_reduce_coalesced MAX {k}")
         re, im = draw(rng, "float64", (2, 3), n), draw(rng, "float64", (2, 3), n)
-        zs = [torch.complex(torch_tensor(re[me][i], "float64"), torch_tensor(im[me][i], "float64"))
-              for i in range(2)]  # fmt: skip
+        zs = [
+            torch.complex(torch_tensor(re[me][i], "float64"), torch_tensor(im[me][i], "float64"))
+            for i in range(2)
+        ]
         dist.all_reduce_coalesced(zs)
         for i, z in enumerate(zs):
-            errors += compare(z.real.numpy(), re[:, i].sum(axis=0), f"complex {i} (real)",
-                              stack=re[:, i], op=ReduceOp.SUM, dtype="float64")  # fmt: skip
-            errors += compare(z.imag.numpy(), im[:, i].sum(axis=0), f"complex {i} (imaginary)",
-                              stack=im[:, i], op=ReduceOp.SUM, dtype="float64")  # fmt: skip
+            errors += compare(
+                z.real.numpy(),
+                re[:, i].sum(axis=0),
+                f"complex {i} (real)",
+                stack=re[:, i],
+                op=ReduceOp.SUM,
+                dtype="float64",
+            )
+            errors += compare(
+                z.imag.numpy(),
+                im[:, i].sum(axis=0),
+                f"complex {i} (imaginary)",
+                stack=im[:, i],
+                op=ReduceOp.SUM,
+                dtype="float64",
+            )
         base = torch.arange(10, dtype=torch.float32)
         try:
             pg.allreduce_coalesced([base[:6], base[4:]], dist.AllreduceCoalescedOptions()).wait()
@@ -350,9 +422,14 @@ class TestCollectives:
                 t = torch_tensor(stack[me], "float64")
                 dist.reduce(t, dst=root, op=getattr(dist.ReduceOp, name))
                 if me == root:
-                    errors += compare(logical(t), reference(stack, OPS[name], "float64"),
-                                      f"reduce {name} to {root}", stack=stack, op=OPS[name],
-                                      dtype="float64")  # fmt: skip
+                    errors += compare(
+                        logical(t),
+                        reference(stack, OPS[name], "float64"),
+                        f"reduce {name} to {root}",
+                        stack=stack,
+                        op=OPS[name],
+                        dtype="float64",
+                    )
                 else:
                     errors += compare(logical(t), stack[me], f"reduce {name}: non-root changed")
         errors.verify()
@@ -388,13 +465,26 @@ class TestCollectives:
             ins = [torch_tensor(stack[me][b], "float32") for b in range(n)]
             out = torch.empty(5)
             dist.reduce_scatter(out, ins, op=getattr(dist.ReduceOp, name))
-            errors += compare(logical(out), want, f"reduce_scatter {name}",
-                              stack=stack[:, me], op=OPS[name], dtype="float32")  # fmt: skip
+            errors += compare(
+                logical(out),
+                want,
+                f"reduce_scatter {name}",
+                stack=stack[:, me],
+                op=OPS[name],
+                dtype="float32",
+            )
             out2 = torch.empty(5)
-            reduce_scatter_single(out2, torch_tensor(stack[me], "float32"),
-                                  op=getattr(dist.ReduceOp, name))  # fmt: skip
-            errors += compare(logical(out2), want, f"reduce_scatter_tensor {name}",
-                              stack=stack[:, me], op=OPS[name], dtype="float32")  # fmt: skip
+            reduce_scatter_single(
+                out2, torch_tensor(stack[me], "float32"), op=getattr(dist.ReduceOp, name)
+            )
+            errors += compare(
+                logical(out2),
+                want,
+                f"reduce_scatter_tensor {name}",
+                stack=stack[:, me],
+                op=OPS[name],
+                dtype="float32",
+            )
         errors.verify()
 
     def test_all_to_all(self, errors) -> None:
@@ -415,8 +505,12 @@ class TestCollectives:
         # uneven splits, given as row counts
         x = torch.cat([block(me, d, rows(me, d)) for d in range(n)])
         out = torch.empty(sum(rows(s, me) for s in range(n)), 2)
-        dist.all_to_all_single(out, x, output_split_sizes=[rows(s, me) for s in range(n)],
-                               input_split_sizes=[rows(me, d) for d in range(n)])  # fmt: skip
+        dist.all_to_all_single(
+            out,
+            x,
+            output_split_sizes=[rows(s, me) for s in range(n)],
+            input_split_sizes=[rows(me, d) for d in range(n)],
+        )
         want = torch.cat([block(s, me, rows(s, me)) for s in range(n)])
         errors.expect(torch.equal(out, want), f"all_to_all_single uneven: {out.flatten()}")
         # lists of tensors of different sizes
@@ -434,8 +528,10 @@ class TestCollectives:
             dist.gather(t, gather_list=outs, dst=root)
             if me == root:
                 assert outs is not None
-                errors.expect(all(torch.equal(o, torch.full((3,), float(r)))
-                                  for r, o in enumerate(outs)), f"gather to {root}: {outs}")  # fmt: skip
+                errors.expect(
+                    all(torch.equal(o, torch.full((3,), float(r))) for r, o in enumerate(outs)),
+                    f"gather to {root}: {outs}",
+                )
             got = torch.empty(2, dtype=torch.int64)
             ins = [torch.full((2,), 10 * r, dtype=torch.int64) for r in range(n)]
             dist.scatter(got, scatter_list=ins if me == root else None, src=root)
@@ -459,8 +555,10 @@ class TestCollectives:
             w.wait()
         errors.expect(got.tolist() == [2.0 * left] * 5, f"isend/irecv: {got}")
         got = torch.empty(5, dtype=torch.bfloat16)
-        ops = [dist.P2POp(dist.irecv, got, left), dist.P2POp(dist.isend, (mine + 1).bfloat16(),
-                                                             right)]  # fmt: skip
+        ops = [
+            dist.P2POp(dist.irecv, got, left),
+            dist.P2POp(dist.isend, (mine + 1).bfloat16(), right),
+        ]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
         errors.expect(got.tolist() == [left + 1.0] * 5, f"batch_isend_irecv: {got}")
@@ -537,8 +635,12 @@ class TestCollectives:
         group = dist.new_group(evens)
         single = dist.new_group([n - 1])
         if me in evens:
-            errors.expect(isinstance(group, ht.ProcessGroupHetcomm) and group.comm is not pg.comm
-                          and group.size() == len(evens), f"subgroup {group}")  # fmt: skip
+            errors.expect(
+                isinstance(group, ht.ProcessGroupHetcomm)
+                and group.comm is not pg.comm
+                and group.size() == len(evens),
+                f"subgroup {group}",
+            )
             t = torch.full((2,), float(me))
             dist.all_reduce(t, group=group)
             errors.expect(t.tolist() == [float(sum(evens))] * 2, f"subgroup all_reduce: {t}")
@@ -559,11 +661,17 @@ class TestCollectives:
         errors.expect(pg._get_backend(torch.device("cpu")).supports_splitting, "can split")
         halves = [list(range(0, n, 2)), list(range(1, n, 2))]
         mine = halves[me % 2]
-        sub = pg.split_group(mine, timeout=timedelta(seconds=60), group_name=f"half{me % 2}",
-                             group_desc="halves")  # fmt: skip
-        ok = (isinstance(sub, ht.ProcessGroupHetcomm) and sub.size() == len(mine)
-              and sub.rank() == mine.index(me) and sub.group_name == f"half{me % 2}"
-              and sub.group_desc == "halves" and sub.timeout_s == 60)  # fmt: skip
+        sub = pg.split_group(
+            mine, timeout=timedelta(seconds=60), group_name=f"half{me % 2}", group_desc="halves"
+        )
+        ok = (
+            isinstance(sub, ht.ProcessGroupHetcomm)
+            and sub.size() == len(mine)
+            and sub.rank() == mine.index(me)
+            and sub.group_name == f"half{me % 2}"
+            and sub.group_desc == "halves"
+            and sub.timeout_s == 60
+        )
         errors.expect(ok, f"split_group gave {sub}")
         if sub is not None:
             t = torch.tensor([float(me)])

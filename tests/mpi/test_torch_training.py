@@ -28,15 +28,25 @@ def gloo(pg) -> dist.ProcessGroup:
 
 def make_model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 24),
-                               torch.nn.Tanh(), torch.nn.Linear(24, 3))  # fmt: skip
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, 24),
+        torch.nn.Tanh(),
+        torch.nn.Linear(24, 24),
+        torch.nn.Tanh(),
+        torch.nn.Linear(24, 3),
+    )
 
 
 def batches(seed: int, n: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """batches[step][rank] = (inputs, targets), the same on every rank."""
     g = torch.Generator().manual_seed(seed)
-    return [[(torch.randn(BATCH, 12, generator=g), torch.randn(BATCH, 3, generator=g))
-             for _ in range(n)] for _ in range(STEPS)]  # fmt: skip
+    return [
+        [
+            (torch.randn(BATCH, 12, generator=g), torch.randn(BATCH, 3, generator=g))
+            for _ in range(n)
+        ]
+        for _ in range(STEPS)
+    ]
 
 
 def train(model: torch.nn.Module, data, me: int) -> None:
@@ -61,10 +71,13 @@ def reference_params(seed: int, data) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def close(got: list[torch.Tensor], want: list[torch.Tensor], what: str, rtol: float,
-          atol: float) -> list[str]:  # fmt: skip
+def close(
+    got: list[torch.Tensor], want: list[torch.Tensor], what: str, rtol: float, atol: float
+) -> list[str]:
     worst = max(float((g.double() - w.double()).abs().max()) for g, w in zip(got, want))
-    ok = all(torch.allclose(g.double(), w.double(), rtol=rtol, atol=atol) for g, w in zip(got, want))
+    ok = all(
+        torch.allclose(g.double(), w.double(), rtol=rtol, atol=atol) for g, w in zip(got, want)
+    )
     return [] if ok else [f"{what}: parameters differ by up to {worst:.3g}"]
 
 
@@ -81,8 +94,9 @@ class TestTraining:
             train(model, data, me)
             params[name] = [p.detach() for p in model.module.parameters()]
         errors += close(params["hetcomm"], params["gloo"], "DDP hetcomm vs gloo", 1e-5, 1e-6)
-        errors += close(params["hetcomm"], reference_params(seed, data), "DDP vs float64",
-                        1e-4, 1e-5)  # fmt: skip
+        errors += close(
+            params["hetcomm"], reference_params(seed, data), "DDP vs float64", 1e-4, 1e-5
+        )
         errors.verify()
 
     def test_ddp_comm_hooks(self, shared_seed, errors, gloo) -> None:
@@ -93,8 +107,10 @@ class TestTraining:
         n, me = dist.get_world_size(), dist.get_rank()
         seed = shared_seed % 2**31
         data = batches(seed + 2, n)
-        for hook, rtol in ((default_hooks.allreduce_hook, 1e-5),
-                           (default_hooks.fp16_compress_hook, 1e-2)):  # fmt: skip
+        for hook, rtol in (
+            (default_hooks.allreduce_hook, 1e-5),
+            (default_hooks.fp16_compress_hook, 1e-2),
+        ):
             params = {}
             for name, group in (("hetcomm", dist.group.WORLD), ("gloo", gloo)):
                 model = DDP(make_model(seed), process_group=group)
@@ -110,8 +126,10 @@ class TestTraining:
         n, me = dist.get_world_size(), dist.get_rank()
         seed = shared_seed % 2**31
         data = batches(seed + 3, n)
-        meshes = {"hetcomm": init_device_mesh("cpu", (n,)),
-                  "gloo": DeviceMesh.from_group(gloo, "cpu")}  # fmt: skip
+        meshes = {
+            "hetcomm": init_device_mesh("cpu", (n,)),
+            "gloo": DeviceMesh.from_group(gloo, "cpu"),
+        }
         params = {}
         for name, mesh in meshes.items():
             model = make_model(seed)
@@ -122,8 +140,9 @@ class TestTraining:
             train(model, data, me)
             params[name] = [p.full_tensor().detach() for p in model.parameters()]
         errors += close(params["hetcomm"], params["gloo"], "FSDP2 hetcomm vs gloo", 1e-5, 1e-6)
-        errors += close(params["hetcomm"], reference_params(seed, data), "FSDP2 vs float64",
-                        1e-4, 1e-5)  # fmt: skip
+        errors += close(
+            params["hetcomm"], reference_params(seed, data), "FSDP2 vs float64", 1e-4, 1e-5
+        )
         errors.verify()
 
     def test_model_copies_stay_equal(self, errors) -> None:

@@ -25,7 +25,8 @@ def _staged(comm: Any) -> Any:
 
 @pytest.mark.mpi(min_size=2)
 def test_tune_quick_writes_the_cache_that_communicators_and_info_use(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     # one directory for every rank: rank 0 makes it and tells the others
@@ -50,21 +51,32 @@ def test_tune_quick_writes_the_cache_that_communicators_and_info_use(
                 found.append(what)
 
         expect(files[0].name == f"{fp}.json", f"file {files[0].name}, fingerprint {fp}")
-        expect(data.get("schema") == tune.SCHEMA and data.get("ranks") == world.Get_size(),
-               f"schema/ranks of {data}")  # fmt: skip
+        expect(
+            data.get("schema") == tune.SCHEMA and data.get("ranks") == world.Get_size(),
+            f"schema/ranks of {data}",
+        )
         expect(data["chunk_bytes"]["value"] in tune.QUICK.chunks, f"chunk {data['chunk_bytes']}")
-        expect(set(data["chunk_bytes"]["median_s"]) == {str(k) for k in tune.QUICK.chunks},
-               f"chunk medians {data['chunk_bytes']}")  # fmt: skip
+        expect(
+            set(data["chunk_bytes"]["median_s"]) == {str(k) for k in tune.QUICK.chunks},
+            f"chunk medians {data['chunk_bytes']}",
+        )
         expect(data["slots"]["value"] in (*tune.QUICK.slots, SLOTS), f"slots {data['slots']}")
-        expect(bool(data["rails"]) and all(0 < r["weight"] <= 1 and r["GBps"] > 0
-                                           for r in data["rails"].values()), f"{data['rails']}")  # fmt: skip
-        expect(data["direct_min"]["value"] is None
-               and data["direct_min"]["note"].startswith("not measured: "),
-               f"direct_min on the CPU {data['direct_min']}")  # fmt: skip
+        expect(
+            bool(data["rails"])
+            and all(0 < r["weight"] <= 1 and r["GBps"] > 0 for r in data["rails"].values()),
+            f"{data['rails']}",
+        )
+        expect(
+            data["direct_min"]["value"] is None
+            and data["direct_min"]["note"].startswith("not measured: "),
+            f"direct_min on the CPU {data['direct_min']}",
+        )
         # the tuned values are in effect: the quick chunks all differ from the built-in one
         expect(c.config.tuned is not None and c.config.tuned.path == str(files[0]), "not tuned")
-        expect(t.chunk_bytes == data["chunk_bytes"]["value"] != CHUNK_BYTES,
-               f"transport chunk {t.chunk_bytes}")  # fmt: skip
+        expect(
+            t.chunk_bytes == data["chunk_bytes"]["value"] != CHUNK_BYTES,
+            f"transport chunk {t.chunk_bytes}",
+        )
         expect(t.slots == data["slots"]["value"], f"transport slots {t.slots}")
         # a message of several tuned chunks still arrives whole
         n = 3 * t.chunk_bytes + 5
@@ -96,17 +108,23 @@ def test_tune_quick_writes_the_cache_that_communicators_and_info_use(
         assert cli.main(["info"]) == 0
         out = capsys.readouterr().out
         if rank == 0:
-            expect(f"in use for topology {fp}" in out and str(files[0]) in out
-                   and f"chunk bytes:  {data['chunk_bytes']['value']}" in out
-                   and "direct_min in effect: 12345 (tuned" in out, f"info said:\n{out}")  # fmt: skip
+            expect(
+                f"in use for topology {fp}" in out
+                and str(files[0]) in out
+                and f"chunk bytes:  {data['chunk_bytes']['value']}" in out
+                and "direct_min in effect: 12345 (tuned" in out,
+                f"info said:\n{out}",
+            )
 
         # a corrupt file: ignored (defaults), never an exception
         if rank == 0:
             files[0].write_text("{corrupt")
         world.Barrier()
         c = hetcomm.init(config=hetcomm.Config.load(transport="staged"))
-        expect(c.config.tuned is None and _staged(c).chunk_bytes == CHUNK_BYTES,
-               "a corrupt file was used")  # fmt: skip
+        expect(
+            c.config.tuned is None and _staged(c).chunk_bytes == CHUNK_BYTES,
+            "a corrupt file was used",
+        )
         c.close()
         assert cli.main(["info"]) == 0
         out = capsys.readouterr().out

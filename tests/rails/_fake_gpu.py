@@ -72,7 +72,9 @@ def _wait_word(address: int, value: int) -> None:
     end = time.monotonic() + WAIT_LIMIT_S
     while _word(address).value < value:
         if time.monotonic() > end:
-            raise RuntimeError(f"flag wait for {value} never ended (flag is {_word(address).value})")
+            raise RuntimeError(
+                f"flag wait for {value} never ended (flag is {_word(address).value})"
+            )
         time.sleep(20e-6)
 
 
@@ -111,8 +113,16 @@ class FakeDevice:
     def prepare(self, dtype: str, op: str) -> None:
         pass
 
-    def copy_to_slot_flagged(self, dst: np.ndarray, src: Any, ready: Any, free_word: int,
-                             free_value: int, ready_word: int, ready_value: int) -> None:  # fmt: skip
+    def copy_to_slot_flagged(
+        self,
+        dst: np.ndarray,
+        src: Any,
+        ready: Any,
+        free_word: int,
+        free_value: int,
+        ready_word: int,
+        ready_value: int,
+    ) -> None:
         d, s, n = _addr(dst), src.dev, src.nbytes
 
         def run() -> None:
@@ -123,8 +133,16 @@ class FakeDevice:
 
         self._outbound.put(run)
 
-    def copy_from_slot_flagged(self, dst: Any, src: np.ndarray, ready: Any, ready_word: int,
-                               ready_value: int, free_word: int, free_value: int) -> None:  # fmt: skip
+    def copy_from_slot_flagged(
+        self,
+        dst: Any,
+        src: np.ndarray,
+        ready: Any,
+        ready_word: int,
+        ready_value: int,
+        free_word: int,
+        free_value: int,
+    ) -> None:
         d, s, n = dst.dev, _addr(src), dst.nbytes
 
         def run() -> None:

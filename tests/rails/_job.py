@@ -305,8 +305,13 @@ def token(params: dict[str, Any]) -> dict[str, Any]:
     comm.all_reduce(x)
     if not (x == 3).all():
         errors.append(f"all_reduce after the refusal gave {x[:3]}")
-    result = {"errors": errors, "refused": refused, "closed_by_peer": closed_by_peer,
-              "detail": detail, "rails": rail_bytes(t)}  # fmt: skip
+    result = {
+        "errors": errors,
+        "refused": refused,
+        "closed_by_peer": closed_by_peer,
+        "detail": detail,
+        "rails": rail_bytes(t),
+    }
     close(comm, result)
     return result
 
@@ -344,8 +349,10 @@ def gone(params: dict[str, Any]) -> dict[str, Any]:
         comm.send(data, 1)
     else:
         comm.recv(got, 0)
-    result: dict[str, Any] = {"error": None, "mismatch": first_difference(got, data)
-                              if comm.rank == 1 else ""}  # fmt: skip
+    result: dict[str, Any] = {
+        "error": None,
+        "mismatch": first_difference(got, data) if comm.rank == 1 else "",
+    }
     if comm.rank == 0:
         work = comm.send(data, 1, tag=3, async_op=True)  # waits for rank 1's clear-to-send
         WORLD.Barrier()  # rank 1 closes only now: the send is already waiting
@@ -391,8 +398,9 @@ def early(params: dict[str, Any]) -> dict[str, Any]:
     if comm.rank == 0:
         comm.recv(got[:1], 1)  # opens the channel; rank 1 sends one byte first
         work = comm.send(data, 1, tag=1, async_op=True)
-        result["early_chunks_late"] = len(t._waiting_sends and next(
-            iter(t._waiting_sends.values()))[1].early)  # fmt: skip
+        result["early_chunks_late"] = len(
+            t._waiting_sends and next(iter(t._waiting_sends.values()))[1].early
+        )
         work.wait()
     else:
         comm.send(data[:1], 0)
@@ -526,10 +534,10 @@ def sender_closes_first(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def flags(params: dict[str, Any]) -> dict[str, Any]:
-    """Device chunks over shm ordered by the slots' flags (staged.GPU_FLAGS, turned on), the GPU played by
-    the CPU (_fake_gpu: streams are threads, every copy a little late). 512 KiB chunks (past
-    INLINE_COPY_BYTES, so that they go flagged; short ones are waited for and go as before) and
-    4 slots, reused within a message and from one message to the next. Messages of five sizes,
+    """Device chunks over shm ordered by the slots' flags (staged.GPU_FLAGS, turned on), the GPU
+    played by the CPU (_fake_gpu: streams are threads, every copy a little late). 512 KiB chunks
+    (past INLINE_COPY_BYTES, so that they go flagged; short ones are waited for and go as before)
+    and 4 slots, reused within a message and from one message to the next. Messages of five sizes,
     all in flight at once, in turn:
     - "device": device to device, five rounds;
     - "to host": device to host; "from host": host to device; "late": device to device, the
@@ -549,8 +557,9 @@ def flags(params: dict[str, Any]) -> dict[str, Any]:
     sizes = [3 * MiB + 5, 512 * 1024, 100, 2 * MiB, 5 * MiB + 1]
     seq = iter(range(1, 1 << 30))
 
-    def case(name: str, sender: int, src_dev: bool, dst_dev: bool, rounds: int = 1,
-             late: bool = False) -> None:  # fmt: skip
+    def case(
+        name: str, sender: int, src_dev: bool, dst_dev: bool, rounds: int = 1, late: bool = False
+    ) -> None:
         msgs = [pattern(n, 100 * r + i) for r in range(rounds) for i, n in enumerate(sizes)]
         tags = [i for _ in range(rounds) for i in range(len(sizes))]
         if comm.rank == sender:

@@ -41,9 +41,14 @@ def emulator_unusable() -> str | None:
     missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
     if missing:
         return f"the rail emulator needs iproute2 ({', '.join(missing)} missing)"
-    probe = subprocess.run([str(EMULATE), "--rails", "1", "--rate", "1gbit", "--", "true"],
-                           capture_output=True, text=True, timeout=60, check=False,
-                           stdin=subprocess.DEVNULL)  # fmt: skip
+    probe = subprocess.run(
+        [str(EMULATE), "--rails", "1", "--rate", "1gbit", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
     if probe.returncode != 0:
         return f"scripts/emulate-rails cannot run here: {probe.stderr.strip()[-300:]}"
     return None

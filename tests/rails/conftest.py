@@ -30,12 +30,27 @@ def job(mpirun: tuple[list[str], dict[str, str]]) -> Any:
     """job(scenario, params, **HETCOMM_variables) runs _job.py on 2 ranks with the staged
     transport forced; e.g. job("roundtrip", {"hosts": True}, HETCOMM_RAILS=TWO_RAILS)."""
 
-    def start(scenario: str, params: dict[str, Any] | None = None, limit: float = JOB_LIMIT_S,
-              **variables: str) -> Job:  # fmt: skip
+    def start(
+        scenario: str,
+        params: dict[str, Any] | None = None,
+        limit: float = JOB_LIMIT_S,
+        **variables: str,
+    ) -> Job:
         prefix, mpi_env = mpirun
         settings = {"HETCOMM_TRANSPORT": "staged", "HETCOMM_TIMEOUT": "30", **variables}
-        argv = [*prefix, "-n", "2", "env", *(f"{k}={v}" for k, v in settings.items()),
-                sys.executable, "-m", "mpi4py", str(JOB), scenario, json.dumps(params or {})]  # fmt: skip
+        argv = [
+            *prefix,
+            "-n",
+            "2",
+            "env",
+            *(f"{k}={v}" for k, v in settings.items()),
+            sys.executable,
+            "-m",
+            "mpi4py",
+            str(JOB),
+            scenario,
+            json.dumps(params or {}),
+        ]
         return run(argv, clean_environ(**mpi_env), limit)
 
     return start

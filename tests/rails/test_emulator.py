@@ -18,22 +18,38 @@ from _rails import BENCH, JOB, ROOT, clean_environ, run
 
 
 def namespaces() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30,
-                         check=False).stdout  # fmt: skip
+    out = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, timeout=30, check=False
+    ).stdout
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
 def emulate(emulator, *args: str, limit: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["timeout", "--kill-after=10", str(int(limit)), str(emulator), *args],
-                          capture_output=True, text=True, timeout=limit + 30, check=False,
-                          stdin=subprocess.DEVNULL, env=clean_environ())  # fmt: skip
+    return subprocess.run(
+        ["timeout", "--kill-after=10", str(int(limit)), str(emulator), *args],
+        capture_output=True,
+        text=True,
+        timeout=limit + 30,
+        check=False,
+        stdin=subprocess.DEVNULL,
+        env=clean_environ(),
+    )
 
 
 def test_rails_addresses_and_classes(emulator):
     before = namespaces()
-    done = emulate(emulator, "--rails", "3", "--rate", "123mbit", "--", "sh", "-c",
-                   'echo "rails=$HETCOMM_RAILS ns=$EMULATE_RAILS_NETNS"; ip -4 -o addr show dev lo;'
-                   " tc class show dev lo; tc filter show dev lo")  # fmt: skip
+    done = emulate(
+        emulator,
+        "--rails",
+        "3",
+        "--rate",
+        "123mbit",
+        "--",
+        "sh",
+        "-c",
+        'echo "rails=$HETCOMM_RAILS ns=$EMULATE_RAILS_NETNS"; ip -4 -o addr show dev lo;'
+        " tc class show dev lo; tc filter show dev lo",
+    )
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "rails=127.0.1.1,127.0.2.1,127.0.3.1 ns=hetcomm-rails-" in out
@@ -53,9 +69,11 @@ def test_failing_command_status_and_cleanup(emulator):
 
 
 def test_bad_arguments_are_explained(emulator):
-    for args, word in ((["--rails", "0", "--rate", "1gbit", "--", "true"], "--rails"),
-                       (["--rails", "2", "--rate", "fast", "--", "true"], "--rate"),
-                       (["--rails", "2", "--rate", "1gbit"], "no command")):  # fmt: skip
+    for args, word in (
+        (["--rails", "0", "--rate", "1gbit", "--", "true"], "--rails"),
+        (["--rails", "2", "--rate", "fast", "--", "true"], "--rate"),
+        (["--rails", "2", "--rate", "1gbit"], "no command"),
+    ):
         done = emulate(emulator, *args)
         assert done.returncode == 2 and word in done.stderr, (args, done.stderr)
 
@@ -63,10 +81,24 @@ def test_bad_arguments_are_explained(emulator):
 def test_sigterm_ends_the_command_and_removes_the_namespace(emulator, tmp_path):
     before = namespaces()
     marker = tmp_path / "pid"
-    proc = subprocess.Popen([str(emulator), "--rails", "1", "--rate", "1gbit", "--", "sh", "-c",
-                             f"echo $$ > {marker}; exec sleep 60"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=clean_environ(), stdin=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            str(emulator),
+            "--rails",
+            "1",
+            "--rate",
+            "1gbit",
+            "--",
+            "sh",
+            "-c",
+            f"echo $$ > {marker}; exec sleep 60",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_environ(),
+        stdin=subprocess.DEVNULL,
+    )
     try:
         end = time.monotonic() + 30
         while not (marker.exists() and marker.read_text().strip()) and time.monotonic() < end:
@@ -87,17 +119,38 @@ def test_sigterm_ends_the_command_and_removes_the_namespace(emulator, tmp_path):
 @pytest.mark.parametrize("launch", ["rank-host-shim", "hetcomm-run"])
 def test_ranks_are_hosts_joined_by_the_emulated_rails(emulator, mpirun, launch):
     prefix, mpi_env = mpirun
-    job = ["env", "HETCOMM_TRANSPORT=staged", "HETCOMM_TIMEOUT=30", sys.executable, "-m",
-           "mpi4py", str(JOB), "hello"]  # fmt: skip
+    job = [
+        "env",
+        "HETCOMM_TRANSPORT=staged",
+        "HETCOMM_TIMEOUT=30",
+        sys.executable,
+        "-m",
+        "mpi4py",
+        str(JOB),
+        "hello",
+    ]
     if launch == "hetcomm-run":
-        argv = [sys.executable, "-m", "hetcomm", "run", "-n", "2", "--simulate-hosts", "2",
-                "--timeout", "60", "--", *job]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "hetcomm",
+            "run",
+            "-n",
+            "2",
+            "--simulate-hosts",
+            "2",
+            "--timeout",
+            "60",
+            "--",
+            *job,
+        ]
         hosts = ["sim0", "sim1"]
     else:
         argv = [*prefix, "-n", "2", str(emulator), "--rank-host", "--", *job]
         hosts = ["host0", "host1"]
-    done = run([str(emulator), "--rails", "2", "--rate", "1gbit", "--", *argv],
-               clean_environ(**mpi_env))  # fmt: skip
+    done = run(
+        [str(emulator), "--rails", "2", "--rate", "1gbit", "--", *argv], clean_environ(**mpi_env)
+    )
     for r in done.ranks():
         assert r["hosts"] == hosts
         assert r["rails_config"] == "127.0.1.1,127.0.2.1"
@@ -113,9 +166,28 @@ def test_two_rails_beat_one(emulator, mpirun):
     """16 MiB over 1 and over 2 rails of 200 Mbit/s (scripts/bench_rails.py): loosely, since
     the machine is shared, 2 rails at least 1.4x one."""
     prefix, mpi_env = mpirun
-    argv = [str(emulator), "--rails", "2", "--rate", "200mbit", "--", *prefix, "-n", "2",
-            sys.executable, "-m", "mpi4py", str(BENCH), "--rails", "1,2", "--mib", "16",
-            "--repeats", "3", "--json"]  # fmt: skip
+    argv = [
+        str(emulator),
+        "--rails",
+        "2",
+        "--rate",
+        "200mbit",
+        "--",
+        *prefix,
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "mpi4py",
+        str(BENCH),
+        "--rails",
+        "1,2",
+        "--mib",
+        "16",
+        "--repeats",
+        "3",
+        "--json",
+    ]
     done = run(argv, clean_environ(**mpi_env), limit=120)
     assert done.returncode == 0, done.explain()
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -137,9 +209,26 @@ def test_tuned_rail_weights_keep_the_slow_rails_share_near_its_speed(emulator, m
     so it carries at most a quarter of 16 MiB (without weights it took 5-6 chunks of 16)."""
     prefix, mpi_env = mpirun
     params = {"hosts": True, "mib": 16, "chunk_bytes": 1 << 20, "weights": [1.0, 0.25]}
-    argv = [str(emulator), "--rails", "2", "--rate", "400mbit,100mbit", "--", "env",
-            "HETCOMM_TRANSPORT=staged", "HETCOMM_TIMEOUT=60", *prefix, "-n", "2",
-            sys.executable, "-m", "mpi4py", str(JOB), "stripe", json.dumps(params)]  # fmt: skip
+    argv = [
+        str(emulator),
+        "--rails",
+        "2",
+        "--rate",
+        "400mbit,100mbit",
+        "--",
+        "env",
+        "HETCOMM_TRANSPORT=staged",
+        "HETCOMM_TIMEOUT=60",
+        *prefix,
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "mpi4py",
+        str(JOB),
+        "stripe",
+        json.dumps(params),
+    ]
     done = run(argv, clean_environ(**mpi_env), limit=120)
     sender, receiver = done.ranks()
     assert receiver["errors"] == [], done.explain()

@@ -17,9 +17,19 @@ def failing(job, side: int, links: str, landed: int = 1):
     """The job's result; run again (twice at most) should the message have been complete
     before the cut (a busy machine can starve the cutting thread)."""
     for _ in range(3):
-        done = job("fail", {"hosts": True, "side": side, "links": links, "mib": 64,
-                            "chunk_bytes": 1 << 20, "landed": landed},
-                   HETCOMM_RAILS=TWO_RAILS, HETCOMM_TIMEOUT=str(TIMEOUT_S))  # fmt: skip
+        done = job(
+            "fail",
+            {
+                "hosts": True,
+                "side": side,
+                "links": links,
+                "mib": 64,
+                "chunk_bytes": 1 << 20,
+                "landed": landed,
+            },
+            HETCOMM_RAILS=TWO_RAILS,
+            HETCOMM_TIMEOUT=str(TIMEOUT_S),
+        )
         if len(done.results) == 2 and done.results[side].get("shut", {}).get("in_flight"):
             break
     return done

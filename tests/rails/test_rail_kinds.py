@@ -16,13 +16,22 @@ KINDS = {
 # one-element arrays in each
 CHUNKINGS = [
     # 4096 B and 16384 B messages are 1 and 4 whole chunks
-    {"name": "chunks-divide", "dtype": "float32", "chunk_bytes": 4096, "counts": [0, 1, 1024, 4096]},
+    {
+        "name": "chunks-divide",
+        "dtype": "float32",
+        "chunk_bytes": 4096,
+        "counts": [0, 1, 1024, 4096],
+    },
     # 7992 B and 20000 B are not multiples of 3000
-    {"name": "chunks-do-not-divide", "dtype": "float64", "chunk_bytes": 3000,
-     "counts": [0, 1, 999, 2500]},
+    {
+        "name": "chunks-do-not-divide",
+        "dtype": "float64",
+        "chunk_bytes": 3000,
+        "counts": [0, 1, 999, 2500],
+    },
     # an odd chunk size also splits elements between chunks
     {"name": "odd-chunk", "dtype": "int16", "chunk_bytes": 1001, "counts": [0, 1, 3001]},
-]  # fmt: skip
+]
 
 
 # ids "shm-rail", ...: a test id "mpi" would look like pytest-mpi's marker and be skipped
@@ -45,8 +54,9 @@ def test_rail_carries_send_recv_and_all_reduce(job, kind):
 def test_two_tcp_rails_both_carry_bytes(job):
     """16 MiB in 256 KiB chunks from rank 0 to rank 1: both rails take chunks, and together
     exactly the message (no chunk sent twice)."""
-    done = job("stripe", {"hosts": True, "mib": 16, "chunk_bytes": 256 << 10},
-               HETCOMM_RAILS=TWO_RAILS)  # fmt: skip
+    done = job(
+        "stripe", {"hosts": True, "mib": 16, "chunk_bytes": 256 << 10}, HETCOMM_RAILS=TWO_RAILS
+    )
     sender, receiver = done.ranks()
     assert receiver["errors"] == [], done.explain()
     rails = sender["rails"]

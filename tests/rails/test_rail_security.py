@@ -57,8 +57,9 @@ def _refusals(lst: R.Listener, at_least: int, limit: float = 5) -> int:
     return lst.refused
 
 
-@pytest.mark.parametrize("hello", [b"\0" * R.HELLO.size, b"short", b""],
-                         ids=["wrong-token", "short-hello", "nothing"])  # fmt: skip
+@pytest.mark.parametrize(
+    "hello", [b"\0" * R.HELLO.size, b"short", b""], ids=["wrong-token", "short-hello", "nothing"]
+)
 def test_listener_refuses_a_bad_hello(listener, hello, caplog):
     port = listener.ports[ADDR]
     with socket.create_connection((ADDR, port), timeout=5) as s:
@@ -73,8 +74,9 @@ def test_listener_refuses_a_bad_hello(listener, hello, caplog):
 
 def test_listener_takes_a_connection_with_its_token(listener):
     spec = R.RailSpec("tcp", 0, ADDR, ADDR, listener.ports[ADDR])
-    with contextlib.closing(R.connect(spec, 1, listener.token, 0, listener.unix_name,
-                                      time.monotonic() + 5)) as out:  # fmt: skip
+    with contextlib.closing(
+        R.connect(spec, 1, listener.token, 0, listener.unix_name, time.monotonic() + 5)
+    ) as out:
         conn = listener.take(0, 0, time.monotonic() + 5)
         with contextlib.closing(conn):
             out.sendall(b"ping")

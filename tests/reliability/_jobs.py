@@ -127,10 +127,20 @@ def trace_ops(params: dict[str, Any]) -> None:
     world.recv(x.copy(), (me - 1) % n, tag=1)
     sent.wait()  # type: ignore[union-attr]
     world.barrier()
-    report(ok=bool((small == (n * (n + 1) / 2) * n * n).all()),
-           bytes={"all_reduce": [32, 32, 32, 4000], "reduce": [4000], "broadcast": [4000],
-                  "all_gather": [4000 * n], "reduce_scatter": [1000 // n * n * 4],
-                  "all_to_all": [4000 * n], "send": [4000], "recv": [4000], "barrier": [0]})
+    report(
+        ok=bool((small == (n * (n + 1) / 2) * n * n).all()),
+        bytes={
+            "all_reduce": [32, 32, 32, 4000],
+            "reduce": [4000],
+            "broadcast": [4000],
+            "all_gather": [4000 * n],
+            "reduce_scatter": [1000 // n * n * 4],
+            "all_to_all": [4000 * n],
+            "send": [4000],
+            "recv": [4000],
+            "barrier": [0],
+        },
+    )
     world.close()
 
 
@@ -212,12 +222,20 @@ def stress(params: dict[str, Any]) -> None:
         except Exception as exc:  # keep going in step with the others: report at the end
             problem = f"{type(exc).__name__}: {exc}"
         if problem:
-            errors.append(f"step {step} {what} on {gname} ({n} ranks) {dtype}[{count}] "
-                          f"{op.value} root {root}: {problem}")  # fmt: skip
+            errors.append(
+                f"step {step} {what} on {gname} ({n} ranks) {dtype}[{count}] "
+                f"{op.value} root {root}: {problem}"
+            )
     world.barrier()
     seconds = time.monotonic() - start
-    report(ok=not errors, seed=seed, errors=errors[:10], n_errors=len(errors), seconds=seconds,
-           counts=counts)  # fmt: skip
+    report(
+        ok=not errors,
+        seed=seed,
+        errors=errors[:10],
+        n_errors=len(errors),
+        seconds=seconds,
+        counts=counts,
+    )
     for c in (trio, halves):
         if c is not None:
             c.close()
@@ -231,8 +249,19 @@ def _call(method: Any, use_async: bool, *args: Any, **kwargs: Any) -> None:
         method(*args, **kwargs)
 
 
-def _one(comm: Any, what: str, n: int, me: int, root: int, op: ReduceOp, dtype: str, count: int,
-         seed: int, salt: int, use_async: bool) -> str:  # fmt: skip
+def _one(
+    comm: Any,
+    what: str,
+    n: int,
+    me: int,
+    root: int,
+    op: ReduceOp,
+    dtype: str,
+    count: int,
+    seed: int,
+    salt: int,
+    use_async: bool,
+) -> str:
     if what in ("reduce_scatter", "all_to_all"):
         inputs = [_input(seed, salt, g, dtype, count * n) for g in range(n)]
     else:
@@ -404,8 +433,17 @@ def large(params: dict[str, Any]) -> None:
     world.close()
 
 
-def _large_collectives(world: Any, half: int, me: int, other: int, a: _Backing, b: _Backing,
-                       timed: Any, check: Any, outside: Any) -> None:  # fmt: skip
+def _large_collectives(
+    world: Any,
+    half: int,
+    me: int,
+    other: int,
+    a: _Backing,
+    b: _Backing,
+    timed: Any,
+    check: Any,
+    outside: Any,
+) -> None:
     """all_gather, reduce_scatter and all_to_all whose larger buffer has 2 * half elements."""
     # all_gather: blocks of half elements gathered into 2 * half
     x, out = a.part(half), b.part(2 * half)
@@ -432,8 +470,15 @@ def _large_collectives(world: Any, half: int, me: int, other: int, a: _Backing, 
         outside("all_to_all", a, b)
 
 
-SCENARIOS = {"death": death, "stall": stall, "trace": trace, "stress": stress, "large": large,
-             "trace_ops": trace_ops, "skipped_coalesced": skipped_coalesced}
+SCENARIOS = {
+    "death": death,
+    "stall": stall,
+    "trace": trace,
+    "stress": stress,
+    "large": large,
+    "trace_ops": trace_ops,
+    "skipped_coalesced": skipped_coalesced,
+}
 
 if __name__ == "__main__":
     SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})

@@ -22,8 +22,20 @@ def run(argv: list[str], env: dict[str, str], limit: float) -> Job:
     return run_mpi_job(argv, env, limit)
 
 
-def job_argv(prefix: list[str], n: int, scenario: str, params: dict[str, Any],
-             variables: dict[str, str]) -> list[str]:  # fmt: skip
+def job_argv(
+    prefix: list[str], n: int, scenario: str, params: dict[str, Any], variables: dict[str, str]
+) -> list[str]:
     """mpirun -n N env VARS... python -m mpi4py _jobs.py SCENARIO PARAMS."""
-    return [*prefix, "-n", str(n), "env", *(f"{k}={v}" for k, v in variables.items()),
-            sys.executable, "-m", "mpi4py", str(JOBS), scenario, json.dumps(params)]  # fmt: skip
+    return [
+        *prefix,
+        "-n",
+        str(n),
+        "env",
+        *(f"{k}={v}" for k, v in variables.items()),
+        sys.executable,
+        "-m",
+        "mpi4py",
+        str(JOBS),
+        scenario,
+        json.dumps(params),
+    ]

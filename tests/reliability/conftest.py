@@ -14,8 +14,13 @@ from _reliability import Job, clean_environ, job_argv, run
 def job(mpirun: tuple[list[str], dict[str, str]]) -> Any:
     """job(n, scenario, params, limit, **HETCOMM_variables) runs _jobs.py on n ranks."""
 
-    def start(n: int, scenario: str, params: dict[str, Any] | None = None,
-              limit: float = 120, **variables: str) -> Job:  # fmt: skip
+    def start(
+        n: int,
+        scenario: str,
+        params: dict[str, Any] | None = None,
+        limit: float = 120,
+        **variables: str,
+    ) -> Job:
         prefix, mpi_env = mpirun
         argv = job_argv(prefix, n, scenario, params or {}, variables)
         return run(argv, clean_environ(**mpi_env), limit)

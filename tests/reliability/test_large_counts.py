@@ -39,14 +39,23 @@ def test_operations_past_two_to_the_31_elements(job: Any, transport: str) -> Non
         pytest.skip(f"{transport}: set LARGE_COUNT_TRANSPORTS=mpi,{transport} to run it (slow)")
     have = available_gib()
     if have < NEEDED_GIB:
-        pytest.skip(f"needs {NEEDED_GIB} GiB of available memory (2 ranks of about 4.5 GiB, and "
-                    f"room for everything else); this machine has {have:.1f} GiB")  # fmt: skip
+        pytest.skip(
+            f"needs {NEEDED_GIB} GiB of available memory (2 ranks of about 4.5 GiB, and "
+            f"room for everything else); this machine has {have:.1f} GiB"
+        )
     seed = int.from_bytes(os.urandom(4), "little")
     limit = 120 if transport == "mpi" else 300
-    result = job(2, "large", {"transport": transport, "count": COUNT, "seed": seed}, limit,
-                 HETCOMM_TIMEOUT=str(limit))  # fmt: skip
-    print(f"large counts on {transport}: exit {result.returncode} after {result.seconds:.1f} s, "
-          f"seed {seed}: {[r.get('seconds') for r in result.results]}")  # fmt: skip
+    result = job(
+        2,
+        "large",
+        {"transport": transport, "count": COUNT, "seed": seed},
+        limit,
+        HETCOMM_TIMEOUT=str(limit),
+    )
+    print(
+        f"large counts on {transport}: exit {result.returncode} after {result.seconds:.1f} s, "
+        f"seed {seed}: {[r.get('seconds') for r in result.results]}"
+    )
     ranks = result.ranks(2)
     bad = [f"rank {r['rank']}: {r['errors']}" for r in ranks if not r["ok"]]
     assert not bad, f"seed {seed}: " + "; ".join(bad)

@@ -18,13 +18,21 @@ def test_trace_of_a_job_merges_into_one_timeline(job: Any, tmp_path: Path) -> No
     assert result.returncode == 0 and len(result.results) == 2, result.explain()
     assert sorted(p.name for p in d.iterdir()) == ["trace-rank00000.json", "trace-rank00001.json"]
     out = tmp_path / "merged.json"
-    done = subprocess.run([str(ROOT / "scripts" / "merge-trace"), str(d), str(out)],
-                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    done = subprocess.run(
+        [str(ROOT / "scripts" / "merge-trace"), str(d), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     events = json.loads(out.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e["ph"] == "M" and e["name"] == "thread_name"}  # fmt: skip
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in events
+        if e["ph"] == "M" and e["name"] == "thread_name"
+    }
     for rank in (0, 1):
         mine = [e for e in spans if e["pid"] == rank]
         by_group: dict[str, list[dict[str, Any]]] = {}
@@ -39,8 +47,14 @@ def test_trace_of_a_job_merges_into_one_timeline(job: Any, tmp_path: Path) -> No
         assert len(half) == 5
         assert all(e["dur"] >= 0 and e["args"]["op"] == e["name"] for e in mine)
     # the two ranks' events of one world all_reduce overlap in time: one clock for both
-    a, b = ([e for e in spans if e["pid"] == r and e["args"]["group"] == "world"
-             and e["name"] == "all_reduce"][-1] for r in (0, 1))  # fmt: skip
+    a, b = (
+        [
+            e
+            for e in spans
+            if e["pid"] == r and e["args"]["group"] == "world" and e["name"] == "all_reduce"
+        ][-1]
+        for r in (0, 1)
+    )
     assert a["args"]["seq"] == b["args"]["seq"]
     assert a["ts"] <= b["ts"] + b["dur"] + 1e5 and b["ts"] <= a["ts"] + a["dur"] + 1e5
 
@@ -58,14 +72,16 @@ def test_stall_warning_in_a_job(job: Any) -> None:
 
 
 @pytest.mark.parametrize("transport", ["mpi", "staged"], ids=["on-mpi", "on-staged"])
-def test_every_operation_is_traced_with_its_transport_facts(job: Any, tmp_path: Path,
-                                                            transport: str) -> None:  # fmt: skip
+def test_every_operation_is_traced_with_its_transport_facts(
+    job: Any, tmp_path: Path, transport: str
+) -> None:
     """Each operation makes one event whose args name the transport, the operation's size and
     its stages, on every transport; small in-place all_reduces (which take a short path
     without a Work while tracing is off) are traced too."""
     d = tmp_path / "traces"
-    result = job(2, "trace_ops", {"transport": transport}, 120, HETCOMM_TRACE=str(d),
-                 HETCOMM_TIMEOUT="60")  # fmt: skip
+    result = job(
+        2, "trace_ops", {"transport": transport}, 120, HETCOMM_TRACE=str(d), HETCOMM_TIMEOUT="60"
+    )
     ranks = result.ranks(2)
     assert result.returncode == 0 and all(r["ok"] for r in ranks), result.explain()
     for r in ranks:

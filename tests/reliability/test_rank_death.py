@@ -38,8 +38,20 @@ def test_rank_death_survivors_time_out(mpirun: tuple[list[str], dict[str, str]])
     prefix, mpi_env = mpirun
     if "--oversubscribe" not in prefix:
         pytest.skip("--enable-recovery is an Open MPI (prterun) option")
-    argv = [*prefix, "--enable-recovery", "-n", "4", "env", "HETCOMM_TIMEOUT=5", sys.executable,
-            "-m", "mpi4py", str(JOBS), "death", '{"victim": 2, "at": 50}']  # fmt: skip
+    argv = [
+        *prefix,
+        "--enable-recovery",
+        "-n",
+        "4",
+        "env",
+        "HETCOMM_TIMEOUT=5",
+        sys.executable,
+        "-m",
+        "mpi4py",
+        str(JOBS),
+        "death",
+        '{"victim": 2, "at": 50}',
+    ]
     result = run(argv, clean_environ(**mpi_env), LIMIT_S)
     print(f"rank death with recovery: exit {result.returncode} after {result.seconds:.1f} s")
     _ended_by_death(result)
@@ -50,8 +62,21 @@ def test_rank_death_survivors_time_out(mpirun: tuple[list[str], dict[str, str]])
 def test_rank_death_under_hetcomm_run(mpirun: tuple[list[str], dict[str, str]]) -> None:
     """The same job started by `hetcomm run --timeout 60`."""
     _, mpi_env = mpirun
-    argv = [sys.executable, "-m", "hetcomm", "run", "-n", "4", "--timeout", "60", "--",
-            sys.executable, str(JOBS), "death", '{"victim": 2, "at": 50}']  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "hetcomm",
+        "run",
+        "-n",
+        "4",
+        "--timeout",
+        "60",
+        "--",
+        sys.executable,
+        str(JOBS),
+        "death",
+        '{"victim": 2, "at": 50}',
+    ]
     result = run(argv, clean_environ(HETCOMM_TIMEOUT="5", **mpi_env), LIMIT_S)
     print(f"rank death under hetcomm run: exit {result.returncode} after {result.seconds:.1f} s")
     _ended_by_death(result)
@@ -66,6 +91,7 @@ def test_a_rank_leaving_out_a_fused_all_reduce(job: Any) -> None:
     by_rank = {r["rank"]: r for r in result.results}
     assert by_rank[0]["ok"] and by_rank[1]["ok"], result.explain()
     assert by_rank[0]["untouched"] is True, result.explain()
-    assert by_rank[0]["timed_out"] is not None and 2 <= by_rank[0]["timed_out"] < 10, \
-        result.explain()  # fmt: skip
+    assert by_rank[0]["timed_out"] is not None and 2 <= by_rank[0]["timed_out"] < 10, (
+        result.explain()
+    )
     assert result.seconds < DEADLINE_S, result.explain()

@@ -13,13 +13,20 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 from soak import classify  # noqa: E402
 
-CHECKED = ("losses match the one-process run to float32 rounding: {}\n"
-           "final weights match (largest relative difference 7.8e-08): {}\n")  # fmt: skip
+CHECKED = (
+    "losses match the one-process run to float32 rounding: {}\n"
+    "final weights match (largest relative difference 7.8e-08): {}\n"
+)
 
 
 def soak(tmp_path: Path, *args: str, limit: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(ROOT / "scripts" / "soak"), "--keep", str(tmp_path), *args],
-                          capture_output=True, text=True, timeout=limit, check=False)  # fmt: skip
+    return subprocess.run(
+        [str(ROOT / "scripts" / "soak"), "--keep", str(tmp_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=limit,
+        check=False,
+    )
 
 
 def test_short_soak_passes_on_both_transports(tmp_path: Path) -> None:
@@ -28,7 +35,9 @@ def test_short_soak_passes_on_both_transports(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "soak: 2 runs in" in done.stdout
     assert "2 ok, 0 mismatch, 0 timeout, 0 crash" in done.stdout, done.stdout
-    assert "transport auto: 1 of 1 ok" in done.stdout and "transport staged: 1 of 1 ok" in done.stdout
+    assert (
+        "transport auto: 1 of 1 ok" in done.stdout and "transport staged: 1 of 1 ok" in done.stdout
+    )
     assert list(tmp_path.iterdir()) == []  # nothing kept: no run failed
 
 
@@ -41,16 +50,19 @@ def test_a_run_that_times_out_fails_the_soak(tmp_path: Path) -> None:
     assert logs[0].read_text().startswith("exit 124 after ")
 
 
-@pytest.mark.parametrize(("returncode", "output", "outcome"), [
-    (0, "step ...\n" + CHECKED.format("yes", "yes"), "ok"),
-    (1, CHECKED.format("NO", "yes"), "mismatch"),
-    (1, CHECKED.format("yes", "NO"), "mismatch"),
-    (0, CHECKED.format("yes", "NO"), "mismatch"),
-    (124, "", "timeout"),
-    (137, CHECKED.format("yes", "yes"), "timeout"),
-    (1, "Traceback (most recent call last): ...", "crash"),
-    (0, "topology: ...\n", "crash"),  # exit 0 without the check: not a pass
-    (139, "", "crash"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("returncode", "output", "outcome"),
+    [
+        (0, "step ...\n" + CHECKED.format("yes", "yes"), "ok"),
+        (1, CHECKED.format("NO", "yes"), "mismatch"),
+        (1, CHECKED.format("yes", "NO"), "mismatch"),
+        (0, CHECKED.format("yes", "NO"), "mismatch"),
+        (124, "", "timeout"),
+        (137, CHECKED.format("yes", "yes"), "timeout"),
+        (1, "Traceback (most recent call last): ...", "crash"),
+        (0, "topology: ...\n", "crash"),  # exit 0 without the check: not a pass
+        (139, "", "crash"),
+    ],
+)
 def test_outcome_of_a_run(returncode: int, output: str, outcome: str) -> None:
     assert classify(returncode, output) == outcome

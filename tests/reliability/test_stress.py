@@ -23,16 +23,28 @@ SEED = int(os.environ.get("STRESS_SEED", "0"))
 @pytest.mark.parametrize("transport", ["auto", "staged"])
 def test_stress_mixed_operations(job: Any, transport: str) -> None:
     limit = max(120, OPS * 0.06)
-    result = job(4, "stress", {"ops": OPS, "seed": SEED}, limit, HETCOMM_TIMEOUT="60",
-                 HETCOMM_TRANSPORT=transport)  # fmt: skip
-    seed = next((line.split()[1] for line in result.stdout.splitlines()
-                 if line.startswith("SEED ")), "unknown")  # fmt: skip
-    print(f"stress on {transport}: {OPS} operations, seed {seed}, exit {result.returncode} after "
-          f"{result.seconds:.1f} s")  # fmt: skip
+    result = job(
+        4,
+        "stress",
+        {"ops": OPS, "seed": SEED},
+        limit,
+        HETCOMM_TIMEOUT="60",
+        HETCOMM_TRANSPORT=transport,
+    )
+    seed = next(
+        (line.split()[1] for line in result.stdout.splitlines() if line.startswith("SEED ")),
+        "unknown",
+    )
+    print(
+        f"stress on {transport}: {OPS} operations, seed {seed}, exit {result.returncode} after "
+        f"{result.seconds:.1f} s"
+    )
     assert result.returncode == 0 and len(result.results) == 4, (
-        f"seed {seed} (replay: STRESS_SEED={seed})\n{result.explain()}")  # fmt: skip
+        f"seed {seed} (replay: STRESS_SEED={seed})\n{result.explain()}"
+    )
     bad = [r for r in result.results if not r["ok"]]
     assert not bad, f"seed {seed} (replay: STRESS_SEED={seed}): " + "; ".join(
-        f"rank {r['rank']}: {r['n_errors']} errors: {r['errors'][:3]}" for r in bad)  # fmt: skip
+        f"rank {r['rank']}: {r['n_errors']} errors: {r['errors'][:3]}" for r in bad
+    )
     if OPS >= 500:  # every kind of operation ran on every kind of group
         assert len(result.results[0]["counts"]) == 21, result.results[0]["counts"]

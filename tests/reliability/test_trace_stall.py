@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 def fake_comm(name: str = "g", **options: Any) -> Any:
     aborted: list[BaseException] = []
-    return SimpleNamespace(name=name, config=Config(**options), _abort=aborted.append,
-                           aborted=aborted)  # fmt: skip
+    return SimpleNamespace(
+        name=name, config=Config(**options), _abort=aborted.append, aborted=aborted
+    )
 
 
 def after(seconds: float) -> Any:
@@ -89,8 +90,11 @@ def test_trace_must_be_a_directory_name(bad: Any) -> None:
 
 
 def _stall_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.name == "hetcomm" and r.levelno == logging.WARNING]  # fmt: skip
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "hetcomm" and r.levelno == logging.WARNING
+    ]
 
 
 def test_stall_warns_once_then_completes(caplog: pytest.LogCaptureFixture) -> None:
@@ -187,14 +191,24 @@ def test_tracing_decided_by_the_config(tmp_path: Path) -> None:
     spans = [e for e in data["traceEvents"] if e["ph"] == "X"]
     assert [e["name"] for e in spans] == ["all_reduce", "broadcast"]
     first = spans[0]
-    assert first["args"] == {"op": "all_reduce", "seq": 1, "group": "world", "transport": "mpi",
-                             "bytes": 4096, "stages": 1}  # fmt: skip
+    assert first["args"] == {
+        "op": "all_reduce",
+        "seq": 1,
+        "group": "world",
+        "transport": "mpi",
+        "bytes": 4096,
+        "stages": 1,
+    }
     assert {k: spans[1]["args"][k] for k in ("transport", "bytes", "stages")} == dict.fromkeys(
-        ("transport", "bytes", "stages"))  # fmt: skip
+        ("transport", "bytes", "stages")
+    )
     assert first["pid"] == 0 and first["dur"] >= 0
     assert abs(first["ts"] / 1e6 - time.time()) < 60  # wall-clock microseconds
-    names = {e["tid"]: e["args"]["name"] for e in data["traceEvents"]
-             if e["ph"] == "M" and e["name"] == "thread_name"}  # fmt: skip
+    names = {
+        e["tid"]: e["args"]["name"]
+        for e in data["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "thread_name"
+    }
     assert names == {first["tid"]: "world"}
 
 
@@ -264,12 +278,22 @@ def test_merge_reads_a_file_cut_short(tmp_path: Path) -> None:
 def test_merge_script(tmp_path: Path) -> None:
     d = _two_ranks(tmp_path / "t")
     out = tmp_path / "merged.json"
-    done = subprocess.run([str(ROOT / "scripts" / "merge-trace"), str(d), str(out)],
-                          capture_output=True, text=True, timeout=60, check=False,
-                          env={**os.environ, "PYTHONPATH": ""})  # fmt: skip
+    done = subprocess.run(
+        [str(ROOT / "scripts" / "merge-trace"), str(d), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     assert done.returncode == 0, done.stderr
     assert "4 operations" in done.stdout
     assert len(json.loads(out.read_text())["traceEvents"]) > 4
-    bad = subprocess.run([str(ROOT / "scripts" / "merge-trace"), str(tmp_path / "none"),
-                          str(out)], capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    bad = subprocess.run(
+        [str(ROOT / "scripts" / "merge-trace"), str(tmp_path / "none"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert bad.returncode == 1 and "no trace-rank*.json files" in bad.stderr

@@ -16,10 +16,17 @@ from hetcomm.errors import DtypeError, InvalidArgument
 
 NUMPY_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64")
 TORCH_DTYPES = {
-    "bool": torch.bool, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
-    "int64": torch.int64, "uint8": torch.uint8, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
-}  # fmt: skip
+    "bool": torch.bool,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
 # numpy 2 moved byte_bounds into numpy.lib.array_utils
 BYTE_BOUNDS = getattr(getattr(np.lib, "array_utils", np), "byte_bounds", None) or np.byte_bounds
 # the module name as_buffer gives as `kind` to objects of classes defined in this file
@@ -235,9 +242,21 @@ def test_numpy_subclass() -> None:
 
 
 @pytest.mark.parametrize(
-    "dtype", ["complex64", "complex128", "uint16", "uint32", "uint64", "longdouble", "object",
-              "U3", "S4", "datetime64[s]", "timedelta64[ms]"],
-)  # fmt: skip
+    "dtype",
+    [
+        "complex64",
+        "complex128",
+        "uint16",
+        "uint32",
+        "uint64",
+        "longdouble",
+        "object",
+        "U3",
+        "S4",
+        "datetime64[s]",
+        "timedelta64[ms]",
+    ],
+)
 def test_numpy_unsupported_dtype(dtype: str) -> None:
     arr = np.zeros(3, dtype=dtype)
     with pytest.raises(DtypeError) as info:
@@ -367,8 +386,9 @@ def test_torch_requires_grad_and_parameter() -> None:
 
 
 @pytest.mark.parametrize(
-    "dtype", [torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.float8_e4m3fn],
-)  # fmt: skip
+    "dtype",
+    [torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.float8_e4m3fn],
+)
 def test_torch_unsupported_dtype(dtype: torch.dtype) -> None:
     t = torch.zeros(3, dtype=dtype)
     name = str(dtype).removeprefix("torch.")
@@ -405,10 +425,17 @@ def test_torch_sharing_numpy_memory() -> None:
 
 @pytest.mark.parametrize(
     ("obj", "name"),
-    [([1, 2, 3], "builtins.list"), (5, "builtins.int"), (2.5, "builtins.float"),
-     (None, "builtins.NoneType"), ("abc", "builtins.str"), (b"abc", "builtins.bytes"),
-     ((1, 2), "builtins.tuple"), ({"a": 1}, "builtins.dict")],
-)  # fmt: skip
+    [
+        ([1, 2, 3], "builtins.list"),
+        (5, "builtins.int"),
+        (2.5, "builtins.float"),
+        (None, "builtins.NoneType"),
+        ("abc", "builtins.str"),
+        (b"abc", "builtins.bytes"),
+        ((1, 2), "builtins.tuple"),
+        ({"a": 1}, "builtins.dict"),
+    ],
+)
 def test_non_arrays_are_invalid(obj: Any, name: str) -> None:
     with pytest.raises(InvalidArgument) as info:
         as_buffer(obj, what="out")
@@ -434,9 +461,18 @@ def test_memoryview_of_bytes_is_readonly() -> None:
     assert (buf.kind, buf.dtype, buf.shape, buf.readonly) == ("buffer", "uint8", (5,), True)
 
 
-@pytest.mark.parametrize(("code", "dtype"), [("f", "float32"), ("d", "float64"), ("b", "int8"),
-                                             ("B", "uint8"), ("h", "int16"), ("i", "int32"),
-                                             ("q", "int64")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("code", "dtype"),
+    [
+        ("f", "float32"),
+        ("d", "float64"),
+        ("b", "int8"),
+        ("B", "uint8"),
+        ("h", "int16"),
+        ("i", "int32"),
+        ("q", "int64"),
+    ],
+)
 def test_memoryview_formats(code: str, dtype: str) -> None:
     values = array.array(code, range(6))
     buf = as_buffer(memoryview(values))
@@ -541,9 +577,18 @@ def test_cuda_array_interface_readonly_and_device_index() -> None:
 
 @pytest.mark.parametrize(
     ("typestr", "dtype"),
-    [("|b1", "bool"), ("|i1", "int8"), ("<i2", "int16"), ("<i4", "int32"), ("<i8", "int64"),
-     ("|u1", "uint8"), ("<f2", "float16"), ("<f4", "float32"), ("<f8", "float64")],
-)  # fmt: skip
+    [
+        ("|b1", "bool"),
+        ("|i1", "int8"),
+        ("<i2", "int16"),
+        ("<i4", "int32"),
+        ("<i8", "int64"),
+        ("|u1", "uint8"),
+        ("<f2", "float16"),
+        ("<f4", "float32"),
+        ("<f8", "float64"),
+    ],
+)
 def test_cuda_array_interface_typestrs(typestr: str, dtype: str) -> None:
     buf = as_buffer(FakeCAI((5,), typestr=typestr))
     assert buf.dtype == dtype

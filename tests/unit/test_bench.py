@@ -23,9 +23,19 @@ from hetcomm.bench_report import (
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("8", 8), ("1K", 1024), ("64k", 65536), ("256M", 256 << 20), ("1G", 1 << 30),
-     ("2KiB", 2048), ("1MB", 1 << 20), (" 16 ", 16), (0, 0), (4096, 4096)],
-)  # fmt: skip
+    [
+        ("8", 8),
+        ("1K", 1024),
+        ("64k", 65536),
+        ("256M", 256 << 20),
+        ("1G", 1 << 30),
+        ("2KiB", 2048),
+        ("1MB", 1 << 20),
+        (" 16 ", 16),
+        (0, 0),
+        (4096, 4096),
+    ],
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
@@ -51,8 +61,14 @@ def test_size_steps_like_nccl_tests():
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_bus_factors(n):
     assert bus_factor("all_reduce", n) == pytest.approx(2 * (n - 1) / n)
-    for op in ("all_gather", "reduce_scatter", "all_to_all", "allgather", "reducescatter",
-               "alltoall"):  # fmt: skip
+    for op in (
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "allgather",
+        "reducescatter",
+        "alltoall",
+    ):
         assert bus_factor(op, n) == pytest.approx((n - 1) / n)
     for op in ("broadcast", "reduce", "sendrecv"):
         assert bus_factor(op, n) == 1.0
@@ -85,9 +101,19 @@ def test_element_count_whole_blocks():
 
 
 def _row(transport, kind, busbw_time, size=4096, op="all_reduce", wrong=0):
-    return make_row(op=op, transport=transport, kind=kind, count=size // 4, itemsize=4,
-                    dtype="float32", redop="sum", root=None, ranks=2, time_s=busbw_time,
-                    wrong=wrong)  # fmt: skip
+    return make_row(
+        op=op,
+        transport=transport,
+        kind=kind,
+        count=size // 4,
+        itemsize=4,
+        dtype="float32",
+        redop="sum",
+        root=None,
+        ranks=2,
+        time_s=busbw_time,
+        wrong=wrong,
+    )
 
 
 def test_row_formulas():
@@ -96,14 +122,29 @@ def test_row_formulas():
     assert r["time_us"] == pytest.approx(1.0)
     assert r["algbw_GBps"] == pytest.approx(4096 / 1e-6 / 1e9)
     assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * 1.0)  # 2 ranks: 2(n-1)/n = 1
-    g = make_row(op="all_gather", transport="mpi", kind="hetcomm", count=1024, itemsize=4,
-                 dtype="float32", redop=None, root=None, ranks=4, time_s=2e-6, wrong=None)  # fmt: skip
+    g = make_row(
+        op="all_gather",
+        transport="mpi",
+        kind="hetcomm",
+        count=1024,
+        itemsize=4,
+        dtype="float32",
+        redop=None,
+        root=None,
+        ranks=4,
+        time_s=2e-6,
+        wrong=None,
+    )
     assert g["busbw_GBps"] == pytest.approx(g["algbw_GBps"] * 0.75)
 
 
 def test_ratios_against_best_baseline():
-    rows = [_row("auto", "hetcomm", 1e-6), _row("mpi4py", "baseline", 2e-6),
-            _row("gloo", "baseline", 4e-6), _row("auto", "hetcomm", 1e-6, size=8)]  # fmt: skip
+    rows = [
+        _row("auto", "hetcomm", 1e-6),
+        _row("mpi4py", "baseline", 2e-6),
+        _row("gloo", "baseline", 4e-6),
+        _row("auto", "hetcomm", 1e-6, size=8),
+    ]
     add_ratios(rows)
     assert rows[0]["ratio"] == pytest.approx(2.0)
     assert rows[1]["ratio"] == pytest.approx(1.0)
@@ -125,14 +166,26 @@ def test_json_schema():
             assert isinstance(r[key], int)
         for key in ("time_us", "algbw_GBps", "busbw_GBps", "ratio"):
             assert isinstance(r[key], float)
-    for key in ("op", "transport", "size_bytes", "dtype", "time_us", "algbw_GBps", "busbw_GBps",
-                "wrong", "ratio"):  # fmt: skip
+    for key in (
+        "op",
+        "transport",
+        "size_bytes",
+        "dtype",
+        "time_us",
+        "algbw_GBps",
+        "busbw_GBps",
+        "wrong",
+        "ratio",
+    ):
         assert key in ROW_KEYS
 
 
 def test_table_layout():
-    rows = [_row("auto", "hetcomm", 1e-6), _row("mpi4py", "baseline", 2e-6),
-            _row("auto", "hetcomm", 1e-6, size=8, wrong=None)]  # fmt: skip
+    rows = [
+        _row("auto", "hetcomm", 1e-6),
+        _row("mpi4py", "baseline", 2e-6),
+        _row("auto", "hetcomm", 1e-6, size=8, wrong=None),
+    ]
     add_ratios(rows)
     lines = table(rows).splitlines()
     assert lines[0] == "# all_reduce"
@@ -149,8 +202,12 @@ def test_table_layout():
 
 
 def test_plot_writes_png(tmp_path):
-    rows = [_row("auto", "hetcomm", 1e-6), _row("mpi4py", "baseline", 2e-6),
-            _row("auto", "hetcomm", 1e-6, size=8), _row("mpi4py", "baseline", 1e-6, size=8)]  # fmt: skip
+    rows = [
+        _row("auto", "hetcomm", 1e-6),
+        _row("mpi4py", "baseline", 2e-6),
+        _row("auto", "hetcomm", 1e-6, size=8),
+        _row("mpi4py", "baseline", 1e-6, size=8),
+    ]
     path = tmp_path / "bw.png"
     plot(rows, str(path), ranks=2, when="2025-01-01")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -161,11 +218,21 @@ def test_overhead_table_ratios():
     from hetcomm.bench import overhead_table
 
     def row(impl, us, **extra):
-        return {"case": "8 B float32", "impl": impl, "ranks": 2, "median_us": us,
-                "spread": 0.25, **extra}  # fmt: skip
+        return {
+            "case": "8 B float32",
+            "impl": impl,
+            "ranks": 2,
+            "median_us": us,
+            "spread": 0.25,
+            **extra,
+        }
 
-    rows = [row("hetcomm", 6.0), row("gloo", 420.0), row("hetcomm numpy", 3.0, paired_ratio=2.4),
-            row("mpi4py", 1.2)]
+    rows = [
+        row("hetcomm", 6.0),
+        row("gloo", 420.0),
+        row("hetcomm numpy", 3.0, paired_ratio=2.4),
+        row("mpi4py", 1.2),
+    ]
     line = overhead_table(rows).splitlines()[2]
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[6:] == ["2.50x", "2.40x", "70.00x", "25%"]

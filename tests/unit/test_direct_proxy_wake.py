@@ -29,8 +29,11 @@ def proxy(monkeypatch, request):
         def use(self) -> None:
             pass
 
-    cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
-                                 Device=Device, Stream=lambda non_blocking: object())  # fmt: skip
+    cuda = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDevice=lambda: 0),
+        Device=Device,
+        Stream=lambda non_blocking: object(),
+    )
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
     svc = MPI.COMM_SELF.Dup()
     p = DP.Proxy(0, sys.modules["cupy"], svc)

@@ -30,9 +30,13 @@ class FakeDevice:
     def __init__(self, view: np.ndarray, device: int = 0) -> None:
         self.view = view
         strides = None if view.flags.c_contiguous else view.strides
-        self.__cuda_array_interface__ = {"shape": view.shape, "typestr": view.dtype.str,
-                                         "data": (addr(view), False), "strides": strides,
-                                         "version": 3}  # fmt: skip
+        self.__cuda_array_interface__ = {
+            "shape": view.shape,
+            "typestr": view.dtype.str,
+            "data": (addr(view), False),
+            "strides": strides,
+            "version": 3,
+        }
         self.device = SimpleNamespace(id=device)
 
 
@@ -78,8 +82,14 @@ def test_collapse():
 
 
 def test_table_rows():
-    rows, slow = K.table([(1000, 0, 6, (2, 3), (3, 1)), (2000, 6, 0, (0,), (1,)),
-                          (3000, 6, 4, (4,), (-2,)), (4000, 10, 6, (3, 2), (1, 3))])  # fmt: skip
+    rows, slow = K.table(
+        [
+            (1000, 0, 6, (2, 3), (3, 1)),
+            (2000, 6, 0, (0,), (1,)),
+            (3000, 6, 4, (4,), (-2,)),
+            (4000, 10, 6, (3, 2), (1, 3)),
+        ]
+    )
     assert not slow and rows.shape == (3, K.COLS)  # the empty array has no row
     assert list(rows[0, :4]) == [1000, 0, 6, 0]  # contiguous: ndim 0
     assert list(rows[1, :5]) == [3000, 6, 4, 1, 4] and rows[1, 4 + K.DIMS] == -2
@@ -95,11 +105,16 @@ def test_table_packs_and_unpacks_like_numpy():
     rng = np.random.default_rng(5)
     memory = rng.standard_normal(4000)
     views = [
-        memory[0:7], memory[10:11], memory[20:60:3], memory[100:160].reshape(6, 10).T,
-        memory[200:320].reshape(2, 3, 4, 5).transpose(3, 1, 0, 2), memory[400:420][::-1],
-        memory[500:500], memory[600:1112].reshape((2,) * 9)[:, ::-1, :, ::-1, :, ::-1, :, ::-1],
+        memory[0:7],
+        memory[10:11],
+        memory[20:60:3],
+        memory[100:160].reshape(6, 10).T,
+        memory[200:320].reshape(2, 3, 4, 5).transpose(3, 1, 0, 2),
+        memory[400:420][::-1],
+        memory[500:500],
+        memory[600:1112].reshape((2,) * 9)[:, ::-1, :, ::-1, :, ::-1, :, ::-1],
         memory[1200:1300].reshape(10, 10)[::2, 1::3],
-    ]  # fmt: skip
+    ]
     entries, total = entries_of(views)
     rows, slow = K.table(entries)
     assert len(slow) == 1 and slow[0][0] == addr(views[7])  # 9 dims, no two merge: copied alone
@@ -145,8 +160,12 @@ def test_groups_follow_first_appearance():
 
 
 def test_plain_numpy_arrays_need_no_buffers():
-    xs = [np.zeros(3, np.float32), np.ones((2, 2)), np.zeros(6, np.float32)[::2],
-          np.zeros(0, np.float32)]  # fmt: skip
+    xs = [
+        np.zeros(3, np.float32),
+        np.ones((2, 2)),
+        np.zeros(6, np.float32)[::2],
+        np.zeros(0, np.float32),
+    ]
     kept, groups = F.prepare(xs, ReduceOp.SUM, "x")
     assert kept == xs and all(not g.bufs for g in groups)
     assert [(g.dtype, g.index) for g in groups] == [("float32", [0, 2, 3]), ("float64", [1])]
@@ -162,13 +181,16 @@ def test_empty_list_and_tuple():
     assert F.prepare((), ReduceOp.SUM, "x") == ([], [])
 
 
-@pytest.mark.parametrize(("arrays", "op", "exc", "words"), [
-    (np.zeros(3), ReduceOp.SUM, InvalidArgument, ["list or tuple", "numpy.ndarray"]),
-    ({"a": np.zeros(3)}, ReduceOp.SUM, InvalidArgument, ["list or tuple", "dict"]),
-    ([np.zeros(3), 5], ReduceOp.SUM, InvalidArgument, ["arrays[1]", "int"]),
-    ([np.zeros(3), np.zeros(2, np.complex64)], ReduceOp.SUM, DtypeError, ["arrays[1]"]),
-    ([np.zeros(3), np.zeros(2, bool)], ReduceOp.AVG, DtypeError, ["arrays[1]", "AVG", "bool"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("arrays", "op", "exc", "words"),
+    [
+        (np.zeros(3), ReduceOp.SUM, InvalidArgument, ["list or tuple", "numpy.ndarray"]),
+        ({"a": np.zeros(3)}, ReduceOp.SUM, InvalidArgument, ["list or tuple", "dict"]),
+        ([np.zeros(3), 5], ReduceOp.SUM, InvalidArgument, ["arrays[1]", "int"]),
+        ([np.zeros(3), np.zeros(2, np.complex64)], ReduceOp.SUM, DtypeError, ["arrays[1]"]),
+        ([np.zeros(3), np.zeros(2, bool)], ReduceOp.AVG, DtypeError, ["arrays[1]", "AVG", "bool"]),
+    ],
+)
 def test_bad_arguments(arrays: Any, op: ReduceOp, exc: type, words: list[str]) -> None:
     with pytest.raises(exc) as info:
         F.prepare(arrays, op, "all_reduce_coalesced")
@@ -203,8 +225,11 @@ def test_aliasing():
     with pytest.raises(InvalidArgument, match="same"):
         F.prepare([t, t.view(2, 3).reshape(6)], ReduceOp.SUM, "x")
     # disjoint: neighbours, interleaved strides, empty views, the two halves of a transpose
-    F.prepare([base[0:10], base[10:20], base[20:30:2], base[21:30:2], base[5:5], base[5:5]],
-              ReduceOp.SUM, "x")  # fmt: skip
+    F.prepare(
+        [base[0:10], base[10:20], base[20:30:2], base[21:30:2], base[5:5], base[5:5]],
+        ReduceOp.SUM,
+        "x",
+    )
     grid = base.reshape(5, 8)
     F.prepare([grid[:, :4].T, grid[:, 4:].T], ReduceOp.SUM, "x")
 
@@ -235,8 +260,13 @@ def test_device_arrays_grouped_laid_out_and_checked():
 def test_pack_and_unpack_host_views():
     rng = np.random.default_rng(7)
     base = rng.standard_normal(300)
-    views = [base[0:10], base[10:40:3], base[100:160].reshape(6, 10).T, base[200:201].reshape(()),
-             base[250:250]]  # fmt: skip
+    views = [
+        base[0:10],
+        base[10:40:3],
+        base[100:160].reshape(6, 10).T,
+        base[200:201].reshape(()),
+        base[250:250],
+    ]
     t = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4).t()
     _, (g, tg) = F.prepare([*views, t], ReduceOp.SUM, "x")
     fused = np.full(g.total + 3, np.nan)

@@ -131,14 +131,19 @@ def test_all_reduce_equal_islands_are_pairwise(count: int) -> None:
 def test_all_reduce_three_and_one() -> None:
     islands = [(0, 1, 2), (3,)]
     assert [all_reduce_schedule(islands, 10, r).exchanges for r in range(3)] == [
-        (Transfer(3, 1, 0, 4),), (Transfer(3, 1, 4, 8),), (Transfer(3, 1, 8, 10),)]  # fmt: skip
+        (Transfer(3, 1, 0, 4),),
+        (Transfer(3, 1, 4, 8),),
+        (Transfer(3, 1, 8, 10),),
+    ]
     lone = all_reduce_schedule(islands, 10, 3)
     assert (lone.start, lone.stop, lone.shard) == (0, 10, 10)
     assert lone.exchanges == (Transfer(0, 0, 0, 4), Transfer(1, 0, 4, 8), Transfer(2, 0, 8, 10))
     # fewer elements than members: the third member owns nothing and exchanges nothing
     assert all_reduce_schedule(islands, 2, 2).exchanges == ()
-    assert all_reduce_schedule(islands, 2, 3).exchanges == (Transfer(0, 0, 0, 1),
-                                                             Transfer(1, 0, 1, 2))  # fmt: skip
+    assert all_reduce_schedule(islands, 2, 3).exchanges == (
+        Transfer(0, 0, 0, 1),
+        Transfer(1, 0, 1, 2),
+    )
 
 
 def simulate_all_reduce(islands: list[tuple[int, ...]], data: np.ndarray) -> dict[int, np.ndarray]:
@@ -154,8 +159,9 @@ def simulate_all_reduce(islands: list[tuple[int, ...]], data: np.ndarray) -> dic
         for t in s.exchanges:
             # what the peer sends: its island's partial, as the peer holds it in its shard
             peer = scheds[t.peer]
-            sent = island_sum[peer.island][peer.start : peer.stop][t.start - peer.start :
-                                                                   t.stop - peer.start]  # fmt: skip
+            sent = island_sum[peer.island][peer.start : peer.stop][
+                t.start - peer.start : t.stop - peer.start
+            ]
             partials[t.island][t.start - s.start : t.stop - s.start] = sent
         acc = partials[0].copy()
         for i in range(1, len(islands)):
@@ -242,8 +248,9 @@ def test_block_equal_islands_are_pairwise() -> None:
         assert [(p.peer, p.block, p.count) for p in across] == [(partner, 0, 6)]
 
 
-def simulate_reduce_scatter(islands: list[tuple[int, ...]], data: np.ndarray,
-                            block: int) -> dict[int, np.ndarray]:  # fmt: skip
+def simulate_reduce_scatter(
+    islands: list[tuple[int, ...]], data: np.ndarray, block: int
+) -> dict[int, np.ndarray]:
     """Run the block schedule as reduce_scatter on `data` (one row of n*block per rank)."""
     ranks = ranks_of(islands)
     scheds = {r: block_schedule(islands, block, r) for r in ranks}
@@ -262,7 +269,9 @@ def simulate_reduce_scatter(islands: list[tuple[int, ...]], data: np.ndarray,
     for r, s in scheds.items():
         rows = np.zeros((len(islands), block), data.dtype)
         for p in s.owned:
-            rows[p.island, p.block : p.block + p.count] = chunks[p.peer][p.chunk : p.chunk + p.count]
+            rows[p.island, p.block : p.block + p.count] = chunks[p.peer][
+                p.chunk : p.chunk + p.count
+            ]
         results[r] = rows.sum(axis=0)
     return results
 
@@ -312,8 +321,12 @@ def test_block_schedule_three_and_one() -> None:
     assert (s.chunk, s.offsets) == (7, (0, 5))
     assert s.held == (Piece(1, 0, 0, 0, 5), Piece(3, 1, 5, 2, 2))
     lone = block_schedule(islands, 5, 3)
-    assert lone.owned == (Piece(0, 0, 5, 0, 2), Piece(1, 0, 5, 2, 2), Piece(2, 0, 5, 4, 1),
-                          Piece(3, 1, 15, 0, 5))  # fmt: skip
+    assert lone.owned == (
+        Piece(0, 0, 5, 0, 2),
+        Piece(1, 0, 5, 2, 2),
+        Piece(2, 0, 5, 4, 1),
+        Piece(3, 1, 15, 0, 5),
+    )
 
 
 def test_block_schedule_rejects_negative_block() -> None:
@@ -321,7 +334,7 @@ def test_block_schedule_rejects_negative_block() -> None:
         block_schedule([(0,), (1,)], -1, 0)
 
 
-# ---- broadcast -------------------------------------------------------------------------------------
+# ---- broadcast --------------------------------------------------------------------------------
 
 
 def test_broadcast_entries_spread() -> None:

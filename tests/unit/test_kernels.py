@@ -29,6 +29,7 @@ def rng() -> tuple[np.random.Generator, str]:
 
 # ---- independent references: numpy's float16 and torch's bfloat16 (both round to nearest even)
 
+
 def decode(bits: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "float16":
         return bits.view(np.float16).astype(np.float32)
@@ -54,8 +55,25 @@ def special_values(dtype: str) -> np.ndarray:
         big = float(np.array([0x7F7F0000], np.uint32).view(np.float32)[0])
         extra = [2.0**-126, 2.0**-126 - tiny, 3 * tiny, 2.0**120, 256.0]
         raw = [0x7F81, 0xFFC0, 0x7FC0]
-    values = [0.0, -0.0, np.inf, -np.inf, big, -big, tiny, -tiny, 0.5, 1.5, -1.0, 3.0,
-              1.0 + eps, eps / 2, -eps / 2, eps / 4, *extra]  # fmt: skip
+    values = [
+        0.0,
+        -0.0,
+        np.inf,
+        -np.inf,
+        big,
+        -big,
+        tiny,
+        -tiny,
+        0.5,
+        1.5,
+        -1.0,
+        3.0,
+        1.0 + eps,
+        eps / 2,
+        -eps / 2,
+        eps / 4,
+        *extra,
+    ]
     bits = encode(np.array(values, np.float32), dtype)
     assert (decode(bits, dtype) == np.array(values, np.float32)).all(), "not representable"
     return np.concatenate([bits, np.array(raw, np.uint16)])
@@ -65,8 +83,11 @@ def random_bits(rng: np.random.Generator, n: int, dtype: str) -> np.ndarray:
     """A mix of arbitrary bit patterns, values near 1, tiny values, and special values."""
     kind = rng.integers(0, 4, size=n)
     scale = 2.0**-14 if dtype == "float16" else 2.0**-126
-    out = np.where(kind == 0, rng.integers(0, 1 << 16, size=n).astype(np.uint16),
-                   encode(rng.standard_normal(n) * 4, dtype))
+    out = np.where(
+        kind == 0,
+        rng.integers(0, 1 << 16, size=n).astype(np.uint16),
+        encode(rng.standard_normal(n) * 4, dtype),
+    )
     out = np.where(kind == 2, encode(rng.standard_normal(n) * scale, dtype), out)
     specials = special_values(dtype)
     return np.where(kind == 3, specials[rng.integers(0, specials.size, size=n)], out)
@@ -89,8 +110,20 @@ def random_values(rng: np.random.Generator, n: int, dtype: str) -> np.ndarray:
     # arbitrary bit patterns: NaN, Inf, subnormals, huge, tiny
     raw = bits.astype(np.uint32).view(np.float32) if dtype == "float32" else bits.view(np.float64)
     out = np.where(rng.integers(0, 2, size=n) == 0, raw, rng.standard_normal(n).astype(dtype))
-    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, np.finfo(dtype).max,
-                         np.finfo(dtype).smallest_subnormal, 0.5, 1.0], dtype)  # fmt: skip
+    specials = np.array(
+        [
+            0.0,
+            -0.0,
+            np.inf,
+            -np.inf,
+            np.nan,
+            np.finfo(dtype).max,
+            np.finfo(dtype).smallest_subnormal,
+            0.5,
+            1.0,
+        ],
+        dtype,
+    )
     pick = rng.random(n) < 0.2
     out[pick] = specials[rng.integers(0, specials.size, size=int(pick.sum()))]
     return out
@@ -125,37 +158,48 @@ def reference(a: np.ndarray, b: np.ndarray, op: str, dtype: str) -> np.ndarray:
         return (a | b) if op in ("sum", "max") else (a & b)
     if dtype in INTS:
         fn: dict[str, Callable[[int, int], int]] = {
-            "sum": lambda x, y: x + y, "prod": lambda x, y: x * y, "min": min, "max": max}
+            "sum": lambda x, y: x + y,
+            "prod": lambda x, y: x * y,
+            "min": min,
+            "max": max,
+        }
         return wrap_int([fn[op](int(x), int(y)) for x, y in zip(a, b, strict=True)], dtype)
     if dtype in HALVES:
         return encode(float_ref(decode(a, dtype), decode(b, dtype), op), dtype)
     return float_ref(a, b, op)
 
 
-def assert_matches(got: np.ndarray, want: np.ndarray, dtype: str, exact_zero: bool,
-                   note: str, quiet: bool = True) -> None:
+def assert_matches(
+    got: np.ndarray, want: np.ndarray, dtype: str, exact_zero: bool, note: str, quiet: bool = True
+) -> None:
     """NaN positions must agree (payloads may differ); other values must agree bit for bit, or
     by value (so +0 == -0) when `exact_zero` is False. Half NaN results must be quiet NaNs."""
     assert got.dtype == want.dtype and got.shape == want.shape, note
     if dtype == "bool" or dtype in INTS:
         bad = np.flatnonzero(got != want)
-        assert bad.size == 0, f"{bad.size} mismatches, first at {bad[:5]}: got {got[bad[:5]]} " \
-                              f"want {want[bad[:5]]} {note}"  # fmt: skip
+        assert bad.size == 0, (
+            f"{bad.size} mismatches, first at {bad[:5]}: got {got[bad[:5]]} "
+            f"want {want[bad[:5]]} {note}"
+        )
         return
     gv, wv = (decode(got, dtype), decode(want, dtype)) if dtype in HALVES else (got, want)
     gnan, wnan = np.isnan(gv), np.isnan(wv)
     bad = np.flatnonzero(gnan != wnan)
-    assert bad.size == 0, f"NaN positions differ at {bad[:5]}: got {gv[bad[:5]]} want " \
-                          f"{wv[bad[:5]]} {note}"  # fmt: skip
+    assert bad.size == 0, (
+        f"NaN positions differ at {bad[:5]}: got {gv[bad[:5]]} want {wv[bad[:5]]} {note}"
+    )
     if dtype in HALVES and quiet:
         assert (got[gnan] & QUIET[dtype]).all(), f"a NaN result is not quiet {note}"
     same = (got == want) if exact_zero else (gv == wv)
     bad = np.flatnonzero(~same & ~gnan)
-    assert bad.size == 0, f"{bad.size} mismatches, first at {bad[:5]}: got {got[bad[:5]]} " \
-                          f"({gv[bad[:5]]}) want {want[bad[:5]]} ({wv[bad[:5]]}) {note}"  # fmt: skip
+    assert bad.size == 0, (
+        f"{bad.size} mismatches, first at {bad[:5]}: got {got[bad[:5]]} "
+        f"({gv[bad[:5]]}) want {want[bad[:5]]} ({wv[bad[:5]]}) {note}"
+    )
 
 
 # ---- combine ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("op", kr.OPS)
@@ -205,6 +249,7 @@ def test_combine_in_place_with_itself() -> None:
 
 # ---- divide -------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 1000])
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_divide_floats(dtype: str, n: int, rng: tuple[np.random.Generator, str]) -> None:
@@ -250,8 +295,14 @@ def test_divide_rejects() -> None:
     with pytest.raises(TypeError, match="bool"):
         kr.divide(np.ones(3, bool), 2, "bool")
     x = np.ones(3, np.float32)
-    for bad_n, exc in [(0, ValueError), (-2, ValueError), (2**63, ValueError), (1.5, TypeError),
-                       (True, TypeError), ("2", TypeError)]:  # fmt: skip
+    for bad_n, exc in [
+        (0, ValueError),
+        (-2, ValueError),
+        (2**63, ValueError),
+        (1.5, TypeError),
+        (True, TypeError),
+        ("2", TypeError),
+    ]:
         with pytest.raises(exc, match="n must"):
             kr.divide(x, bad_n, "float32")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"float32.*got float64"):
@@ -262,6 +313,7 @@ def test_divide_rejects() -> None:
 
 
 # ---- conversions --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", HALVES)
 def test_to_float32_exhaustive(dtype: str) -> None:
@@ -280,8 +332,9 @@ def test_from_float32(dtype: str, rng: tuple[np.random.Generator, str]) -> None:
     # arbitrary bit patterns, plus values on and next to the midpoints between halves
     raw = gen.integers(0, 1 << 32, size=1 << 20, dtype=np.uint64).astype(np.uint32)
     shift = 13 if dtype == "float16" else 16
-    mid = (gen.integers(0, 1 << 32, size=1 << 16, dtype=np.uint64).astype(np.uint32)
-           >> shift << shift) | np.uint32(1 << (shift - 1))  # fmt: skip
+    mid = (
+        gen.integers(0, 1 << 32, size=1 << 16, dtype=np.uint64).astype(np.uint32) >> shift << shift
+    ) | np.uint32(1 << (shift - 1))
     src = np.concatenate([raw, mid, mid - 1, mid + 1]).view(np.float32)
     assert_matches(kr.from_float32(src, dtype), encode(src, dtype), dtype, True, note)
     out = np.empty(src.shape, np.uint16)
@@ -310,6 +363,7 @@ def test_portable_path_matches_numpy(rng: tuple[np.random.Generator, str]) -> No
 
 
 # ---- argument checks ----------------------------------------------------------------------------
+
 
 def test_storage_dtype() -> None:
     assert kr.storage_dtype("float16") == np.uint16 and kr.storage_dtype("bfloat16") == np.uint16
@@ -361,15 +415,17 @@ def test_conversions_reject() -> None:
 
 def test_import_is_light() -> None:
     """Importing compiles nothing, and the package itself does not pull in Numba."""
-    code = ("import sys, hetcomm\n"
-            "before = 'numba' in sys.modules\n"
-            "import hetcomm.kernels\n"
-            "assert ('numba' in sys.modules) == before, 'hetcomm.kernels imported numba'\n"
-            "assert 'hetcomm.kernels.reduce' not in sys.modules\n"
-            "from hetcomm.kernels import reduce as kr\n"
-            "from numba.core.dispatcher import Dispatcher\n"
-            "ds = [v for v in vars(kr).values() if isinstance(v, Dispatcher)]\n"
-            "assert ds and not any(d.signatures for d in ds), ds\n")  # fmt: skip
+    code = (
+        "import sys, hetcomm\n"
+        "before = 'numba' in sys.modules\n"
+        "import hetcomm.kernels\n"
+        "assert ('numba' in sys.modules) == before, 'hetcomm.kernels imported numba'\n"
+        "assert 'hetcomm.kernels.reduce' not in sys.modules\n"
+        "from hetcomm.kernels import reduce as kr\n"
+        "from numba.core.dispatcher import Dispatcher\n"
+        "ds = [v for v in vars(kr).values() if isinstance(v, Dispatcher)]\n"
+        "assert ds and not any(d.signatures for d in ds), ds\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
 

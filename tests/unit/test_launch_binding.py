@@ -64,14 +64,17 @@ class FakeHost:
             device = self.pci(path, numa)
             domain, bus, slot = device.name.split(":")
             dev, fn = slot.split(".")
-            props += [f"domain {int(domain, 16)}",
-                      f"location_id {int(bus, 16) << 8 | int(dev, 16) << 3 | int(fn)}"]  # fmt: skip
+            props += [
+                f"domain {int(domain, 16)}",
+                f"location_id {int(bus, 16) << 8 | int(dev, 16) << 3 | int(fn)}",
+            ]
         folder = self.root / affinity.KFD_NODES / str(node)
         folder.mkdir(parents=True)
         (folder / "properties").write_text("\n".join(props) + "\n")
 
-    def nic(self, name: str, path: str | None, numa: int | None = None, *, ib: str = "",
-            up: bool = True) -> None:  # fmt: skip
+    def nic(
+        self, name: str, path: str | None, numa: int | None = None, *, ib: str = "", up: bool = True
+    ) -> None:
         if path is None:  # a virtual interface
             real = self.root / "sys" / "devices" / "virtual" / "net" / name
             real.mkdir(parents=True)
@@ -130,8 +133,10 @@ def mi300(tmp_path: Path) -> FakeHost:
 
 
 def ompi(rank: int, local: int | None = None, **extra: str) -> dict[str, str]:
-    env = {"OMPI_COMM_WORLD_RANK": str(rank),
-           "OMPI_COMM_WORLD_LOCAL_RANK": str(rank if local is None else local)}  # fmt: skip
+    env = {
+        "OMPI_COMM_WORLD_RANK": str(rank),
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(rank if local is None else local),
+    }
     env.update(extra)
     return env
 
@@ -147,11 +152,17 @@ def test_nvidia_gpus_in_pci_order(dgx: FakeHost) -> None:
     vendor, gpus = affinity.gpus(dgx.root)
     assert vendor == "nvidia"
     assert [(g.index, g.pci) for g in gpus] == [
-        (0, "0000:1b:00.0"), (1, "0000:3b:00.0"), (2, "0000:9b:00.0"), (3, "0000:bb:00.0"),
-    ]  # fmt: skip
+        (0, "0000:1b:00.0"),
+        (1, "0000:3b:00.0"),
+        (2, "0000:9b:00.0"),
+        (3, "0000:bb:00.0"),
+    ]
     assert affinity.numa_node(dgx.root, "0000:9b:00.0") == 1
     assert affinity.pci_path(dgx.root, "0000:3b:00.0") == (
-        "pci0000:00", "0000:00:02.0", "0000:3b:00.0")  # fmt: skip
+        "pci0000:00",
+        "0000:00:02.0",
+        "0000:3b:00.0",
+    )
 
 
 def test_amd_gpus_from_kfd_nodes(mi300: FakeHost) -> None:
@@ -187,9 +198,13 @@ def test_parse_cpulist(text: str, cpus: set[int]) -> None:
 
 @pytest.mark.parametrize(
     ("gpu", "nics", "why"),
-    [(0, ["ib0"], "same PCIe switch"), (1, ["eth0", "ib0"], "NUMA node 0"),
-     (2, ["ib1"], "same PCIe switch"), (3, ["ib1"], "NUMA node 1")],
-)  # fmt: skip
+    [
+        (0, ["ib0"], "same PCIe switch"),
+        (1, ["eth0", "ib0"], "NUMA node 0"),
+        (2, ["ib1"], "same PCIe switch"),
+        (3, ["ib1"], "NUMA node 1"),
+    ],
+)
 def test_nearest_nics(dgx: FakeHost, gpu: int, nics: list[str], why: str) -> None:
     devices = affinity.gpus(dgx.root)[1]
     near, reason = affinity.nearest_nics(dgx.root, devices[gpu], affinity.net_devices(dgx.root))
@@ -224,13 +239,18 @@ def test_plan_json_round_trip() -> None:
 
 @pytest.mark.parametrize(
     ("text", "match"),
-    [("not json", "not JSON"), ("[1]", "JSON object"), ('{"flavour":"openmpi5","size":2,"x":1}',
-     "unknown field"), ('{"flavour":"lam","size":2}', "flavour"),
-     ('{"flavour":"mpich","size":0}', "size"), ('{"flavour":"mpich","size":2,"vendors":["intel"]}',
-     "vendors"), ('{"flavour":"mpich","size":2,"hosts":3}', "hosts"),
-     ('{"flavour":"mpich","size":2,"rails":"a,,b"}', "rails"),
-     ('{"flavour":"mpich","size":2,"bind":"socket"}', "bind")],
-)  # fmt: skip
+    [
+        ("not json", "not JSON"),
+        ("[1]", "JSON object"),
+        ('{"flavour":"openmpi5","size":2,"x":1}', "unknown field"),
+        ('{"flavour":"lam","size":2}', "flavour"),
+        ('{"flavour":"mpich","size":0}', "size"),
+        ('{"flavour":"mpich","size":2,"vendors":["intel"]}', "vendors"),
+        ('{"flavour":"mpich","size":2,"hosts":3}', "hosts"),
+        ('{"flavour":"mpich","size":2,"rails":"a,,b"}', "rails"),
+        ('{"flavour":"mpich","size":2,"bind":"socket"}', "bind"),
+    ],
+)
 def test_bad_plans(text: str, match: str) -> None:
     with pytest.raises(PlanError, match=match):
         LaunchPlan.from_json(text)
@@ -238,14 +258,17 @@ def test_bad_plans(text: str, match: str) -> None:
 
 @pytest.mark.parametrize(
     ("flavour", "environ", "expected"),
-    [("openmpi5", ompi(3, 1), (3, 1)), ("openmpi4", {"PMIX_RANK": "2"}, (2, 2)),
-     ("mpich", {"PMI_RANK": "5", "MPI_LOCALRANKID": "1"}, (5, 1)),
-     ("intel", {"PMI_RANK": "5", "MPI_LOCALRANKID": "1"}, (5, 1)),
-     ("slurm", {"SLURM_PROCID": "7", "SLURM_LOCALID": "3"}, (7, 3)),
-     # mpirun inside a Slurm batch job: the ranks inherit the batch step's SLURM_PROCID=0
-     ("openmpi5", {**ompi(6, 2), "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, (6, 2)),
-     ("slurm", {"PMIX_RANK": "4"}, (4, 4))],
-)  # fmt: skip
+    [
+        ("openmpi5", ompi(3, 1), (3, 1)),
+        ("openmpi4", {"PMIX_RANK": "2"}, (2, 2)),
+        ("mpich", {"PMI_RANK": "5", "MPI_LOCALRANKID": "1"}, (5, 1)),
+        ("intel", {"PMI_RANK": "5", "MPI_LOCALRANKID": "1"}, (5, 1)),
+        ("slurm", {"SLURM_PROCID": "7", "SLURM_LOCALID": "3"}, (7, 3)),
+        # mpirun inside a Slurm batch job: the ranks inherit the batch step's SLURM_PROCID=0
+        ("openmpi5", {**ompi(6, 2), "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, (6, 2)),
+        ("slurm", {"PMIX_RANK": "4"}, (4, 4)),
+    ],
+)
 def test_rank_ids(flavour: str, environ: dict[str, str], expected: tuple[int, int]) -> None:
     assert rank_ids(FLAVOURS[flavour], environ)[:2] == expected
 
@@ -268,24 +291,34 @@ def test_simulation_cycles_vendors_and_blocks_hosts(tmp_path: Path) -> None:
 
 def test_uneven_host_blocks(tmp_path: Path) -> None:
     plan = LaunchPlan("openmpi5", 5, hosts=2)
-    hosts = [env_of(FakeHost(tmp_path / str(r)), plan, ompi(r)).variables["HETCOMM_HOST"]
-             for r in range(5)]  # fmt: skip
+    hosts = [
+        env_of(FakeHost(tmp_path / str(r)), plan, ompi(r)).variables["HETCOMM_HOST"]
+        for r in range(5)
+    ]
     assert hosts == ["sim0", "sim0", "sim0", "sim1", "sim1"]
 
 
 @pytest.mark.parametrize(
     ("local", "device", "rails", "ucx", "cpus"),
-    [(0, "0", "ib0", "mlx5_0:1", (0, 15, 32)), (1, "1", "eth0,ib0", "eth0,mlx5_0:1", (0, 15, 32)),
-     (2, "2", "ib1", "mlx5_1:1", (16, 31, 48)), (3, "3", "ib1", "mlx5_1:1", (16, 31, 48)),
-     (5, "1", "eth0,ib0", "eth0,mlx5_0:1", (0, 15, 32))],  # 5 ranks on 4 GPUs: shared
-)  # fmt: skip
+    [
+        (0, "0", "ib0", "mlx5_0:1", (0, 15, 32)),
+        (1, "1", "eth0,ib0", "eth0,mlx5_0:1", (0, 15, 32)),
+        (2, "2", "ib1", "mlx5_1:1", (16, 31, 48)),
+        (3, "3", "ib1", "mlx5_1:1", (16, 31, 48)),
+        (5, "1", "eth0,ib0", "eth0,mlx5_0:1", (0, 15, 32)),
+    ],  # 5 ranks on 4 GPUs: shared
+)
 def test_nvidia_binding(
     dgx: FakeHost, local: int, device: str, rails: str, ucx: str, cpus: tuple[int, ...]
 ) -> None:
     plan = LaunchPlan("openmpi5", 8, bind="numa")
     mine = env_of(dgx, plan, ompi(local))
-    assert mine.variables == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": device,
-                              "HETCOMM_RAILS": rails, "UCX_NET_DEVICES": ucx}  # fmt: skip
+    assert mine.variables == {
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": device,
+        "HETCOMM_RAILS": rails,
+        "UCX_NET_DEVICES": ucx,
+    }
     assert mine.cpus is not None and len(mine.cpus) == 32
     assert (mine.cpus[0], mine.cpus[15], mine.cpus[16]) == cpus
 
@@ -296,8 +329,9 @@ def test_amd_binding(mi300: FakeHost) -> None:
     assert mine.variables == {"ROCR_VISIBLE_DEVICES": "1", "HETCOMM_RAILS": "eth1"}
     assert mine.cpus == tuple(range(8, 16))
     # a scheduler's HIP_VISIBLE_DEVICES is honoured and narrowed, not replaced
-    mine = env_of(mi300, plan, {"PMI_RANK": "0", "MPI_LOCALRANKID": "0",
-                                "HIP_VISIBLE_DEVICES": "1"})  # fmt: skip
+    mine = env_of(
+        mi300, plan, {"PMI_RANK": "0", "MPI_LOCALRANKID": "0", "HIP_VISIBLE_DEVICES": "1"}
+    )
     assert (
         mine.variables["HIP_VISIBLE_DEVICES"] == "1"
         and "ROCR_VISIBLE_DEVICES" not in mine.variables
@@ -344,8 +378,11 @@ def test_explicit_rails_by_local_rank(dgx: FakeHost) -> None:
 
 def test_caller_settings_stand(dgx: FakeHost) -> None:
     plan = LaunchPlan("openmpi5", 1)
-    mine = env_of(dgx, plan, ompi(0, HETCOMM_RAILS="eth0", UCX_NET_DEVICES="mlx5_9:1",
-                                 CUDA_DEVICE_ORDER="PCI_BUS_ID"))  # fmt: skip
+    mine = env_of(
+        dgx,
+        plan,
+        ompi(0, HETCOMM_RAILS="eth0", UCX_NET_DEVICES="mlx5_9:1", CUDA_DEVICE_ORDER="PCI_BUS_ID"),
+    )
     assert mine.variables == {"CUDA_VISIBLE_DEVICES": "0"}
 
 
@@ -362,10 +399,18 @@ def test_numa_binding_respects_allowed_cpus(dgx: FakeHost) -> None:
 
 
 def test_dry_run_shows_each_ranks_binding(dgx: FakeHost) -> None:
-    request = LaunchRequest(command=("python", "train.py"), n=4, vendors=("nvidia", "amd"),
-                            simulate_hosts=2)  # fmt: skip
-    launch = build(request, FLAVOURS["openmpi5"], "/opt/ompi/bin/mpirun", environ={},
-                   is_root=False, python="/venv/bin/python", root=dgx.root)  # fmt: skip
+    request = LaunchRequest(
+        command=("python", "train.py"), n=4, vendors=("nvidia", "amd"), simulate_hosts=2
+    )
+    launch = build(
+        request,
+        FLAVOURS["openmpi5"],
+        "/opt/ompi/bin/mpirun",
+        environ={},
+        is_root=False,
+        python="/venv/bin/python",
+        root=dgx.root,
+    )
     assert launch.plan.bind == "numa"  # GPUs here: pin by NUMA node, the launcher binds nothing
     assert "--bind-to" in launch.argv and launch.argv[launch.argv.index("--bind-to") + 1] == "none"
     out = io.StringIO()

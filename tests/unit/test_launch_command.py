@@ -34,9 +34,16 @@ from hetcomm.config import ENV_NAMES
 PY = "/venv/bin/python"
 SHIM = [PY, "-m", SHIM_MODULE, "--", "python", "-m", "mpi4py", "train.py"]
 ENVIRON = {"HETCOMM_LOG": "info", "PATH": "/usr/bin", "HOME": "/root"}
-FULL = LaunchRequest(command=("python", "train.py"), n=4, hosts="a:2,b:2",
-                     vendors=("nvidia", "amd"), simulate_hosts=2, bind="core", timeout=90,
-                     tag_output=True)  # fmt: skip
+FULL = LaunchRequest(
+    command=("python", "train.py"),
+    n=4,
+    hosts="a:2,b:2",
+    vendors=("nvidia", "amd"),
+    simulate_hosts=2,
+    bind="core",
+    timeout=90,
+    tag_output=True,
+)
 
 
 def make(
@@ -58,22 +65,103 @@ def make(
 # ---- every flavour, every option -----------------------------------------------------------------
 
 GOLDEN: dict[str, tuple[list[str], dict[str, str]]] = {
-    "openmpi5": (["-n", "4", "--host", "a:2,b:2", "--bind-to", "core", "--output", "tag",
-                  "--timeout", "90", "-x", PLAN_VARIABLE, "-x", "HETCOMM_LOG", "-x", "PATH"],
-                 {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}),
-    "openmpi4": (["-n", "4", "--host", "a:2,b:2", "--bind-to", "core", "--tag-output",
-                  "--timeout", "90", "-x", PLAN_VARIABLE, "-x", "HETCOMM_LOG", "-x", "PATH"],
-                 {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}),
-    "mpich": (["-n", "4", "-hosts", "a:2,b:2", "-bind-to", "core", "-prepend-rank",
-               "-genvlist", f"{PLAN_VARIABLE},HETCOMM_LOG,PATH"], {"MPIEXEC_TIMEOUT": "90"}),
-    "mvapich": (["-n", "4", "-hosts", "a:2,b:2", "-bind-to", "core", "-prepend-rank",
-                 "-genvlist", f"{PLAN_VARIABLE},HETCOMM_LOG,PATH"], {"MPIEXEC_TIMEOUT": "90"}),
-    "intel": (["-n", "4", "-hosts", "a,b", "-ppn", "2", "-prepend-rank",
-               "-genvlist", f"{PLAN_VARIABLE},HETCOMM_LOG,PATH"],
-              {"I_MPI_PIN": "1", "I_MPI_PIN_DOMAIN": "core", "I_MPI_JOB_TIMEOUT": "90"}),
-    "slurm": (["--ntasks=4", "--nodelist=a,b", "--ntasks-per-node=2", "--cpu-bind=cores", "--label",
-               "--kill-on-bad-exit=1", "--time=2", "--export=ALL"], {}),
-}  # fmt: skip
+    "openmpi5": (
+        [
+            "-n",
+            "4",
+            "--host",
+            "a:2,b:2",
+            "--bind-to",
+            "core",
+            "--output",
+            "tag",
+            "--timeout",
+            "90",
+            "-x",
+            PLAN_VARIABLE,
+            "-x",
+            "HETCOMM_LOG",
+            "-x",
+            "PATH",
+        ],
+        {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"},
+    ),
+    "openmpi4": (
+        [
+            "-n",
+            "4",
+            "--host",
+            "a:2,b:2",
+            "--bind-to",
+            "core",
+            "--tag-output",
+            "--timeout",
+            "90",
+            "-x",
+            PLAN_VARIABLE,
+            "-x",
+            "HETCOMM_LOG",
+            "-x",
+            "PATH",
+        ],
+        {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"},
+    ),
+    "mpich": (
+        [
+            "-n",
+            "4",
+            "-hosts",
+            "a:2,b:2",
+            "-bind-to",
+            "core",
+            "-prepend-rank",
+            "-genvlist",
+            f"{PLAN_VARIABLE},HETCOMM_LOG,PATH",
+        ],
+        {"MPIEXEC_TIMEOUT": "90"},
+    ),
+    "mvapich": (
+        [
+            "-n",
+            "4",
+            "-hosts",
+            "a:2,b:2",
+            "-bind-to",
+            "core",
+            "-prepend-rank",
+            "-genvlist",
+            f"{PLAN_VARIABLE},HETCOMM_LOG,PATH",
+        ],
+        {"MPIEXEC_TIMEOUT": "90"},
+    ),
+    "intel": (
+        [
+            "-n",
+            "4",
+            "-hosts",
+            "a,b",
+            "-ppn",
+            "2",
+            "-prepend-rank",
+            "-genvlist",
+            f"{PLAN_VARIABLE},HETCOMM_LOG,PATH",
+        ],
+        {"I_MPI_PIN": "1", "I_MPI_PIN_DOMAIN": "core", "I_MPI_JOB_TIMEOUT": "90"},
+    ),
+    "slurm": (
+        [
+            "--ntasks=4",
+            "--nodelist=a,b",
+            "--ntasks-per-node=2",
+            "--cpu-bind=cores",
+            "--label",
+            "--kill-on-bad-exit=1",
+            "--time=2",
+            "--export=ALL",
+        ],
+        {},
+    ),
+}
 
 
 @pytest.mark.parametrize("flavour", sorted(GOLDEN))
@@ -90,9 +178,14 @@ def test_every_flavour_has_a_golden_command() -> None:
 
 @pytest.mark.parametrize(
     ("flavour", "extra"),
-    [("openmpi5", ["--oversubscribe"]), ("openmpi4", ["--oversubscribe"]), ("mpich", []),
-     ("intel", []), ("slurm", [])],
-)  # fmt: skip
+    [
+        ("openmpi5", ["--oversubscribe"]),
+        ("openmpi4", ["--oversubscribe"]),
+        ("mpich", []),
+        ("intel", []),
+        ("slurm", []),
+    ],
+)
 def test_one_machine(flavour: str, extra: list[str], tmp_path: Path) -> None:
     request = LaunchRequest(command=("./a.out",), n=2)
     argv, env = make(flavour, request, tmp_path, environ={}, is_root=False)
@@ -103,8 +196,15 @@ def test_one_machine(flavour: str, extra: list[str], tmp_path: Path) -> None:
 
 
 def test_plan_in_the_launch(tmp_path: Path) -> None:
-    launch = build(FULL, FLAVOURS["mpich"], "mpiexec.hydra", environ={}, is_root=False,
-                   python=PY, root=tmp_path)  # fmt: skip
+    launch = build(
+        FULL,
+        FLAVOURS["mpich"],
+        "mpiexec.hydra",
+        environ={},
+        is_root=False,
+        python=PY,
+        root=tmp_path,
+    )
     assert launch.plan == LaunchPlan("mpich", 4, ("nvidia", "amd"), 2, "auto", "core", True)
     assert launch.placement == (("a", 0), ("a", 1), ("b", 0), ("b", 1))
     env = rank_launcher_environ(launch, 3, {PLAN_VARIABLE: "x", "HOME": "/root"})
@@ -128,15 +228,17 @@ def test_fractional_timeout_rounds_up(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("request_", "match"),
-    [(LaunchRequest(command=(), n=2), "no command"),
-     (LaunchRequest(command=("x",), n=0), "positive number of ranks"),
-     (LaunchRequest(command=("x",), n=2, vendors=("intel",)), "simulate-vendors"),
-     (LaunchRequest(command=("x",), n=2, simulate_hosts=3), "simulate-hosts"),
-     (LaunchRequest(command=("x",), n=2, timeout=0), "timeout"),
-     (LaunchRequest(command=("x",), n=2, hosts="a", hostfile="f"), "not both"),
-     (LaunchRequest(command=("x",), n=2, rails="eth0,"), "rails"),
-     (LaunchRequest(command=("x",), n=2, bind="socket"), "bind")],
-)  # fmt: skip
+    [
+        (LaunchRequest(command=(), n=2), "no command"),
+        (LaunchRequest(command=("x",), n=0), "positive number of ranks"),
+        (LaunchRequest(command=("x",), n=2, vendors=("intel",)), "simulate-vendors"),
+        (LaunchRequest(command=("x",), n=2, simulate_hosts=3), "simulate-hosts"),
+        (LaunchRequest(command=("x",), n=2, timeout=0), "timeout"),
+        (LaunchRequest(command=("x",), n=2, hosts="a", hostfile="f"), "not both"),
+        (LaunchRequest(command=("x",), n=2, rails="eth0,"), "rails"),
+        (LaunchRequest(command=("x",), n=2, bind="socket"), "bind"),
+    ],
+)
 def test_bad_requests(request_: LaunchRequest, match: str, tmp_path: Path) -> None:
     with pytest.raises(LaunchError, match=match):
         make("openmpi5", request_, tmp_path)
@@ -147,20 +249,28 @@ def test_bad_requests(request_: LaunchRequest, match: str, tmp_path: Path) -> No
 
 @pytest.mark.parametrize(
     ("command", "wrapped"),
-    [(["python", "train.py", "--lr", "1"], ["python", "-m", "mpi4py", "train.py", "--lr", "1"]),
-     (["python3", "-m", "pkg.train"], ["python3", "-m", "mpi4py", "-m", "pkg.train"]),
-     (["/usr/bin/python3.11", "-u", "-W", "ignore", "t.py"],
-      ["/usr/bin/python3.11", "-u", "-W", "ignore", "-m", "mpi4py", "t.py"]),
-     (["python", "-Wignore::DeprecationWarning", "t.py"],
-      ["python", "-Wignore::DeprecationWarning", "-m", "mpi4py", "t.py"]),
-     (["python", "-c", "print(1)"], ["python", "-m", "mpi4py", "-c", "print(1)"]),
-     (["python", "--", "t.py"], ["python", "--", "t.py"]),
-     (["python", "-m", "mpi4py", "t.py"], ["python", "-m", "mpi4py", "t.py"]),
-     (["python"], ["python"]), (["python", "-"], ["python", "-"]),
-     (["python", "-uc", "print(1)"], ["python", "-uc", "print(1)"]),
-     (["./a.out", "x.py"], ["./a.out", "x.py"]), (["pythonic", "x.py"], ["pythonic", "x.py"]),
-     ([PY, "x.py"], [PY, "-m", "mpi4py", "x.py"])],
-)  # fmt: skip
+    [
+        (["python", "train.py", "--lr", "1"], ["python", "-m", "mpi4py", "train.py", "--lr", "1"]),
+        (["python3", "-m", "pkg.train"], ["python3", "-m", "mpi4py", "-m", "pkg.train"]),
+        (
+            ["/usr/bin/python3.11", "-u", "-W", "ignore", "t.py"],
+            ["/usr/bin/python3.11", "-u", "-W", "ignore", "-m", "mpi4py", "t.py"],
+        ),
+        (
+            ["python", "-Wignore::DeprecationWarning", "t.py"],
+            ["python", "-Wignore::DeprecationWarning", "-m", "mpi4py", "t.py"],
+        ),
+        (["python", "-c", "print(1)"], ["python", "-m", "mpi4py", "-c", "print(1)"]),
+        (["python", "--", "t.py"], ["python", "--", "t.py"]),
+        (["python", "-m", "mpi4py", "t.py"], ["python", "-m", "mpi4py", "t.py"]),
+        (["python"], ["python"]),
+        (["python", "-"], ["python", "-"]),
+        (["python", "-uc", "print(1)"], ["python", "-uc", "print(1)"]),
+        (["./a.out", "x.py"], ["./a.out", "x.py"]),
+        (["pythonic", "x.py"], ["pythonic", "x.py"]),
+        ([PY, "x.py"], [PY, "-m", "mpi4py", "x.py"]),
+    ],
+)
 def test_mpi4py_wrapped(command: list[str], wrapped: list[str]) -> None:
     assert mpi4py_wrapped(command, PY)[0] == wrapped
 
@@ -190,9 +300,14 @@ def test_hostfile_syntaxes() -> None:
 
 @pytest.mark.parametrize(
     ("text", "match"),
-    [("", "names no host"), ("a:2\nb slots=2\n", "mixes"), ("a slots=x\n", "positive"),
-     ("a:0\n", "positive"), ("a:2 extra\n", "line 1")],
-)  # fmt: skip
+    [
+        ("", "names no host"),
+        ("a:2\nb slots=2\n", "mixes"),
+        ("a slots=x\n", "positive"),
+        ("a:0\n", "positive"),
+        ("a:2 extra\n", "line 1"),
+    ],
+)
 def test_bad_hostfiles(text: str, match: str) -> None:
     with pytest.raises(HostSpecError, match=match):
         parse_hostfile(text)
@@ -228,8 +343,9 @@ def test_hostfile_passed_natively_or_as_a_list(tmp_path: Path) -> None:
     assert argv_for("mpich", hydra_file) == ["-f", str(hydra_file)]
     assert argv_for("mpich", ompi_file) == ["-hosts", "node1:4,node2:2"]
     assert argv_for("intel", hydra_file) == ["-machinefile", str(hydra_file)]
-    assert make("slurm", LaunchRequest(command=("x",), n=4, hostfile=str(hydra_file)),
-                tmp_path)[0][1:3] == ["--nodelist=node1,node2", "--ntasks-per-node=2"]  # fmt: skip
+    assert make("slurm", LaunchRequest(command=("x",), n=4, hostfile=str(hydra_file)), tmp_path)[0][
+        1:3
+    ] == ["--nodelist=node1,node2", "--ntasks-per-node=2"]
     with pytest.raises(LaunchError, match="different slot counts"):
         argv_for("intel", ompi_file)  # 4 and 2 slots: -hosts with one -ppn cannot say it
     with pytest.raises(HostSpecError, match="cannot read"):
@@ -253,7 +369,7 @@ def test_examples_are_shipped_and_valid(tmp_path: Path) -> None:
     assert placement(8, hosts)[3:5] == [("gpu-a1", 3), ("gpu-b1", 0)]
     sbatch = (examples / "slurm.sbatch").read_text()
     assert sbatch.startswith("#!/bin/bash\n") and "#SBATCH --nodes=" in sbatch
-    assert "hetcomm run -n \"$SLURM_NTASKS\"" in sbatch
+    assert 'hetcomm run -n "$SLURM_NTASKS"' in sbatch
     names = set(re.findall(r"\bHETCOMM_[A-Z_]*[A-Z]\b", sbatch))
     assert names <= set(ENV_NAMES), "an unknown HETCOMM_* name would fail every rank"
     script = tmp_path / "job.sbatch"

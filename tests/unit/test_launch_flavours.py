@@ -33,15 +33,35 @@ SLURM_WLM = "slurm-wlm 22.05.8\n"
 
 @pytest.mark.parametrize(
     ("banner", "launcher", "expected"),
-    [(OPENMPI5, "mpirun", "openmpi5"), (OPENMPI5_IDENT, "mpirun", "openmpi5"),
-     (OPENMPI4, "mpirun", "openmpi4"), (ORTE, "orterun", "openmpi4"),
-     (PRRTE, "prterun", "openmpi5"), (HYDRA, "mpiexec.hydra", "mpich"),
-     (MPICH, "mpiexec", "mpich"), (INTEL, "mpirun", "intel"), (MVAPICH, "mpiexec", "mvapich"),
-     (SLURM, "/usr/bin/srun", "slurm"), (SLURM_WLM, "srun", "slurm"),
-     ("", "/opt/slurm/bin/srun", "slurm")],
-    ids=["openmpi5", "openmpi5-ident", "openmpi4", "orte", "prrte", "hydra", "mpich", "intel",
-         "mvapich", "slurm", "slurm-wlm", "srun-by-name"],
-)  # fmt: skip
+    [
+        (OPENMPI5, "mpirun", "openmpi5"),
+        (OPENMPI5_IDENT, "mpirun", "openmpi5"),
+        (OPENMPI4, "mpirun", "openmpi4"),
+        (ORTE, "orterun", "openmpi4"),
+        (PRRTE, "prterun", "openmpi5"),
+        (HYDRA, "mpiexec.hydra", "mpich"),
+        (MPICH, "mpiexec", "mpich"),
+        (INTEL, "mpirun", "intel"),
+        (MVAPICH, "mpiexec", "mvapich"),
+        (SLURM, "/usr/bin/srun", "slurm"),
+        (SLURM_WLM, "srun", "slurm"),
+        ("", "/opt/slurm/bin/srun", "slurm"),
+    ],
+    ids=[
+        "openmpi5",
+        "openmpi5-ident",
+        "openmpi4",
+        "orte",
+        "prrte",
+        "hydra",
+        "mpich",
+        "intel",
+        "mvapich",
+        "slurm",
+        "slurm-wlm",
+        "srun-by-name",
+    ],
+)
 def test_detect(banner: str, launcher: str, expected: str) -> None:
     assert detect(banner, launcher) is FLAVOURS[expected]
 

@@ -49,9 +49,20 @@ MVAPICH_HYDRA = "HYDRA build details:\n    Version: 3.0\n    MVAPICH 3.0 based o
         (MVAPICH2, "mvapich", "2.3.7"),
         (MVAPICH_HYDRA, "mvapich", "3.0"),
     ],
-    ids=["openmpi5", "openmpi4", "prrte", "orte", "mpich", "hydra", "intel", "intel-full",
-         "intel-hydra", "mvapich2", "mvapich-hydra"],
-)  # fmt: skip
+    ids=[
+        "openmpi5",
+        "openmpi4",
+        "prrte",
+        "orte",
+        "mpich",
+        "hydra",
+        "intel",
+        "intel-full",
+        "intel-hydra",
+        "mvapich2",
+        "mvapich-hydra",
+    ],
+)
 def test_banners(banner: str, expected_flavour: str, expected_version: str) -> None:
     assert flavour(banner) == expected_flavour
     assert version(banner) == expected_version
@@ -59,19 +70,30 @@ def test_banners(banner: str, expected_flavour: str, expected_version: str) -> N
 
 @pytest.mark.parametrize(
     "banner",
-    ["", "mpiexec: command not found", "srun: slurm 23.02.7", "Microsoft MPI Startup Program",
-     "some launcher 1.2.3", "MPI"],
-)  # fmt: skip
+    [
+        "",
+        "mpiexec: command not found",
+        "srun: slurm 23.02.7",
+        "Microsoft MPI Startup Program",
+        "some launcher 1.2.3",
+        "MPI",
+    ],
+)
 def test_unknown_flavour(banner: str) -> None:
     assert flavour(banner) == "unknown"
 
 
 @pytest.mark.parametrize(
     ("banner", "expected"),
-    [("open mpi v5.0.0", "openmpi"), ("OPEN MPI", "openmpi"), ("mpich version: 4.2", "mpich"),
-     ("hydra build details", "mpich"), ("intel mpi library 2019", "intel"),
-     ("mvapich2 2.3", "mvapich")],
-)  # fmt: skip
+    [
+        ("open mpi v5.0.0", "openmpi"),
+        ("OPEN MPI", "openmpi"),
+        ("mpich version: 4.2", "mpich"),
+        ("hydra build details", "mpich"),
+        ("intel mpi library 2019", "intel"),
+        ("mvapich2 2.3", "mvapich"),
+    ],
+)
 def test_flavour_is_case_insensitive(banner: str, expected: str) -> None:
     assert flavour(banner) == expected
 
@@ -83,9 +105,16 @@ def test_flavours_are_known() -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("", None), ("no numbers here", None), ("v5", None), ("Open MPI v5.0.0rc12", "5.0.0"),
-     ("release 10.4.0.03", "10.4.0"), ("x 1.2 then 3.4.5", "1.2"), ("12.0", "12.0")],
-)  # fmt: skip
+    [
+        ("", None),
+        ("no numbers here", None),
+        ("v5", None),
+        ("Open MPI v5.0.0rc12", "5.0.0"),
+        ("release 10.4.0.03", "10.4.0"),
+        ("x 1.2 then 3.4.5", "1.2"),
+        ("12.0", "12.0"),
+    ],
+)
 def test_version(text: str, expected: str | None) -> None:
     assert version(text) == expected
 

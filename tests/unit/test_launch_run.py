@@ -43,15 +43,34 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     ("name", "expect"),
-    [("mpirun", "-x _HETCOMM_LAUNCH_PLAN"), ("mpiexec.hydra", "-genvlist _HETCOMM_LAUNCH_PLAN"),
-     ("intel-mpirun", "-genvlist _HETCOMM_LAUNCH_PLAN"), ("srun", "--export=ALL")],
-)  # fmt: skip
+    [
+        ("mpirun", "-x _HETCOMM_LAUNCH_PLAN"),
+        ("mpiexec.hydra", "-genvlist _HETCOMM_LAUNCH_PLAN"),
+        ("intel-mpirun", "-genvlist _HETCOMM_LAUNCH_PLAN"),
+        ("srun", "--export=ALL"),
+    ],
+)
 def test_dry_run_through_the_cli(
     name: str, expect: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], clean_env: None
 ) -> None:
     launcher = fake_launcher(tmp_path, name, BANNERS[name])
-    code = main(["run", "-n", "2", "--launcher", str(launcher), "--simulate-vendors", "nvidia,amd",
-                 "--dry-run", "--", "python", "train.py", "--epochs", "1"])  # fmt: skip
+    code = main(
+        [
+            "run",
+            "-n",
+            "2",
+            "--launcher",
+            str(launcher),
+            "--simulate-vendors",
+            "nvidia,amd",
+            "--dry-run",
+            "--",
+            "python",
+            "train.py",
+            "--epochs",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     command = next(line for line in out.splitlines() if str(launcher) in line and "shim" in line)
@@ -76,8 +95,10 @@ def test_bad_options(tmp_path: Path, capsys: pytest.CaptureFixture[str], clean_e
     launcher = fake_launcher(tmp_path, "mpirun", BANNERS["mpirun"])
     assert main(["run", "--launcher", str(launcher), "--", "true"]) == 2
     assert "-n N is required" in capsys.readouterr().err
-    assert main(["run", "-n", "2", "--simulate-hosts", "3", "--launcher", str(launcher), "--",
-                 "true"]) == 2  # fmt: skip
+    assert (
+        main(["run", "-n", "2", "--simulate-hosts", "3", "--launcher", str(launcher), "--", "true"])
+        == 2
+    )
     assert "--simulate-hosts" in capsys.readouterr().err
     unknown = fake_launcher(tmp_path, "mystery", "mystery launcher 1.0")
     assert main(["run", "-n", "2", "--launcher", str(unknown), "--", "true"]) == 2
@@ -85,9 +106,11 @@ def test_bad_options(tmp_path: Path, capsys: pytest.CaptureFixture[str], clean_e
 
 
 def test_slurm_ntasks_is_the_default(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], clean_env: None,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    clean_env: None,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     launcher = fake_launcher(tmp_path, "srun", BANNERS["srun"])
     monkeypatch.setenv("SLURM_NTASKS", "3")
     assert main(["run", "--launcher", str(launcher), "--dry-run", "--", "./a.out"]) == 0
@@ -98,10 +121,25 @@ def test_the_console_script_end_to_end(tmp_path: Path) -> None:
     launcher = fake_launcher(tmp_path, "mpiexec.hydra", BANNERS["mpiexec.hydra"])
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETCOMM_")}
     done = subprocess.run(
-        [sys.executable, "-m", "hetcomm", "run", "-n", "2", "--launcher", str(launcher),
-         "--verbose", "--", "true"],
-        capture_output=True, text=True, timeout=60, env=env, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "hetcomm",
+            "run",
+            "-n",
+            "2",
+            "--launcher",
+            str(launcher),
+            "--verbose",
+            "--",
+            "true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
     assert done.returncode == 99  # the fake launcher's own exit status comes back
     assert "-genvlist" in done.stderr and "rank 1 (" in done.stderr  # --verbose: to stderr
 
@@ -152,8 +190,11 @@ PRINT_ENV = "import json, os; print(json.dumps(dict(os.environ)))"
 def run_shim(
     plan: str | None, rank_vars: dict[str, str], *command: str
 ) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HETCOMM_", "OMPI_", "PMI", "SLURM_"))}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HETCOMM_", "OMPI_", "PMI", "SLURM_"))
+    }
     env.update(rank_vars)
     if plan is not None:
         env[PLAN_VARIABLE] = plan
@@ -163,8 +204,13 @@ def run_shim(
 
 def test_shim_sets_the_environment_and_execs() -> None:
     plan = LaunchPlan("openmpi5", 4, ("nvidia", "amd"), 2, rails="lo").to_json()
-    done = run_shim(plan, {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "3"},
-                    sys.executable, "-c", PRINT_ENV)  # fmt: skip
+    done = run_shim(
+        plan,
+        {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "3"},
+        sys.executable,
+        "-c",
+        PRINT_ENV,
+    )
     assert done.returncode == 0, done.stderr
     env = json.loads(done.stdout)
     assert PLAN_VARIABLE not in env

@@ -31,8 +31,9 @@ class _Calls:
 
 def _transport(aware: list[bool]) -> MpiTransport:
     members = [Member(r, "h", "nvidia", f"gpu{r}", a) for r, a in enumerate(aware)]
-    comm = SimpleNamespace(mpi=_Calls(), name="dp", config=Config(),
-                           topology=SimpleNamespace(members=lambda: members))
+    comm = SimpleNamespace(
+        mpi=_Calls(), name="dp", config=Config(), topology=SimpleNamespace(members=lambda: members)
+    )
     return MpiTransport(comm)
 
 

@@ -24,8 +24,9 @@ from hetcomm.transports import mpi_persistent
 from hetcomm.transports.mpi import _KINDS, _PERSISTENT, MpiTransport
 from hetcomm.transports.mpi_persistent import Requests
 
-pytestmark = pytest.mark.skipif(mpi_persistent.unavailable() is not None,
-                                reason=f"{mpi_persistent.unavailable()}")  # fmt: skip
+pytestmark = pytest.mark.skipif(
+    mpi_persistent.unavailable() is not None, reason=f"{mpi_persistent.unavailable()}"
+)
 
 F32_SUM = _PERSISTENT[("float32", "sum")]
 I64_MAX = _PERSISTENT[("int64", "max")]
@@ -35,8 +36,13 @@ I64_MAX = _PERSISTENT[("int64", "max")]
 def self_comm():
     mpi = MPI.COMM_SELF.Dup()
     members = [Member(0, "h", "nvidia", "gpu0", True)]
-    comm = SimpleNamespace(mpi=mpi, name="self", config=Config(), _abort=lambda exc: None,
-                           topology=SimpleNamespace(members=lambda: members))  # fmt: skip
+    comm = SimpleNamespace(
+        mpi=mpi,
+        name="self",
+        config=Config(),
+        _abort=lambda exc: None,
+        topology=SimpleNamespace(members=lambda: members),
+    )
     yield comm
     mpi.Free()
 

@@ -16,7 +16,11 @@ def test_one_vendor_own_devices_is_fine():
 @pytest.mark.parametrize(
     ("devices", "vendors", "words"),
     [
-        ([(0, "GPU-a"), (1, "GPU-a")], ["nvidia", "nvidia"], ["ranks 0 and 1", "GPU-a", "duplicate"]),
+        (
+            [(0, "GPU-a"), (1, "GPU-a")],
+            ["nvidia", "nvidia"],
+            ["ranks 0 and 1", "GPU-a", "duplicate"],
+        ),
         ([(0, "GPU-a"), (1, "GPU-b"), (2, "GPU-b")], ["amd"] * 3, ["ranks 1 and 2"]),
         ([(0, "GPU-a"), (1, "GPU-b")], ["nvidia", "amd"], ["span vendors amd, nvidia"]),
         ([(0, "GPU-a"), (1, None)], ["nvidia", "cpu"], ["no GPU"]),
@@ -35,8 +39,22 @@ def test_plan_passes_the_refusal_on_when_nccl_is_forced():
     why = group_unavailable([(m.rank, m.device) for m in members], [m.vendor for m in members])
     unavailable = {"mpi": None, "nccl": why, "staged": None, "direct": "x", "hier": "x"}
     with pytest.raises(plan.TransportUnavailable, match="duplicate"):
-        plan.choose(members, op="all_reduce", memory="device", nbytes=1 << 20,
-                    requested="nccl", unavailable=unavailable, group="dp")  # fmt: skip
-    auto = plan.choose(members, op="all_reduce", memory="device", nbytes=1 << 20,
-                       requested="auto", unavailable=unavailable, group="dp")  # fmt: skip
+        plan.choose(
+            members,
+            op="all_reduce",
+            memory="device",
+            nbytes=1 << 20,
+            requested="nccl",
+            unavailable=unavailable,
+            group="dp",
+        )
+    auto = plan.choose(
+        members,
+        op="all_reduce",
+        memory="device",
+        nbytes=1 << 20,
+        requested="auto",
+        unavailable=unavailable,
+        group="dp",
+    )
     assert auto.transport == "staged"

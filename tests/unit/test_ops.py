@@ -33,15 +33,27 @@ def test_enum_passes_through(op: ReduceOp) -> None:
 @pytest.mark.parametrize(
     ("name", "op"),
     [
-        ("sum", ReduceOp.SUM), ("SUM", ReduceOp.SUM), ("Sum", ReduceOp.SUM),
-        ("avg", ReduceOp.AVG), ("AVG", ReduceOp.AVG), ("mean", ReduceOp.AVG),
-        ("MEAN", ReduceOp.AVG), ("Mean", ReduceOp.AVG),
-        ("prod", ReduceOp.PROD), ("PROD", ReduceOp.PROD), ("product", ReduceOp.PROD),
-        ("Product", ReduceOp.PROD), ("PRODUCT", ReduceOp.PROD),
-        ("min", ReduceOp.MIN), ("MIN", ReduceOp.MIN), ("mIn", ReduceOp.MIN),
-        ("max", ReduceOp.MAX), ("MAX", ReduceOp.MAX), ("Max", ReduceOp.MAX),
+        ("sum", ReduceOp.SUM),
+        ("SUM", ReduceOp.SUM),
+        ("Sum", ReduceOp.SUM),
+        ("avg", ReduceOp.AVG),
+        ("AVG", ReduceOp.AVG),
+        ("mean", ReduceOp.AVG),
+        ("MEAN", ReduceOp.AVG),
+        ("Mean", ReduceOp.AVG),
+        ("prod", ReduceOp.PROD),
+        ("PROD", ReduceOp.PROD),
+        ("product", ReduceOp.PROD),
+        ("Product", ReduceOp.PROD),
+        ("PRODUCT", ReduceOp.PROD),
+        ("min", ReduceOp.MIN),
+        ("MIN", ReduceOp.MIN),
+        ("mIn", ReduceOp.MIN),
+        ("max", ReduceOp.MAX),
+        ("MAX", ReduceOp.MAX),
+        ("Max", ReduceOp.MAX),
     ],
-)  # fmt: skip
+)
 def test_names_case_insensitive(name: str, op: ReduceOp) -> None:
     assert as_reduce_op(name) is op
 
@@ -55,9 +67,25 @@ def test_name_and_value_round_trip(op: ReduceOp) -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    ["", "add", "average", "sum ", " max", "band", "bor", "ReduceOp.SUM", "minimum", 0, 1, None,
-     1.5, b"sum", ["sum"], ReduceOp],
-)  # fmt: skip
+    [
+        "",
+        "add",
+        "average",
+        "sum ",
+        " max",
+        "band",
+        "bor",
+        "ReduceOp.SUM",
+        "minimum",
+        0,
+        1,
+        None,
+        1.5,
+        b"sum",
+        ["sum"],
+        ReduceOp,
+    ],
+)
 def test_bad_op(bad: Any) -> None:
     with pytest.raises(InvalidArgument) as info:
         as_reduce_op(bad)

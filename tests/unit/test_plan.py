@@ -63,10 +63,15 @@ def cpu_only(n: int = 3, hosts: Sequence[str] = ("a",)) -> list[Member]:
     return [Member(i, hosts[i % len(hosts)], "cpu", None, False) for i in range(n)]
 
 
-def pick(members: Sequence[Member], op: str = "all_reduce", memory: str = "device",
-         nbytes: int = LARGE, requested: str = "auto",
-         unavailable: dict[str, str | None] | None = None,
-         direct_min: int = SMALL_BYTES) -> Choice:  # fmt: skip
+def pick(
+    members: Sequence[Member],
+    op: str = "all_reduce",
+    memory: str = "device",
+    nbytes: int = LARGE,
+    requested: str = "auto",
+    unavailable: dict[str, str | None] | None = None,
+    direct_min: int = SMALL_BYTES,
+) -> Choice:
     """choose() with the crossover at the size-class boundary (direct for large messages only)
     unless `direct_min` says otherwise; the default crossover has tests of its own below."""
     return choose(
@@ -86,9 +91,15 @@ def pick(members: Sequence[Member], op: str = "all_reduce", memory: str = "devic
 
 @pytest.mark.parametrize(
     ("nbytes", "cls"),
-    [(0, "small"), (1, "small"), (SMALL_BYTES - 1, "small"), (SMALL_BYTES, "small"),
-     (SMALL_BYTES + 1, "large"), (2**40, "large")],
-)  # fmt: skip
+    [
+        (0, "small"),
+        (1, "small"),
+        (SMALL_BYTES - 1, "small"),
+        (SMALL_BYTES, "small"),
+        (SMALL_BYTES + 1, "large"),
+        (2**40, "large"),
+    ],
+)
 def test_size_class_boundaries(nbytes: int, cls: str) -> None:
     assert size_class(nbytes) == cls
     assert cls in SIZE_CLASSES
@@ -255,8 +266,15 @@ def test_forced_reason_comes_before_the_memory_check() -> None:
 
 def test_forced_error_names_the_group() -> None:
     with pytest.raises(TransportUnavailable, match=r"^group 'pipeline-3': "):
-        choose(mixed(), op="recv", memory="device", nbytes=8, requested="mpi",
-               unavailable=EVERYTHING, group="pipeline-3")  # fmt: skip
+        choose(
+            mixed(),
+            op="recv",
+            memory="device",
+            nbytes=8,
+            requested="mpi",
+            unavailable=EVERYTHING,
+            group="pipeline-3",
+        )
 
 
 # ---- device buffers, automatic choice -----------------------------------------------------------
@@ -305,8 +323,9 @@ def test_nccl_unavailable_falls_through() -> None:
 @pytest.mark.parametrize("hosts", [("a", "b"), ("a",)])
 def test_mixed_vendors_collective_is_hier(op: str, hosts: tuple[str, ...]) -> None:
     """Across hosts, or on one host whose GPUs cannot map each other (two real vendors)."""
-    no_peer = available("mpi", "nccl", "staged", "hier",
-                        direct="GPUs of vendors amd, nvidia: no IPC between them")
+    no_peer = available(
+        "mpi", "nccl", "staged", "hier", direct="GPUs of vendors amd, nvidia: no IPC between them"
+    )
     for nbytes in (1, LARGE):
         c = pick(mixed(hosts=hosts), op=op, nbytes=nbytes, unavailable=no_peer)
         assert c == Choice("hier", "2 vendor islands: native inside, staged/direct between")
@@ -380,15 +399,21 @@ def test_one_member_not_gpu_aware_is_not_mpi() -> None:
 
 def test_staged_fallback() -> None:
     c = pick(mixed(), op="send", unavailable=available("staged", "mpi"))
-    assert c == Choice("staged", "no native library or GPU-aware MPI serves these members: "
-                               "staged copies through pinned host memory")
+    assert c == Choice(
+        "staged",
+        "no native library or GPU-aware MPI serves these members: "
+        "staged copies through pinned host memory",
+    )
 
 
 def test_nothing_available_lists_each_rejected_transport() -> None:
     un = available(
-        nccl="NCCL: no such library", mpi="libmpi missing", staged="staging disabled",
-        hier="hier not built", direct="no peer access",
-    )  # fmt: skip
+        nccl="NCCL: no such library",
+        mpi="libmpi missing",
+        staged="staging disabled",
+        hier="hier not built",
+        direct="no peer access",
+    )
     with pytest.raises(TransportUnavailable) as info:
         pick(mixed(), op="send", unavailable=un)
     msg = str(info.value)
@@ -407,8 +432,11 @@ def test_nothing_available_single_vendor() -> None:
     with pytest.raises(TransportUnavailable) as info:
         pick(same_vendor("nvidia", hosts=("a", "b")), unavailable=available(nccl="no NCCL"))
     msg = str(info.value)
-    for part in ("nccl: no NCCL", "mpi: not GPU-aware on ranks [0, 1, 2, 3]",
-                 "staged: staged is not installed"):  # fmt: skip
+    for part in (
+        "nccl: no NCCL",
+        "mpi: not GPU-aware on ranks [0, 1, 2, 3]",
+        "staged: staged is not installed",
+    ):
         assert part in msg
 
 
@@ -459,10 +487,15 @@ def test_random_member_sets_always_decide() -> None:
     for _ in range(200):
         n = int(rng.integers(1, 7))
         members = [
-            Member(i, f"h{rng.integers(0, 3)}", vendors[rng.integers(0, 3)],
-                   f"d{rng.integers(0, 8)}", bool(rng.integers(0, 2)))
+            Member(
+                i,
+                f"h{rng.integers(0, 3)}",
+                vendors[rng.integers(0, 3)],
+                f"d{rng.integers(0, 8)}",
+                bool(rng.integers(0, 2)),
+            )
             for i in range(n)
-        ]  # fmt: skip
+        ]
         un = {t: (None if rng.integers(0, 2) else f"{t} off") for t in TRANSPORTS}
         op = OPS[rng.integers(0, len(OPS))]
         nbytes = int(rng.integers(0, 4 * SMALL_BYTES))
@@ -507,21 +540,30 @@ def test_plan_table_rows_cover_every_case() -> None:
 
 def test_plan_table_rows_match_choose() -> None:
     members = mixed(hosts=("a",))
-    table = plan_table(members, requested="auto", unavailable=EVERYTHING, group="g", direct_min=SMALL_BYTES)
+    table = plan_table(
+        members, requested="auto", unavailable=EVERYTHING, group="g", direct_min=SMALL_BYTES
+    )
     for op, memory, cls, transport, reason in table.rows:
         nbytes = SMALL_BYTES if cls == "small" else SMALL_BYTES * 1024
         assert pick(members, op=op, memory=memory, nbytes=nbytes) == Choice(transport, reason)
     assert table.lookup("all_reduce", "device", "small") == (
-        "hier", "2 vendor islands: native inside, staged/direct between")  # fmt: skip
+        "hier",
+        "2 vendor islands: native inside, staged/direct between",
+    )
     assert table.lookup("send", "device", "large")[0] == "direct"
     assert table.lookup("send", "device", "small")[0] == "staged"
     assert table.lookup("barrier", "host", "small")[0] == "mpi"
 
 
 def test_plan_table_memories_argument() -> None:
-    table = plan_table(mixed(), requested="auto", unavailable=EVERYTHING, group="g",
-                       direct_min=SMALL_BYTES,
-                       memories=("device",))  # fmt: skip
+    table = plan_table(
+        mixed(),
+        requested="auto",
+        unavailable=EVERYTHING,
+        group="g",
+        direct_min=SMALL_BYTES,
+        memories=("device",),
+    )
     assert [row[:3] for row in table.rows] == expected_keys(("device",))
 
 
@@ -548,17 +590,25 @@ def test_plan_table_forced_failure_shows_the_reason_only() -> None:
 
 
 def test_plan_table_str_merges_lines() -> None:
-    table = plan_table(mixed(hosts=("a",)), requested="auto", unavailable=EVERYTHING, group="g",
-                       direct_min=SMALL_BYTES)  # fmt: skip
-    assert str(table) == "\n".join([
-        "plan of group 'g':",
-        "  host   every op -> mpi: host buffers: MPI moves them directly",
-        "  device all_reduce, reduce, broadcast, all_gather, reduce_scatter, all_to_all (small) -> "
-        "hier: 2 vendor islands: native inside, staged/direct between",
-        "  device every op (large) -> direct: one host, peer memory mapped: GPU-to-GPU copies",
-        "  device send, recv (small) -> staged: no native library or GPU-aware MPI serves these "
-        "members: staged copies through pinned host memory",
-    ])  # fmt: skip
+    table = plan_table(
+        mixed(hosts=("a",)),
+        requested="auto",
+        unavailable=EVERYTHING,
+        group="g",
+        direct_min=SMALL_BYTES,
+    )
+    assert str(table) == "\n".join(
+        [
+            "plan of group 'g':",
+            "  host   every op -> mpi: host buffers: MPI moves them directly",
+            "  device all_reduce, reduce, broadcast, all_gather, reduce_scatter, all_to_all "
+            "(small) -> "
+            "hier: 2 vendor islands: native inside, staged/direct between",
+            "  device every op (large) -> direct: one host, peer memory mapped: GPU-to-GPU copies",
+            "  device send, recv (small) -> staged: no native library or GPU-aware MPI serves "
+            "these members: staged copies through pinned host memory",
+        ]
+    )
 
 
 def test_plan_table_str_every_op_for_device() -> None:
@@ -572,7 +622,9 @@ def test_plan_table_str_every_op_for_device() -> None:
 
 def test_plan_table_str_per_size_class() -> None:
     members = [Member(0, "a", "nvidia", "g", True), Member(1, "a", "nvidia", "g", True)]
-    table = plan_table(members, requested="auto", unavailable=EVERYTHING, group="g", direct_min=SMALL_BYTES)
+    table = plan_table(
+        members, requested="auto", unavailable=EVERYTHING, group="g", direct_min=SMALL_BYTES
+    )
     lines = str(table).splitlines()
     assert "  device every op (small) -> mpi: the MPI library is GPU-aware on every member" in lines
     assert (
@@ -606,13 +658,16 @@ def test_plan_table_str_nothing() -> None:
 
 
 def test_plan_table_str_is_built_from_rows() -> None:
-    table = PlanTable("x", (
-        ("send", "device", "small", "mpi", "r1"),
-        ("send", "device", "large", "staged", "r2"),
-        ("recv", "device", "small", "mpi", "r1"),
-        ("barrier", "host", "small", "mpi", "r3"),
-        ("barrier", "host", "large", "mpi", "r3"),
-    ))  # fmt: skip
+    table = PlanTable(
+        "x",
+        (
+            ("send", "device", "small", "mpi", "r1"),
+            ("send", "device", "large", "staged", "r2"),
+            ("recv", "device", "small", "mpi", "r1"),
+            ("barrier", "host", "small", "mpi", "r3"),
+            ("barrier", "host", "large", "mpi", "r3"),
+        ),
+    )
     assert str(table).splitlines() == [
         "plan of group 'x':",
         "  device send, recv (small) -> mpi: r1",
@@ -635,8 +690,9 @@ def test_crossover_above_the_small_class_keeps_small_messages_staged() -> None:
     members = [Member(r, "a", "nvidia", "gpu-0", False) for r in range(2)]
     small = pick(members, nbytes=8, direct_min=SMALL_BYTES)
     assert small.transport == "staged"
-    table = plan_table(members, requested="auto", unavailable=EVERYTHING, group="g",
-                       direct_min=SMALL_BYTES)  # fmt: skip
+    table = plan_table(
+        members, requested="auto", unavailable=EVERYTHING, group="g", direct_min=SMALL_BYTES
+    )
     assert table.lookup("send", "device", "small")[0] == "staged"
     assert table.lookup("send", "device", "large")[0] == "direct"
     huge = pick(members, nbytes=LARGE, direct_min=LARGE * 2)

@@ -42,8 +42,14 @@ class Channel:
 
 def _setup(nbytes: int, ready: object = None) -> tuple[RailThreads, Channel, Link, _Op]:
     rails = object.__new__(RailThreads)
-    op = _Op(1, Region(2 * nbytes, None, 0x1000), [(0, nbytes), (nbytes, nbytes)], remote=7,
-             ready=ready, left=2)  # fmt: skip
+    op = _Op(
+        1,
+        Region(2 * nbytes, None, 0x1000),
+        [(0, nbytes), (nbytes, nbytes)],
+        remote=7,
+        ready=ready,
+        left=2,
+    )
     return rails, Channel(), Link(), op
 
 

@@ -69,9 +69,14 @@ def test_blocks_partition_the_elements_nearly_evenly(count, parts) -> None:
 
 
 def _card(rank: int, host: str, node: int, addrs: list[str], prefix: int = 24) -> dict:
-    return {"rank": rank, "host": host, "node": node, "addrs": addrs,
-            "prefixes": {a: prefix for a in addrs},
-            "ports": {a: 1000 + i for i, a in enumerate(addrs)}}  # fmt: skip
+    return {
+        "rank": rank,
+        "host": host,
+        "node": node,
+        "addrs": addrs,
+        "prefixes": {a: prefix for a in addrs},
+        "ports": {a: 1000 + i for i, a in enumerate(addrs)},
+    }
 
 
 def test_same_host_uses_shared_memory() -> None:
@@ -83,14 +88,22 @@ def test_simulated_hosts_on_one_machine_use_loopback_in_auto_mode() -> None:
     a = _card(0, "ha", 0, ["127.0.0.1", "10.0.0.1"])
     b = _card(1, "hb", 0, ["127.0.0.1", "10.0.0.1"])
     (rail,) = choose_rails(a, b, "auto")
-    assert (rail.kind, rail.local, rail.remote, rail.port) == ("tcp", "127.0.0.1", "127.0.0.1", 1000)
+    assert (rail.kind, rail.local, rail.remote, rail.port) == (
+        "tcp",
+        "127.0.0.1",
+        "127.0.0.1",
+        1000,
+    )
 
 
 def test_real_hosts_pair_their_nics_by_index_and_never_loopback() -> None:
     a = _card(0, "ha", 0, ["127.0.0.1", "10.0.0.1", "10.1.0.1"])
     b = _card(1, "hb", 1, ["127.0.0.1", "10.0.0.2", "10.1.0.2"])
     rails = choose_rails(a, b, "auto")
-    assert [(r.local, r.remote) for r in rails] == [("10.0.0.1", "10.0.0.2"), ("10.1.0.1", "10.1.0.2")]
+    assert [(r.local, r.remote) for r in rails] == [
+        ("10.0.0.1", "10.0.0.2"),
+        ("10.1.0.1", "10.1.0.2"),
+    ]
     # both sides compute the same rails, mirrored
     back = choose_rails(b, a, "auto")
     assert [(r.remote, r.local) for r in back] == [(r.local, r.remote) for r in rails]
@@ -111,5 +124,7 @@ def test_real_hosts_pair_nics_on_the_same_subnet_only() -> None:
     b = _card(1, "hb", 1, ["10.0.0.6", "172.16.0.6", "192.168.1.6", "172.17.0.1"])
     rails = choose_rails(a, b, "auto")
     # 172.17.0.1 on both: a host-local bridge, not a path between the hosts
-    assert [(r.local, r.remote) for r in rails] == [("10.0.0.5", "10.0.0.6"),
-                                                    ("192.168.1.5", "192.168.1.6")]
+    assert [(r.local, r.remote) for r in rails] == [
+        ("10.0.0.5", "10.0.0.6"),
+        ("192.168.1.5", "192.168.1.6"),
+    ]

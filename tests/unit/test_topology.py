@@ -26,28 +26,76 @@ UUID2 = "amd-6c6b4f0e9d8c7b6a"
 
 def rank_info(rank: int, host: str, vendor: str, **kw: Any) -> RankInfo:
     fields: dict[str, Any] = {
-        "rank": rank, "world_rank": rank, "host": host, "vendor": vendor,
-        "detected_vendor": vendor, "device_index": None, "device_uuid": None,
-        "local_rank": 0, "local_size": 1, "node": 0, "nics": (), "gpu_aware": False,
+        "rank": rank,
+        "world_rank": rank,
+        "host": host,
+        "vendor": vendor,
+        "detected_vendor": vendor,
+        "device_index": None,
+        "device_uuid": None,
+        "local_rank": 0,
+        "local_size": 1,
+        "node": 0,
+        "nics": (),
+        "gpu_aware": False,
         "mpi_gpu": "no GPU-support query in this MPI: assumed not GPU-aware",
-    }  # fmt: skip
+    }
     fields.update(kw)
     return RankInfo(**fields)
 
 
 def mixed_four() -> Topology:
     """2 nvidia ranks on host a; 2 amd ranks on host b, the second simulated on a CPU."""
-    return Topology([
-        rank_info(0, "a", "nvidia", device_index=0, device_uuid=UUID0, local_rank=0, local_size=2,
-                  node=0, nics=(Nic("eth0", "10.0.0.1", 24), Nic("ib0", "10.1.0.1", 16, 100000)),
-                  gpu_aware=True, mpi_gpu="MPIX_Query_cuda_support() = 1 (CUDA-aware)"),
-        rank_info(1, "a", "nvidia", device_index=1, device_uuid=UUID1, local_rank=1, local_size=2,
-                  node=0, nics=(Nic("eth0", "10.0.0.1", 24),), gpu_aware=True),
-        rank_info(2, "b", "amd", device_index=0, device_uuid=UUID2, local_rank=0, local_size=2,
-                  node=1, nics=(Nic("eth0", "10.0.0.2", 24),)),
-        rank_info(3, "b", "amd", detected_vendor="cpu", local_rank=1, local_size=2, node=1,
-                  nics=(Nic("eth0", "10.0.0.2", 24),)),
-    ])  # fmt: skip
+    return Topology(
+        [
+            rank_info(
+                0,
+                "a",
+                "nvidia",
+                device_index=0,
+                device_uuid=UUID0,
+                local_rank=0,
+                local_size=2,
+                node=0,
+                nics=(Nic("eth0", "10.0.0.1", 24), Nic("ib0", "10.1.0.1", 16, 100000)),
+                gpu_aware=True,
+                mpi_gpu="MPIX_Query_cuda_support() = 1 (CUDA-aware)",
+            ),
+            rank_info(
+                1,
+                "a",
+                "nvidia",
+                device_index=1,
+                device_uuid=UUID1,
+                local_rank=1,
+                local_size=2,
+                node=0,
+                nics=(Nic("eth0", "10.0.0.1", 24),),
+                gpu_aware=True,
+            ),
+            rank_info(
+                2,
+                "b",
+                "amd",
+                device_index=0,
+                device_uuid=UUID2,
+                local_rank=0,
+                local_size=2,
+                node=1,
+                nics=(Nic("eth0", "10.0.0.2", 24),),
+            ),
+            rank_info(
+                3,
+                "b",
+                "amd",
+                detected_vendor="cpu",
+                local_rank=1,
+                local_size=2,
+                node=1,
+                nics=(Nic("eth0", "10.0.0.2", 24),),
+            ),
+        ]
+    )
 
 
 # ---- MPI stays out ------------------------------------------------------------------------------
@@ -109,13 +157,22 @@ def test_shared_device_same_identity() -> None:
 
 
 def test_shared_device_is_not_nccl_in_the_plan() -> None:
-    topo = Topology([
-        rank_info(0, "a", "nvidia", device_index=0, device_uuid=UUID0, gpu_aware=True),
-        rank_info(1, "a", "nvidia", device_index=0, device_uuid=UUID0, gpu_aware=True),
-    ])  # fmt: skip
+    topo = Topology(
+        [
+            rank_info(0, "a", "nvidia", device_index=0, device_uuid=UUID0, gpu_aware=True),
+            rank_info(1, "a", "nvidia", device_index=0, device_uuid=UUID0, gpu_aware=True),
+        ]
+    )
     unavailable = dict.fromkeys(("mpi", "nccl", "direct", "staged", "hier"))
-    choice = choose(topo.members(), op="all_reduce", memory="device", nbytes=8,
-                    requested="auto", unavailable=unavailable, group="g")  # fmt: skip
+    choice = choose(
+        topo.members(),
+        op="all_reduce",
+        memory="device",
+        nbytes=8,
+        requested="auto",
+        unavailable=unavailable,
+        group="g",
+    )
     assert choice.transport != "nccl"
 
 
@@ -147,10 +204,15 @@ def test_islands_hosts_vendors() -> None:
 
 
 def test_islands_interleaved_and_one_host() -> None:
-    topo = Topology([
-        rank_info(0, "b", "amd"), rank_info(1, "a", "nvidia"), rank_info(2, "b", "amd"),
-        rank_info(3, "a", "amd"), rank_info(4, "a", "nvidia"),
-    ])  # fmt: skip
+    topo = Topology(
+        [
+            rank_info(0, "b", "amd"),
+            rank_info(1, "a", "nvidia"),
+            rank_info(2, "b", "amd"),
+            rank_info(3, "a", "amd"),
+            rank_info(4, "a", "nvidia"),
+        ]
+    )
     assert topo.islands() == [(0, 2), (1, 4), (3,)]
     assert topo.hosts() == ["a", "b"]
     assert topo.vendors() == ["amd", "nvidia"]
@@ -192,7 +254,9 @@ def test_subset_renumbers() -> None:
 def test_subset_one_per_host() -> None:
     sub = mixed_four().subset([1, 3])
     assert [(r.rank, r.host, r.local_rank, r.local_size) for r in sub] == [
-        (0, "a", 0, 1), (1, "b", 0, 1)]  # fmt: skip
+        (0, "a", 0, 1),
+        (1, "b", 0, 1),
+    ]
     assert sub.islands() == [(0,), (1,)]
 
 
@@ -253,9 +317,14 @@ def test_fingerprint_sensitive_to_hosts_devices_addresses(change: dict[str, Any]
 
 @pytest.mark.parametrize(
     "change",
-    [{"gpu_aware": False}, {"mpi_gpu": "other"}, {"world_rank": 9}, {"local_size": 7},
-     {"nics": (Nic("eth9", "10.0.0.1", 30, 10), Nic("ib9", "10.1.0.1", 8))}],
-)  # fmt: skip
+    [
+        {"gpu_aware": False},
+        {"mpi_gpu": "other"},
+        {"world_rank": 9},
+        {"local_size": 7},
+        {"nics": (Nic("eth9", "10.0.0.1", 30, 10), Nic("ib9", "10.1.0.1", 8))},
+    ],
+)
 def test_fingerprint_ignores_other_facts(change: dict[str, Any]) -> None:
     # only hosts, vendors, devices and NIC addresses shape it
     topo = mixed_four()
@@ -284,14 +353,54 @@ def test_table() -> None:
         "MPI",
         "NICs",
     ]
-    assert lines[1].split() == ["0", "a", "nvidia", "0", UUID0[:12], "0/2", "yes", "eth0",
-                                "10.0.0.1/24,", "ib0", "10.1.0.1/16"]  # fmt: skip
-    assert lines[2].split() == ["1", "a", "nvidia", "1", UUID1[:12], "1/2", "yes", "eth0",
-                                "10.0.0.1/24"]  # fmt: skip
-    assert lines[3].split() == ["2", "b", "amd", "0", UUID2[:12], "0/2", "no", "eth0",
-                                "10.0.0.2/24"]  # fmt: skip
-    assert lines[4].split() == ["3", "b", "amd", "(sim;", "is", "cpu)", "-", "1/2", "no", "eth0",
-                                "10.0.0.2/24"]  # fmt: skip
+    assert lines[1].split() == [
+        "0",
+        "a",
+        "nvidia",
+        "0",
+        UUID0[:12],
+        "0/2",
+        "yes",
+        "eth0",
+        "10.0.0.1/24,",
+        "ib0",
+        "10.1.0.1/16",
+    ]
+    assert lines[2].split() == [
+        "1",
+        "a",
+        "nvidia",
+        "1",
+        UUID1[:12],
+        "1/2",
+        "yes",
+        "eth0",
+        "10.0.0.1/24",
+    ]
+    assert lines[3].split() == [
+        "2",
+        "b",
+        "amd",
+        "0",
+        UUID2[:12],
+        "0/2",
+        "no",
+        "eth0",
+        "10.0.0.2/24",
+    ]
+    assert lines[4].split() == [
+        "3",
+        "b",
+        "amd",
+        "(sim;",
+        "is",
+        "cpu)",
+        "-",
+        "1/2",
+        "no",
+        "eth0",
+        "10.0.0.2/24",
+    ]
     assert "amd (sim; is cpu)" in lines[4]
     assert text.count("(sim;") == 1
     # columns line up: the host column starts at the same offset in every line

@@ -22,15 +22,36 @@ from hetcomm import ReduceOp  # noqa: E402
 
 # every collective a torch ProcessGroup has had, under any name, since 2.4
 COLLECTIVES = {
-    "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "allgather_coalesced",
-    "gather", "scatter", "reduce_scatter", "alltoall", "barrier", "send", "recv",
+    "allreduce",
+    "allreduce_coalesced",
+    "broadcast",
+    "reduce",
+    "allgather",
+    "allgather_coalesced",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "alltoall",
+    "barrier",
+    "send",
+    "recv",
     "recv_anysource",
     *(name for names in ht.METHOD_NAMES.values() for name in names),
-}  # fmt: skip
+}
 # names in torch's ProcessGroup binding that are not collectives hetcomm must provide
 NOT_OURS = {"monitored_barrier", "merge_remote_group", "split_group", "new_group"}
-WORDS = ("gather", "reduce", "scatter", "alltoall", "all_to_all", "broadcast", "barrier", "send",
-         "recv", "coalesc")  # fmt: skip
+WORDS = (
+    "gather",
+    "reduce",
+    "scatter",
+    "alltoall",
+    "all_to_all",
+    "broadcast",
+    "barrier",
+    "send",
+    "recv",
+    "coalesc",
+)
 
 
 def test_every_name_in_the_table_is_implemented_once() -> None:
@@ -49,10 +70,13 @@ def test_every_collective_of_this_torch_is_overridden() -> None:
     ours = ht.ProcessGroupHetcomm.__dict__
     missing = sorted(n for n in binding & COLLECTIVES if n not in ours)
     assert not missing, f"torch {torch.__version__} has collectives hetcomm lacks: {missing}"
-    unknown = sorted(n for n in binding - COLLECTIVES - NOT_OURS
-                     if any(w in n for w in WORDS) and n not in ours)  # fmt: skip
-    assert not unknown, (f"torch {torch.__version__} has collective-like methods the "
-                         f"compatibility table does not know: {unknown}")  # fmt: skip
+    unknown = sorted(
+        n for n in binding - COLLECTIVES - NOT_OURS if any(w in n for w in WORDS) and n not in ours
+    )
+    assert not unknown, (
+        f"torch {torch.__version__} has collective-like methods the "
+        f"compatibility table does not know: {unknown}"
+    )
 
 
 def test_the_public_functions_resolve() -> None:
@@ -83,8 +107,9 @@ def test_env_rendezvous_is_torchs_own_outside_mpirun(monkeypatch: pytest.MonkeyP
 
 def test_fully_shard_is_found() -> None:
     module = nn_module()
-    if not any(hasattr(__import__(m, fromlist=["x"]), "fully_shard")
-               for m in ht._FULLY_SHARD_MODULES):  # fmt: skip
+    if not any(
+        hasattr(__import__(m, fromlist=["x"]), "fully_shard") for m in ht._FULLY_SHARD_MODULES
+    ):
         pytest.skip("this torch has no FSDP2")
     with pytest.raises(Exception, match=r"(?i)process group|init|distributed"):
         ht.fully_shard(module)  # found; fails only because no process group exists
@@ -97,9 +122,16 @@ def nn_module() -> torch.nn.Module:
 # ---- reduce ops ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "ours"), [("SUM", ReduceOp.SUM), ("AVG", ReduceOp.AVG),
-                                            ("PRODUCT", ReduceOp.PROD), ("MIN", ReduceOp.MIN),
-                                            ("MAX", ReduceOp.MAX)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "ours"),
+    [
+        ("SUM", ReduceOp.SUM),
+        ("AVG", ReduceOp.AVG),
+        ("PRODUCT", ReduceOp.PROD),
+        ("MIN", ReduceOp.MIN),
+        ("MAX", ReduceOp.MAX),
+    ],
+)
 def test_reduce_ops_that_map(name: str, ours: ReduceOp) -> None:
     assert ht.reduce_op(getattr(dist.ReduceOp, name)) is ours
     assert ht.reduce_op(dist.ReduceOp(getattr(dist.ReduceOp, name))) is ours
@@ -152,8 +184,13 @@ def test_moved_tensors_come_back(dtype: str) -> None:
     if dt is None:
         pytest.skip(f"this torch has no {dtype}")
     src = torch.randn(3, 4, dtype=torch.float64)
-    t = (src.to(torch.complex64) if dt.is_complex else src.to(dt) if dt.is_floating_point
-         else src.abs().mul(10).to(dt))  # fmt: skip
+    t = (
+        src.to(torch.complex64)
+        if dt.is_complex
+        else src.to(dt)
+        if dt.is_floating_point
+        else src.abs().mul(10).to(dt)
+    )
     for view in (t, t.t()):  # contiguous and not
         moved, after = ht._movable(view, write=True)
         assert ht._dtype_name(moved) in ht._NATIVE, "hetcomm can move what _movable hands it"
@@ -233,8 +270,10 @@ def test_wait_with_timeout() -> None:
 
 def test_parts_join() -> None:
     events = [threading.Event(), threading.Event()]
-    parts = [ht._Pending(f"p{i}", [FakeWork(e)], [], [torch.zeros(1)], 30.0)
-             for i, e in enumerate(events)]  # fmt: skip
+    parts = [
+        ht._Pending(f"p{i}", [FakeWork(e)], [], [torch.zeros(1)], 30.0)
+        for i, e in enumerate(events)
+    ]
     whole = ht._Pending("whole", list(parts), [], [t for p in parts for t in p.result], 30.0)
     assert not whole.poll()
     events[0].set()

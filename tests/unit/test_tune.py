@@ -24,16 +24,29 @@ FP = "0123456789abcdef"
 
 def good_file(**changes: Any) -> dict[str, Any]:
     data: dict[str, Any] = {
-        "schema": tune.SCHEMA, "fingerprint": FP, "hetcomm": "0.1.0",
-        "measured": "2026-11-29T10:00:00+00:00", "ranks": 2, "hosts": ["vm"], "vendors": ["cpu"],
-        "memory": "host", "repeats": 3, "message_bytes": 4 << 20,
+        "schema": tune.SCHEMA,
+        "fingerprint": FP,
+        "hetcomm": "0.1.0",
+        "measured": "2026-11-29T10:00:00+00:00",
+        "ranks": 2,
+        "hosts": ["vm"],
+        "vendors": ["cpu"],
+        "memory": "host",
+        "repeats": 3,
+        "message_bytes": 4 << 20,
         "chunk_bytes": {"value": 1 << 20, "median_s": {"262144": 0.02, "1048576": 0.01}},
         "slots": {"value": 4, "median_s": {"2": 0.03, "4": 0.02}},
-        "rails": {"tcp 10.0.0.1->10.0.0.2": {"GBps": 2.0, "weight": 1.0},
-                  "tcp 10.1.0.1->10.1.0.2": {"GBps": 0.5, "weight": 0.25}},
-        "direct_min": {"value": 65536, "sizes": [4096, 65536, 1 << 20],
-                       "direct_s": [2.0, 1.0, 0.1], "staged_s": [1.0, 0.5, 0.2]},
-    }  # fmt: skip
+        "rails": {
+            "tcp 10.0.0.1->10.0.0.2": {"GBps": 2.0, "weight": 1.0},
+            "tcp 10.1.0.1->10.1.0.2": {"GBps": 0.5, "weight": 0.25},
+        },
+        "direct_min": {
+            "value": 65536,
+            "sizes": [4096, 65536, 1 << 20],
+            "direct_s": [2.0, 1.0, 0.1],
+            "staged_s": [1.0, 0.5, 0.2],
+        },
+    }
     data.update(changes)
     return data
 
@@ -71,28 +84,36 @@ def test_fastest_refuses_missing_or_impossible_times(bad: dict[int, float]) -> N
 SIZES = [4096, 65536, 1 << 20, 16 << 20]
 
 
-@pytest.mark.parametrize("direct, staged, expected", [
-    ([1, 1, 1, 1], [2, 2, 2, 2], 0),                 # direct always wins
-    ([3, 1, 1, 1], [2, 2, 2, 2], 4096),              # staged wins only at the smallest size
-    ([3, 3, 1, 1], [2, 2, 2, 2], 65536),
-    ([1, 3, 1, 1], [2, 2, 2, 2], 65536),             # a win below a loss does not count
-    ([3, 3, 3, 3], [2, 2, 2, 2], 16 << 20),          # direct never wins: everything tried stays
-    ([1, 1, 1, 3], [2, 2, 2, 2], 16 << 20),          # direct loses at the top
-    ([2, 2, 1, 1], [2, 2, 2, 2], 65536),             # a tie is no win
-])  # fmt: skip
-def test_crossover_is_the_largest_size_staged_still_won(direct: list[float], staged: list[float],
-                                                         expected: int) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "direct, staged, expected",
+    [
+        ([1, 1, 1, 1], [2, 2, 2, 2], 0),  # direct always wins
+        ([3, 1, 1, 1], [2, 2, 2, 2], 4096),  # staged wins only at the smallest size
+        ([3, 3, 1, 1], [2, 2, 2, 2], 65536),
+        ([1, 3, 1, 1], [2, 2, 2, 2], 65536),  # a win below a loss does not count
+        ([3, 3, 3, 3], [2, 2, 2, 2], 16 << 20),  # direct never wins: everything tried stays
+        ([1, 1, 1, 3], [2, 2, 2, 2], 16 << 20),  # direct loses at the top
+        ([2, 2, 1, 1], [2, 2, 2, 2], 65536),  # a tie is no win
+    ],
+)
+def test_crossover_is_the_largest_size_staged_still_won(
+    direct: list[float], staged: list[float], expected: int
+) -> None:
     assert tune.crossover(SIZES, direct, staged) == expected
 
 
-@pytest.mark.parametrize("sizes, direct, staged, match", [
-    ([], [], [], "one time of each"),
-    ([1, 2], [1.0], [1.0, 2.0], "one time of each"),
-    ([2, 1], [1.0, 1.0], [1.0, 1.0], "ascending"),
-    ([1, 1], [1.0, 1.0], [1.0, 1.0], "distinct"),
-])  # fmt: skip
-def test_crossover_refuses_bad_input(sizes: list[int], direct: list[float], staged: list[float],
-                                     match: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "sizes, direct, staged, match",
+    [
+        ([], [], [], "one time of each"),
+        ([1, 2], [1.0], [1.0, 2.0], "one time of each"),
+        ([2, 1], [1.0, 1.0], [1.0, 1.0], "ascending"),
+        ([1, 1], [1.0, 1.0], [1.0, 1.0], "distinct"),
+    ],
+)
+def test_crossover_refuses_bad_input(
+    sizes: list[int], direct: list[float], staged: list[float], match: str
+) -> None:
     with pytest.raises(ValueError, match=match):
         tune.crossover(sizes, direct, staged)
 
@@ -123,8 +144,15 @@ def test_rail_key_drops_the_port() -> None:
 
 
 def tuned(direct_min: int | None = 65536) -> Tuning:
-    return Tuning(FP, 1 << 20, 4, {}, direct_min, "" if direct_min is not None else "not measured",
-                  path="/x/f.json")  # fmt: skip
+    return Tuning(
+        FP,
+        1 << 20,
+        4,
+        {},
+        direct_min,
+        "" if direct_min is not None else "not measured",
+        path="/x/f.json",
+    )
 
 
 def test_explicit_direct_min_beats_tuned_which_beats_the_default() -> None:
@@ -166,8 +194,17 @@ def test_a_written_file_reads_back(tmp_path: Path) -> None:
     assert path.name == f"{FP}.json"
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
     t = tune.read(path, FP)
-    assert t == Tuning(FP, 1 << 20, 4, {"tcp 10.0.0.1->10.0.0.2": 1.0, "tcp 10.1.0.1->10.1.0.2": 0.25},
-                       65536, "", "2026-11-29T10:00:00+00:00", "0.1.0", str(path))  # fmt: skip
+    assert t == Tuning(
+        FP,
+        1 << 20,
+        4,
+        {"tcp 10.0.0.1->10.0.0.2": 1.0, "tcp 10.1.0.1->10.1.0.2": 0.25},
+        65536,
+        "",
+        "2026-11-29T10:00:00+00:00",
+        "0.1.0",
+        str(path),
+    )
     assert "chunk bytes:  1048576" in t.summary() and "direct_min:   65536" in t.summary()
 
 
@@ -186,7 +223,9 @@ def test_the_file_is_keyed_by_the_fingerprint(tmp_path: Path) -> None:
             tune.cache_path(tmp_path, bad)
 
 
-def test_a_missing_file_is_silently_absent(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_missing_file_is_silently_absent(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.WARNING, logger="hetcomm"):
         assert tune.read(tmp_path / f"{FP}.json", FP) is None
     assert caplog.records == []
@@ -209,12 +248,13 @@ BAD_FILES = [
     (json.dumps(good_file(direct_min={"value": None})), "null without a note"),
     (json.dumps(good_file(direct_min=5)), "direct_min: expected an object"),
     (json.dumps(good_file(measured=None)), "measured: expected a string"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("text, reason", BAD_FILES)
 def test_a_corrupt_or_mismatched_file_is_ignored_with_one_warning_naming_it(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture, text: str, reason: str) -> None:  # fmt: skip
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, text: str, reason: str
+) -> None:
     path = tmp_path / f"{FP}.json"
     path.write_text(text)
     with caplog.at_level(logging.WARNING, logger="hetcomm"):
@@ -226,8 +266,9 @@ def test_a_corrupt_or_mismatched_file_is_ignored_with_one_warning_naming_it(
     assert re.search(reason, message), message
 
 
-def test_an_unreadable_file_is_ignored_with_a_warning(tmp_path: Path,
-                                                      caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+def test_an_unreadable_file_is_ignored_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / f"{FP}.json"
     path.mkdir()  # reading a directory fails with an OSError
     with caplog.at_level(logging.WARNING, logger="hetcomm"):
@@ -264,6 +305,11 @@ def test_write_replaces_atomically_and_cleans_up_on_failure(tmp_path: Path) -> N
 
 def test_describe_shows_every_value() -> None:
     text = tune.describe(good_file())
-    for part in ("chunk_bytes  1048576", "slots        4", "tcp 10.1.0.1->10.1.0.2",
-                 "weight 0.25", "direct_min   65536"):  # fmt: skip
+    for part in (
+        "chunk_bytes  1048576",
+        "slots        4",
+        "tcp 10.1.0.1->10.1.0.2",
+        "weight 0.25",
+        "direct_min   65536",
+    ):
         assert part in text, text
