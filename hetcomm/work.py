@@ -10,7 +10,9 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .errors import CommTimeout, InvalidArgument
+from mpi4py import MPI
+
+from .errors import CommTimeout, InvalidArgument, MpiError
 
 if TYPE_CHECKING:
     from .comm import Communicator
@@ -130,6 +132,12 @@ class Work:
             for step in self._finish:
                 step()
         except BaseException as exc:
+            if isinstance(exc, MPI.Exception):
+                # the caller sees hetcomm's errors: which group, operation and sequence failed
+                wrapped = MpiError(self._comm.name, self.op, self.seq, exc)
+                self._fail(wrapped)
+                self._comm._abort(wrapped)
+                raise wrapped from exc
             self._fail(exc)
             if isinstance(exc, CommTimeout):
                 self._comm._abort(exc)
@@ -178,21 +186,24 @@ class Work:
             elif now >= spin_until:
                 time.sleep(min(sleep, deadline - now))
                 sleep = min(sleep * 2, _MAX_SLEEP_S)
-        exc = CommTimeout(self._comm.name, self.op, self.seq, limit)
+        missing, detail = self._comm.late(self.op, self.seq)
+        exc = CommTimeout(self._comm.name, self.op, self.seq, limit, missing, detail)
         self._fail(exc)
         self._comm._abort(exc)
         raise exc
 
     def _warn_stall(self, waited: float, left: float) -> None:
+        missing, detail = self._comm.late(self.op, self.seq)
+        who = f"ranks not arrived: {list(missing)}" if missing is not None else ""
         log.warning(
             "group '%s': %s #%d has waited %.1f s without completing (CommTimeout in %.1f s); "
-            "ranks being waited for: unknown (an MPI collective does not say which rank is "
-            "late)\nwhere each thread of this rank is:\n%s",
+            "%s\nwhere each thread of this rank is:\n%s",
             self._comm.name,
             self.op,
             self.seq,
             waited,
             left,
+            "; ".join(part for part in (who, detail) if part),
             thread_stacks(),
         )
 
