@@ -328,7 +328,7 @@ class Communicator:
             self._routes[key] = route
         return route
 
-    def _enter(self, route: Route) -> int:
+    def _enter(self, route: Route, timeout: float | None = None) -> int:
         """A blocking collective enters: the ordering guard, its sequence number, the arrivals
         table, then the check, all on this thread. Returns the sequence number."""
         transport = route.transport
@@ -337,12 +337,12 @@ class Communicator:
         self._seq = seq = self._seq + 1
         self._arrived[self.rank] = seq
         if self._checking:
-            self._check_blocking(route, seq)
+            self._check_blocking(route, seq, timeout)
         if self._deferred:
-            self._flush_deferred(route.op, seq)
+            self._flush_deferred(route.op, seq, timeout)
         return seq
 
-    def _check_blocking(self, route: Route, seq: int) -> None:
+    def _check_blocking(self, route: Route, seq: int, timeout: float | None) -> None:
         request = self._check_request
         if request is None:
             request, self._check_mine, self._check_all = self._agree.blocking()
@@ -364,7 +364,7 @@ class Communicator:
                 if test():
                     break
             else:
-                Work(self, route.op, seq, test).wait()
+                _work.wait_for(self, route.op, seq, test, timeout)
         except MPI.Exception as exc:
             raise self._mpi_error(route.op, seq, exc) from exc
         if every.tobytes() != mine.tobytes():
@@ -404,6 +404,7 @@ class Communicator:
                 if inner is None:
                     return False
                 outer.info = inner.info
+                inner.observed = False  # the caller's Work is the one traced
             return inner.test()
 
         outer = Work(self, route.op, seq, poll)
@@ -433,7 +434,7 @@ class Communicator:
             except BaseException as exc:
                 item.error = exc
 
-    def _flush_deferred(self, op: str, seq: int) -> None:
+    def _flush_deferred(self, op: str, seq: int, timeout: float | None = None) -> None:
         """Start every deferred collective before the one now entering (bounded wait)."""
 
         def started() -> bool:
@@ -441,11 +442,13 @@ class Communicator:
             return not self._deferred
 
         if not started():
-            Work(self, f"{op} after the asynchronous collectives before it", seq, started).wait()
+            what = f"{op} after the asynchronous collectives before it"
+            _work.wait_for(self, what, seq, started, timeout)
 
     def _mismatch(self, op: str, seq: int, mine: np.ndarray) -> MismatchError:
         def wait(request: MPI.Request) -> None:
-            Work(self, f"{op} (gathering the mismatched signatures)", seq, request.Test).wait()
+            what = f"{op} (gathering the mismatched signatures)"
+            _work.wait_for(self, what, seq, request.Test)
 
         return self._agree.mismatch(self.name, seq, mine, wait)
 
@@ -531,7 +534,7 @@ class Communicator:
         else:
             _work.set_blocking(True)
             try:
-                work = start(self._enter(route) if seq is None else seq)
+                work = start(self._enter(route, timeout) if seq is None else seq)
             finally:
                 _work.set_blocking(False)
         return self._finish(work, async_op, timeout, keep)
@@ -732,7 +735,7 @@ class Communicator:
 
             if fb.on_device and transport.name == "mpi":
                 holder.synchronize()  # MPI reads device memory without regard to streams
-            work = self._admit(route, start) if async_op else start(self._enter(route))
+            work = self._admit(route, start) if async_op else start(self._enter(route, timeout))
             if timeout is not None:
                 work._timeout = float(timeout)
             self._inflight.append(work)
@@ -773,7 +776,7 @@ class Communicator:
             return False
         for g, nbytes in zip(groups, sizes):
             route = self._route(None, "all_reduce", g.fused(), _no, rop)
-            seq = self._enter(route)
+            seq = self._enter(route, timeout)
             fused = node.segment(nbytes, partial(wait, seq=seq)).view(storage_dtype(g.dtype))
             fusion.pack_host(g, fused)
             node.all_reduce(nbytes, g.dtype, rop, partial(wait, seq=seq))

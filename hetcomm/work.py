@@ -10,8 +10,6 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from mpi4py import MPI
-
 from .errors import CommTimeout, InvalidArgument, MpiError
 
 if TYPE_CHECKING:
@@ -93,6 +91,7 @@ class Work:
         "_timeout",
         "_waiter",
         "info",
+        "observed",
         "op",
         "seq",
     )
@@ -119,6 +118,8 @@ class Work:
         self._waiter = waiter
         self._t0 = time.perf_counter()  # the start of the operation, for the trace
         self.info: dict[str, Any] | None = None
+        # whether the trace records it (not a wait inside another operation)
+        self.observed = True
 
     def test(self) -> bool:
         """True once the operation is complete (its result is in place); never blocks."""
@@ -132,7 +133,8 @@ class Work:
             for step in self._finish:
                 step()
         except BaseException as exc:
-            if isinstance(exc, MPI.Exception):
+            mpi = sys.modules.get("mpi4py.MPI")  # loaded wherever an MPI call could fail
+            if mpi is not None and isinstance(exc, mpi.Exception):
                 # the caller sees hetcomm's errors: which group, operation and sequence failed
                 wrapped = MpiError(self._comm.name, self.op, self.seq, exc)
                 self._fail(wrapped)
@@ -144,7 +146,7 @@ class Work:
             raise
         self._done = True
         self._keep = ()
-        if _recorder is not None:
+        if _recorder is not None and self.observed:
             _recorder(self)
         return True
 
@@ -218,6 +220,16 @@ class Work:
     def __repr__(self) -> str:
         state = "failed" if self._error else ("done" if self._done else "pending")
         return f"<Work {self._comm.name} {self.op} #{self.seq} {state}>"
+
+
+def wait_for(
+    owner: Communicator, op: str, seq: int, poll: Poll, timeout: float | None = None
+) -> None:
+    """Wait (bounded, with the stall warning) for a step inside an operation: `poll` returns
+    True once it is done. Not traced as an operation of its own."""
+    work = Work(owner, op, seq, poll, timeout=timeout)
+    work.observed = False
+    work.wait()
 
 
 def completed(comm: Communicator, op: str, seq: int) -> Work:

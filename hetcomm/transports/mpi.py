@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from ..errors import MismatchError, TransportUnavailable
 from ..ops import ReduceOp
-from ..work import Work
+from ..work import Work, wait_for
 from . import Job, Transport, mpi_chunks, mpi_node, mpi_persistent
 
 if TYPE_CHECKING:
@@ -549,7 +549,7 @@ class MpiTransport(Transport):
         for _ in range(_QUICK_TESTS):
             if test():
                 return
-        Work(self.comm, op, seq, test).wait()
+        wait_for(self.comm, op, seq, test)
 
     def _run_all_reduce_persistent(
         self,
@@ -586,7 +586,7 @@ class MpiTransport(Transport):
         while not request.Test():
             polls -= 1
             if not polls:
-                Work(self.comm, "all_reduce", seq, slot.test).wait()  # the bounded wait
+                wait_for(self.comm, "all_reduce", seq, slot.test)  # the bounded wait
                 break
         slot.active = False
         oh[...] = view
@@ -611,7 +611,7 @@ class MpiTransport(Transport):
         for _ in range(_QUICK_TESTS):
             if test():
                 return True
-        Work(self.comm, "recv", seq, test).wait()
+        wait_for(self.comm, "recv", seq, test)
         return True
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:

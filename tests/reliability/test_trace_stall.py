@@ -27,7 +27,11 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 def fake_comm(name: str = "g", **options: Any) -> Any:
     aborted: list[BaseException] = []
     return SimpleNamespace(
-        name=name, config=Config(**options), _abort=aborted.append, aborted=aborted
+        name=name,
+        config=Config(**options),
+        _abort=aborted.append,
+        aborted=aborted,
+        late=lambda op, seq: ([2], "ranks [3] are on other hosts"),
     )
 
 
@@ -107,7 +111,8 @@ def test_stall_warns_once_then_completes(caplog: pytest.LogCaptureFixture) -> No
     msg = warnings[0]
     assert msg.startswith("group 'dp': all_reduce #7 has waited 0.")
     assert "without completing (CommTimeout in 4." in msg
-    assert "ranks being waited for: unknown (an MPI collective does not say" in msg
+    # the communicator says who is late: the fake says rank 2, and that rank 3 cannot be read
+    assert "ranks not arrived: [2]; ranks [3] are on other hosts" in msg
     assert w.test() and not comm.aborted
 
 
