@@ -131,6 +131,8 @@ class Communicator:
         self._check_all: np.ndarray | None = None
         self._checked_vec: np.ndarray | None = None  # the vector the blocking check holds
         self._last_entered = 0  # the sequence number _blocking_run entered
+        # the point-to-point calls queued by an open `with comm.group():` block, else None
+        self._group: list[_Queued] | None = None
         # asynchronous collectives whose check has not completed, in issue order: each starts
         # once its check has, and none before the ones ahead of it
         self._deferred: deque[_Deferred] = deque()
@@ -331,6 +333,10 @@ class Communicator:
     def _enter(self, route: Route, timeout: float | None = None) -> int:
         """A blocking collective enters: the ordering guard, its sequence number, the arrivals
         table, then the check, all on this thread. Returns the sequence number."""
+        if self._group is not None:
+            raise InvalidArgument(
+                f"{route.op}: only send and recv may be called inside comm.group()"
+            )
         transport = route.transport
         if transport is not self._last:
             self._order(transport)
@@ -374,6 +380,10 @@ class Communicator:
         """An asynchronous collective: its sequence number and arrival at once, its check
         started, and the operation itself started once the check has completed (and every
         earlier deferred one has started). Returns the Work the caller gets."""
+        if self._group is not None:
+            raise InvalidArgument(
+                f"{route.op}: only send and recv may be called inside comm.group()"
+            )
         transport = route.transport
         if transport is not self._last:
             self._order(transport)
@@ -993,6 +1003,8 @@ class Communicator:
             self._root(dst, "send: dst")
         if tag.__class__ is not int or not 0 <= tag <= self._tag_ub:
             tag = self._tag(tag, "send")
+        if self._group is not None:
+            return self._queue("send", x, dst, tag, async_op, timeout)
         kx = _key(x)
         key = None if kx is None else ("send", kx)
         route = self._routes.get(key) if key is not None else None
@@ -1053,6 +1065,8 @@ class Communicator:
             self._root(src, "recv: src")
         if tag.__class__ is not int or not 0 <= tag <= self._tag_ub:
             tag = self._tag(tag, "recv")
+        if self._group is not None:
+            return self._queue("recv", x, src, tag, async_op, timeout)
         kx = _key(x)
         key = None if kx is None else ("recv", kx)
         route = self._routes.get(key) if key is not None else None
@@ -1098,6 +1112,82 @@ class Communicator:
             _work.set_blocking(False)
         return self._finish(_then(work, steps), async_op, timeout, (xb, xc))
 
+    def group(self) -> _Group:
+        """`with comm.group():` queues the sends and receives made inside the block and starts
+        them together when it ends (receives first), as ncclGroupStart/End and torch's
+        batch_isend_irecv do, so that rings and halo exchanges cannot deadlock. Each call is
+        validated where it is made; a blocking one returns at once and is complete when the
+        block ends, an asynchronous one returns a Work that completes after the block. Only
+        point-to-point calls may be made inside; an exception inside the block drops the queued
+        calls, none of which has moved a byte."""
+        return _Group(self)
+
+    def sendrecv(
+        self,
+        x: Any,
+        dst: int,
+        out: Any,
+        src: int,
+        tag: int = 0,
+        *,
+        recv_tag: int | None = None,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ) -> Work | None:
+        """Send `x` to `dst` and receive `out` from `src` at once, as MPI_Sendrecv: the
+        classic ring step (each rank sends right and receives left) cannot deadlock.
+        `recv_tag` defaults to `tag`."""
+        with self.group():
+            sent = self.send(x, dst, tag, async_op=async_op, timeout=timeout)
+            got = self.recv(
+                out, src, tag if recv_tag is None else recv_tag, async_op=async_op, timeout=timeout
+            )
+        if not async_op:
+            return None
+        assert sent is not None and got is not None
+        return _all_of(self, [got, sent], "sendrecv")
+
+    def _queue(
+        self,
+        op: str,
+        x: Any,
+        peer: int,
+        tag: int,
+        async_op: bool,
+        timeout: float | None,
+    ) -> Work | None:
+        """A send or recv inside `with comm.group():`, validated now and started at its end."""
+        assert self._group is not None
+        if timeout is not None:
+            _check_timeout(timeout, op)
+        xb = as_buffer(x, f"{op}: x")
+        if op == "recv":
+            _writable(xb, "recv: x")
+        item = _Queued(op, x, peer, tag, timeout, not async_op)
+        self._group.append(item)
+        if not async_op:
+            return None
+
+        def poll() -> bool:
+            if item.work is None:
+                if item.dropped:
+                    raise InvalidArgument(f"{op}: its comm.group() block ended by an exception")
+                return False
+            return item.work.test()
+
+        return Work(self, op, self._p2p_seq, poll)
+
+    def _run_group(self, items: list[_Queued]) -> None:
+        """Start the calls of a group block, receives first, then wait for the blocking ones."""
+        order = [i for i in items if i.op == "recv"] + [i for i in items if i.op == "send"]
+        for item in order:
+            call = self.recv if item.op == "recv" else self.send
+            item.work = call(item.x, item.peer, item.tag, async_op=True, timeout=item.timeout)
+        for item in items:
+            if item.blocking:
+                assert item.work is not None
+                item.work.wait()
+
     def barrier(self, *, async_op: bool = False, timeout: float | None = None) -> Work | None:
         """Complete once every rank of the group has called barrier."""
         if self._aborted is not None or self._closed:
@@ -1119,6 +1209,44 @@ class Communicator:
         if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag <= top:
             raise InvalidArgument(f"{what}: expected a tag in [0, {top}], got {tag!r}")
         return int(tag)
+
+
+class _Queued:
+    """A point-to-point call queued by a group block, and its Work once started."""
+
+    __slots__ = ("blocking", "dropped", "op", "peer", "tag", "timeout", "work", "x")
+
+    def __init__(
+        self, op: str, x: Any, peer: int, tag: int, timeout: float | None, blocking: bool
+    ) -> None:
+        self.op, self.x, self.peer, self.tag, self.timeout = op, x, peer, tag, timeout
+        self.blocking = blocking
+        self.work: Work | None = None
+        self.dropped = False
+
+
+class _Group:
+    """The context manager of Communicator.group()."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+    def __enter__(self) -> _Group:
+        comm = self.comm
+        comm._check_open()
+        if comm._group is not None:
+            raise InvalidArgument("comm.group() blocks do not nest")
+        comm._group = []
+        return self
+
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        comm = self.comm
+        items, comm._group = comm._group or [], None
+        if kind is not None:
+            for item in items:
+                item.dropped = True
+            return
+        comm._run_group(items)
 
 
 def _reduce_scatter(t: Transport) -> Callable[..., Work]:
@@ -1293,7 +1421,7 @@ def _giver(pool: fusion.HostBuffers, flat: np.ndarray) -> Callable[[], None]:
     return lambda: pool.give(flat)
 
 
-def _all_of(comm: Communicator, works: list[Work]) -> Work:
+def _all_of(comm: Communicator, works: list[Work], op: str = "all_reduce") -> Work:
     """One Work over several, complete once each is (in order; the first failure is its own)."""
     left = list(works)
 
@@ -1304,7 +1432,7 @@ def _all_of(comm: Communicator, works: list[Work]) -> Work:
             left.pop(0)
         return True
 
-    return Work(comm, "all_reduce", works[-1].seq, poll)
+    return Work(comm, op, works[-1].seq, poll)
 
 
 __all__ = ["Communicator", "MismatchError", "Route"]
