@@ -87,7 +87,7 @@ def init(
     dup = comm.Dup()
     try:
         topo = topology.gather(dup, config)
-        from .transports.peer import probe
+        from .transports.direct.peer import probe
 
         probe(dup, [r.node for r in topo.ranks], [r.device_index is not None for r in topo.ranks])
         from . import tune

@@ -357,7 +357,7 @@ def measure(sweep: Sweep, base: Config) -> dict[str, Any] | None:
     import hetcomm
 
     from .transports import registry
-    from .transports.staged import SLOTS
+    from .transports.staged.transport import SLOTS
 
     plain = base.with_options(tune_dir="off", direct_min=None)
     world = hetcomm.init(config=plain.with_options(transport="staged"), name="tune")

@@ -148,7 +148,7 @@ def _comm(transport: str, r: int) -> hetcomm.Communicator:
 
 
 def p2p(out: str) -> None:
-    from hetcomm.transports import direct
+    from hetcomm.transports.direct import transport as direct
 
     world = MPI.COMM_WORLD
     r = world.Get_rank()
@@ -336,7 +336,7 @@ def allreduce(out: str) -> None:
 
 def profile(out: str) -> None:
     """Where the time of one direct operation goes: the proxy's waits, each stamped."""
-    from hetcomm.transports import direct_proxy
+    from hetcomm.transports.direct import proxy as direct_proxy
 
     world = MPI.COMM_WORLD
     r = world.Get_rank()
@@ -569,7 +569,7 @@ def latency(out: str) -> None:
     so that a ratio compares runs of the same minute): a ping-pong (half a round trip, as
     osu_latency reports) and one message at a time (a barrier before each), with the arrays on
     the default stream and on a stream of each rank's own; the per-round ratio staged / direct."""
-    from hetcomm.transports import direct_proxy
+    from hetcomm.transports.direct import proxy as direct_proxy
 
     world = MPI.COMM_WORLD
     r = world.Get_rank()

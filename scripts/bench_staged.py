@@ -90,7 +90,7 @@ def host_memory_rates(nbytes: int) -> list[dict[str, Any]]:
 
     from hetcomm.kernels import device as kd
 
-    from hetcomm.transports.rails import SharedSlots
+    from hetcomm.transports.shm import SharedSlots
 
     dev = cupy.cuda.Device().id
     src = cupy.ones(nbytes, dtype=cupy.uint8)
@@ -260,7 +260,7 @@ def timeline(out: str) -> None:
     host->device copy done), for each chunk size, after five unprofiled runs. With
     TIMELINE_CALLS=1 the stamps also list every call into C code that took over 30 us
     (SlowCalls), on every thread."""
-    from hetcomm.transports import staged_ops
+    from hetcomm.transports.staged import ops as staged_ops
 
     calls = SlowCalls() if os.environ.get("TIMELINE_CALLS") else None
     if calls is not None:
@@ -352,7 +352,7 @@ def early(out: str) -> None:
     beside them. The default settings are "early chunks"; "ordered by flags" orders the two
     ranks' copies by the shared slots' flags instead of threads waiting on every copy
     (staged.GPU_FLAGS)."""
-    from hetcomm.transports import staged
+    from hetcomm.transports.staged import transport as staged
 
     world = MPI.COMM_WORLD
     r = world.Get_rank()
@@ -466,7 +466,7 @@ def pingstamp(out: str) -> None:
     """Small staged messages as a ping-pong (half a round trip, median of 7 runs of 100), host
     and device arrays of 8 B and 64 KiB; then three round trips of each stamped step by step
     on both ranks (staged_ops.stamp), to see where a round trip's time goes."""
-    from hetcomm.transports import staged_ops
+    from hetcomm.transports.staged import ops as staged_ops
 
     world = MPI.COMM_WORLD
     r = world.Get_rank()
@@ -600,8 +600,8 @@ def latency(out: str) -> None:
     the rail thread itself (all three: the default now)."""
     from hetcomm.kernels import device as kd
 
-    from hetcomm.transports import staged as st
-    from hetcomm.transports import staged_rails as sr
+    from hetcomm.transports.staged import rails as sr
+    from hetcomm.transports.staged import transport as st
 
     world = MPI.COMM_WORLD
     r = world.Get_rank()

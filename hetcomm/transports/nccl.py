@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import InvalidArgument
 from ..ops import ReduceOp
 from ..work import Work
-from . import Transport
+from .base import Transport
 
 if TYPE_CHECKING:
     from ..arrays import Buffer

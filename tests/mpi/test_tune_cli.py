@@ -16,7 +16,7 @@ import hetcomm
 from hetcomm import cli, tune
 from hetcomm.arrays import as_buffer
 from hetcomm.testing import assert_all_ranks
-from hetcomm.transports.staged import CHUNK_BYTES, SLOTS
+from hetcomm.transports.staged.transport import CHUNK_BYTES, SLOTS
 
 
 def _staged(comm: Any) -> Any:

@@ -260,7 +260,7 @@ def fail(params: dict[str, Any]) -> dict[str, Any]:
 def token(params: dict[str, Any]) -> dict[str, Any]:
     """Rank 0 knocks on rank 1's rail listener with a wrong token; rank 1 must refuse it and
     keep working."""
-    import hetcomm.transports.rails as R
+    from hetcomm.transports.staged import links
 
     comm = open_comm(params)
     t = staged(comm)
@@ -277,7 +277,7 @@ def token(params: dict[str, Any]) -> dict[str, Any]:
     if comm.rank == 0:
         spec = t._channels[1].specs[0]
         with socket.create_connection((spec.remote, spec.port), timeout=10) as s:
-            s.sendall(b"\x5a" * R.HELLO.size)  # 24 bytes that are not rank 1's token
+            s.sendall(b"\x5a" * links.HELLO.size)  # 24 bytes that are not rank 1's token
             s.settimeout(10)
             try:
                 closed_by_peer = s.recv(1) == b""
@@ -546,7 +546,7 @@ def flags(params: dict[str, Any]) -> dict[str, Any]:
     Every byte is checked; then every slot is free and no stream saw an error."""
     import _fake_gpu
 
-    from hetcomm.transports import staged as staged_module
+    from hetcomm.transports.staged import transport as staged_module
 
     _fake_gpu.install()
     staged_module.GPU_FLAGS = True  # off by default (docs/staged.md)

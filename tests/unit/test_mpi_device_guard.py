@@ -13,7 +13,7 @@ from hetcomm.config import Config
 from hetcomm.errors import TransportUnavailable
 from hetcomm.ops import ReduceOp
 from hetcomm.plan import Member
-from hetcomm.transports.mpi import MpiTransport
+from hetcomm.transports.mpi.transport import MpiTransport
 
 
 class _Calls:

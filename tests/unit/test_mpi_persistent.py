@@ -1,4 +1,4 @@
-"""The cache of persistent all-reduces (hetcomm.transports.mpi_persistent) on one rank.
+"""The cache of persistent all-reduces (hetcomm.transports.mpi.persistent) on one rank.
 
 On MPI.COMM_SELF a persistent all-reduce leaves its data as it was, which is enough to see the
 cache's bookkeeping: least recently used eviction, requests freed on eviction and on close, a
@@ -19,10 +19,10 @@ from hetcomm.arrays import Buffer
 from hetcomm.config import Config
 from hetcomm.ops import ReduceOp
 from hetcomm.plan import Member
-from hetcomm.transports import mpi as mpi_transport
-from hetcomm.transports import mpi_persistent
-from hetcomm.transports.mpi import _KINDS, _PERSISTENT, MpiTransport
-from hetcomm.transports.mpi_persistent import Requests
+from hetcomm.transports.mpi import persistent as mpi_persistent
+from hetcomm.transports.mpi import transport as mpi_transport
+from hetcomm.transports.mpi.persistent import Requests
+from hetcomm.transports.mpi.transport import _KINDS, _PERSISTENT, MpiTransport
 
 pytestmark = pytest.mark.skipif(
     mpi_persistent.unavailable() is not None, reason=f"{mpi_persistent.unavailable()}"

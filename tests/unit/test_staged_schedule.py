@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hetcomm.transports.staged_schedule import (
+from hetcomm.transports.staged.schedule import (
     block_spans,
     choose_rails,
     chunk_spans,

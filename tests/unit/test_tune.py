@@ -15,8 +15,8 @@ from hetcomm import tune
 from hetcomm.config import Config
 from hetcomm.errors import ConfigError
 from hetcomm.plan import DIRECT_MIN_BYTES
-from hetcomm.transports.rails import RailSpec
-from hetcomm.transports.staged_schedule import RAIL_DEPTH, rail_key, rail_windows
+from hetcomm.transports.staged.links import RailSpec
+from hetcomm.transports.staged.schedule import RAIL_DEPTH, rail_key, rail_windows
 from hetcomm.tune import Tuning
 
 FP = "0123456789abcdef"

@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
-from ..work import Work
+from ...work import Work
 
 if TYPE_CHECKING:
-    from ..comm import Communicator
-    from . import Job
+    from ...comm import Communicator
+    from ..base import Job
 
 # persistent all-reduces kept per transport; beyond this the least recently used one is freed
 CAPACITY = 64

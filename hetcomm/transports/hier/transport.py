@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from .. import plan as planning
-from ..arrays import Buffer, storage_dtype
-from ..errors import CommAborted, CommTimeout, HetcommError
-from ..ops import ReduceOp
-from ..work import Work, completed
-from . import Job, Transport
-from .hier_schedule import (
+from ... import plan as planning
+from ...arrays import Buffer, storage_dtype
+from ...errors import CommAborted, CommTimeout, HetcommError
+from ...ops import ReduceOp
+from ...work import Work, completed
+from ..base import Job, Transport
+from .schedule import (
     all_reduce_schedule,
     block_schedule,
     broadcast_entries,
@@ -25,9 +25,9 @@ from .hier_schedule import (
 )
 
 if TYPE_CHECKING:
-    from ..comm import Communicator
-    from ..config import Config
-    from ..topology import Topology
+    from ...comm import Communicator
+    from ...config import Config
+    from ...topology import Topology
 
 log = logging.getLogger("hetcomm")
 
@@ -94,7 +94,7 @@ class _Parts:
     """The communicators a hier transport runs its collectives on (see docs/hier.md)."""
 
     def __init__(self, comm: Communicator, islands: list[tuple[int, ...]], index: int) -> None:
-        from ..comm import Communicator
+        from ...comm import Communicator
 
         svc = comm.service  # collectives on it are issued only in program order
         _all_arrived(comm, svc)
@@ -217,8 +217,8 @@ class HierTransport(Transport):
 
     def _device_memory(self, like: Buffer) -> _Memory:
         if self._gpu is None:
-            from ..errors import TransportUnavailable
-            from ..kernels import device
+            from ...errors import TransportUnavailable
+            from ...kernels import device
 
             why = device.unavailable()
             if why is not None:
@@ -636,19 +636,19 @@ class _HostMemory(_Memory):
         np.copyto(dst.host.view(np.uint8), src.host.view(np.uint8))
 
     def combine(self, dst: Buffer, src: Buffer, dtype: str, op: ReduceOp) -> None:
-        from ..kernels import reduce as kr
+        from ...kernels import reduce
 
         assert dst.host is not None and src.host is not None
-        sd = kr.storage_dtype(dtype)
-        kr.combine(
+        sd = reduce.storage_dtype(dtype)
+        reduce.combine(
             dst.host.view(sd), src.host.view(sd), "sum" if op is ReduceOp.AVG else op.value, dtype
         )
 
     def divide(self, buf: Buffer, n: int, dtype: str) -> None:
-        from ..kernels import reduce as kr
+        from ...kernels import reduce
 
         assert buf.host is not None
-        kr.divide(buf.host.view(kr.storage_dtype(dtype)), n, dtype)
+        reduce.divide(buf.host.view(reduce.storage_dtype(dtype)), n, dtype)
 
 
 class _DeviceMemory(_Memory):
@@ -707,6 +707,6 @@ class _DeviceMemory(_Memory):
 
 
 def _region(buf: Buffer) -> Any:
-    from .staged_ops import Region
+    from ..staged.ops import Region
 
     return Region(buf.nbytes, None, buf.ptr)

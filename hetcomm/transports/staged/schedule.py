@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import rails as R
+from . import links
 
 
 def chunk_spans(nbytes: int, chunk_bytes: int, itemsize: int = 1) -> list[tuple[int, int]]:
@@ -57,12 +57,12 @@ def block_spans(count: int, parts: int) -> list[tuple[int, int]]:
     return spans
 
 
-def choose_rails(me: dict[str, Any], peer: dict[str, Any], mode: str) -> list[R.RailSpec]:
+def choose_rails(me: dict[str, Any], peer: dict[str, Any], mode: str) -> list[links.RailSpec]:
     """The rails joining two ranks, computed identically on both sides from their cards."""
     if mode == "mpi":
-        return [R.RailSpec("mpi", 0)]
+        return [links.RailSpec("mpi", 0)]
     if me["node"] == peer["node"] and me["host"] == peer["host"]:
-        return [R.RailSpec("shm", 0)]
+        return [links.RailSpec("shm", 0)]
     mine, theirs = me["addrs"], peer["addrs"]
     if mode == "auto":
         if me["node"] == peer["node"]:
@@ -74,9 +74,10 @@ def choose_rails(me: dict[str, Any], peer: dict[str, Any], mode: str) -> list[R.
             # address that both hosts happen to share)
             mine, theirs = _pair_by_subnet(me, peer)
     specs = [
-        R.RailSpec("tcp", i, a, b, peer["ports"][b]) for i, (a, b) in enumerate(zip(mine, theirs))
+        links.RailSpec("tcp", i, a, b, peer["ports"][b])
+        for i, (a, b) in enumerate(zip(mine, theirs))
     ]
-    return specs or [R.RailSpec("mpi", 0)]
+    return specs or [links.RailSpec("mpi", 0)]
 
 
 # Chunks the fastest tcp rail of a channel may have sent and not yet acknowledged when rail
@@ -84,7 +85,7 @@ def choose_rails(me: dict[str, Any], peer: dict[str, Any], mode: str) -> list[R.
 RAIL_DEPTH = 4
 
 
-def rail_key(spec: R.RailSpec) -> str:
+def rail_key(spec: links.RailSpec) -> str:
     """A rail's name without its port (ports change from run to run): 'shm', 'mpi',
     'tcp 10.0.0.5->10.0.0.6'."""
     if spec.kind == "tcp":

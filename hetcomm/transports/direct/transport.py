@@ -1,6 +1,6 @@
 """Device-direct transport (DDC): GPUs read each other's memory; a CPU proxy drives control.
 
-Peers of one host map each other's allocations through CUDA/HIP IPC (hetcomm.transports.peer,
+Peers of one host map each other's allocations through CUDA/HIP IPC (hetcomm.transports.direct.peer,
 each handle exchanged once). The calling thread records an event on the array's stream and
 queues the operation; one proxy thread per communicator exchanges buffer records over MPI,
 orders the GPU work on its own stream after that event, and completes the Work once the GPU is
@@ -27,24 +27,23 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import InvalidArgument
-from ..ops import ReduceOp
-from ..work import Work, take_blocking
-from . import Transport
-from . import direct_proxy as DP
-from . import direct_schedule as S
-from . import peer as P
-from .direct_proxy import Step
+from ...errors import InvalidArgument
+from ...ops import ReduceOp
+from ...work import Work, take_blocking
+from ..base import Transport
+from . import schedule
+from .peer import RECORD, PeerMap, unavailable_for
+from .proxy import Proxy, Step, Task, stamp
 
 if TYPE_CHECKING:
-    from ..arrays import Buffer
-    from ..topology import Topology
+    from ...arrays import Buffer
+    from ...topology import Topology
 
 log = logging.getLogger("hetcomm")
 
 _D2D = 3  # cudaMemcpyDeviceToDevice
 # + 4 * user tag: the record of the rank that does not copy a message, then the copier's "done";
-# + 0, + 1 where the receiver copies, + 2, + 3 where the sender does (S.copier)
+# + 0, + 1 where the receiver copies, + 2, + 3 where the sender does (schedule.copier)
 TAG_P2P = 64
 # the top 2 * LEAD_TAGS tags: records sent to the one-GPU leader and its "done" replies, by
 # collective number modulo LEAD_TAGS (same-tag messages between two ranks stay in order)
@@ -102,17 +101,17 @@ class DirectTransport(Transport):
         super().__init__(comm)
         import cupy
 
-        from ..kernels import device as kd
+        from ...kernels import device as kd
 
         self.cupy, self.kd = cupy, kd
         self.rank, self.size = comm.rank, comm.size
         self.svc: MPI.Intracomm = comm.service
         self.device = cupy.cuda.Device().id
-        self.peers = P.PeerMap(cupy)
+        self.peers = PeerMap(cupy)
         self._devices = [r.device for r in comm.topology.ranks]
         # records of lent buffers not sent yet, per (peer, tag), in issue order
         self._lent: dict[tuple[int, int], deque[_Lent]] = {}
-        self._proxy = DP.Proxy(self.device, cupy, self.svc)
+        self._proxy = Proxy(self.device, cupy, self.svc)
         self._scratch: list[Any] = []  # two one-shot input buffers, used alternately
         self._prepared: set[tuple[str, ReduceOp]] = set()
         self._flip = 0
@@ -123,7 +122,7 @@ class DirectTransport(Transport):
         # ranks that share one GPU: the leader (rank 0) does a reduction for all of them in one
         # pass from one process, which saves the GPU the switches between processes' kernels
         devices = {r.device for r in comm.topology.ranks}
-        self.shared = len(devices) == 1 and 1 < self.size <= S.MAX_SOURCES
+        self.shared = len(devices) == 1 and 1 < self.size <= schedule.MAX_SOURCES
         kd.kernel("copy16")
 
     @classmethod
@@ -136,13 +135,13 @@ class DirectTransport(Transport):
             return why
         if len({r.node for r in ranks}) > 1:
             return "members on several shared-memory nodes"
-        from ..kernels.device import unavailable as device_unavailable
+        from ...kernels.device import unavailable as device_unavailable
 
         why = device_unavailable()
         if why is not None:
             return why
         if len(ranks) > 1:
-            return P.unavailable_for([r.world_rank for r in ranks])
+            return unavailable_for([r.world_rank for r in ranks])
         return None
 
     # ---- the calling thread ----------------------------------------------------------------------
@@ -185,7 +184,7 @@ class DirectTransport(Transport):
     ) -> Work:
         """Hand the operation `body` to the proxy; unless told otherwise (`wait_ready`), it
         starts once the caller's stream has run what was queued before the call."""
-        DP.stamp("prepared")
+        stamp("prepared")
         self._check(op, bufs)
         ready = self._ready(bufs[0]) if wait_ready else None
 
@@ -194,8 +193,8 @@ class DirectTransport(Transport):
                 yield ready  # what the caller queued before the op has run
             yield from body()
 
-        task = DP.Task(run())
-        DP.stamp("queued")
+        task = Task(run())
+        stamp("queued")
         proxy = self._proxy
         proxy.submit(task, collective, nbytes, take_blocking())
         work = Work(
@@ -212,7 +211,7 @@ class DirectTransport(Transport):
 
     def _exchange(self, recs: np.ndarray, into: list[np.ndarray]) -> Step:
         """Allgather this rank's records; `into[0]` becomes the (size, len(recs)) table."""
-        table = np.empty((self.size, len(recs)), P.RECORD)
+        table = np.empty((self.size, len(recs)), RECORD)
         yield self.svc.Iallgather(recs.view(np.uint8), table.view(np.uint8))
         for p in self._others:  # handles sent to everyone are kept, even if not opened now
             for rec in table[p]:
@@ -255,10 +254,10 @@ class DirectTransport(Transport):
         """dst = op over srcs (in order), `count` elements, on the proxy's stream."""
         if count == 0:
             return
-        if dst in srcs[S.MAX_SOURCES :]:
+        if dst in srcs[schedule.MAX_SOURCES :]:
             # dst is also a source past the first batch, which overwrites dst: read it first
             srcs = [dst, *(p for p in srcs if p != dst)]
-        for group in S.batches(list(range(len(srcs)))):
+        for group in schedule.batches(list(range(len(srcs)))):
             ptrs = [dst if i < 0 else srcs[i] for i in group]
             self._reduce_into([dst], ptrs, count, dtype, op, 0)
 
@@ -285,7 +284,7 @@ class DirectTransport(Transport):
             )
 
     def _launch(self, name: str, outs: list[int], srcs: list[int], count: int, div: int) -> None:
-        pad = S.MAX_SOURCES
+        pad = schedule.MAX_SOURCES
         args = (
             *(np.uint64(p) for p in outs + [outs[0]] * (pad - len(outs))),
             np.int32(len(outs)),
@@ -304,7 +303,7 @@ class DirectTransport(Transport):
 
     def _one_shot_scratch(self) -> Any:
         if not self._scratch:
-            self._scratch = [self.cupy.cuda.alloc(S.ONE_SHOT_BYTES) for _ in range(2)]
+            self._scratch = [self.cupy.cuda.alloc(schedule.ONE_SHOT_BYTES) for _ in range(2)]
         self._flip ^= 1
         return self._scratch[self._flip]
 
@@ -322,7 +321,7 @@ class DirectTransport(Transport):
                 self._reduce_all(outs, xs, x.count, x.dtype, op)
 
             return self._leader_op("all_reduce", seq, (x, out), x.nbytes, all_reduce)
-        if S.algorithm(x.nbytes, self.size) == "one-shot":
+        if schedule.algorithm(x.nbytes, self.size) == "one-shot":
             return self._queue(
                 "all_reduce", seq, (x, out), x.nbytes, lambda: self._one_shot(x, out, op)
             )
@@ -362,7 +361,7 @@ class DirectTransport(Transport):
                 yield finished
 
             return self._queue(name, seq, bufs, nbytes, member, collective=False)
-        table = np.zeros((self.size, len(bufs)), P.RECORD)
+        table = np.zeros((self.size, len(bufs)), RECORD)
         arrived = [self.svc.Irecv(table[p].view(np.uint8), p, t_rec) for p in self._others]
 
         def leader() -> Step:
@@ -409,7 +408,7 @@ class DirectTransport(Transport):
         yield from self._exchange(self._records([x, out]), got)
         xs = self._addresses(got[0], 0, x.ptr)
         outs = self._addresses(got[0], 1, out.ptr)
-        spans = S.shards(x.count, x.itemsize, self.size)
+        spans = schedule.shards(x.count, x.itemsize, self.size)
         lo, hi = spans[self.rank]
         item = x.itemsize
         # reduce-scatter: this rank reduces its shard of every input into its own output
@@ -503,7 +502,7 @@ class DirectTransport(Transport):
         return self._queue("all_to_all", seq, (x, out), x.nbytes, body)
 
     def barrier(self, seq: int) -> Work:
-        task = DP.Task(self._barrier())
+        task = Task(self._barrier())
         proxy = self._proxy
         proxy.submit(task, True)
         return Work(
@@ -514,7 +513,7 @@ class DirectTransport(Transport):
             waiter=lambda seconds: proxy.wait(task, True, seconds),
         )
 
-    # ---- point-to-point: one rank of the pair copies (S.copier) ------------------------------
+    # ---- point-to-point: one rank of the pair copies (schedule.copier) ----------------------
 
     def _tags(self, tag: int, op: str, pushed: bool) -> tuple[int, int]:
         """The tags of a message's record and its "done"."""
@@ -527,16 +526,16 @@ class DirectTransport(Transport):
         return base, base + 1
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
-        DP.stamp("transport")
+        stamp("transport")
         self._self_check(dst, "send")
-        if S.copier(self.rank, dst, self._devices) == self.rank:
+        if schedule.copier(self.rank, dst, self._devices) == self.rank:
             return self._copier("send", seq, x, dst, self._tags(tag, "send", True))
         return self._lender("send", seq, x, dst, self._tags(tag, "send", False))
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
-        DP.stamp("transport")
+        stamp("transport")
         self._self_check(src, "recv")
-        if S.copier(src, self.rank, self._devices) == self.rank:
+        if schedule.copier(src, self.rank, self._devices) == self.rank:
             return self._copier("recv", seq, x, src, self._tags(tag, "recv", False))
         return self._lender("recv", seq, x, src, self._tags(tag, "recv", True))
 
@@ -546,9 +545,9 @@ class DirectTransport(Transport):
         tag issued before (_post_in_order), and it ends when the copier says done."""
         self._check(op, (x,))
         rec = self.peers.describe(x.ptr, x.nbytes, [peer], full=True)
-        DP.stamp("described")
+        stamp("described")
         entry = _Lent(self._ready(x), rec)
-        DP.stamp("ready")
+        stamp("ready")
         queue = self._lent.setdefault((peer, tags[0]), deque())
         queue.append(entry)
 
@@ -584,8 +583,8 @@ class DirectTransport(Transport):
         for a receive), and once the copy is done it says so with its size."""
         self._check(op, (x,))
         ready = self._ready(x)
-        DP.stamp("ready")
-        got = np.empty(1, P.RECORD)
+        stamp("ready")
+        got = np.empty(1, RECORD)
         req = self.svc.Irecv(got.view(np.uint8), peer, tags[0])  # posted in issue order
 
         def body() -> Step:
@@ -596,10 +595,10 @@ class DirectTransport(Transport):
                 if ready is not None:  # the caller's stream, on the GPU (one process's streams)
                     self._proxy.stream.wait_event(ready)
                 mapped, _ = self.peers.address(peer, got)
-                DP.stamp("resolved")
+                stamp("resolved")
                 dst, src = (mapped, x.ptr) if op == "send" else (x.ptr, mapped)
                 self._copy(dst, src, x.nbytes)
-                DP.stamp("copy queued")
+                stamp("copy queued")
                 yield from self._sync()
             else:
                 self.peers.learn(peer, got[0])  # its handle may come only this once

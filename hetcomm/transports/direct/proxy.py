@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ..kernels import device as kd
-from ..trace import Stamps
+from ...kernels import device as kd
+from ...trace import Stamps
 
 # a step of an operation waits for one of these: an MPI request, a GPU event, or nothing (None)
 Step = Generator[Any, None, None]

@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import HetcommError, MismatchError
-from . import rails as R
-from .staged_cts import _CTS_POLL_MAX_S, _CTS_POLL_S, ClearToSend
-from .staged_ops import _STOP, Region, _Op, stamp
+from ...errors import HetcommError, MismatchError
+from ..shm import SegmentError
+from . import links
+from .cts import _CTS_POLL_MAX_S, _CTS_POLL_S, ClearToSend
+from .ops import _STOP, Region, _Op, stamp
 
 if TYPE_CHECKING:
-    from .staged_channel import Channel
+    from .channel import Channel
 
 log = logging.getLogger("hetcomm")
 
@@ -50,7 +51,7 @@ class RailThreads(ClearToSend):
     _stats_lock: threading.Lock
     _mpi_rail: threading.Thread | None
 
-    def _send_loop(self, ch: Channel, link: R.Link | None) -> None:
+    def _send_loop(self, ch: Channel, link: links.Link | None) -> None:
         window = ch.windows.get(link.spec.index) if link is not None else None
         while True:
             if window is not None:
@@ -72,7 +73,7 @@ class RailThreads(ClearToSend):
                 if self._send_chunk(ch, link, op, idx, off, n):
                     op.count(idx)
                 self._count_bytes(link, n)
-            except R.RailError as exc:
+            except (links.RailError, SegmentError) as exc:
                 assert link is not None
                 with link.unacked_lock:
                     link.unacked.pop((op.remote, idx), None)
@@ -83,7 +84,7 @@ class RailThreads(ClearToSend):
                 op.fail(exc)
 
     def _send_chunk(
-        self, ch: Channel, link: R.Link | None, op: _Op, idx: int, off: int, n: int
+        self, ch: Channel, link: links.Link | None, op: _Op, idx: int, off: int, n: int
     ) -> bool:
         """Send one chunk; False when a signaller thread finishes (and counts) it later."""
         src = op.region.sub(off, n)
@@ -113,7 +114,7 @@ class RailThreads(ClearToSend):
                     if not _flagged(n, op):
                         self._announce(self._gpu.mark(True), link, slot, op, idx, off, n)
                     else:
-                        link.send(R.SLOT_GPU, slot, op.remote, idx | gen << 32, off, n)
+                        link.send(links.SLOT_GPU, slot, op.remote, idx | gen << 32, off, n)
                         self._queued_on_gpu(ch, op, idx, outbound=True)
                     return False
                 else:
@@ -125,7 +126,7 @@ class RailThreads(ClearToSend):
                     stamp("d2h queued", idx)
                     self._announce_soon(ch, event, link, slot, op, idx, off, n)
                     return False
-                link.send(R.SLOT, slot, op.remote, idx, off, n)
+                link.send(links.SLOT, slot, op.remote, idx, off, n)
             except BaseException:
                 ch.shm_out.release(slot)
                 raise
@@ -133,7 +134,7 @@ class RailThreads(ClearToSend):
         with link.unacked_lock:
             link.unacked[(op.remote, idx)] = (op, idx, (off, n))
         with self._staged(src, op) as payload:
-            link.send(R.DATA, -1, op.remote, idx, off, n, memoryview(payload))
+            link.send(links.DATA, -1, op.remote, idx, off, n, memoryview(payload))
         return False  # counted when the receiver acknowledges it
 
     def _copy_flagged(
@@ -181,7 +182,7 @@ class RailThreads(ClearToSend):
         for idx in idxs:
             op.count(idx)
 
-    def _count_bytes(self, link: R.Link | None, n: int) -> None:
+    def _count_bytes(self, link: links.Link | None, n: int) -> None:
         """Add `n` bytes sent to the statistics of `link`'s rail (None: the mpi rail)."""
         name = _rail_name(link)
         with self._stats_lock:
@@ -200,7 +201,15 @@ class RailThreads(ClearToSend):
                 handle(*item)
 
     def _announce_soon(
-        self, ch: Channel, event: Any, link: R.Link, slot: int, op: _Op, idx: int, off: int, n: int
+        self,
+        ch: Channel,
+        event: Any,
+        link: links.Link,
+        slot: int,
+        op: _Op,
+        idx: int,
+        off: int,
+        n: int,
     ) -> None:
         """Announce a chunk staged into a shared slot: from this thread where its copy is done
         (host bytes, `event` None, or a device copy that has ended already) or short, else by
@@ -216,20 +225,20 @@ class RailThreads(ClearToSend):
             ch.signals().put(item)
 
     def _announce(
-        self, event: Any, link: R.Link, slot: int, op: _Op, idx: int, off: int, n: int
+        self, event: Any, link: links.Link, slot: int, op: _Op, idx: int, off: int, n: int
     ) -> None:
         """Once a chunk's copy into its slot has finished, tell the receiver where it is."""
         try:
             if event is not None:  # None: host bytes, copied already
                 event.synchronize()
             stamp("d2h done", idx)
-            link.send(R.SLOT, slot, op.remote, idx, off, n)
+            link.send(links.SLOT, slot, op.remote, idx, off, n)
             op.count(idx)
         except BaseException as exc:
             op.fail(exc)
 
     def _hand_back(
-        self, event: Any, link: R.Link, slot: int, op: _Op, op_id: int, idx: int
+        self, event: Any, link: links.Link, slot: int, op: _Op, op_id: int, idx: int
     ) -> None:
         """Once a chunk's copy out of its slot has finished, count it and give the slot back."""
         try:
@@ -240,9 +249,9 @@ class RailThreads(ClearToSend):
             op.fail(exc)
             return
         op.count(idx)
-        self._reply(link, R.FREE, slot, op_id, idx)
+        self._reply(link, links.FREE, slot, op_id, idx)
 
-    def _reply(self, link: R.Link, kind: int, slot: int, op_id: int, idx: int) -> None:
+    def _reply(self, link: links.Link, kind: int, slot: int, op_id: int, idx: int) -> None:
         """Hand a slot back (FREE) or acknowledge a chunk (ACK). A sender that has closed its
         transport (its sends complete once their chunks have gone) needs neither, and its
         socket may be closed while this rank still lands what it sent: that failure is not
@@ -250,7 +259,7 @@ class RailThreads(ClearToSend):
         there)."""
         try:
             link.send(kind, slot, op_id, idx, 0, 0)
-        except R.RailError as exc:
+        except links.RailError as exc:
             log.debug(
                 "rank %d: no reply to rank %d over %s (%s)", self.rank, link.peer, link.spec, exc
             )
@@ -265,48 +274,48 @@ class RailThreads(ClearToSend):
             self._gpu.copy_to_host(staging, src, op.ready)
             yield staging
 
-    def _recv_loop(self, ch: Channel, link: R.Link) -> None:
+    def _recv_loop(self, ch: Channel, link: links.Link) -> None:
         # until the peer's BYE or a failed read: a failed send (a reply to a peer that has
         # closed) leaves the link dead for sending while what the peer sent is still to read
         while True:
             try:
                 kind, slot, op_id, idx, off, n = link.recv_header()
-                if kind == R.FREE:
+                if kind == links.FREE:
                     assert ch.shm_out is not None
                     ch.shm_out.release(slot)
                     continue
-                if kind == R.FREE_GPU:
+                if kind == links.FREE_GPU:
                     assert ch.shm_out is not None
                     ch.freed_at(slot, off)
                     ch.shm_out.release(slot)
                     continue
-                if kind == R.ACK:
+                if kind == links.ACK:
                     with link.unacked_lock:
                         acked = link.unacked.pop((op_id, idx), None)
                         link.unacked_lock.notify_all()
                     if acked is not None:
                         acked[0].count(idx)
                     continue
-                if kind == R.BYE:
+                if kind == links.BYE:
                     link.alive = False
                     self._wake_senders()
                     return
-                if kind == R.CTS:  # slot: the kind; chunk, offset: its two keys
+                if kind == links.CTS:  # slot: the kind; chunk, offset: its two keys
                     self._file_cts(ch.peer, slot, idx, off, op_id, n)
                     continue
                 op = self._ops.get(op_id)
-                if kind == R.ERROR:
+                if kind == links.ERROR:
                     if op is not None:
                         op.fail(_size_mismatch(ch.peer, n, op.region.nbytes))
                     continue
-                if kind == R.DATA:
+                if kind == links.DATA:
                     self._land(link, op, idx, off, n)
-                    self._reply(link, R.ACK, -1, op_id, idx)
-                elif kind == R.SLOT_GPU:
+                    self._reply(link, links.ACK, -1, op_id, idx)
+                elif kind == links.SLOT_GPU:
                     self._take_flagged(
                         ch, link, op, slot, op_id, idx & 0xFFFFFFFF, idx >> 32, off, n
                     )
-                elif kind == R.SLOT:
+                elif kind == links.SLOT:
                     assert ch.shm_in is not None
                     if op is not None and not op.done.is_set() and op.region.host is None:
                         stamp("slot got", idx)
@@ -324,8 +333,8 @@ class RailThreads(ClearToSend):
                     if op is not None and not op.done.is_set():
                         self._deliver(op, off, ch.shm_in.view(slot, n))
                         op.count(idx)
-                    self._reply(link, R.FREE, slot, op_id, idx)
-            except R.RailError as exc:
+                    self._reply(link, links.FREE, slot, op_id, idx)
+            except (links.RailError, SegmentError) as exc:
                 if not self._closed:
                     self._rail_down(ch, link, exc)
                 link.alive = False
@@ -338,7 +347,7 @@ class RailThreads(ClearToSend):
     def _take_flagged(
         self,
         ch: Channel,
-        link: R.Link,
+        link: links.Link,
         op: _Op | None,
         slot: int,
         op_id: int,
@@ -373,18 +382,18 @@ class RailThreads(ClearToSend):
         if op is not None and not op.done.is_set():
             self._deliver(op, off, seg.view(slot, n))
             op.count(idx)
-        self._reply(link, R.FREE, slot, op_id, idx)
+        self._reply(link, links.FREE, slot, op_id, idx)
 
-    def _reply_freed(self, link: R.Link, slot: int, op_id: int, idx: int, gen: int) -> None:
+    def _reply_freed(self, link: links.Link, slot: int, op_id: int, idx: int, gen: int) -> None:
         """Hand a slot back whose copy out is queued: FREE_GPU, with the FREE value it sets."""
         try:
-            link.send(R.FREE_GPU, slot, op_id, idx, gen, 0)
-        except R.RailError as exc:
+            link.send(links.FREE_GPU, slot, op_id, idx, gen, 0)
+        except links.RailError as exc:
             log.debug(
                 "rank %d: no reply to rank %d over %s (%s)", self.rank, link.peer, link.spec, exc
             )
 
-    def _rail_down(self, ch: Channel, link: R.Link, exc: BaseException) -> None:
+    def _rail_down(self, ch: Channel, link: links.Link, exc: BaseException) -> None:
         """A link broke: its unacknowledged chunks go back to the other rails, or, with no
         rail left, every operation with that peer fails naming each rail's error."""
         link.alive = False
@@ -413,7 +422,7 @@ class RailThreads(ClearToSend):
                 ch, HetcommError(f"every rail to rank {ch.peer} failed: " + "; ".join(ch.dead))
             )
 
-    def _land(self, link: R.Link, op: _Op | None, idx: int, off: int, n: int) -> None:
+    def _land(self, link: links.Link, op: _Op | None, idx: int, off: int, n: int) -> None:
         if op is None or op.done.is_set():
             link.recv_into(memoryview(bytearray(n)))  # drain a chunk nobody waits for
             return
@@ -510,5 +519,5 @@ def _size_mismatch(peer: int, sent: int, expected: int) -> MismatchError:
     )
 
 
-def _rail_name(link: R.Link | None) -> str:
+def _rail_name(link: links.Link | None) -> str:
     return "mpi" if link is None else str(link.spec)

@@ -10,12 +10,13 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import rails as R
-from .staged_ops import _STOP, _Op
-from .staged_schedule import rail_key, rail_windows
+from ..shm import SharedSlots
+from . import links
+from .ops import _STOP, _Op
+from .schedule import rail_key, rail_windows
 
 if TYPE_CHECKING:
-    from .staged import StagedTransport
+    from .transport import StagedTransport
 
 SHM_LANES = 2  # threads feeding one shm rail, so that one stages while the other signals
 
@@ -23,12 +24,12 @@ SHM_LANES = 2  # threads feeding one shm rail, so that one stages while the othe
 class Channel:
     """The rails to one peer, their threads and the shm rail's shared slots."""
 
-    def __init__(self, owner: StagedTransport, peer: int, specs: list[R.RailSpec]) -> None:
+    def __init__(self, owner: StagedTransport, peer: int, specs: list[links.RailSpec]) -> None:
         self.owner, self.peer, self.specs = owner, peer, specs
         self.queue: queue.Queue[Any] = queue.Queue()
-        self.links: list[R.Link] = []
-        self.shm_out: R.SharedSlots | None = None
-        self.shm_in: R.SharedSlots | None = None
+        self.links: list[links.Link] = []
+        self.shm_out: SharedSlots | None = None
+        self.shm_in: SharedSlots | None = None
         self.threads: list[threading.Thread] = []
         self.dead: list[str] = []
         self.uses_mpi = any(s.kind == "mpi" for s in specs)
@@ -70,8 +71,8 @@ class Channel:
         with self._lock:
             ready = self._uses.get(slot, 0)
             free = self._free_at.pop(slot, 0)
-        self.shm_out.wait_flag(R.SharedSlots.READY, slot, ready, deadline, alive)
-        self.shm_out.wait_flag(R.SharedSlots.FREE, slot, free, deadline, alive)
+        self.shm_out.wait_flag(SharedSlots.READY, slot, ready, deadline, alive)
+        self.shm_out.wait_flag(SharedSlots.FREE, slot, free, deadline, alive)
 
     def release_waits(self) -> None:
         """No stream of this rank waits on the channel's flags any longer (it fails or closes)."""

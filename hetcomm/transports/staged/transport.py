@@ -16,14 +16,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import CommTimeout, HetcommError, MismatchError, TransportUnavailable
-from ..ops import ReduceOp
-from ..work import Work
-from . import Transport
-from . import rails as R
-from .staged_channel import Channel
-from .staged_ops import _STOP, PeerTimeout, Region, _Drivers, _Op, stamp
-from .staged_rails import (
+from ...errors import CommTimeout, HetcommError, MismatchError, TransportUnavailable
+from ...ops import ReduceOp
+from ...work import Work
+from ..base import Transport
+from ..shm import SharedSlots
+from . import links
+from .channel import Channel
+from .ops import _STOP, PeerTimeout, Region, _Drivers, _Op, stamp
+from .rails import (
     BYE_MPI,
     ERROR_MPI,
     TAG_HEAD,
@@ -31,11 +32,11 @@ from .staged_rails import (
     _flagged,
     _size_mismatch,
 )
-from .staged_schedule import choose_rails, message_spans, rail_key, slots_that_fit
+from .schedule import choose_rails, message_spans, rail_key, slots_that_fit
 
 if TYPE_CHECKING:
-    from ..arrays import Buffer
-    from ..topology import Topology
+    from ...arrays import Buffer
+    from ...topology import Topology
 
 log = logging.getLogger("hetcomm")
 
@@ -88,8 +89,8 @@ class StagedTransport(RailThreads, Transport):
         self.rail_weights: dict[str, float] = {} if tuned is None else dict(tuned.rail_weights)
         self.timeout = comm.config.timeout
         self.mode, addrs = _rail_addresses(comm)
-        self.token = R.new_token()
-        self.listener = R.Listener(addrs, self.token, self.rank)
+        self.token = links.new_token()
+        self.listener = links.Listener(addrs, self.token, self.rank)
         info = comm.topology[self.rank]
         self.card = {
             "rank": self.rank,
@@ -175,7 +176,7 @@ class StagedTransport(RailThreads, Transport):
 
     def _open(self, peers: list[int], deadline: float) -> None:
         if "gpu_flags" not in self.card:
-            from ..kernels import device
+            from ...kernels import device
 
             self.card["gpu_flags"] = GPU_FLAGS and device.stream_flags() is not None
         cards = self._swap({p: self.card for p in peers}, deadline)
@@ -207,18 +208,18 @@ class StagedTransport(RailThreads, Transport):
                 if spec.kind == "mpi":
                     continue
                 if self.rank < peer:
-                    sock = R.connect(
+                    sock = links.connect(
                         spec, peer, theirs["token"], self.rank, theirs["unix"], deadline
                     )
                 else:
                     sock = self.listener.take(peer, spec.index, deadline)
-                ch.links.append(R.Link(sock, spec, peer))
+                ch.links.append(links.Link(sock, spec, peer))
         shm = [p for p, ch in opened.items() if any(s.kind == "shm" for s in ch.specs)]
         if shm:
             base = f"hetcomm-{self.token.hex()[:12]}"
             slots = slots_that_fit(self.slots, self.chunk_bytes, 2 * len(shm))
             for p in shm:
-                opened[p].shm_out = R.SharedSlots(
+                opened[p].shm_out = SharedSlots(
                     f"{base}-{self.rank}-{p}", slots, self.chunk_bytes, create=True
                 )
             names = self._swap(
@@ -226,7 +227,7 @@ class StagedTransport(RailThreads, Transport):
             )
             for p in shm:
                 name, count, slot_bytes = names[p]
-                opened[p].shm_in = R.SharedSlots(name, count, slot_bytes, create=False)
+                opened[p].shm_in = SharedSlots(name, count, slot_bytes, create=False)
                 opened[p].gpu_flags = bool(self.card["gpu_flags"] and cards[p].get("gpu_flags"))
             # both sides have mapped both segments: the names can go
             self._swap({p: None for p in shm}, deadline)
@@ -353,7 +354,7 @@ class StagedTransport(RailThreads, Transport):
             self._count_bytes(link, sum(n for _, _, (_, n), _ in early))
             for idx, (slot, event, (off, n), gen) in enumerate(early):
                 if gen and _flagged(n, op):
-                    link.send(R.SLOT_GPU, slot, op.remote, idx | gen << 32, off, n)
+                    link.send(links.SLOT_GPU, slot, op.remote, idx | gen << 32, off, n)
                     self._queued_on_gpu(ch, op, idx, outbound=True)
                 else:
                     self._announce_soon(ch, event, link, slot, op, idx, off, n)
@@ -386,8 +387,8 @@ class StagedTransport(RailThreads, Transport):
     def _notify_error(self, ch: Channel, remote: int, nbytes: int) -> None:
         """Fail the peer's receive too, so that it does not wait for data that cannot come."""
         for link in ch.links:
-            with contextlib.suppress(R.RailError):
-                link.send(R.ERROR, -1, remote, 0, 0, nbytes)
+            with contextlib.suppress(links.RailError):
+                link.send(links.ERROR, -1, remote, 0, 0, nbytes)
                 return
         if ch.uses_mpi:
             self.svc.Send(np.array([ERROR_MPI, remote, 0, 0, nbytes], np.int64), ch.peer, TAG_HEAD)
@@ -478,7 +479,7 @@ class StagedTransport(RailThreads, Transport):
         if not any(b.on_device for b in bufs):
             return None
         if self._gpu is None:
-            from ..kernels import device
+            from ...kernels import device
 
             why = device.unavailable()
             if why is not None:
@@ -607,39 +608,50 @@ class StagedTransport(RailThreads, Transport):
             self.finish_recv(rop, deadline)
 
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
-        from . import staged_collectives as C
-
-        return self._run("all_reduce", seq, [x, out], C.all_reduce(self, x, out, op, seq), op)
-
-    def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
-        from . import staged_collectives as C
-
-        return self._run("reduce", seq, [x], C.reduce(self, x, op, root, seq), op)
-
-    def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
-        from . import staged_collectives as C
-
-        return self._run("broadcast", seq, [x], C.broadcast(self, x, root, seq))
-
-    def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
-        from . import staged_collectives as C
+        from . import collectives
 
         return self._run(
-            "all_gather", seq, [out, x], C.all_gather(self, out, x, seq), nbytes=out.nbytes
+            "all_reduce", seq, [x, out], collectives.all_reduce(self, x, out, op, seq), op
+        )
+
+    def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
+        from . import collectives
+
+        return self._run("reduce", seq, [x], collectives.reduce(self, x, op, root, seq), op)
+
+    def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
+        from . import collectives
+
+        return self._run("broadcast", seq, [x], collectives.broadcast(self, x, root, seq))
+
+    def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        from . import collectives
+
+        return self._run(
+            "all_gather",
+            seq,
+            [out, x],
+            collectives.all_gather(self, out, x, seq),
+            nbytes=out.nbytes,
         )
 
     def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
-        from . import staged_collectives as C
+        from . import collectives
 
         return self._run(
-            "reduce_scatter", seq, [out, x], C.reduce_scatter(self, out, x, op, seq), op, x.nbytes
+            "reduce_scatter",
+            seq,
+            [out, x],
+            collectives.reduce_scatter(self, out, x, op, seq),
+            op,
+            x.nbytes,
         )
 
     def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
-        from . import staged_collectives as C
+        from . import collectives
 
         return self._run(
-            "all_to_all", seq, [out, x], C.all_to_all(self, out, x, seq), nbytes=x.nbytes
+            "all_to_all", seq, [out, x], collectives.all_to_all(self, out, x, seq), nbytes=x.nbytes
         )
 
     def barrier(self, seq: int) -> Work:
@@ -654,8 +666,8 @@ class StagedTransport(RailThreads, Transport):
         for ch in self._channels.values():
             ch.stop()
             for link in ch.links:
-                with contextlib.suppress(R.RailError):
-                    link.send(R.BYE, -1, 0, 0, 0, 0)
+                with contextlib.suppress(links.RailError):
+                    link.send(links.BYE, -1, 0, 0, 0, 0)
         if self._mpi_rail is not None:
             self.svc.Send(np.array([BYE_MPI, 0, 0, 0, 0], np.int64), self.rank, TAG_HEAD)
             self._mpi_rail.join(timeout=5)
@@ -699,7 +711,7 @@ def _close_all() -> None:
 
 def _rail_addresses(comm: Any) -> tuple[str, list[str]]:
     """('auto' | 'mpi' | 'list', the IPv4 addresses this rank listens on)."""
-    from ..nics import parse_rails, shared_subnet_warnings
+    from ...nics import parse_rails, shared_subnet_warnings
 
     spec = comm.config.rails.strip()
     if spec.lower() == "mpi":

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..trace import Stamps
+from ...trace import Stamps
 
 _STOP = object()
 # the staged pipeline's steps, stamped while stamp.marks is a list (bench_staged.py timeline)

@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..ops import ReduceOp
-from .staged import CTS_COLL, Region
-from .staged_schedule import block_spans, chunk_spans
+from ...ops import ReduceOp
+from .schedule import block_spans, chunk_spans
+from .transport import CTS_COLL, Region
 
 if TYPE_CHECKING:
-    from ..arrays import Buffer
-    from .staged import StagedTransport
+    from ...arrays import Buffer
+    from .transport import StagedTransport
 
 Body = Callable[[float, Any], None]
 
@@ -45,10 +45,10 @@ class _Local:
             return
         kind = "sum" if op is ReduceOp.AVG else op.value
         if dst.host is not None and src.host is not None:
-            from ..kernels import reduce as kr
+            from ...kernels import reduce
 
-            sd = kr.storage_dtype(dtype)
-            kr.combine(dst.host.view(sd), src.host.view(sd), kind, dtype)
+            sd = reduce.storage_dtype(dtype)
+            reduce.combine(dst.host.view(sd), src.host.view(sd), kind, dtype)
         else:
             self.gpu.combine(dst, src, dtype, kind, self.ready)
 
@@ -56,9 +56,9 @@ class _Local:
         if region.nbytes == 0:
             return
         if region.host is not None:
-            from ..kernels import reduce as kr
+            from ...kernels import reduce
 
-            kr.divide(region.host.view(kr.storage_dtype(dtype)), n, dtype)
+            reduce.divide(region.host.view(reduce.storage_dtype(dtype)), n, dtype)
         else:
             self.gpu.divide(region, n, dtype, self.ready)
 
