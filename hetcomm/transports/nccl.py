@@ -21,7 +21,8 @@ import numpy as np
 from ..errors import InvalidArgument
 from ..ops import ReduceOp
 from ..work import Work
-from .base import Transport
+from . import tags
+from .base import Context, Transport
 
 if TYPE_CHECKING:
     from ..arrays import Buffer
@@ -50,7 +51,6 @@ _OPS = {
 }
 # bool travels as uint8 0/1: MAX is "or", MIN is "and"
 _BOOL_OPS = {ReduceOp.SUM: _MAX, ReduceOp.MAX: _MAX, ReduceOp.PROD: _MIN, ReduceOp.MIN: _MIN}
-TAG_UID = 21
 log = logging.getLogger("hetcomm")
 
 # Every NCCL communicator this process has made and not yet ended. CuPy's NcclCommunicator
@@ -168,7 +168,7 @@ class NcclTransport(Transport):
     name: ClassVar[str] = "nccl"
     memory: ClassVar[tuple[str, ...]] = ("device",)
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Context) -> None:
         super().__init__(comm)
         import cupy
         from cupy.cuda import nccl
@@ -240,9 +240,9 @@ class NcclTransport(Transport):
         uid = np.zeros(129, dtype=np.int8)
         if self.rank < peer:
             uid = self._new_uid()
-            self.comm.service.Send(uid, dest=peer, tag=TAG_UID)
+            self.comm.service.Send(uid, dest=peer, tag=tags.NCCL_UID)
         else:
-            self.comm.service.Recv(uid, source=peer, tag=TAG_UID)
+            self.comm.service.Recv(uid, source=peer, tag=tags.NCCL_UID)
         found = self._pairs[peer] = self._make(2, int(self.rank > peer), uid)
         return found
 

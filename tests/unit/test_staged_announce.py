@@ -8,8 +8,9 @@ import queue
 
 import pytest
 
+from hetcomm.transports.local import Region
 from hetcomm.transports.staged import links
-from hetcomm.transports.staged.ops import Region, _Op
+from hetcomm.transports.staged.ops import _Op
 from hetcomm.transports.staged.rails import INLINE_COPY_BYTES, RailThreads
 
 CHUNK = 8 << 20  # longer than INLINE_COPY_BYTES: never waited for inline for its size alone

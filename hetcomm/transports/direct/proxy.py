@@ -18,10 +18,10 @@ from mpi4py import MPI
 
 from ...kernels import device as kd
 from ...trace import Stamps
+from .. import tags
 
 # a step of an operation waits for one of these: an MPI request, a GPU event, or nothing (None)
 Step = Generator[Any, None, None]
-TAG_WAKE = 63  # a message the proxy sends itself to leave MPI_Waitany
 
 
 class Task:
@@ -113,7 +113,7 @@ class Proxy:
         self._stop = False
         self._pokes: list[MPI.Request] = []
         self._wake_buf = np.zeros(1, np.int8)
-        self._wake = svc.Irecv(self._wake_buf, self.rank, TAG_WAKE)
+        self._wake = svc.Irecv(self._wake_buf, self.rank, tags.DIRECT_WAKE)
         self.stream: Any = None
         self._thread = threading.Thread(target=self._loop, name="hetcomm-direct-proxy", daemon=True)
         self._started = threading.Event()
@@ -151,7 +151,7 @@ class Proxy:
     def _poke(self) -> None:
         """Wake the thread out of MPI_Waitany (call with the lock held)."""
         self._pokes = [r for r in self._pokes if not r.Test()]
-        self._pokes.append(self.svc.Isend(_POKE, self.rank, TAG_WAKE))
+        self._pokes.append(self.svc.Isend(_POKE, self.rank, tags.DIRECT_WAKE))
 
     def mark(self) -> Mark:
         """A new mark at the end of the proxy's stream (recorded by whichever thread runs the
@@ -309,7 +309,7 @@ class Proxy:
             with self._lock:
                 self._in_mpi = False
             if woke == 0:
-                self._wake = self.svc.Irecv(self._wake_buf, self.rank, TAG_WAKE)
+                self._wake = self.svc.Irecv(self._wake_buf, self.rank, tags.DIRECT_WAKE)
 
     def stop(self) -> None:
         with self._lock:
@@ -320,6 +320,6 @@ class Proxy:
         if not self._thread.is_alive():
             # the last wake-up receive is still posted: a message of our own completes it
             if not self._wake.Test():
-                self.svc.Send(_POKE, self.rank, TAG_WAKE)
+                self.svc.Send(_POKE, self.rank, tags.DIRECT_WAKE)
                 self._wake.Wait()
             MPI.Request.Waitall(self._pokes)

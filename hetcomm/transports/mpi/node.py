@@ -32,8 +32,8 @@ from mpi4py import MPI
 
 from ...errors import TransportUnavailable
 from ...ops import ReduceOp
-from ..direct.schedule import shards
 from ..shm import SegmentError, SharedSlots
+from ..spans import shards
 
 # a rank's segment holds at most this much; larger fused buffers go through the MPI transport
 MAX_BYTES = 16 << 20

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -14,7 +12,8 @@ from mpi4py import MPI
 from ...errors import MismatchError, TransportUnavailable
 from ...ops import ReduceOp
 from ...work import Work
-from ..base import Job, Transport
+from ..base import Context, Transport
+from ..worker import InOrderWorker
 from . import node, persistent, schedule
 
 if TYPE_CHECKING:
@@ -164,52 +163,6 @@ LANE_BYTES = 256 * 1024
 _QUICK_TESTS = 32
 
 
-class _Lane:
-    """One thread running a communicator's large collectives in the order they were issued.
-
-    Collectives must start in the same order on every rank. A small one is started directly only
-    while the lane is idle (nothing queued, nothing running), so that a direct start can never
-    overtake a queued one: seen under the same lock that queues jobs, or, on the persistent
-    short path, without it, since only the issuing thread queues jobs and the lane thread only
-    ever lowers `pending`. The thread takes jobs from a SimpleQueue (one wake-up per job, no
-    lock of ours to win first) and counts each out before setting it, so that its waiter finds
-    the lane idle.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self._queue: queue.SimpleQueue[Job] = queue.SimpleQueue()
-        self.pending = 0  # jobs queued or running
-        self._thread: threading.Thread | None = None
-
-    def idle(self) -> bool:
-        """Call with `lock` held."""
-        return not self.pending
-
-    def drained(self) -> bool:
-        """Whether every job queued so far has run (takes `lock`)."""
-        with self.lock:
-            return not self.pending
-
-    def submit(self, call: Callable[[], Any]) -> Job:
-        """Call with `lock` held."""
-        job = Job(call)
-        self.pending += 1
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="hetcomm-mpi-lane", daemon=True)
-            self._thread.start()
-        self._queue.put(job)
-        return job
-
-    def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            job.call_only()
-            with self.lock:
-                self.pending -= 1
-            job.set()
-
-
 class MpiTransport(Transport):
     """Every operation as MPI calls on the communicator's own MPI communicator: small ones
     non-blocking from the calling thread, large collectives blocking on a lane thread, small
@@ -218,10 +171,10 @@ class MpiTransport(Transport):
     name: ClassVar[str] = "mpi"
     memory: ClassVar[tuple[str, ...]] = ("host", "device")
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Context) -> None:
         super().__init__(comm)
         self._mpi: MPI.Intracomm = comm.mpi
-        self._lane = _Lane()
+        self._lane = InOrderWorker("hetcomm-mpi-lane")
         members = comm.topology.members()
         self._not_aware = [m.rank for m in members if not m.gpu_aware]
         # all-reduces up to this many bytes run as cached persistent requests (0: none); the

@@ -13,13 +13,13 @@ import numpy as np
 from mpi4py import MPI
 
 from ...errors import HetcommError
+from .. import tags
 from . import links
 from .ops import PeerTimeout, _Op
 
 if TYPE_CHECKING:
     from .channel import Channel
 
-TAG_CTRL = 11  # a clear-to-send over MPI, on the service communicator
 # a sender waiting for a clear-to-send over MPI polls for it, first after this many seconds,
 # doubling up to the second value (only between hosts: a host's ranks ring the shm doorbell);
 # the mpi rail's receiving thread polls for chunks the same way
@@ -63,7 +63,9 @@ class ClearToSend:
         if link is not None:
             link.send(links.CTS, kind, op_id, k1, k2, nbytes)
             return
-        self.svc.Send(np.array([kind, k1, k2, op_id, nbytes, 0], dtype=np.int64), peer, TAG_CTRL)
+        self.svc.Send(
+            np.array([kind, k1, k2, op_id, nbytes, 0], dtype=np.int64), peer, tags.STAGED_CTS
+        )
 
     def _take_mpi_cts(self) -> int:
         """File every clear-to-send that has arrived over MPI; how many there were. Matched
@@ -72,7 +74,7 @@ class ClearToSend:
         msg = np.zeros(6, dtype=np.int64)
         status = MPI.Status()
         while True:
-            found = self.svc.Improbe(source=MPI.ANY_SOURCE, tag=TAG_CTRL, status=status)
+            found = self.svc.Improbe(source=MPI.ANY_SOURCE, tag=tags.STAGED_CTS, status=status)
             if found is None:
                 return taken
             found.Recv(msg)

@@ -10,28 +10,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from ...trace import Stamps
+from ..local import Region
 
 _STOP = object()
 # the staged pipeline's steps, stamped while stamp.marks is a list (bench_staged.py timeline)
 stamp = Stamps()
-
-
-@dataclass
-class Region:
-    """Bytes an op reads or writes: a flat uint8 host view, or a device pointer."""
-
-    nbytes: int
-    host: np.ndarray | None = None
-    dev: int = 0
-    keep: Any = None  # keeps a temporary allocation alive
-
-    def sub(self, offset: int, nbytes: int) -> Region:
-        if self.host is not None:
-            return Region(nbytes, self.host[offset : offset + nbytes])
-        return Region(nbytes, None, self.dev + offset, self.keep)
 
 
 @dataclass(eq=False)

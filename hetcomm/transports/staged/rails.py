@@ -17,18 +17,18 @@ import numpy as np
 from mpi4py import MPI
 
 from ...errors import HetcommError, MismatchError
+from .. import tags
+from ..local import Region
 from ..shm import SegmentError
 from . import links
 from .cts import _CTS_POLL_MAX_S, _CTS_POLL_S, ClearToSend
-from .ops import _STOP, Region, _Op, stamp
+from .ops import _STOP, _Op, stamp
 
 if TYPE_CHECKING:
     from .channel import Channel
 
 log = logging.getLogger("hetcomm")
 
-# tags of the mpi rail's messages on the service communicator: a chunk's header, then its body
-TAG_HEAD, TAG_BODY = 13, 14
 # kinds of the mpi rail's headers
 DATA_MPI, ERROR_MPI, BYE_MPI = 1, 4, 5
 # a device chunk this small is copied and waited for by the rail thread itself (a few
@@ -91,8 +91,8 @@ class RailThreads(ClearToSend):
         if link is None:  # the MPI rail
             head = np.array([DATA_MPI, op.remote, idx, off, n], dtype=np.int64)
             with self._staged(src, op) as payload:
-                self.svc.Send(head, ch.peer, TAG_HEAD)
-                self.svc.Send(payload, ch.peer, TAG_BODY)
+                self.svc.Send(head, ch.peer, tags.STAGED_HEAD)
+                self.svc.Send(payload, ch.peer, tags.STAGED_BODY)
             return True
         if link.spec.kind == "shm":
             assert ch.shm_out is not None
@@ -450,7 +450,7 @@ class RailThreads(ClearToSend):
             # close() ends it with a BYE sent to this very rank, so no thread is left inside
             # MPI when the process finalizes it. Polled, not a blocking receive: that would
             # keep a core spinning for as long as the rail is idle
-            request = self.svc.Irecv(head, source=MPI.ANY_SOURCE, tag=TAG_HEAD)
+            request = self.svc.Irecv(head, source=MPI.ANY_SOURCE, tag=tags.STAGED_HEAD)
             pause = _CTS_POLL_S
             while not request.Test(status):
                 time.sleep(pause)
@@ -467,14 +467,14 @@ class RailThreads(ClearToSend):
                     op.fail(_size_mismatch(peer, n, op.region.nbytes))
                 continue
             if op is None or op.done.is_set():
-                self.svc.Recv(np.empty(n, np.uint8), source=peer, tag=TAG_BODY)
+                self.svc.Recv(np.empty(n, np.uint8), source=peer, tag=tags.STAGED_BODY)
                 continue
             dest = op.region.sub(off, n)
             if dest.host is not None:
-                self.svc.Recv(dest.host, source=peer, tag=TAG_BODY)
+                self.svc.Recv(dest.host, source=peer, tag=tags.STAGED_BODY)
             else:
                 with self._gpu.bounce(n) as staging:
-                    self.svc.Recv(staging, source=peer, tag=TAG_BODY)
+                    self.svc.Recv(staging, source=peer, tag=tags.STAGED_BODY)
                     self._gpu.copy_from_host(dest, staging, op.ready)
             op.count(idx)
 

@@ -19,15 +19,16 @@ from mpi4py import MPI
 from ...errors import CommTimeout, HetcommError, MismatchError, TransportUnavailable
 from ...ops import ReduceOp
 from ...work import Work
-from ..base import Transport
+from .. import tags
+from ..base import Context, Transport
+from ..local import Region
 from ..shm import SharedSlots
 from . import links
 from .channel import Channel
-from .ops import _STOP, PeerTimeout, Region, _Drivers, _Op, stamp
+from .ops import _STOP, PeerTimeout, _Drivers, _Op, stamp
 from .rails import (
     BYE_MPI,
     ERROR_MPI,
-    TAG_HEAD,
     RailThreads,
     _flagged,
     _size_mismatch,
@@ -62,7 +63,6 @@ EARLY_CHUNKS = 4
 # of the same copies and flags with no transport around it (scripts/probe_gpu_flags.py) took
 # 5.33 ms. A channel decides when it opens.
 GPU_FLAGS = False
-TAG_HELLO = 12  # TAG_CTRL: staged_cts; TAG_HEAD, TAG_BODY: staged_rails
 CTS_P2P, CTS_COLL = 1, 2
 
 
@@ -78,7 +78,7 @@ class StagedTransport(RailThreads, Transport):
     name: ClassVar[str] = "staged"
     memory: ClassVar[tuple[str, ...]] = ("host", "device")
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Context) -> None:
         super().__init__(comm)
         self.rank, self.size = comm.rank, comm.size
         self.svc: MPI.Intracomm = comm.service
@@ -155,8 +155,8 @@ class StagedTransport(RailThreads, Transport):
 
     def _swap(self, values: dict[int, Any], deadline: float) -> dict[int, Any]:
         """Send values[p] to every p and receive one object from each, all at once."""
-        sends = [self.svc.isend(v, dest=p, tag=TAG_HELLO) for p, v in values.items()]
-        recvs = {p: self.svc.irecv(source=p, tag=TAG_HELLO) for p in values}
+        sends = [self.svc.isend(v, dest=p, tag=tags.STAGED_HELLO) for p, v in values.items()]
+        recvs = {p: self.svc.irecv(source=p, tag=tags.STAGED_HELLO) for p in values}
         got: dict[int, Any] = {}
         while len(got) < len(recvs):
             for p, req in recvs.items():
@@ -391,7 +391,9 @@ class StagedTransport(RailThreads, Transport):
                 link.send(links.ERROR, -1, remote, 0, 0, nbytes)
                 return
         if ch.uses_mpi:
-            self.svc.Send(np.array([ERROR_MPI, remote, 0, 0, nbytes], np.int64), ch.peer, TAG_HEAD)
+            self.svc.Send(
+                np.array([ERROR_MPI, remote, 0, 0, nbytes], np.int64), ch.peer, tags.STAGED_HEAD
+            )
 
     def finish_recv(self, op: _Op, deadline: float) -> None:
         try:
@@ -669,7 +671,7 @@ class StagedTransport(RailThreads, Transport):
                 with contextlib.suppress(links.RailError):
                     link.send(links.BYE, -1, 0, 0, 0, 0)
         if self._mpi_rail is not None:
-            self.svc.Send(np.array([BYE_MPI, 0, 0, 0, 0], np.int64), self.rank, TAG_HEAD)
+            self.svc.Send(np.array([BYE_MPI, 0, 0, 0, 0], np.int64), self.rank, tags.STAGED_HEAD)
             self._mpi_rail.join(timeout=5)
         # operations still running (a peer that never came) end now: their threads must be out
         # of MPI before the process finalizes it
