@@ -89,7 +89,11 @@ def init(
         topo = topology.gather(dup, config)
         from .transports.direct.peer import probe
 
-        probe(dup, [r.node for r in topo.ranks], [r.device_index is not None for r in topo.ranks])
+        topo = topo.with_peer_mapping(
+            probe(
+                dup, [r.node for r in topo.ranks], [r.device_index is not None for r in topo.ranks]
+            )
+        )
         from . import tune
 
         # values `hetcomm tune` measured for this topology, the same on every rank; a config

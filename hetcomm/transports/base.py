@@ -1,17 +1,71 @@
-"""The transport contract: the Transport base class and the call queued on a transport's thread."""
+"""The transport contract: the Transport base class, the narrow context a transport gets from
+its communicator, optional capabilities, and the call queued on a transport's thread."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from ..arrays import Buffer
-    from ..comm import Communicator
+    from ..config import Config
     from ..ops import ReduceOp
     from ..topology import Topology
     from ..work import Work
+
+
+class Context(Protocol):
+    """What a transport may use of the communicator it serves, and nothing else.
+
+    The Communicator passes itself (it satisfies this structurally); a transport never reaches
+    past these names. Work handles a transport makes take the context as their owner.
+    """
+
+    #: the group's name, for errors and logs
+    name: str
+    rank: int
+    size: int
+    #: the group's own MPI communicator: the caller's message space (its send/recv tags)
+    mpi: Any
+    #: hetcomm's control communicator beside it: tags from transports/tags.py only
+    service: Any
+    config: Config
+    topology: Topology
+    #: collectives issued so far, the same on every rank
+    _seq: int
+    #: the error the communicator was aborted with, None while it is usable
+    _aborted: BaseException | None
+    #: the group's transports made so far, the registry, and why each one cannot serve it:
+    #: hier picks the group's point-to-point transport from them
+    _transports: dict[str, Transport]
+    _available: dict[str, type[Transport]]
+    _unavailable: dict[str, str | None]
+
+    def _abort(self, exc: BaseException) -> None:
+        """Abort the communicator with `exc`: later calls raise CommAborted at once."""
+        ...
+
+
+@runtime_checkable
+class NodeReduce(Protocol):
+    """Capability: a fused all-reduce of one host through one shared segment (mpi/node.py).
+
+    The communicator uses it for a blocking all_reduce_coalesced of host arrays where
+    `fits_node` says the group and size allow, and turns it off for good with `node_off` once
+    the segments cannot be had on some rank."""
+
+    def fits_node(self, nbytes: int) -> bool:
+        """Whether a fused all-reduce of `nbytes` can go through the shared segments."""
+        ...
+
+    def node_reduce(self, op: str, seq: int) -> Any:
+        """The shared segments, made (collectively) at their first use."""
+        ...
+
+    def node_off(self) -> None:
+        """No shared segments for this group any more: fused all-reduces go through MPI."""
+        ...
 
 
 class Transport:
@@ -26,7 +80,7 @@ class Transport:
     #: which memory it can move: "host", "device" (both for most)
     memory: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Context) -> None:
         self.comm = comm
 
     @classmethod

@@ -30,9 +30,10 @@ from mpi4py import MPI
 from ...errors import InvalidArgument
 from ...ops import ReduceOp
 from ...work import Work, take_blocking
-from ..base import Transport
+from .. import tags
+from ..base import Context, Transport
 from . import schedule
-from .peer import RECORD, PeerMap, unavailable_for
+from .peer import RECORD, PeerMap
 from .proxy import Proxy, Step, Task, stamp
 
 if TYPE_CHECKING:
@@ -42,12 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("hetcomm")
 
 _D2D = 3  # cudaMemcpyDeviceToDevice
-# + 4 * user tag: the record of the rank that does not copy a message, then the copier's "done";
-# + 0, + 1 where the receiver copies, + 2, + 3 where the sender does (schedule.copier)
-TAG_P2P = 64
-# the top 2 * LEAD_TAGS tags: records sent to the one-GPU leader and its "done" replies, by
-# collective number modulo LEAD_TAGS (same-tag messages between two ranks stay in order)
-LEAD_TAGS = 1024
 _OPS = {
     ReduceOp.SUM: "Sum",
     ReduceOp.AVG: "Sum",
@@ -97,7 +92,7 @@ class DirectTransport(Transport):
     name: ClassVar[str] = "direct"
     memory: ClassVar[tuple[str, ...]] = ("device",)
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Context) -> None:
         super().__init__(comm)
         import cupy
 
@@ -117,7 +112,7 @@ class DirectTransport(Transport):
         self._flip = 0
         self._others = [p for p in range(self.size) if p != self.rank]
         self._tag_ub = int(self.svc.Get_attr(MPI.TAG_UB) or 32767)
-        self._lead_tag = self._tag_ub - 2 * LEAD_TAGS + 1
+        self._lead_tag = tags.lead_base(self._tag_ub)
         self._done_flag = np.zeros(1, np.int8)  # the leader's "done" message
         # ranks that share one GPU: the leader (rank 0) does a reduction for all of them in one
         # pass from one process, which saves the GPU the switches between processes' kernels
@@ -141,7 +136,7 @@ class DirectTransport(Transport):
         if why is not None:
             return why
         if len(ranks) > 1:
-            return unavailable_for([r.world_rank for r in ranks])
+            return topology.peer_mapping_unavailable()
         return None
 
     # ---- the calling thread ----------------------------------------------------------------------
@@ -347,7 +342,7 @@ class DirectTransport(Transport):
         do not pay a round trip between them. The other ranks' side runs beside their other
         operations; rank 0's keeps its place among the collectives.
         """
-        t_rec = self._lead_tag + 2 * (seq % LEAD_TAGS)
+        t_rec = self._lead_tag + 2 * (seq % tags.LEAD_TAGS)
         t_done = t_rec + 1
         if self.rank != 0:
             rec = np.concatenate(
@@ -518,11 +513,10 @@ class DirectTransport(Transport):
     def _tags(self, tag: int, op: str, pushed: bool) -> tuple[int, int]:
         """The tags of a message's record and its "done"."""
         top = self._lead_tag - 1
-        if TAG_P2P + 4 * tag + 3 > top:
-            raise InvalidArgument(
-                f"{op}: the direct transport takes tags up to {(top - TAG_P2P - 3) // 4}, got {tag}"
-            )
-        base = TAG_P2P + 4 * tag + (2 if pushed else 0)
+        if tags.DIRECT_P2P + 4 * tag + 3 > top:
+            most = (top - tags.DIRECT_P2P - 3) // 4
+            raise InvalidArgument(f"{op}: the direct transport takes tags up to {most}, got {tag}")
+        base = tags.DIRECT_P2P + 4 * tag + (2 if pushed else 0)
         return base, base + 1
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
