@@ -94,16 +94,16 @@ def init(
                 dup, [r.node for r in topo.ranks], [r.device_index is not None for r in topo.ranks]
             )
         )
-        from . import tune
+        from . import tuning
 
         # values `hetcomm tune` measured for this topology, the same on every rank; a config
         # that already carries some (a sub-communicator's) keeps them
         tuned = (
             config.tuned
             if config.tuned is not None
-            else tune.lookup(dup, topo.fingerprint(), config)
+            else tuning.lookup(dup, topo.fingerprint(), config)
         )
-        config = tune.adopt(config, tuned)
+        config = tuning.adopt(config, tuned)
     except BaseException:
         dup.Free()
         raise

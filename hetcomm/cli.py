@@ -32,7 +32,7 @@ def tuning_report(world: Any) -> str:
     """Whether values of `hetcomm tune` are in use for this topology, and which."""
     from .config import Config
     from .transports.staged.transport import CHUNK_BYTES, SLOTS
-    from .tune import cache_dir, cache_path, resolve_direct_min
+    from .tuning import cache_dir, cache_path, resolve_direct_min
 
     tuned = world.config.tuned
     fp = world.topology.fingerprint()
