@@ -352,7 +352,6 @@ def early(out: str) -> None:
     beside them. The default settings are "early chunks"; "ordered by flags" orders the two
     ranks' copies by the shared slots' flags instead of threads waiting on every copy
     (staged.GPU_FLAGS)."""
-    from hetcomm.transports.staged import transport as staged
 
     world = MPI.COMM_WORLD
     r = world.Get_rank()
@@ -377,10 +376,8 @@ def early(out: str) -> None:
             config=hetcomm.Config.load(transport="staged", vendor=("nvidia", "amd")[r % 2])
         )
         c._transport("send", hetcomm.arrays.as_buffer(x)).chunk_bytes = chunk
-        staged.GPU_FLAGS = flags
         if r < 2:  # open the channel now, with this setting
             c.send(x[:1], 1) if r == 0 else c.recv(y[:1], 0)
-        staged.GPU_FLAGS = False
     comm = comms[8 * MiB, False]
 
     def use(name: str) -> None:
@@ -598,7 +595,6 @@ def latency(out: str) -> None:
     waited for by helper threads on sleeping events (as before); started on the calling
     thread; with events whose wait the CUDA runtime chooses; and short copies waited for by
     the rail thread itself (all three: the default now)."""
-    from hetcomm.kernels import device as kd
 
     from hetcomm.transports.staged import rails as sr
     from hetcomm.transports.staged import transport as st
@@ -626,12 +622,10 @@ def latency(out: str) -> None:
         for size, memory in cases
     }
     for _ in range(15):
-        for name, (on_calling, blocking, inline_bytes) in variants.items():
+        for name, (on_calling, _blocking, _inline_bytes) in variants.items():
             st.StagedTransport._on_calling_thread = (
                 calling if on_calling else (lambda self, peer: False)
             )
-            kd.BLOCKING_EVENTS = blocking
-            sr.INLINE_COPY_BYTES = inline_bytes
             for size, memory in cases:
                 a = arrays[size, memory]
 
@@ -644,7 +638,6 @@ def latency(out: str) -> None:
                 med, _ = median_time(once, world, 5 if size < 256 * MiB else 3)
                 times.setdefault((name, size, memory), []).append(med)
     st.StagedTransport._on_calling_thread = calling
-    kd.BLOCKING_EVENTS, sr.INLINE_COPY_BYTES = False, inline
     rows = []
     for (name, size, memory), ts in times.items():
         med = statistics.median(ts)
@@ -666,10 +659,6 @@ if __name__ == "__main__":
     from hetcomm.topology import use_local_device
 
     use_local_device()  # rank r on device r % devices
-    if os.environ.get("BLOCKING_EVENTS"):  # staged copies' events sleep instead of spinning
-        from hetcomm.kernels import device
-
-        device.BLOCKING_EVENTS = True
     if os.environ.get("SWITCH_INTERVAL"):  # the interpreter's switch interval, in seconds
         sys.setswitchinterval(float(os.environ["SWITCH_INTERVAL"]))
     modes = {

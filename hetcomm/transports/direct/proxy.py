@@ -56,9 +56,6 @@ _POKE = np.zeros(1, np.int8)
 # handing it to the proxy (Proxy.wait)
 _INLINE_S = 2e-3
 _NEVER = 1 << 62
-# a blocking call that finds the proxy idle leaves it asleep (Proxy.submit); False wakes it
-# for every operation, as before (kept for comparison in bench_direct.py latency)
-LAZY_WAKE = True
 # the longest an idle proxy sleeps before it looks at its queue again unasked
 _IDLE_S = 0.05
 # from this size, queueing an operation behind others hands the interpreter to the proxy
@@ -128,7 +125,7 @@ class Proxy:
         with self._lock:
             self._new.append((task, collective))
             busy = self._colls or self._p2p or len(self._new) > 1
-            if blocking and LAZY_WAKE and not busy and not self._inline:
+            if blocking and not busy and not self._inline:
                 self._unwoken = True
             else:
                 self._wake_up()

@@ -62,9 +62,6 @@ _CTYPES = {
     "float64": "double",
 }
 _THREADS = 512
-# how peer memory is copied: "memcpy" (cudaMemcpyAsync) or "kernel" (copy16). On the H200,
-# 256 MiB through an IPC mapping: cudaMemcpyAsync 1987 GB/s, the kernel 1849 GB/s (2026-11-29)
-PEER_COPY = "memcpy"
 
 
 def group_unavailable(
@@ -230,20 +227,10 @@ class DirectTransport(Transport):
         yield self.svc.Ibarrier()
 
     def _copy(self, dst: int, src: int, nbytes: int) -> None:
-        """Copy on the proxy's stream: by cudaMemcpyAsync, or (PEER_COPY = "kernel") 16-byte
-        words by a kernel and the rest by cudaMemcpyAsync."""
-        words = nbytes // 16 if PEER_COPY == "kernel" and not (dst % 16 or src % 16) else 0
-        if words:
-            blocks = max(1, min(2048, (words + _THREADS - 1) // _THREADS))
-            args = (np.uint64(dst), np.uint64(src), np.uint64(words))
-            with self._proxy.stream:
-                self.kd.kernel("copy16")((blocks,), (_THREADS,), args)
-        rest = nbytes - 16 * words
-        if rest:
-            done = 16 * words
-            self.cupy.cuda.runtime.memcpyAsync(
-                dst + done, src + done, rest, _D2D, self._proxy.stream.ptr
-            )
+        """Copy on the proxy's stream by cudaMemcpyAsync (faster through an IPC mapping than a
+        copy kernel: docs/BENCHMARKS.md, "direct")."""
+        if nbytes:
+            self.cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, _D2D, self._proxy.stream.ptr)
 
     def _reduce(self, dst: int, srcs: list[int], count: int, dtype: str, op: ReduceOp) -> None:
         """dst = op over srcs (in order), `count` elements, on the proxy's stream."""

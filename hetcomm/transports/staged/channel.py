@@ -44,42 +44,6 @@ class Channel:
         self._completions: queue.Queue[Any] | None = None
         self._lock = threading.Lock()  # the two queues' creation, and `early`
         self.early = 0  # shared slots held by sends still waiting for their clear-to-send
-        # device chunks over shm are ordered by the slots' flags, with no thread waiting on a
-        # copy, where both ranks can (set when the channel opens; staged_rails)
-        self.gpu_flags = False
-        self._uses: dict[int, int] = {}  # outgoing slot -> device copies into it so far
-        self._free_at: dict[int, int] = {}  # outgoing slot -> FREE flag value to wait for
-
-    # ---- flags of the outgoing shared slots --------------------------------------------------
-
-    def next_use(self, slot: int) -> tuple[int, int]:
-        """For a device copy into `slot`: (the READY value it sets, the FREE value it must wait
-        for first, 0 for none)."""
-        with self._lock:
-            self._uses[slot] = self._uses.get(slot, 0) + 1
-            return self._uses[slot], self._free_at.pop(slot, 0)
-
-    def freed_at(self, slot: int, value: int) -> None:
-        """The receiver hands `slot` back with FREE_GPU: writable once its FREE flag is `value`."""
-        with self._lock:
-            self._free_at[slot] = value
-
-    def settle(self, slot: int, deadline: float, alive: Callable[[], bool]) -> None:
-        """Before this thread writes into `slot` itself (host bytes): wait until the last device
-        copy into it and the receiver's last device copy out of it have ended."""
-        assert self.shm_out is not None
-        with self._lock:
-            ready = self._uses.get(slot, 0)
-            free = self._free_at.pop(slot, 0)
-        self.shm_out.wait_flag(SharedSlots.READY, slot, ready, deadline, alive)
-        self.shm_out.wait_flag(SharedSlots.FREE, slot, free, deadline, alive)
-
-    def release_waits(self) -> None:
-        """No stream of this rank waits on the channel's flags any longer (it fails or closes)."""
-        for seg in (self.shm_out, self.shm_in):
-            if seg is not None:
-                with contextlib.suppress(ValueError):
-                    seg.release_waits()
 
     def start(self) -> None:
         for link in self.links:
@@ -132,7 +96,7 @@ class Channel:
             self.early += len(slots)
         return slots
 
-    def take_early(self, op: _Op) -> list[tuple[int, Any, tuple[int, int], int]]:
+    def take_early(self, op: _Op) -> list[tuple[int, Any, tuple[int, int]]]:
         """The early chunks of `op`, taken (by whoever gets them first) and no longer counted
         against the channel's half of the slots."""
         with self._lock:
@@ -144,7 +108,7 @@ class Channel:
         """Give back the slots of a send's early chunks that never went (their copies end
         first)."""
         assert self.shm_out is not None
-        for slot, event, _, _ in self.take_early(op):
+        for slot, event, _ in self.take_early(op):
             if event is not None:
                 with contextlib.suppress(Exception):
                     event.synchronize()

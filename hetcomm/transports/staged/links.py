@@ -26,10 +26,6 @@ HEADER = struct.Struct("<Bxxxi4Q")
 # ACK: the receiver has written chunk `chunk` of its op `op`; until then the sender keeps the
 # chunk, and puts it back for the other rails if this link dies in either direction.
 DATA, SLOT, FREE, ERROR, BYE, ACK, CTS = 1, 2, 3, 4, 5, 6, 7
-# SLOT_GPU: as SLOT, but the chunk is there only once the slot's READY flag reaches the count in
-# the high 32 bits of `chunk` (the sender's device copy, queued, has not necessarily ended);
-# FREE_GPU: as FREE, but the slot may be written only once its FREE flag reaches `offset`.
-SLOT_GPU, FREE_GPU = 8, 9
 # The first bytes of a connection: the listener's token, the connecting rank, the rail index.
 HELLO = struct.Struct("<16sII")
 TOKEN_BYTES = 16

@@ -31,14 +31,10 @@ class _Op:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     left: int = 0
-    # sends: chunks copied into shared slots before the clear-to-send came (slot, event, span,
-    # the READY value of a copy ordered by the slot's flags or 0)
-    early: list[tuple[int, Any, tuple[int, int], int]] = field(default_factory=list)
+    # sends: chunks copied into shared slots before the clear-to-send came (slot, event, span)
+    early: list[tuple[int, Any, tuple[int, int]]] = field(default_factory=list)
     seen: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    # chunks whose device copies are queued, ordered by shared flags, and not yet known to have
-    # ended: counted once the copies queued after the op's last chunk have (staged_rails)
-    on_gpu: list[int] = field(default_factory=list)
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:

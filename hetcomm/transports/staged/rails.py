@@ -34,7 +34,6 @@ DATA_MPI, ERROR_MPI, BYE_MPI = 1, 4, 5
 # a device chunk this small is copied and waited for by the rail thread itself (a few
 # microseconds), saving the hand-off to the thread that waits for longer copies
 INLINE_COPY_BYTES = 256 << 10
-_FINISH = object()  # on a signaller's or completer's queue: count an op's chunks queued on the GPU
 
 
 class RailThreads(ClearToSend):
@@ -96,27 +95,12 @@ class RailThreads(ClearToSend):
             return True
         if link.spec.kind == "shm":
             assert ch.shm_out is not None
-            deadline = time.monotonic() + self.timeout
-            slot = ch.shm_out.acquire(deadline, lambda: link.alive)
+            slot = ch.shm_out.acquire(time.monotonic() + self.timeout, lambda: link.alive)
             stamp("slot taken", idx)
             try:
                 target = ch.shm_out.view(slot, n)
                 if src.host is not None:
-                    if ch.gpu_flags:
-                        ch.settle(slot, deadline, lambda: link.alive)
                     np.copyto(target, src.host)
-                elif ch.gpu_flags:
-                    # queued behind the receiver's last copy out of the slot and announced at
-                    # once: the flags order the two ranks' copies, no thread waits on them
-                    # (an op of one short chunk is waited for here and announced as done)
-                    ch.shm_out.register_with_gpu(self._gpu.device)
-                    gen = self._copy_flagged(ch, slot, target, src, op, idx)
-                    if not _flagged(n, op):
-                        self._announce(self._gpu.mark(True), link, slot, op, idx, off, n)
-                    else:
-                        link.send(links.SLOT_GPU, slot, op.remote, idx | gen << 32, off, n)
-                        self._queued_on_gpu(ch, op, idx, outbound=True)
-                    return False
                 else:
                     # queue the copy and move on: the signaller announces it once it is done,
                     # so the copy engine always has the next chunk waiting
@@ -137,51 +121,6 @@ class RailThreads(ClearToSend):
             link.send(links.DATA, -1, op.remote, idx, off, n, memoryview(payload))
         return False  # counted when the receiver acknowledges it
 
-    def _copy_flagged(
-        self, ch: Channel, slot: int, target: np.ndarray, src: Region, op: _Op, idx: int
-    ) -> int:
-        """Queue a device copy of `src` into outgoing `slot`, ordered by the slot's flags (after
-        the receiver's last copy out of it); returns the READY value it sets."""
-        seg = ch.shm_out
-        assert seg is not None
-        gen, free = ch.next_use(slot)
-        stamp("d2h call", idx)
-        self._gpu.copy_to_slot_flagged(
-            target,
-            src,
-            op.ready,
-            seg.flag_address(seg.FREE, slot),
-            free,
-            seg.flag_address(seg.READY, slot),
-            gen,
-        )
-        stamp("d2h queued", idx)
-        return gen
-
-    def _queued_on_gpu(self, ch: Channel, op: _Op, idx: int, outbound: bool) -> None:
-        """Chunk `idx` of `op` is queued on the GPU, ordered by flags. Once every chunk of the
-        op is either counted or so queued, an event after them goes to the signaller (outbound)
-        or completer thread, which counts them when it has passed: the op's only wait."""
-        with op.lock:
-            op.on_gpu.append(idx)
-            last = len(op.seen) + len(op.on_gpu) >= len(op.spans)
-            idxs = list(op.on_gpu) if last else []
-            if last:
-                op.on_gpu.clear()
-        if last:
-            event = self._gpu.mark(outbound)
-            (ch.signals() if outbound else ch.completions()).put((_FINISH, event, op, idxs))
-
-    def _finish_on_gpu(self, event: Any, op: _Op, idxs: list[int]) -> None:
-        try:
-            event.synchronize()
-        except BaseException as exc:
-            op.fail(exc)
-            return
-        stamp("gpu done", idxs[-1])
-        for idx in idxs:
-            op.count(idx)
-
     def _count_bytes(self, link: links.Link | None, n: int) -> None:
         """Add `n` bytes sent to the statistics of `link`'s rail (None: the mpi rail)."""
         name = _rail_name(link)
@@ -195,10 +134,7 @@ class RailThreads(ClearToSend):
             item = items.get()
             if item is _STOP:
                 return
-            if item[0] is _FINISH:
-                self._finish_on_gpu(*item[1:])
-            else:
-                handle(*item)
+            handle(*item)
 
     def _announce_soon(
         self,
@@ -284,11 +220,6 @@ class RailThreads(ClearToSend):
                     assert ch.shm_out is not None
                     ch.shm_out.release(slot)
                     continue
-                if kind == links.FREE_GPU:
-                    assert ch.shm_out is not None
-                    ch.freed_at(slot, off)
-                    ch.shm_out.release(slot)
-                    continue
                 if kind == links.ACK:
                     with link.unacked_lock:
                         acked = link.unacked.pop((op_id, idx), None)
@@ -311,10 +242,6 @@ class RailThreads(ClearToSend):
                 if kind == links.DATA:
                     self._land(link, op, idx, off, n)
                     self._reply(link, links.ACK, -1, op_id, idx)
-                elif kind == links.SLOT_GPU:
-                    self._take_flagged(
-                        ch, link, op, slot, op_id, idx & 0xFFFFFFFF, idx >> 32, off, n
-                    )
                 elif kind == links.SLOT:
                     assert ch.shm_in is not None
                     if op is not None and not op.done.is_set() and op.region.host is None:
@@ -343,55 +270,6 @@ class RailThreads(ClearToSend):
                 log.error("rank %d: receiving from rank %d failed: %s", self.rank, ch.peer, exc)
                 self._rail_down(ch, link, exc)
                 return
-
-    def _take_flagged(
-        self,
-        ch: Channel,
-        link: links.Link,
-        op: _Op | None,
-        slot: int,
-        op_id: int,
-        idx: int,
-        gen: int,
-        off: int,
-        n: int,
-    ) -> None:
-        """A chunk announced with SLOT_GPU: in slot `slot` once its READY flag reaches `gen`.
-        Into device memory, the copy out is queued behind that flag and the slot handed back at
-        once (FREE_GPU: writable once this rank's copy has set its FREE flag); into host memory
-        (or for an op that is gone) this thread waits for the flag, then copies or drops it."""
-        seg = ch.shm_in
-        assert seg is not None
-        stamp("slot got", idx)
-        if op is not None and not op.done.is_set() and op.region.host is None:
-            seg.register_with_gpu(self._gpu.device)
-            self._gpu.copy_from_slot_flagged(
-                op.region.sub(off, n),
-                seg.view(slot, n),
-                op.ready,
-                seg.flag_address(seg.READY, slot),
-                gen,
-                seg.flag_address(seg.FREE, slot),
-                gen,
-            )
-            stamp("h2d queued", idx)
-            self._reply_freed(link, slot, op_id, idx, gen)
-            self._queued_on_gpu(ch, op, idx, outbound=False)
-            return
-        seg.wait_flag(seg.READY, slot, gen, time.monotonic() + self.timeout, lambda: link.alive)
-        if op is not None and not op.done.is_set():
-            self._deliver(op, off, seg.view(slot, n))
-            op.count(idx)
-        self._reply(link, links.FREE, slot, op_id, idx)
-
-    def _reply_freed(self, link: links.Link, slot: int, op_id: int, idx: int, gen: int) -> None:
-        """Hand a slot back whose copy out is queued: FREE_GPU, with the FREE value it sets."""
-        try:
-            link.send(links.FREE_GPU, slot, op_id, idx, gen, 0)
-        except links.RailError as exc:
-            log.debug(
-                "rank %d: no reply to rank %d over %s (%s)", self.rank, link.peer, link.spec, exc
-            )
 
     def _rail_down(self, ch: Channel, link: links.Link, exc: BaseException) -> None:
         """A link broke: its unacknowledged chunks go back to the other rails, or, with no
@@ -487,7 +365,6 @@ class RailThreads(ClearToSend):
                 self._mpi_rail.start()
 
     def _fail_channel(self, ch: Channel, exc: BaseException) -> None:
-        ch.release_waits()  # no stream of this rank may wait on a failed peer's flags
         for op in list(self._ops.values()):
             if op.peer == ch.peer:
                 op.fail(exc)
@@ -504,13 +381,6 @@ def _short(n: int, op: _Op) -> bool:
     """Whether a rail thread may wait for a chunk's copy itself: a small one that waits for
     nothing the caller queued before (else it could hold the link for as long as that runs)."""
     return n <= INLINE_COPY_BYTES and (op.ready is None or bool(op.ready.done))
-
-
-def _flagged(n: int, op: _Op) -> bool:
-    """Whether a device chunk over a channel with flags is announced before its copy ends
-    (SLOT_GPU): every chunk of an op, except where the op is one short chunk, which is waited
-    for on the spot and announced as done (a thread switch less for a small message)."""
-    return len(op.spans) > 1 or not _short(n, op)
 
 
 def _size_mismatch(peer: int, sent: int, expected: int) -> MismatchError:

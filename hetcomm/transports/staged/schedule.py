@@ -18,34 +18,6 @@ def chunk_spans(nbytes: int, chunk_bytes: int, itemsize: int = 1) -> list[tuple[
     return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
 
 
-def message_spans(
-    nbytes: int, chunk_bytes: int, ramp: tuple[int, int] = (0, 0)
-) -> list[tuple[int, int]]:
-    """(offset, length) of a message's chunks: `ramp` = (up, down) halvings of the chunk at
-    either end of a message longer than two chunks, so chunk sizes grow chunk/2**up, ...,
-    chunk/2, chunk, ... and shrink ..., chunk/2, ..., chunk/2**down at the end.
-
-    A pipeline of copies out, signals and copies in waits for a whole first chunk before its
-    second stage starts, and for a whole last chunk after its first stage ends: small end
-    chunks shorten that fill and drain, full chunks in between keep the per-chunk cost low.
-    Sender and receiver compute the same spans from the byte count."""
-    up, down = ramp
-    if nbytes <= 2 * chunk_bytes or (up <= 0 and down <= 0):
-        return chunk_spans(nbytes, chunk_bytes)
-    head = [max(1, chunk_bytes >> k) for k in range(up, 0, -1)]
-    tail = [max(1, chunk_bytes >> k) for k in range(1, down + 1)]
-    middle = nbytes - sum(head) - sum(tail)
-    if middle < chunk_bytes:  # too short to ramp both ends: plain chunks
-        return chunk_spans(nbytes, chunk_bytes)
-    full, rest = divmod(middle, chunk_bytes)
-    sizes = head + ([rest] if rest else []) + [chunk_bytes] * full + tail
-    spans, off = [], 0
-    for n in sizes:
-        spans.append((off, n))
-        off += n
-    return spans
-
-
 def block_spans(count: int, parts: int) -> list[tuple[int, int]]:
     """(first element, element count) of `parts` near-equal blocks of `count` elements."""
     base, extra = divmod(count, parts)

@@ -30,10 +30,9 @@ from .rails import (
     BYE_MPI,
     ERROR_MPI,
     RailThreads,
-    _flagged,
     _size_mismatch,
 )
-from .schedule import choose_rails, message_spans, rail_key, slots_that_fit
+from .schedule import choose_rails, chunk_spans, rail_key, slots_that_fit
 
 if TYPE_CHECKING:
     from ...arrays import Buffer
@@ -46,23 +45,11 @@ log = logging.getLogger("hetcomm")
 # per transport through `StagedTransport.chunk_bytes` / `.slots` before its first operation.
 CHUNK_BYTES = 8 << 20
 SLOTS = 8
-# Halvings of the chunk at the start and end of a message longer than two chunks (up, down;
-# staged_schedule.message_spans). Off: on the H200, with one GPU or two, smaller end chunks
-# cost more in per-chunk signalling than they saved in pipeline fill (docs/BENCHMARKS.md).
-RAMP = (0, 0)
 # A send over shm copies up to this many of its first chunks into free shared slots at once,
 # before the receiver's clear-to-send comes; a channel's sends waiting for theirs hold at most
 # half its slots, so the sends already cleared always have slots to go on with. On the H200 a
 # 256 MiB send/recv took 1-3% less time so (docs/BENCHMARKS.md).
 EARLY_CHUNKS = 4
-# True: device chunks over shm are ordered by flags in the shared segment that the GPUs write
-# and wait for (cuStreamWriteValue32 / cuStreamWaitValue32), where both ranks have them, so that
-# no thread waits on a copy between a message's first chunk and its last. Off: on two H200 of
-# one host a 256 MiB send/recv took 6.26 ms so against 5.61 ms with threads waiting on every
-# copy's event, and 5.76 against 5.26 ms back to back (docs/BENCHMARKS.md), although a pipeline
-# of the same copies and flags with no transport around it (scripts/probe_gpu_flags.py) took
-# 5.33 ms. A channel decides when it opens.
-GPU_FLAGS = False
 CTS_P2P, CTS_COLL = 1, 2
 
 
@@ -85,7 +72,7 @@ class StagedTransport(RailThreads, Transport):
         tuned = comm.config.tuned
         self.chunk_bytes = CHUNK_BYTES if tuned is None else tuned.chunk_bytes
         self.slots = SLOTS if tuned is None else tuned.slots
-        self.ramp, self.early_chunks = RAMP, EARLY_CHUNKS
+        self.early_chunks = EARLY_CHUNKS
         self.rail_weights: dict[str, float] = {} if tuned is None else dict(tuned.rail_weights)
         self.timeout = comm.config.timeout
         self.mode, addrs = _rail_addresses(comm)
@@ -175,10 +162,6 @@ class StagedTransport(RailThreads, Transport):
         return got
 
     def _open(self, peers: list[int], deadline: float) -> None:
-        if "gpu_flags" not in self.card:
-            from ...kernels import device
-
-            self.card["gpu_flags"] = GPU_FLAGS and device.stream_flags() is not None
         cards = self._swap({p: self.card for p in peers}, deadline)
         opened: dict[int, Channel] = {}
         try:
@@ -228,7 +211,6 @@ class StagedTransport(RailThreads, Transport):
             for p in shm:
                 name, count, slot_bytes = names[p]
                 opened[p].shm_in = SharedSlots(name, count, slot_bytes, create=False)
-                opened[p].gpu_flags = bool(self.card["gpu_flags"] and cards[p].get("gpu_flags"))
             # both sides have mapped both segments: the names can go
             self._swap({p: None for p in shm}, deadline)
             for p in shm:
@@ -249,7 +231,7 @@ class StagedTransport(RailThreads, Transport):
         """Register a receive into `region` and tell `peer` it may send."""
         if peer != self.rank:
             self.channel(peer, deadline)
-        spans = message_spans(region.nbytes, self.chunk_bytes, self.ramp)
+        spans = chunk_spans(region.nbytes, self.chunk_bytes)
         op = _Op(peer, region, spans, ready=ready, left=len(spans))
         if peer != self.rank:
             self._count(len(spans))
@@ -277,10 +259,10 @@ class StagedTransport(RailThreads, Transport):
         if peer == self.rank:
             return self._send_to_self(region, kind, k1, k2, deadline, ready)
         ch = self.channel(peer, deadline)
-        spans = message_spans(region.nbytes, self.chunk_bytes, self.ramp)
+        spans = chunk_spans(region.nbytes, self.chunk_bytes)
         op = _Op(peer, region, spans, ready=ready, left=len(spans))
         self._count(len(spans))
-        self._stage_early(ch, op, deadline)
+        self._stage_early(ch, op)
         entry = self._cts_or_register(ch, op, (peer, kind, k1, k2), deadline)
         if entry is not None:
             self._queue_send(ch, op, *entry)
@@ -295,7 +277,7 @@ class StagedTransport(RailThreads, Transport):
             self._unwait(op)
             raise
 
-    def _stage_early(self, ch: Channel, op: _Op, deadline: float) -> None:
+    def _stage_early(self, ch: Channel, op: _Op) -> None:
         """Copy the first chunks of a send over shm into free shared slots now, without waiting
         for the receiver's clear-to-send: once it comes they are announced as their copies end
         (device data: up to early_chunks, the copy engine busy meanwhile; host data: the first
@@ -315,19 +297,13 @@ class StagedTransport(RailThreads, Transport):
         for idx, slot in enumerate(slots):
             off, n = op.spans[idx]
             target = ch.shm_out.view(slot, n)
-            gen = 0  # the READY value a copy ordered by the slot's flags sets
             if host is not None:
-                if ch.gpu_flags:
-                    ch.settle(slot, deadline, lambda: link.alive)
                 np.copyto(target, host[off : off + n])
                 event = None
-            elif ch.gpu_flags:
-                gen = self._copy_flagged(ch, slot, target, op.region.sub(off, n), op, idx)
-                event = self._gpu.mark(True)
             else:
                 stamp("d2h call early", idx)
                 event = self._gpu.copy_to_host_async(target, op.region.sub(off, n), op.ready)
-            op.early.append((slot, event, (off, n), gen))
+            op.early.append((slot, event, (off, n)))
             stamp("d2h queued early", idx)
 
     def _queue_send(self, ch: Channel, op: _Op, remote: int, expected: int) -> None:
@@ -351,13 +327,9 @@ class StagedTransport(RailThreads, Transport):
         if early:
             link = self._doorbell(op.peer)
             assert link is not None  # early chunks are staged only where the shm rail rings
-            self._count_bytes(link, sum(n for _, _, (_, n), _ in early))
-            for idx, (slot, event, (off, n), gen) in enumerate(early):
-                if gen and _flagged(n, op):
-                    link.send(links.SLOT_GPU, slot, op.remote, idx | gen << 32, off, n)
-                    self._queued_on_gpu(ch, op, idx, outbound=True)
-                else:
-                    self._announce_soon(ch, event, link, slot, op, idx, off, n)
+            self._count_bytes(link, sum(n for _, _, (_, n) in early))
+            for idx, (slot, event, (off, n)) in enumerate(early):
+                self._announce_soon(ch, event, link, slot, op, idx, off, n)
         for idx in range(len(early), len(op.spans)):
             ch.queue.put((op, idx, op.spans[idx]))
 
@@ -685,7 +657,7 @@ class StagedTransport(RailThreads, Transport):
                 ch.drop_early(op)  # their copies end before the segment goes
             op.fail(HetcommError("the staged transport was closed while waiting to send"))
         for ch in self._channels.values():
-            self._fail_channel(ch, closed)  # which also lets go of every stream's flag waits
+            self._fail_channel(ch, closed)
             ch.queue.put(_STOP)  # draining took the stop signal out too
         with self._inbox_cond:
             self._inbox_cond.notify_all()
