@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ...kernels import device as kd
+from ...kernels.device import on_device
 from ...trace import Stamps
 from .. import tags
 
@@ -233,7 +233,7 @@ class Proxy:
         ended = False
         stamp("inline")
         try:
-            ended = kd.on_device(
+            ended = on_device(
                 self.device, self._drive, task, time.monotonic() + min(seconds, _INLINE_S)
             )
         finally:

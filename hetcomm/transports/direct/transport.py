@@ -93,9 +93,9 @@ class DirectTransport(Transport):
         super().__init__(comm)
         import cupy
 
-        from ...kernels import device as kd
+        from ...kernels import device as device_kernels
 
-        self.cupy, self.kd = cupy, kd
+        self.cupy, self.device_kernels = cupy, device_kernels
         self.rank, self.size = comm.rank, comm.size
         self.svc: MPI.Intracomm = comm.service
         self.device = cupy.cuda.Device().id
@@ -115,7 +115,7 @@ class DirectTransport(Transport):
         # pass from one process, which saves the GPU the switches between processes' kernels
         devices = {r.device for r in comm.topology.ranks}
         self.shared = len(devices) == 1 and 1 < self.size <= schedule.MAX_SOURCES
-        kd.kernel("copy16")
+        device_kernels.kernel("copy16")
 
     @classmethod
     def unavailable(cls, topology: Topology) -> str | None:
@@ -151,9 +151,11 @@ class DirectTransport(Transport):
         this call; None where that stream has nothing left to run. That holds for the legacy
         default stream (0 or 1) too: its query counts the work of the blocking streams it
         waits for (tests/gpu/test_legacy_stream.py)."""
-        stream = self.kd.external_stream(self.kd.current_stream(b), self.device)
+        stream = self.device_kernels.external_stream(
+            self.device_kernels.current_stream(b), self.device
+        )
         # on the device: the legacy stream a query or record names is the current device's
-        return self.kd.on_device(self.device, self._event_unless_done, stream)
+        return self.device_kernels.on_device(self.device, self._event_unless_done, stream)
 
     def _event_unless_done(self, stream: Any) -> Any:
         """None if `stream` (of the current device) has run everything queued on it, else a
@@ -277,11 +279,11 @@ class DirectTransport(Transport):
         )
         blocks = max(1, min(2048, (count + _THREADS - 1) // _THREADS))
         with self._proxy.stream:
-            self.kd.kernel(name)((blocks,), (_THREADS,), args)
+            self.device_kernels.kernel(name)((blocks,), (_THREADS,), args)
 
     def _average(self, ptr: int, count: int, dtype: str) -> None:
         if count:
-            self.kd.divide_on(self._proxy.stream, ptr, count, self.size, dtype)
+            self.device_kernels.divide_on(self._proxy.stream, ptr, count, self.size, dtype)
 
     def _one_shot_scratch(self) -> Any:
         if not self._scratch:
@@ -613,11 +615,11 @@ class DirectTransport(Transport):
         key = (dtype, op)
         if key in self._prepared:
             return
-        self.kd.kernel(_kernel_name(dtype, op))
+        self.device_kernels.kernel(_kernel_name(dtype, op))
         if dtype == "float32" and op in (ReduceOp.SUM, ReduceOp.AVG):
-            self.kd.kernel("reduce_peers_f32x4")
+            self.device_kernels.kernel("reduce_peers_f32x4")
         if op is ReduceOp.AVG:
-            self.kd.kernel(self.kd.divide_name(dtype))
+            self.device_kernels.kernel(self.device_kernels.divide_name(dtype))
         self._prepared.add(key)
 
     def stats(self) -> dict[str, int]:
