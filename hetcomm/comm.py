@@ -15,6 +15,7 @@ from . import plan as planning
 from . import work as _work
 from .arrays import Buffer, as_buffer, overlap, storage_dtype
 from .config import Config
+from .dtypes import CODES as DTYPE_CODES
 from .errors import CommAborted, InvalidArgument, MismatchError, TransportUnavailable
 from .ops import ReduceOp, as_reduce_op, check_op_for_dtype
 from .topology import Topology
@@ -26,23 +27,6 @@ from .work import Work, completed
 log = logging.getLogger("hetcomm")
 
 _OP_CODES = {name: i for i, name in enumerate(planning.OPS)}
-_DTYPE_CODES = {
-    name: i
-    for i, name in enumerate(
-        (
-            "bool",
-            "int8",
-            "int16",
-            "int32",
-            "int64",
-            "uint8",
-            "float16",
-            "bfloat16",
-            "float32",
-            "float64",
-        )
-    )
-}
 
 
 _AVG = ReduceOp.AVG
@@ -310,7 +294,7 @@ class Communicator:
             [
                 self._seq,
                 _OP_CODES[op],
-                _DTYPE_CODES[buf.dtype] if buf else -1,
+                DTYPE_CODES[buf.dtype] if buf else -1,
                 buf.count if buf else 0,
                 root,
             ],
@@ -321,7 +305,7 @@ class Communicator:
         if (every == mine).all():
             return
         fields = ("sequence", "operation", "dtype", "count", "root")
-        names = {"operation": planning.OPS, "dtype": tuple(_DTYPE_CODES)}
+        names = {"operation": planning.OPS, "dtype": tuple(DTYPE_CODES)}
         diffs = []
         for col, field in enumerate(fields):
             values = every[:, col]
@@ -739,16 +723,16 @@ def _contiguous_out(b: Buffer, steps: list[Callable[[], None]]) -> Buffer:
 
 def _host_buffer(like: Buffer, flat: np.ndarray) -> Buffer:
     return Buffer(
-        like.obj,
-        like.kind,
-        like.dtype,
-        like.shape,
-        "cpu",
-        None,
-        flat.__array_interface__["data"][0],
-        True,
-        False,
-        flat,
+        obj=like.obj,
+        kind=like.kind,
+        dtype=like.dtype,
+        shape=like.shape,
+        device="cpu",
+        device_index=None,
+        ptr=flat.__array_interface__["data"][0],
+        contiguous=True,
+        readonly=False,
+        host=flat,
     )
 
 

@@ -10,19 +10,11 @@ from typing import Any
 
 import numpy as np
 
+from ..dtypes import BOOL_REDUCTION, HALVES, TABLE
+
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reduce.cu")
-_CTYPES = {
-    "bool": "unsigned char",
-    "uint8": "unsigned char",
-    "int8": "signed char",
-    "int16": "short",
-    "int32": "int",
-    "int64": "long long",
-    "float32": "float",
-    "float64": "double",
-}
 _OPS = {"sum": "Sum", "prod": "Prod", "min": "Min", "max": "Max"}
-_BOOL_OPS = {"sum": "Or", "max": "Or", "prod": "And", "min": "And"}
+_LOGICAL_OPS = {"or": "Or", "and": "And"}
 _THREADS = 256
 
 
@@ -324,20 +316,29 @@ def divide_on(stream: Any, ptr: int, count: int, n: int, dtype: str) -> None:
 
 
 def _itemsize(dtype: str) -> int:
-    return 2 if dtype in ("float16", "bfloat16") else np.dtype(dtype).itemsize
+    return TABLE[dtype].itemsize
+
+
+def kernel_op(dtype: str, op: str) -> str:
+    """The reduce.cu functor of reduction `op` (sum, prod, min, max) on `dtype`: bool's
+    reductions are logical (dtypes.BOOL_REDUCTION)."""
+    return _LOGICAL_OPS[BOOL_REDUCTION[op]] if dtype == "bool" else _OPS[op]
+
+
+def kernel_type(dtype: str) -> str:
+    """The reduce.cu template arguments for `dtype`: its C type, or a half's variant."""
+    ctype = TABLE[dtype].ctype
+    return f"<{int(dtype == 'bfloat16')}" if ctype is None else f"<{ctype}"
 
 
 def _combine_name(dtype: str, op: str) -> str:
-    if dtype in ("float16", "bfloat16"):
-        return f"combine_half<{int(dtype == 'bfloat16')}, {_OPS[op]}>"
-    ops = _BOOL_OPS if dtype == "bool" else _OPS
-    return f"combine<{_CTYPES[dtype]}, {ops[op]}>"
+    half = "_half" if dtype in HALVES else ""
+    return f"combine{half}{kernel_type(dtype)}, {kernel_op(dtype, op)}>"
 
 
 def divide_name(dtype: str) -> str:
-    if dtype in ("float16", "bfloat16"):
-        return f"divide_half<{int(dtype == 'bfloat16')}>"
-    return f"divide<{_CTYPES[dtype]}>"
+    half = "_half" if dtype in HALVES else ""
+    return f"divide{half}{kernel_type(dtype)}>"
 
 
 def _addr(arr: np.ndarray) -> int:

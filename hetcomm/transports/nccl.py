@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from ..dtypes import BOOL_AS_MINMAX, TABLE
 from ..errors import InvalidArgument
 from ..ops import ReduceOp
 from ..work import Work
@@ -29,17 +30,7 @@ if TYPE_CHECKING:
     from ..topology import Topology
 
 # ncclDataType_t and ncclRedOp_t values (nccl.h; the same in RCCL)
-_TYPES = {
-    "int8": 0,
-    "uint8": 1,
-    "bool": 1,
-    "int32": 2,
-    "int64": 4,
-    "float16": 6,
-    "float32": 7,
-    "float64": 8,
-    "bfloat16": 9,
-}
+_TYPES = {name: d.nccl for name, d in TABLE.items() if d.nccl is not None}
 _UINT8 = 1
 _SUM, _PROD, _MAX, _MIN = 0, 1, 2, 3
 _OPS = {
@@ -49,8 +40,10 @@ _OPS = {
     ReduceOp.MIN: _MIN,
     ReduceOp.MAX: _MAX,
 }
-# bool travels as uint8 0/1: MAX is "or", MIN is "and"
-_BOOL_OPS = {ReduceOp.SUM: _MAX, ReduceOp.MAX: _MAX, ReduceOp.PROD: _MIN, ReduceOp.MIN: _MIN}
+# bool travels as uint8 0/1: its reductions are MAX ("or") and MIN ("and")
+_BOOL_OPS = {
+    op: _OPS[ReduceOp(BOOL_AS_MINMAX[op.value])] for op in ReduceOp if op.value in BOOL_AS_MINMAX
+}
 log = logging.getLogger("hetcomm")
 
 # Every NCCL communicator this process has made and not yet ended. CuPy's NcclCommunicator

@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 from mpi4py import MPI
 
+from ...dtypes import HALVES
 from ...errors import InvalidArgument
+from ...kernels.device import kernel_op, kernel_type
 from ...ops import ReduceOp
 from ...work import Work, take_blocking
 from .. import tags
@@ -43,24 +45,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("hetcomm")
 
 _D2D = 3  # cudaMemcpyDeviceToDevice
-_OPS = {
-    ReduceOp.SUM: "Sum",
-    ReduceOp.AVG: "Sum",
-    ReduceOp.PROD: "Prod",
-    ReduceOp.MIN: "Min",
-    ReduceOp.MAX: "Max",
-}
-_BOOL_OPS = {ReduceOp.SUM: "Or", ReduceOp.MAX: "Or", ReduceOp.PROD: "And", ReduceOp.MIN: "And"}
-_CTYPES = {
-    "bool": "unsigned char",
-    "uint8": "unsigned char",
-    "int8": "signed char",
-    "int16": "short",
-    "int32": "int",
-    "int64": "long long",
-    "float32": "float",
-    "float64": "double",
-}
 _THREADS = 512
 
 
@@ -654,8 +638,7 @@ class _Lent:
 
 
 def _kernel_name(dtype: str, op: ReduceOp) -> str:
-    """The peer-reduction kernel for `dtype` and `op` (kernels/reduce.cu)."""
-    if dtype in ("float16", "bfloat16"):
-        return f"reduce_peers_half<{int(dtype == 'bfloat16')}, {_OPS[op]}>"
-    ops = _BOOL_OPS if dtype == "bool" else _OPS
-    return f"reduce_peers<{_CTYPES[dtype]}, {ops[op]}>"
+    """The peer-reduction kernel for `dtype` and `op` (kernels/reduce.cu; AVG sums)."""
+    half = "_half" if dtype in HALVES else ""
+    name = "sum" if op is ReduceOp.AVG else op.value
+    return f"reduce_peers{half}{kernel_type(dtype)}, {kernel_op(dtype, name)}>"

@@ -527,18 +527,29 @@ def _sub(buf: Buffer, start: int, count: int) -> Buffer:
     """Elements [start, start + count) of a contiguous buffer, as a buffer of its own."""
     if buf.host is not None:
         host = buf.host[start : start + count]
-        return Buffer(host, buf.kind, buf.dtype, (count,), "cpu", None, -1, True, False, host)
+        return Buffer(
+            obj=host,
+            kind=buf.kind,
+            dtype=buf.dtype,
+            shape=(count,),
+            device="cpu",
+            device_index=None,
+            ptr=-1,
+            contiguous=True,
+            readonly=False,
+            host=host,
+        )
     return Buffer(
-        buf.obj,
-        buf.kind,
-        buf.dtype,
-        (count,),
-        buf.device,
-        buf.device_index,
-        buf.ptr + start * buf.itemsize,
-        True,
-        False,
-        None,
+        obj=buf.obj,
+        kind=buf.kind,
+        dtype=buf.dtype,
+        shape=(count,),
+        device=buf.device,
+        device_index=buf.device_index,
+        ptr=buf.ptr + start * buf.itemsize,
+        contiguous=True,
+        readonly=False,
+        host=None,
     )
 
 
@@ -587,7 +598,18 @@ class _HostMemory(_Memory):
         if raw is None or raw.nbytes < nbytes:
             raw = self._slots[slot] = np.empty(nbytes, np.uint8)
         host = raw[:nbytes].view(sd)
-        return Buffer(host, "numpy", like.dtype, (count,), "cpu", None, -1, True, False, host)
+        return Buffer(
+            obj=host,
+            kind="numpy",
+            dtype=like.dtype,
+            shape=(count,),
+            device="cpu",
+            device_index=None,
+            ptr=-1,
+            contiguous=True,
+            readonly=False,
+            host=host,
+        )
 
     def clear(self) -> None:
         self._slots.clear()
@@ -633,16 +655,16 @@ class _DeviceMemory(_Memory):
 
         mem = cupy.empty(max(1, count * like.itemsize), dtype=cupy.uint8)
         return Buffer(
-            mem,
-            "cupy",
-            like.dtype,
-            (count,),
-            like.device,
-            like.device_index,
-            int(mem.data.ptr),
-            True,
-            False,
-            None,
+            obj=mem,
+            kind="cupy",
+            dtype=like.dtype,
+            shape=(count,),
+            device=like.device,
+            device_index=like.device_index,
+            ptr=int(mem.data.ptr),
+            contiguous=True,
+            readonly=False,
+            host=None,
         )
 
     def zero(self, buf: Buffer) -> None:

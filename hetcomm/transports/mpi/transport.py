@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 from mpi4py import MPI
 
+from ...dtypes import BOOL_AS_MINMAX, TABLE
 from ...errors import MismatchError, TransportUnavailable
 from ...ops import ReduceOp
 from ...work import Work
@@ -20,13 +21,6 @@ if TYPE_CHECKING:
     from ...arrays import Buffer
     from ...topology import Topology
 
-# bool travels as uint8: MAX of 0/1 is "or", MIN is "and"
-_BOOL_OPS = {
-    ReduceOp.SUM: MPI.MAX,
-    ReduceOp.MAX: MPI.MAX,
-    ReduceOp.PROD: MPI.MIN,
-    ReduceOp.MIN: MPI.MIN,
-}
 _NATIVE_OPS = {
     ReduceOp.SUM: MPI.SUM,
     ReduceOp.AVG: MPI.SUM,
@@ -34,19 +28,14 @@ _NATIVE_OPS = {
     ReduceOp.MIN: MPI.MIN,
     ReduceOp.MAX: MPI.MAX,
 }
-_DATATYPES = {
-    "bool": MPI.UINT8_T,
-    "uint8": MPI.UINT8_T,
-    "int8": MPI.INT8_T,
-    "int16": MPI.INT16_T,
-    "int32": MPI.INT32_T,
-    "int64": MPI.INT64_T,
-    "float32": MPI.FLOAT,
-    "float64": MPI.DOUBLE,
-    "float16": MPI.UINT16_T,
-    "bfloat16": MPI.UINT16_T,
-}
-_INTS = ("int8", "int16", "int32", "int64", "uint8")
+# the MPI datatype each dtype travels as (dtypes.Dtype.mpi)
+_DATATYPES = {name: getattr(MPI, d.mpi) for name, d in TABLE.items()}
+_INTS = tuple(n for n, d in TABLE.items() if d.kind in ("int", "uint"))
+
+
+def _bool_as(op: ReduceOp) -> ReduceOp:
+    """The MAX or MIN that reduces bool's 0/1 as `op` (dtypes.BOOL_AS_MINMAX)."""
+    return ReduceOp(BOOL_AS_MINMAX[op.value])
 
 
 def _wrong_integer_ops() -> frozenset[tuple[str, str]]:
@@ -95,7 +84,7 @@ def _persistent_kinds() -> dict[tuple[str, str], persistent.Kind]:
                 continue
             kind = kinds.get((name, reduce_as.value))
             if kind is None:
-                mop = _BOOL_OPS[reduce_as] if name == "bool" else _NATIVE_OPS[reduce_as]
+                mop = _NATIVE_OPS[_bool_as(reduce_as)] if name == "bool" else _NATIVE_OPS[reduce_as]
                 kind = persistent.Kind(made, np.dtype(name), datatype, mop)
                 made += 1
             kinds[(name, op.value)] = kinds[(name, reduce_as.value)] = kind
@@ -126,7 +115,7 @@ def mpi_op(dtype: str, op: ReduceOp) -> MPI.Op:
     if found is not None:
         return found
     if dtype == "bool":
-        return _BOOL_OPS[op]
+        return _NATIVE_OPS[_bool_as(op)]
     key = (dtype, op)
     found = _OWN_OPS.get(key)
     if found is None:
