@@ -28,13 +28,13 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .arrays import DTYPES
+from .dtypes import CODES, DTYPES
 from .errors import MismatchError
 from .ops import ReduceOp
 from .plan import OPS
 
 _OP_CODES = {name: i + 1 for i, name in enumerate(OPS)}
-_DTYPE_CODES = {name: i + 1 for i, name in enumerate(DTYPES)}
+_DTYPE_CODES = {name: code + 1 for name, code in CODES.items()}  # 0: no dtype
 _REDOP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
 _REDOPS = {i + 1: op.name for i, op in enumerate(ReduceOp)}
 # the fields of a signature, in the order they travel

@@ -20,8 +20,9 @@ from .config import Config
 from .errors import CommAborted, InvalidArgument, MismatchError, MpiError, TransportUnavailable
 from .ops import ReduceOp, as_reduce_op, check_op_for_dtype
 from .topology import Topology
-from .transports import Transport, registry
-from .transports.mpi import MpiTransport
+from .transports import registry
+from .transports.base import Transport
+from .transports.mpi.transport import MpiTransport
 from .work import Work, completed
 
 log = logging.getLogger("hetcomm")
@@ -770,7 +771,7 @@ class Communicator:
     ) -> bool:
         """A blocking all_reduce_coalesced of host arrays among one node's ranks: each group
         (of `sizes` bytes) packed into this rank's shared segment, reduced there, and unpacked,
-        on this thread (hetcomm.transports.mpi_node). False, with nothing moved, where the
+        on this thread (hetcomm.transports.mpi.node). False, with nothing moved, where the
         segments cannot be had (every rank finds out alike): the call then takes the fused MPI
         all-reduce."""
 
@@ -1394,16 +1395,16 @@ def _contiguous_out(b: Buffer, steps: list[Callable[[], None]]) -> Buffer:
 
 def _host_buffer(like: Buffer, flat: np.ndarray) -> Buffer:
     return Buffer(
-        like.obj,
-        like.kind,
-        like.dtype,
-        like.shape,
-        "cpu",
-        None,
-        flat.__array_interface__["data"][0],
-        True,
-        False,
-        flat,
+        obj=like.obj,
+        kind=like.kind,
+        dtype=like.dtype,
+        shape=like.shape,
+        device="cpu",
+        device_index=None,
+        ptr=flat.__array_interface__["data"][0],
+        contiguous=True,
+        readonly=False,
+        host=flat,
     )
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import CommTimeout, InvalidArgument, MpiError
 
 if TYPE_CHECKING:
-    from .comm import Communicator
+    from .transports.base import Context
 
 Poll = Callable[[], bool]
 
@@ -98,7 +98,7 @@ class Work:
 
     def __init__(
         self,
-        comm: Communicator,
+        comm: Context,
         op: str,
         seq: int,
         poll: Poll,
@@ -222,9 +222,7 @@ class Work:
         return f"<Work {self._comm.name} {self.op} #{self.seq} {state}>"
 
 
-def wait_for(
-    owner: Communicator, op: str, seq: int, poll: Poll, timeout: float | None = None
-) -> None:
+def wait_for(owner: Context, op: str, seq: int, poll: Poll, timeout: float | None = None) -> None:
     """Wait (bounded, with the stall warning) for a step inside an operation: `poll` returns
     True once it is done. Not traced as an operation of its own."""
     work = Work(owner, op, seq, poll, timeout=timeout)
@@ -232,7 +230,7 @@ def wait_for(
     work.wait()
 
 
-def completed(comm: Communicator, op: str, seq: int) -> Work:
+def completed(comm: Context, op: str, seq: int) -> Work:
     """A Work that is already complete (for operations with nothing to move)."""
     work = Work(comm, op, seq, _true)
     work._done = True
