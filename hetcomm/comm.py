@@ -4,7 +4,6 @@ group), then the transport; blocking calls are driven to completion on the calli
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -17,6 +16,7 @@ from . import plan as planning
 from . import work as _work
 from .arrays import Buffer, as_buffer, overlap, storage_dtype
 from .config import Config
+from .deferred import Deferred, DeferredStarts
 from .errors import CommAborted, InvalidArgument, MismatchError, MpiError, TransportUnavailable
 from .ops import ReduceOp, as_reduce_op, check_op_for_dtype
 from .topology import Topology
@@ -69,25 +69,6 @@ class Route:
         self.uses = 0
 
 
-class _Deferred:
-    """An asynchronous collective whose start waits for its check (see Communicator._admit)."""
-
-    __slots__ = ("error", "inner", "request", "result", "seq", "start", "vec")
-
-    def __init__(
-        self,
-        request: MPI.Request,
-        result: np.ndarray,
-        vec: np.ndarray,
-        seq: int,
-        start: Callable[[], Work],
-    ) -> None:
-        self.request, self.result, self.vec, self.start = request, result, vec, start
-        self.seq = seq
-        self.inner: Work | None = None
-        self.error: BaseException | None = None
-
-
 class Communicator:
     """A group of ranks and the operations among them; every rank of the group calls each op.
 
@@ -127,16 +108,15 @@ class Communicator:
         self._agree = agree.Agreement(mpi_comm, config.check or config.debug, config.debug)
         self._checking = self._agree.enabled
         self._arrived = self._agree.arrivals.table
-        self._check_request: MPI.Prequest | None = None
-        self._check_mine: np.ndarray | None = None
-        self._check_all: np.ndarray | None = None
-        self._checked_vec: np.ndarray | None = None  # the vector the blocking check holds
         self._last_entered = 0  # the sequence number _blocking_run entered
         # the point-to-point calls queued by an open `with comm.group():` block, else None
         self._group: list[_Queued] | None = None
         # asynchronous collectives whose check has not completed, in issue order: each starts
         # once its check has, and none before the ones ahead of it
-        self._deferred: deque[_Deferred] = deque()
+        self._deferred = DeferredStarts(
+            lambda seq, mine: self._mismatch("check", seq, mine),
+            lambda seq, exc: self._mpi_error("check", seq, exc),
+        )
         # the ordering guard: the transport of the latest collective, and the asynchronous
         # collectives not yet seen complete (see _order)
         self._last: Transport | None = None
@@ -343,29 +323,36 @@ class Communicator:
             self._order(transport)
         self._seq = seq = self._seq + 1
         self._arrived[self.rank] = seq
+        if self._deferred:
+            # the asynchronous collectives before this one start first: their checks complete
+            # once every rank has entered them, and a rank waiting in this one's check may be
+            # waiting for them
+            self._flush_deferred(route.op, seq, timeout)
         if self._checking:
             self._check_blocking(route, seq, timeout)
-        if self._deferred:
-            self._flush_deferred(route.op, seq, timeout)
         return seq
 
-    def _check_blocking(self, route: Route, seq: int, timeout: float | None) -> None:
-        request = self._check_request
-        if request is None:
-            request, self._check_mine, self._check_all = self._agree.blocking()
-            self._check_request = request
-        mine, every = self._check_mine, self._check_all
-        assert mine is not None and every is not None
-        vec = route.vec
+    def _check_slot(self, route: Route, seq: int, timeout: float | None) -> agree.Check:
+        """Collective `seq`'s check slot, free (an earlier asynchronous check on it read
+        first) and loaded with the route's signature; not started."""
+        check = self._agree.slot(seq)
+        if check.busy:
+            # the asynchronous collective RING places back has not been seen checked yet
+            self._flush_deferred(route.op, seq, timeout)
         if self._debug:
-            mine[:] = vec
-            mine[5], mine[11] = seq, -seq
-            self._checked_vec = None
-        elif self._checked_vec is not vec:
-            mine[:] = vec
-            self._checked_vec = vec
+            vec = route.vec.copy()
+            vec[5], vec[11] = seq, -seq
+            check.load(vec)
+        else:
+            check.load(route.vec)
+        return check
+
+    def _check_blocking(self, route: Route, seq: int, timeout: float | None) -> None:
+        check = self._check_slot(route, seq, timeout)
+        request = check.request
         try:
             request.Start()
+            check.busy = True
             test = request.Test
             for _ in range(_QUICK_POLLS):
                 if test():
@@ -374,8 +361,8 @@ class Communicator:
                 _work.wait_for(self, route.op, seq, test, timeout)
         except MPI.Exception as exc:
             raise self._mpi_error(route.op, seq, exc) from exc
-        if every.tobytes() != mine.tobytes():
-            raise self._mismatch(route.op, seq, mine.copy())
+        if not check.agreed():
+            raise self._mismatch(route.op, seq, check.mine.copy())
 
     def _admit(self, route: Route, start: Callable[[int], Work]) -> Work:
         """An asynchronous collective: its sequence number and arrival at once, its check
@@ -394,21 +381,21 @@ class Communicator:
             if self._deferred:
                 self._flush_deferred(route.op, seq)
             return start(seq)
-        vec = route.vec
-        if self._debug:
-            vec = vec.copy()
-            vec[5], vec[11] = seq, -seq
+        if self._deferred:
+            self._deferred.advance()  # start what can start now, without waiting
+        check = self._check_slot(route, seq, None)
         try:
-            request, result = self._agree.start(vec)
+            check.request.Start()
         except MPI.Exception as exc:
             raise self._mpi_error(route.op, seq, exc) from exc
-        item = _Deferred(request, result, vec, seq, partial(start, seq))
-        self._deferred.append(item)
+        check.busy = True
+        item = Deferred(check, seq, partial(start, seq))
+        self._deferred.add(item)
 
         def poll() -> bool:
             inner = item.inner
             if inner is None:
-                self._advance_deferred()
+                self._deferred.advance()
                 if item.error is not None:
                     raise item.error
                 inner = item.inner
@@ -421,35 +408,11 @@ class Communicator:
         outer = Work(self, route.op, seq, poll)
         return outer
 
-    def _advance_deferred(self) -> None:
-        """Start, in issue order, each deferred collective whose check has completed."""
-        queue = self._deferred
-        while queue:
-            item = queue[0]
-            try:
-                if not item.request.Test():
-                    return
-            except MPI.Exception as exc:
-                item.error = self._mpi_error("check", -1, exc)
-                queue.popleft()
-                continue
-            queue.popleft()
-            if item.result.tobytes() != item.vec.tobytes():
-                try:
-                    item.error = self._mismatch("check", item.seq, item.vec)
-                except BaseException as exc:  # the gather of the signatures failed
-                    item.error = exc
-                continue
-            try:
-                item.inner = item.start()
-            except BaseException as exc:
-                item.error = exc
-
     def _flush_deferred(self, op: str, seq: int, timeout: float | None = None) -> None:
         """Start every deferred collective before the one now entering (bounded wait)."""
 
         def started() -> bool:
-            self._advance_deferred()
+            self._deferred.advance()
             return not self._deferred
 
         if not started():
