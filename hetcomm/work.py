@@ -239,3 +239,17 @@ def completed(comm: Context, op: str, seq: int) -> Work:
 
 def _true() -> bool:
     return True
+
+
+def all_of(comm: Context, works: list[Work], op: str = "all_reduce") -> Work:
+    """One Work over several, complete once each is (in order; the first failure is its own)."""
+    left = list(works)
+
+    def poll() -> bool:
+        while left:
+            if not left[0].test():
+                return False
+            left.pop(0)
+        return True
+
+    return Work(comm, op, works[-1].seq, poll)
