@@ -119,6 +119,10 @@ def _on_node(
     def wait(request: Any, what: str, seq: int) -> None:
         Work(comm, f"all_reduce_coalesced ({what})", seq, request.Test, timeout=timeout).wait()
 
+    if comm._deferred:
+        # the segments' first use duplicates the transport's communicator: a collective, which
+        # must come after the asynchronous collectives issued before it on every rank
+        comm._flush_deferred("all_reduce_coalesced", comm._seq + 1, timeout)
     node = transport.node_reduce("all_reduce_coalesced", comm._seq + 1)
     try:
         node.segment(max(sizes), partial(wait, seq=comm._seq + 1))
