@@ -154,6 +154,7 @@ class Agreement:
         )
 
     def close(self, free: bool) -> None:
+        """Unmap the arrivals table; with `free`, also free the check's request and communicator."""
         self.arrivals.close()
         if free:
             for check in self._ring:
@@ -178,6 +179,7 @@ class Arrivals:
         self.table[rank] = 0
 
     def enter(self, seq: int) -> None:
+        """Note that this rank has entered collective `seq`."""
         self.table[self.rank] = seq
 
     def late(self, seq: int) -> tuple[list[int], list[int]]:
@@ -189,6 +191,7 @@ class Arrivals:
         return late, unknown
 
     def close(self) -> None:
+        """Unmap the shared table (a view still alive keeps it mapped until exit)."""
         if self._map is not None:
             self.table = np.zeros(len(self.table), np.int64)
             # a view of it still alive somewhere keeps it mapped: the OS frees it at exit

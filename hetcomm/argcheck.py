@@ -14,6 +14,7 @@ from .work import Work
 
 
 def check_timeout(timeout: Any, op: str) -> float:
+    """`timeout` as seconds, or InvalidArgument naming `op` and what arrived."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise InvalidArgument(
             f"{op}: timeout must be a positive number of seconds, got {timeout!r}"
@@ -22,6 +23,7 @@ def check_timeout(timeout: Any, op: str) -> float:
 
 
 def same(b: Buffer, ref: Buffer, what: str, count_ok: bool, expected: str) -> None:
+    """`b` has `ref`'s dtype and memory, and the right count; else InvalidArgument."""
     if b.dtype != ref.dtype:
         raise InvalidArgument(f"{what}: expected dtype {ref.dtype} like x, got {b.dtype}")
     if b.on_device != ref.on_device or b.device_index != ref.device_index:
@@ -33,6 +35,7 @@ def same(b: Buffer, ref: Buffer, what: str, count_ok: bool, expected: str) -> No
 
 
 def writable(b: Buffer, what: str) -> None:
+    """InvalidArgument when the operation would write a read-only array."""
     if b.readonly:
         raise InvalidArgument(f"{what}: the array is read-only but this operation writes it")
 
@@ -66,6 +69,7 @@ def contiguous_out(b: Buffer, steps: list[Callable[[], None]]) -> Buffer:
 
 
 def host_buffer(like: Buffer, flat: np.ndarray) -> Buffer:
+    """A Buffer like `like` over the packed host copy `flat`."""
     return Buffer(
         obj=like.obj,
         kind=like.kind,
@@ -81,6 +85,7 @@ def host_buffer(like: Buffer, flat: np.ndarray) -> Buffer:
 
 
 def then(work: Work, steps: list[Callable[[], None]]) -> Work:
+    """`work`, with `steps` run after its own finishing steps (unpacking)."""
     if steps:
         work._finish = [*work._finish, *steps]
     return work

@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 from . import agree, coalesced
 from . import plan as planning
+from . import trace as _trace  # noqa: F401 (importing it registers tracing's decision on Work)
 from . import work as _work
 from .argcheck import (
     check_timeout,
@@ -542,7 +543,7 @@ class Communicator:
         route = self._routes.get(key) if key is not None else None
         if route is None:
             route = self._route_all_reduce(key, x, op, out, inplace)
-        if route.run is not None and not async_op and timeout is None and _work._recorder is None:
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, inplace)
             if xh is not None:
                 oh = xh if inplace else host_view(out, True)
@@ -659,7 +660,7 @@ class Communicator:
             check_op_for_dtype(rop, xb.dtype, "reduce")
             route = self._route(key, "reduce", xb, self._reduce, rop, r)
         at_root = self.rank == route.root
-        if route.run is not None and not async_op and timeout is None and _work._recorder is None:
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, at_root)
             if xh is not None:
                 if self._blocking_run(route, xh):
@@ -701,7 +702,7 @@ class Communicator:
             xb = as_buffer(x, "broadcast: x")
             r = self._root(root, "broadcast: root")
             route = self._route(key, "broadcast", xb, self._broadcast, None, r)
-        if route.run is not None and not async_op and timeout is None and _work._recorder is None:
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, self.rank != route.root)
             if xh is not None:
                 if self._blocking_run(route, xh):
@@ -781,7 +782,7 @@ class Communicator:
         route = self._routes.get(key) if key is not None else None
         if route is None:
             route = self._route_blocks(key, op, out, x, rop, out_blocks, x_blocks, method)
-        if route.run is not None and not async_op and timeout is None and _work._recorder is None:
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, False)
             oh = host_view(out, True)
             if xh is not None and oh is not None and not np.may_share_memory(xh, oh):
@@ -849,7 +850,7 @@ class Communicator:
         if route is None:
             xb = as_buffer(x, "send: x")
             route = self._route(key, "send", xb, no_general)
-        if route.run is not None and not async_op and timeout is None and _work._recorder is None:
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, False)
             if xh is not None:
                 self._p2p_seq = seq = self._p2p_seq + 1
@@ -911,7 +912,7 @@ class Communicator:
         if route is None:
             xb = as_buffer(x, "recv: x")
             route = self._route(key, "recv", xb, no_general)
-        if route.run is not None and not async_op and timeout is None and _work._recorder is None:
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, True)
             if xh is not None:
                 self._p2p_seq = seq = self._p2p_seq + 1
@@ -1033,7 +1034,7 @@ class Communicator:
         route = self._routes.get("barrier")
         if route is None:
             route = self._route("barrier", "barrier", None, no_general)
-        if self._checking and _work._recorder is None:
+        if self._checking and not _work.observing:
             # the check compares the barrier's signature across the group, so it completes
             # once every rank has entered the barrier: it is the barrier
             route.runs += 1
@@ -1044,7 +1045,7 @@ class Communicator:
                 return None
             work = self._admit(route, partial(completed, self, "barrier"))
             return self._finish(work, True, timeout)
-        if route.run is not None and not async_op and timeout is None and _work._recorder is None:
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
             if self._blocking_run(route):
                 return None
             seq: int | None = self._last_entered

@@ -59,6 +59,7 @@ class DeferredStarts:
         return bool(self._queue)
 
     def add(self, item: Deferred) -> None:
+        """Queue `item` behind the earlier ones; the starter thread watches from now on."""
         with self._lock:
             self._queue.append(item)
         _STARTER.watch(self)

@@ -103,4 +103,5 @@ def cpu_tensor_array(x: Any) -> np.ndarray | None:
 
 
 def no_general(*_: Any) -> Work | None:
+    """The general path of routes the communicator makes for its own calls: never taken."""
     raise AssertionError("a route of the communicator's own calls has no general path")
