@@ -102,6 +102,7 @@ class Channel:
         self.dead: list[str] = []  # why each rail that failed did
 
     def start(self) -> None:
+        """Start a sender thread per lane and a receiver per link (and the mpi rail's sender)."""
         for link in self.links:
             lanes = SHM_LANES if link.spec.kind == "shm" else 1
             for _ in range(lanes):
@@ -119,6 +120,7 @@ class Channel:
         self.threads.append(t)
 
     def alive(self) -> bool:
+        """Whether any rail to the peer still works."""
         return self.uses_mpi or any(link.alive for link in self.links)
 
     def doorbell(self) -> links.Link | None:
@@ -447,6 +449,7 @@ class Channel:
                 item[0].fail(exc)
 
     def stop(self) -> None:
+        """Tell the channel's threads to end."""
         self.queue.put(_STOP)
         for q in (self._signals, self._completions):
             if q is not None:
@@ -463,6 +466,7 @@ class Channel:
                 seg.close()
 
     def describe(self) -> str:
+        """The channel's rails, for logs and errors."""
         return ", ".join(str(s) for s in self.specs)
 
 

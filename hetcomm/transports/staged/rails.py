@@ -51,6 +51,7 @@ class MpiRail:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        """Start the receiving thread, once (the first channel with an mpi rail calls it)."""
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -111,6 +112,7 @@ def short(n: int, op: _Op) -> bool:
 
 
 def size_mismatch(peer: int, sent: int, expected: int) -> MismatchError:
+    """The error of a receive whose sender has another byte count."""
     return MismatchError(
         f"receive from rank {peer}: the sender has {sent} bytes, this receive takes {expected}"
     )
