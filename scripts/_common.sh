@@ -118,7 +118,7 @@ ensure_torch() {
         fi
         if [[ "$kind" != cuda ]]; then
             warn "no torch installed: the default index's torch is a CUDA build (~5 GB with its" \
-                "nvidia-* wheels), useless on this $kind machine. The demo and the torch tests" \
+                "nvidia-* wheels) that would run here on the CPU only. The demo and the torch tests" \
                 "are skipped. To install one anyway: TORCH_INDEX=default (that CUDA build)," \
                 "TORCH_INDEX=<a reachable mirror of $index>, or TORCH_SPEC=/path/to/torch.whl"
             TORCH_NOTE="no torch: $index unreachable and no local wheel"
