@@ -23,7 +23,7 @@ except ImportError:
 else:
     import torch.distributed as dist
 
-    import hetcomm.torch  # noqa: F401  (registers the backend)
+    import hetcomm.torch  # registers the backend
 
     dist.init_process_group("hetcomm")  # env:// through MASTER_ADDR/MASTER_PORT, as under torchrun
     x = torch.full((4,), float(dist.get_rank() + 1), dtype=torch.float64)
