@@ -102,10 +102,12 @@ class Buffer:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the data: element count times element size."""
         return self.count * self.itemsize
 
     @property
     def on_device(self) -> bool:
+        """Whether the data lives in GPU memory."""
         return self.device != "cpu"
 
     def describe(self) -> str:

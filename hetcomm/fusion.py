@@ -66,6 +66,7 @@ class Group:
         self.table: tuple[np.ndarray, np.ndarray] | None = None
 
     def add(self, b: Buffer, i: int) -> None:
+        """Take array `b`, the caller's i-th, into this group."""
         self.bufs.append(b)
         self.index.append(i)
         self.counts.append(b.count)
@@ -81,6 +82,7 @@ class Group:
 
     @property
     def on_device(self) -> bool:
+        """Whether the group's arrays live in GPU memory."""
         return self.device != "cpu"
 
     def fused(self, flat: np.ndarray | None = None, ptr: int = 0) -> Buffer:
@@ -433,6 +435,7 @@ class HostBuffers:
         return np.empty(max(count, 1), dtype=storage)
 
     def give(self, buf: np.ndarray) -> None:
+        """Hand a buffer back for reuse (kept only when small and larger than the one kept)."""
         if buf.nbytes > KEEP_BYTES:
             return
         with self._lock:

@@ -48,6 +48,7 @@ class RankInfo:
         return f"node{self.node}:{self.detected_vendor}:{self.device_index}"
 
     def member(self) -> Member:
+        """This rank's facts as the plan reads them."""
         return Member(self.rank, self.host, self.vendor, self.device, self.gpu_aware)
 
 
@@ -67,12 +68,15 @@ class Topology:
         return iter(self.ranks)
 
     def members(self) -> list[Member]:
+        """Every rank's facts as the plan reads them, in rank order."""
         return [r.member() for r in self.ranks]
 
     def hosts(self) -> list[str]:
+        """The distinct host names, sorted."""
         return sorted({r.host for r in self.ranks})
 
     def vendors(self) -> list[str]:
+        """The distinct vendors, sorted."""
         return sorted({r.vendor for r in self.ranks})
 
     def islands(self) -> list[tuple[int, ...]]:
@@ -103,6 +107,7 @@ class Topology:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def table(self) -> str:
+        """Every rank's facts as an aligned text table, one row per rank."""
         head = ("rank", "host", "vendor", "device", "local", "gpu-aware MPI", "NICs")
         rows = [head]
         for r in self.ranks:

@@ -278,6 +278,7 @@ def merge(directory: str, out: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m hetcomm.trace merge DIR OUT.json`: merge the ranks' traces into one file."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 3 or args[0] != "merge":
         print("usage: python -m hetcomm.trace merge DIR OUT.json", file=sys.stderr)
