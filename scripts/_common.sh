@@ -83,7 +83,7 @@ TORCH_NOTE=""
 ensure_torch() {
     local kind index why
     if [[ "$TORCH_SPEC" == none ]]; then
-        say "torch: not installed (TORCH_SPEC=none); the demo and the torch tests are skipped"
+        say "torch: not installed (TORCH_SPEC=none): the demo uses numpy, the torch tests skip"
         return 0
     fi
     if "$VPY" -c "import torch" 2>/dev/null; then
@@ -118,9 +118,10 @@ ensure_torch() {
         fi
         if [[ "$kind" != cuda ]]; then
             warn "no torch installed: the default index's torch is a CUDA build (~5 GB with its" \
-                "nvidia-* wheels) that would run here on the CPU only. The demo and the torch tests" \
-                "are skipped. To install one anyway: TORCH_INDEX=default (that CUDA build)," \
-                "TORCH_INDEX=<a reachable mirror of $index>, or TORCH_SPEC=/path/to/torch.whl"
+                "nvidia-* wheels) that would run here on the CPU only. The demo trains with numpy" \
+                "instead and the torch tests are skipped. To install one anyway:" \
+                "TORCH_INDEX=default (that CUDA build), TORCH_INDEX=<a reachable mirror of" \
+                "$index>, or TORCH_SPEC=/path/to/torch.whl"
             TORCH_NOTE="no torch: $index unreachable and no local wheel"
             return 0
         fi
@@ -128,7 +129,7 @@ ensure_torch() {
     fi
     say "torch: installing $TORCH_SPEC from the default index ($why)"
     if ! "$VPY" -m pip install -q "$TORCH_SPEC"; then
-        warn "pip could not install $TORCH_SPEC; the demo and the torch tests are skipped"
+        warn "pip could not install $TORCH_SPEC: the demo uses numpy, the torch tests skip"
         return 0
     fi
     say "torch: $(torch_summary), from the default index ($why)"
