@@ -1,6 +1,7 @@
 """The demo job without torch: scripts/pp_train.py's model and schedule with numpy arrays.
 
-scripts/demo runs this one where the venv has no torch (README, "Which torch"). The model is
+scripts/pp_train.py (the demo's and scripts/soak's job) runs this one where the venv has no
+torch (README, "Which torch"). The model is
 the same two stages (Linear + tanh on ranks 0-1, Linear + mean squared error on ranks 2-3), its
 gradients written out by hand; activations and their gradients cross the pp groups, each stage
 averages its gradients over its dp group, and the losses and final weights are checked against
@@ -64,7 +65,7 @@ def reference(steps: int) -> tuple[list[float], list[np.ndarray]]:
 
 
 def main() -> int:
-    steps = STEPS if len(sys.argv) < 3 else int(sys.argv[2])  # `--steps N`, as pp_train.py
+    steps = STEPS if len(sys.argv) < 3 else int(sys.argv[2])  # pp_train.py checked `--steps N`
     world = hetcomm.init()
     if world.size != 4:
         raise SystemExit(f"this demo runs on 4 ranks (pp=2 x dp=2), got {world.size}")
@@ -128,7 +129,11 @@ def check(
         if i < 3 or i >= steps - 2:
             print(f"{i:>4}  {a:>18.6f}  {b:>12.6f}  {rel:>9.1e}")
     all_ok = loss_ok and all(v[1] for v in verdicts)
-    print(f"\nlosses match the one-process run: {'yes' if loss_ok else 'NO'}")
+    # worded as pp_train.py does (scripts/soak reads it); float64 here, so within 1e-9
+    print(
+        "\nlosses match the one-process run to float32 rounding: "
+        f"{'yes (float64: within 1e-9)' if loss_ok else 'NO'}"
+    )
     print(
         f"final weights match (largest relative difference {max(v[2] for v in verdicts):.1e}): "
         f"{'yes' if all_ok else 'NO'}",
