@@ -57,6 +57,7 @@ def hier_job(hetcomm_mpirun: tuple[list[str], dict[str, str]]) -> Any:
         limit: float = 120,
         **variables: str,
     ) -> MpiJob:
+        pytest.importorskip("torch", reason="the hier jobs use torch (tests/hier/_job.py)")
         prefix, mpi_env = hetcomm_mpirun
         settings = {"HETCOMM_TRANSPORT": "hier", "HETCOMM_TIMEOUT": "60", **variables}
         program = [str(JOB), scenario, json.dumps(params or {})]
@@ -74,6 +75,7 @@ def hier_pytest(hetcomm_mpirun: tuple[list[str], dict[str, str]]) -> Any:
     def start(
         ranks: Sequence[tuple[int, str, str]], files: Sequence[str], limit: float = 150
     ) -> MpiJob:
+        pytest.importorskip("torch", reason="those tests/mpi files use torch (tests/mpi/_data.py)")
         prefix, mpi_env = hetcomm_mpirun
         program = [
             "-m",
