@@ -28,6 +28,17 @@ def group_plans(world: Any, groups: Any) -> str | None:
     return "\n".join(lines)
 
 
+def config_table(config: Any) -> str:
+    """The configuration as a table (variable, value, meaning), each column as wide as its
+    widest cell."""
+    from .config import OPTIONS
+
+    rows = [("variable", "value", "meaning")]
+    rows += [(env, str(getattr(config, name)), text) for name, (env, text) in OPTIONS.items()]
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    return "\n".join(f"{a:{widths[0]}}  {b:{widths[1]}}  {c}".rstrip() for a, b, c in rows)
+
+
 def tuning_report(world: Any) -> str:
     """Whether values of `hetcomm tune` are in use for this topology, and which."""
     from .config import Config
@@ -82,7 +93,8 @@ def _info(args: argparse.Namespace) -> int:
         groups = hetcomm.ParallelGroups(world, dp=args.dp, order=args.order, **sizes)
     report = group_plans(world, groups) if groups is not None else None
     if world.rank == 0:
-        banner = MPI.Get_library_version().strip().splitlines()[0]
+        # Open MPI's version string ends in a NUL byte, which strip() keeps
+        banner = MPI.Get_library_version().strip("\x00 \n").splitlines()[0]
         levels = {
             MPI.THREAD_SINGLE: "single",
             MPI.THREAD_FUNNELED: "funneled",
@@ -98,7 +110,7 @@ def _info(args: argparse.Namespace) -> int:
         print(f"persistent:   {persistent_report(world.config.persistent_max)}")
         print(f"ranks:        {world.size}")
         print("\nconfiguration:")
-        print("  " + world.config.describe().replace("\n", "\n  "))
+        print("  " + config_table(world.config).replace("\n", "\n  "))
         print("\ntopology:")
         print("  " + world.topology.table().replace("\n", "\n  "))
         print("\ntuning:")

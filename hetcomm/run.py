@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import shlex
 import signal
@@ -15,7 +16,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from .launch import flavours, mpi
+from .launch import affinity, flavours, mpi, torchrun
 from .launch.affinity import format_cpulist
 from .launch.command import Launch, LaunchError, LaunchRequest, build, rank_launcher_environ
 from .launch.hosts import HostSpecError
@@ -30,9 +31,14 @@ examples:
   hetcomm run -n 4 --simulate-vendors nvidia,amd --simulate-hosts 2 -- python -m mypkg.train
   hetcomm run -n 16 --hostfile hosts --timeout 3600 -- python train.py --epochs 3
   hetcomm run -n 8 --dry-run -- python train.py      # print the command and each rank's variables
+  hetcomm run --nproc-per-node 4 train.py --lr 3     # a torchrun command line, renamed
 
-A command that starts with python and a script, -m module or -c code runs under
-`python -m mpi4py`, so that an exception on one rank aborts the whole job (--no-mpi4py: as given).
+`python` (or python3) in the command is the interpreter hetcomm run runs under, so that the
+ranks use hetcomm's environment whether or not it is activated. A command that starts with
+python and a script, -m module or -c code runs under `python -m mpi4py`, so that an exception
+on one rank aborts the whole job (--no-mpi4py: as given). A command that starts with a .py
+script (torchrun's form) runs with python. With torchrun's options each rank also gets the
+variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...): docs/launch.md.
 """
 
 
@@ -104,16 +110,57 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="print the command and each rank's environment; start nothing",
     )
     p.add_argument("--verbose", "-v", action="store_true", help="print them, then run")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+    torchrun.add_arguments(p)
+    p.add_argument(
+        "command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...], or SCRIPT.py [ARGS...]"
+    )
     p.set_defaults(func=main)
     return p
 
 
-def _request(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchRequest:
+def _command(args: argparse.Namespace) -> list[str]:
+    """The command to run: after `--`, or torchrun's SCRIPT [ARGS] (run with python)."""
     command = list(args.command)
     if command[:1] == ["--"]:
-        command = command[1:]
-    n = args.n
+        return command[1:]
+    if args.torchrun_no_python:
+        return command
+    if args.torchrun_module:
+        return ["python", "-m", *command] if command else command
+    if command and command[0].endswith(".py"):
+        return ["python", *command]
+    return command
+
+
+def _torchrun(
+    args: argparse.Namespace, environ: Mapping[str, str]
+) -> tuple[int | None, tuple[str | None, int, int] | None, list[str]]:
+    """(ranks, torchrun's variables for LaunchRequest, notes) from torchrun's options."""
+    if not torchrun.used(args):
+        return args.n, None, []
+    try:
+        gpus = len(affinity.gpus("/")[1])
+        t = torchrun.resolve(args, gpus, torchrun.cpu_count())
+    except torchrun.TorchrunError as e:
+        raise LaunchError(str(e)) from None
+    if args.n is not None and args.n != t.n:
+        raise LaunchError(
+            f"-n {args.n} but torchrun's options make {t.n} ranks "
+            f"({t.per_node} per node x {t.nnodes} nodes): give one or make them agree"
+        )
+    if t.nnodes > 1 and not (args.hostfile or args.hosts or environ.get("SLURM_JOB_ID")):
+        raise LaunchError(
+            f"--nnodes {t.nnodes}: hetcomm run starts every node's ranks from one node; give "
+            "the nodes with --hostfile or -H (node1:K,node2:K), or run inside a Slurm allocation"
+        )
+    return t.n, (t.master_addr, t.master_port, t.per_node), list(t.notes)
+
+
+def _request(
+    args: argparse.Namespace, environ: Mapping[str, str]
+) -> tuple[LaunchRequest, list[str]]:
+    command = _command(args)
+    n, torch_vars, notes = _torchrun(args, environ)
     if n is None:
         if not environ.get("SLURM_NTASKS", "").isdigit():
             raise LaunchError("-n N is required (the number of ranks)")
@@ -131,18 +178,46 @@ def _request(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchRequ
         timeout=args.timeout,
         tag_output=args.tag_output,
         mpi4py_abort=args.mpi4py,
-    )
+        torchrun=torch_vars,
+    ), notes
 
 
 def main(args: argparse.Namespace) -> int:
     """Run (or with --dry-run, print) the job that `args` describes; the job's exit status."""
     environ = dict(os.environ)
+    if torchrun.started_by_torchrun(environ):
+        print(
+            "hetcomm run: started by torchrun (TORCHELASTIC_RUN_ID is set), which would start "
+            "one MPI job per torchrun process. Replace `torchrun` with `hetcomm run`: it accepts "
+            "torchrun's options (--nproc-per-node, --nnodes, ...) and starts every rank itself",
+            file=sys.stderr,
+        )
+        return 2
+    if (args.torchrun_node_rank or 0) > 0 and not environ.get("SLURM_JOB_ID"):
+        try:
+            nodes = torchrun.nodes(args.torchrun_nnodes)
+        except torchrun.TorchrunError as e:
+            print(f"hetcomm run: {e}", file=sys.stderr)
+            return 2
+        if args.torchrun_node_rank >= nodes:
+            print(
+                f"hetcomm run: --node-rank: expected 0..{nodes - 1}, got {args.torchrun_node_rank}",
+                file=sys.stderr,
+            )
+            return 2
+        print(
+            f"hetcomm run: --node-rank {args.torchrun_node_rank}: the ranks of every node are "
+            "started by the hetcomm run of node rank 0; nothing to start here",
+            file=sys.stderr,
+        )
+        return 0
     try:
-        request = _request(args, environ)
+        request, torch_notes = _request(args, environ)
         launcher = args.launcher or flavours.find_launcher(environ)
         banner = flavours.version_banner(launcher)
         flavour = flavours.detect(banner, launcher)
         launch = build(request, flavour, launcher, environ=environ, is_root=os.geteuid() == 0)
+        launch = dataclasses.replace(launch, notes=(*torch_notes, *launch.notes))
     except flavours.LauncherNotFound as e:
         print(f"hetcomm run: {e}", file=sys.stderr)
         return 127

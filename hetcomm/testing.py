@@ -1,9 +1,12 @@
 """pytest plugin: per-test communicators, simulated vendors and hosts, rank-wide assertions.
 
-Loaded automatically where hetcomm is installed (entry point `pytest11`). Under
-`mpirun -n N python -m mpi4py -m pytest --with-mpi` every rank runs every test; the fixtures
-below give each test its own communicator so that a failed test cannot leave messages behind
-for the next one.
+Loaded only when asked for (`pytest -p hetcomm.testing`, `addopts = ["-p", "hetcomm.testing"]`
+in the project's pytest settings, or `pytest_plugins = ["hetcomm.testing"]` in its top-level
+conftest.py): installing hetcomm does not add fixtures to every pytest session of the machine.
+Every fixture's name starts with `hetcomm_`, so none can shadow or be shadowed by a project's
+own. Under `mpirun -n N python -m mpi4py -m pytest --with-mpi` every rank runs every test; the
+fixtures give each test its own communicator so that a failed test cannot leave messages behind
+for the next one. docs/testing.md shows how to write such tests.
 """
 
 from __future__ import annotations
@@ -23,6 +26,20 @@ import pytest
 
 if TYPE_CHECKING:
     from .comm import Communicator
+
+__all__ = [
+    "hetcomm_world",
+    "hetcomm_comm",
+    "hetcomm_make_comm",
+    "hetcomm_shared_seed",
+    "hetcomm_mpirun",
+    "assert_all_ranks",
+    "simulated_config",
+    "MpiJob",
+    "clean_environ",
+    "mpirun_command",
+    "run_mpi_job",
+]
 
 
 def simulated_config(
@@ -44,7 +61,7 @@ def simulated_config(
 
 @pytest.fixture(scope="session")
 def hetcomm_world() -> Iterator[Communicator]:
-    """One Communicator over COMM_WORLD for the whole session (tests should use `comm`)."""
+    """One Communicator over COMM_WORLD for the whole session (tests use `hetcomm_comm`)."""
     import hetcomm
 
     world = hetcomm.init(name="tests")
@@ -53,7 +70,9 @@ def hetcomm_world() -> Iterator[Communicator]:
 
 
 @pytest.fixture
-def comm(hetcomm_world: Communicator, request: pytest.FixtureRequest) -> Iterator[Communicator]:
+def hetcomm_comm(
+    hetcomm_world: Communicator, request: pytest.FixtureRequest
+) -> Iterator[Communicator]:
     """A fresh Dup of the world for this test, closed afterwards."""
     c = hetcomm_world.dup(name=request.node.name[:40])
     yield c
@@ -61,9 +80,10 @@ def comm(hetcomm_world: Communicator, request: pytest.FixtureRequest) -> Iterato
 
 
 @pytest.fixture
-def make_comm() -> Iterator[Callable[..., Communicator]]:
-    """Factory: make_comm(vendors=("nvidia","amd"), hosts=("a","b"), timeout=5, ...) gives a
-    Communicator over COMM_WORLD whose ranks pretend to be those vendors and hosts."""
+def hetcomm_make_comm() -> Iterator[Callable[..., Communicator]]:
+    """Factory: hetcomm_make_comm(vendors=("nvidia","amd"), hosts=("a","b"), timeout=5, ...) gives a
+    Communicator over COMM_WORLD whose ranks pretend to be those vendors and hosts (rank i
+    gets vendors[i % len(vendors)]); each is closed after the test."""
     from mpi4py import MPI
 
     import hetcomm
@@ -85,7 +105,7 @@ def make_comm() -> Iterator[Callable[..., Communicator]]:
 
 
 @pytest.fixture
-def shared_seed(hetcomm_world: Communicator) -> int:
+def hetcomm_shared_seed(hetcomm_world: Communicator) -> int:
     """A fresh random seed, the same on every rank (drawn on rank 0, broadcast)."""
     seed = int.from_bytes(os.urandom(8), "little") if hetcomm_world.rank == 0 else None
     return int(hetcomm_world.mpi.bcast(seed, root=0))
@@ -120,6 +140,7 @@ class MpiJob:
     seconds: float
 
     def explain(self) -> str:
+        """The exit status, duration and the tail of both output streams, for a failure message."""
         return (
             f"exit {self.returncode} after {self.seconds:.1f} s\n--- stdout\n"
             f"{self.stdout[-4000:]}\n--- stderr\n{self.stderr[-4000:]}"
@@ -186,7 +207,7 @@ def run_mpi_job(argv: list[str], env: dict[str, str], limit: float) -> MpiJob:
 
 
 @pytest.fixture(scope="session")
-def mpirun() -> tuple[list[str], dict[str, str]]:
+def hetcomm_mpirun() -> tuple[list[str], dict[str, str]]:
     """(mpirun argv prefix, variables it needs); skips the test when there is no mpirun."""
     found = mpirun_command()
     if found is None:
@@ -195,4 +216,5 @@ def mpirun() -> tuple[list[str], dict[str, str]]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """Register the `gpu` marker."""
     config.addinivalue_line("markers", "gpu: needs a CUDA or ROCm device (skipped without one)")

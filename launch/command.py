@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,9 @@ class LaunchRequest:
     timeout: float | None = None
     tag_output: bool = False
     mpi4py_abort: bool = True
+    # torchrun's variables for the ranks: (MASTER_ADDR or None for the first host, MASTER_PORT,
+    # ranks per node); None: not set
+    torchrun: tuple[str | None, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,23 @@ def mpi4py_wrapped(command: Sequence[str], python: str = sys.executable) -> tupl
         return cmd, "already runs under -m mpi4py"
     wrapped = [*cmd[:i], "-m", "mpi4py", *cmd[i:]]
     return wrapped, "inserted -m mpi4py: an exception on one rank aborts the whole job"
+
+
+def resolve_python(command: Sequence[str], python: str = sys.executable) -> tuple[list[str], str]:
+    """The command with a bare `python`, `python3` or `python3.X` (this interpreter's version)
+    replaced by `python`, the interpreter `hetcomm run` runs under, and what was done.
+
+    Always, not only when PATH has no python: `hetcomm run` started from a virtual environment
+    (by its path, as a batch script does, with nothing activated) must start that environment's
+    interpreter on every rank, where hetcomm, mpi4py and the user's packages are installed. A
+    path (`/usr/bin/python3`) or another version is kept as given.
+    """
+    cmd = list(command)
+    major, minor = sys.version_info[:2]
+    if cmd and cmd[0] in ("python", f"python{major}", f"python{major}.{minor}"):
+        was, cmd[0] = cmd[0], python
+        return cmd, f"{was} is {python} (the interpreter hetcomm run runs under)"
+    return cmd, ""
 
 
 def _is_python(exe: str, python: str) -> bool:
@@ -196,6 +217,12 @@ def build(
         argv += _fmt(flavour.timeout, seconds=seconds, minutes=minutes)
         env.update({k: v.format(seconds=seconds) for k, v in flavour.timeout_env.items()})
 
+    torchrun, per_node = "", 0
+    if request.torchrun is not None:
+        addr, port, per_node = request.torchrun
+        if addr is None:
+            addr = hosts.hosts[0].name if hosts is not None else socket.gethostname()
+        torchrun = f"{addr}:{port}"
     try:
         plan = LaunchPlan(
             flavour=flavour.name,
@@ -205,6 +232,8 @@ def build(
             rails=request.rails,
             bind=bind,
             ucx=flavour.ucx,
+            torchrun=torchrun,
+            per_node=per_node,
         )
     except PlanError as e:
         raise LaunchError(str(e)) from None
@@ -218,10 +247,13 @@ def build(
         argv += _fmt(flavour.export_each, name=name)
     argv += _fmt(flavour.export_list, names=",".join(names))
 
+    command, note = resolve_python(request.command, python)
+    if note:
+        notes.append(note)
     command, note = (
-        mpi4py_wrapped(request.command, python)
+        mpi4py_wrapped(command, python)
         if request.mpi4py_abort
-        else (list(request.command), "run as given (--no-mpi4py)")
+        else (command, "run as given (--no-mpi4py)")
     )
     notes.append(note)
     argv += [python, "-m", SHIM_MODULE, "--", *command]

@@ -13,6 +13,7 @@ from ..nics import list_nics
 from . import affinity
 from .affinity import Gpu
 from .flavours import FLAVOURS, Flavour
+from .torchrun import rank_variables
 
 # The plan travels to the ranks in this variable. It must not start with "HETCOMM_": the library
 # rejects unknown HETCOMM_* names, and the shim removes it before the command starts.
@@ -46,6 +47,10 @@ class LaunchPlan:
     rails: str = "auto"  # "auto" (nearest NICs), "a,b" (every rank), "a,b/c,d" (per local rank)
     bind: str = "default"  # one of BIND_MODES
     ucx: bool = True  # the MPI may run over UCX: set UCX_NET_DEVICES too
+    # torchrun's variables (RANK, LOCAL_RANK, ..., MASTER_ADDR) for each rank: "addr:port", or
+    # "" for none; per_node: LOCAL_WORLD_SIZE
+    torchrun: str = ""
+    per_node: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "vendors", tuple(self.vendors))
@@ -68,6 +73,13 @@ class LaunchPlan:
             )
         if self.bind not in BIND_MODES:
             raise PlanError(f"bind: expected one of {', '.join(BIND_MODES)}, got {self.bind!r}")
+        if self.torchrun and (
+            not self.torchrun.rpartition(":")[2].isdigit() or not 1 <= self.per_node <= self.size
+        ):
+            raise PlanError(
+                f"torchrun: expected 'addr:port' and 1..{self.size} ranks per node, got "
+                f"{self.torchrun!r} and {self.per_node!r}"
+            )
 
     def to_json(self) -> str:
         """Compact JSON, the value of PLAN_VARIABLE."""
@@ -143,6 +155,9 @@ def rank_environment(
         out["HETCOMM_VENDOR"] = vendor
     if plan.hosts:
         out["HETCOMM_HOST"] = f"sim{rank * plan.hosts // plan.size}"
+    if plan.torchrun:
+        addr, _, port = plan.torchrun.rpartition(":")
+        out.update(rank_variables(rank, local, plan.size, plan.per_node, addr, int(port)))
     detected, devices = affinity.gpus(root)
     gpu: Gpu | None = None
     if detected == "cpu":

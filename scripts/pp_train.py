@@ -9,9 +9,14 @@ final weights are checked against the same model trained in one process on the w
 
 from __future__ import annotations
 
+import importlib.util
 import sys
+from pathlib import Path
 
-import torch
+try:
+    import torch
+except ImportError:  # no torch in this venv (README, "Which torch"): main() runs the numpy job
+    torch = None  # type: ignore[assignment]
 
 import hetcomm
 from hetcomm.cli import group_plans
@@ -64,6 +69,8 @@ def reference(steps: int = STEPS) -> tuple[list[float], list[torch.Tensor]]:
 
 def main() -> int:
     steps = steps_from_argv(sys.argv[1:])
+    if torch is None:
+        return numpy_job()
     use_local_device()  # on a machine with several GPUs, rank r takes device r % devices
     world = hetcomm.init()
     if world.size != 4:
@@ -116,6 +123,16 @@ def main() -> int:
     groups.close()
     world.close()
     return 0 if ok else 1
+
+
+def numpy_job() -> int:
+    """The same model and schedule with numpy arrays (scripts/pp_train_numpy.py)."""
+    path = Path(__file__).with_name("pp_train_numpy.py")
+    spec = importlib.util.spec_from_file_location("pp_train_numpy", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return int(module.main())
 
 
 def pick_device(groups: hetcomm.ParallelGroups) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ..torch_hint import wrap as _hinted
+
 # `name as name`: re-exported, among them the private names tests/unit/test_torch_compat.py uses
 from .compat import _FULLY_SHARD_MODULES as _FULLY_SHARD_MODULES
 from .compat import API_NAMES, BACKEND, METHOD_NAMES, dist_function, fully_shard, reduce_op
@@ -42,7 +44,8 @@ def _register() -> None:
     handlers["mpi"] = _mpi_rendezvous
     env = handlers.get("env")
     if env is not None and not hasattr(env, "hetcomm_wraps"):
-        handlers["env"] = _env_or_mpi(env)
+        # torch's own error, when RANK is missing and no launcher is there, says how to start
+        handlers["env"] = _env_or_mpi(_hinted(env, imported=True))
 
 
 _register()

@@ -72,45 +72,58 @@ class MpiStore(dist.Store):
         return value
 
     def set(self, key: str, value: bytes | str) -> None:
+        """Store `value` under `key` (torch's Store.set)."""
         self._call("set", key, _bytes(value))
 
     def get(self, key: str) -> bytes:
+        """The value of `key`, waiting for it within the store's timeout (Store.get)."""
         return self._call("get", key)
 
     def add(self, key: str, amount: int) -> int:
+        """Add `amount` to the counter `key` and return its new value (Store.add)."""
         return self._call("add", key, int(amount))
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        """Set `key` to `desired` if it holds `expected`; the value it then holds."""
         return self._call("compare_set", key, _bytes(expected), _bytes(desired))
 
     def append(self, key: str, value: bytes | str) -> None:
+        """Append `value` to the value of `key` (Store.append)."""
         self._call("append", key, _bytes(value))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The values of `keys`, in order (Store.multi_get)."""
         return self._call("multi_get", list(keys))
 
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
+        """Store each value under its key (Store.multi_set)."""
         self._call("multi_set", list(keys), [_bytes(v) for v in values])
 
     def check(self, keys: list[str]) -> bool:
+        """Whether every key of `keys` is set, without waiting (Store.check)."""
         return self._call("check", list(keys))
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        """Wait until every key of `keys` is set, within `timeout` (Store.wait)."""
         self._call("wait", list(keys), timeout=timeout)
 
     def getNumKeys(self) -> int:
+        """How many keys are set (also `num_keys`)."""
         return self._call("num_keys")
 
     def deleteKey(self, key: str) -> bool:
+        """Remove `key`; whether it was there (also `delete_key`)."""
         return self._call("delete_key", key)
 
     num_keys = getNumKeys
     delete_key = deleteKey
 
     def has_extended_api(self) -> bool:
+        """True: append, multi_get and multi_set are implemented."""
         return True
 
     def clone(self) -> MpiStore:
+        """This store itself: it serves one request at a time per process, from any thread."""
         return self  # thread-safe: one request at a time per process
 
 

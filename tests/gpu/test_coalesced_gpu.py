@@ -239,9 +239,9 @@ class Item:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("async_op", [False, True])
-def test_every_op_mixed_device_and_host(make_comm, shared_seed, async_op) -> None:
-    comm = make_comm(transport="staged", vendors=("nvidia", "amd"))
-    rng = np.random.default_rng(shared_seed)
+def test_every_op_mixed_device_and_host(hetcomm_make_comm, hetcomm_shared_seed, async_op) -> None:
+    comm = hetcomm_make_comm(transport="staged", vendors=("nvidia", "amd"))
+    rng = np.random.default_rng(hetcomm_shared_seed)
     problems: list[str] = []
     for op in OPS:
         items = [
@@ -259,9 +259,9 @@ def test_every_op_mixed_device_and_host(make_comm, shared_seed, async_op) -> Non
 
 
 @pytest.mark.mpi(min_size=2)
-def test_stream_order(make_comm) -> None:
+def test_stream_order(hetcomm_make_comm) -> None:
     """Work queued before the call is seen by it; work queued after wait() sees the result."""
-    comm = make_comm(transport="staged", vendors=("nvidia", "amd"))
+    comm = hetcomm_make_comm(transport="staged", vendors=("nvidia", "amd"))
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         xs = [torch.zeros(n, device="cuda") for n in (8 << 20, 3, 1000)]
@@ -279,8 +279,8 @@ def test_stream_order(make_comm) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_bad_device_calls(make_comm) -> None:
-    comm = make_comm(transport="staged", vendors=("nvidia", "amd"))
+def test_bad_device_calls(hetcomm_make_comm) -> None:
+    comm = hetcomm_make_comm(transport="staged", vendors=("nvidia", "amd"))
     x = cupy.arange(10, dtype=cupy.float32)
     problems = []
     for what, arrays in (

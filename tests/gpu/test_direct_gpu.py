@@ -69,11 +69,11 @@ def _direct(comm, mode: str):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("mode", ["leader", "peers"])
 @pytest.mark.parametrize("count", [SMALL, LARGE], ids=["one-shot", "two-shot"])
-def test_all_reduce_every_dtype_and_op(make_comm, shared_seed, count, mode):
-    comm = make_comm(transport="direct")
+def test_all_reduce_every_dtype_and_op(hetcomm_make_comm, hetcomm_shared_seed, count, mode):
+    comm = hetcomm_make_comm(transport="direct")
     _direct(comm, mode)
     n, r = comm.size, comm.rank
-    rng = np.random.default_rng(shared_seed)
+    rng = np.random.default_rng(hetcomm_shared_seed)
     problems = []
     for dtype in DTYPES:
         data = np.stack([_values(rng, dtype, count) for _ in range(n)])
@@ -107,11 +107,11 @@ def test_all_reduce_every_dtype_and_op(make_comm, shared_seed, count, mode):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("mode", ["leader", "peers"])
-def test_other_collectives(make_comm, shared_seed, mode):
-    comm = make_comm(transport="direct")
+def test_other_collectives(hetcomm_make_comm, hetcomm_shared_seed, mode):
+    comm = hetcomm_make_comm(transport="direct")
     _direct(comm, mode)
     n, r = comm.size, comm.rank
-    rng = np.random.default_rng(shared_seed)
+    rng = np.random.default_rng(hetcomm_shared_seed)
     problems = []
     for dtype in ("int8", "bfloat16", "float32", "float64"):
         count = 3 * n + 1
@@ -146,14 +146,14 @@ def test_other_collectives(make_comm, shared_seed, mode):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("mode", ["leader", "peers"])
-def test_back_to_back_async_collectives(make_comm, shared_seed, mode):
+def test_back_to_back_async_collectives(hetcomm_make_comm, hetcomm_shared_seed, mode):
     """Many collectives in flight at once, mixed kinds, some on buffers whose producing kernels
     are still queued on a busy stream: each result matches its reference, the output's
     neighbours are untouched, and nothing waits on another rank's later operation."""
-    comm = make_comm(transport="direct")
+    comm = hetcomm_make_comm(transport="direct")
     _direct(comm, mode)
     n, r = comm.size, comm.rank
-    rng = np.random.default_rng(shared_seed)
+    rng = np.random.default_rng(hetcomm_shared_seed)
     count = 4099  # odd: the float32 vector kernel's tail runs too
     rounds = 12
     data = rng.integers(-8, 8, (rounds, n, count)).astype(np.float64) / 4
@@ -191,10 +191,10 @@ def test_back_to_back_async_collectives(make_comm, shared_seed, mode):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_send_recv_ring_cupy_and_size_mismatch(make_comm, shared_seed):
-    comm = make_comm(transport="direct")
+def test_send_recv_ring_cupy_and_size_mismatch(hetcomm_make_comm, hetcomm_shared_seed):
+    comm = hetcomm_make_comm(transport="direct")
     n, r = comm.size, comm.rank
-    rng = np.random.default_rng(shared_seed)
+    rng = np.random.default_rng(hetcomm_shared_seed)
     problems = []
     for nbytes in (1, 4096, 3 << 20):
         data = rng.integers(0, 255, (n, nbytes)).astype(np.uint8)
@@ -224,17 +224,19 @@ _SPIN = r"""extern "C" __global__ void spin(long long cycles) {
 
 
 @pytest.mark.mpi(min_size=2)
-def test_send_recv_keep_issue_order_across_streams_and_both_ways(make_comm, shared_seed):
+def test_send_recv_keep_issue_order_across_streams_and_both_ways(
+    hetcomm_make_comm, hetcomm_shared_seed
+):
     """Ranks 0 and 1 send each other four messages of one tag at once, each from a stream of
     its own, the first stream held up by a kernel that spins before the data is written: every
     receive gets the message issued in its turn, with the data the sender's stream wrote, and
     nothing beside the receive buffers changes."""
-    comm = make_comm(transport="direct")
+    comm = hetcomm_make_comm(transport="direct")
     r = comm.rank
     problems = []
     if r < 2:
         peer, k, n, pad = 1 - r, 4, 70000, 64
-        rng = np.random.default_rng(shared_seed)
+        rng = np.random.default_rng(hetcomm_shared_seed)
         data = rng.integers(0, 255, (2, k, n)).astype(np.uint8)
         spin = cupy.RawKernel(_SPIN, "spin")
         streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(k)]
@@ -270,8 +272,8 @@ def test_send_recv_keep_issue_order_across_streams_and_both_ways(make_comm, shar
 
 
 @pytest.mark.mpi(min_size=2)
-def test_registration_cache_hits_misses_and_close(make_comm, shared_seed):
-    comm = make_comm(transport="direct")
+def test_registration_cache_hits_misses_and_close(hetcomm_make_comm, hetcomm_shared_seed):
+    comm = hetcomm_make_comm(transport="direct")
     n = comm.size
     big = direct_schedule.ONE_SHOT_BYTES  # two-shot: the caller's own buffers are mapped
     x = cupy.ones(big, cupy.float32)
@@ -296,14 +298,14 @@ def test_registration_cache_hits_misses_and_close(make_comm, shared_seed):
     )
     comm.close()
     ok = ok and t.stats()["mapped"] == 0
-    assert_all_ranks(make_comm(), ok, f"cache {first} -> {again} -> {last}")
+    assert_all_ranks(hetcomm_make_comm(), ok, f"cache {first} -> {again} -> {last}")
 
 
 @pytest.mark.mpi(min_size=2)
-def test_simulated_vendors_plan_and_auto(make_comm, shared_seed):
+def test_simulated_vendors_plan_and_auto(hetcomm_make_comm, hetcomm_shared_seed):
     """Across a simulated vendor boundary on one GPU, send/recv of large arrays picks direct
     (the same-vendor mechanism stands in for the cross-vendor one here)."""
-    comm = make_comm(vendors=("nvidia", "amd"))
+    comm = hetcomm_make_comm(vendors=("nvidia", "amd"))
     transport, why = comm.plan.lookup("send", "device", "large")
     ok = transport == "direct"
     r, n = comm.rank, comm.size

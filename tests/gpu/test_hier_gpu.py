@@ -62,13 +62,13 @@ def _own_devices(comm, island) -> bool:
 
 
 @pytest.mark.mpi(min_size=4)
-def test_islands_of_own_gpus_reduce_through_nccl(make_comm, shared_seed) -> None:
+def test_islands_of_own_gpus_reduce_through_nccl(hetcomm_make_comm, hetcomm_shared_seed) -> None:
     """Ranks 0-1 'nvidia' and 2-3 'amd' (RCCL's part played by NCCL): on a machine that gives
     each member of an island a GPU of its own, the islands reduce through NCCL; where they share
     one, through another transport. The result is exact either way."""
-    comm = make_comm(transport="hier", vendors=("nvidia", "nvidia", "amd", "amd"))
+    comm = hetcomm_make_comm(transport="hier", vendors=("nvidia", "nvidia", "amd", "amd"))
     n, r = comm.size, comm.rank
-    rng = np.random.default_rng(shared_seed)
+    rng = np.random.default_rng(hetcomm_shared_seed)
     data = rng.integers(-1000, 1000, size=(n, 3 * n + 5)).astype(np.float32)
     x = torch.from_numpy(data[r]).cuda()
     comm.all_reduce(x)
@@ -85,10 +85,10 @@ def test_islands_of_own_gpus_reduce_through_nccl(make_comm, shared_seed) -> None
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("setup", list(SETUPS))
-def test_plan_picks_hier_for_device_collectives(make_comm, setup) -> None:
+def test_plan_picks_hier_for_device_collectives(hetcomm_make_comm, setup) -> None:
     """Islands on several (simulated) hosts go hier; on one host whose GPUs map each other's
     memory (simulated vendors sharing one GPU), direct serves them in one hop instead."""
-    comm = make_comm(**SETUPS[setup])
+    comm = hetcomm_make_comm(**SETUPS[setup])
     islands = comm.topology.islands()
     choice = comm.plan.lookup("all_reduce", "device", "large")
     if len(set(comm.topology.hosts())) == 1:
@@ -109,10 +109,10 @@ def test_plan_picks_hier_for_device_collectives(make_comm, setup) -> None:
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("setup", list(SETUPS))
 @pytest.mark.parametrize("kind", ["cupy", "torch"])
-def test_every_collective(make_comm, shared_seed, setup, kind) -> None:
-    comm = make_comm(transport="hier", **SETUPS[setup])
+def test_every_collective(hetcomm_make_comm, hetcomm_shared_seed, setup, kind) -> None:
+    comm = hetcomm_make_comm(transport="hier", **SETUPS[setup])
     n, r = comm.size, comm.rank
-    rng = np.random.default_rng(shared_seed)
+    rng = np.random.default_rng(hetcomm_shared_seed)
     problems = []
     digest = hashlib.sha256()
     for dtype in DTYPES:
@@ -151,9 +151,9 @@ def test_every_collective(make_comm, shared_seed, setup, kind) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_stream_order(make_comm) -> None:
+def test_stream_order(hetcomm_make_comm) -> None:
     """Work queued before the call is seen by it; work queued after wait() sees the result."""
-    comm = make_comm(**SETUPS["pairs"])
+    comm = hetcomm_make_comm(**SETUPS["pairs"])
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         x = torch.zeros(8 << 20, device="cuda")
@@ -169,8 +169,8 @@ def test_stream_order(make_comm) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_calling_thread_not_blocked(make_comm) -> None:
-    comm = make_comm(**SETUPS["pairs"])
+def test_calling_thread_not_blocked(hetcomm_make_comm) -> None:
+    comm = hetcomm_make_comm(**SETUPS["pairs"])
     x = cupy.ones(64 << 20, dtype=cupy.float32)
     work = comm.all_reduce(x, async_op=True)
     started_pending = not work.test()

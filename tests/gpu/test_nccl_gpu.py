@@ -61,11 +61,11 @@ def _tensor(values, dtype):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_every_op_through_nccl(make_comm, group_of, shared_seed):
-    world = make_comm(transport="nccl")
+def test_every_op_through_nccl(hetcomm_make_comm, group_of, hetcomm_shared_seed):
+    world = hetcomm_make_comm(transport="nccl")
     group = group_of(world)
     n, r = group.size, group.rank
-    rng = np.random.default_rng(shared_seed + world.rank // max(n, 1))
+    rng = np.random.default_rng(hetcomm_shared_seed + world.rank // max(n, 1))
     problems = []
     side = torch.cuda.Stream()  # the ops follow the caller's current stream, not the default one
     with torch.cuda.stream(side):
@@ -116,10 +116,10 @@ def test_every_op_through_nccl(make_comm, group_of, shared_seed):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_cupy_arrays_and_async(make_comm, group_of, shared_seed):
-    world = make_comm(transport="nccl")
+def test_cupy_arrays_and_async(hetcomm_make_comm, group_of, hetcomm_shared_seed):
+    world = hetcomm_make_comm(transport="nccl")
     group = group_of(world)
-    rng = np.random.default_rng(shared_seed)
+    rng = np.random.default_rng(hetcomm_shared_seed)
     data = rng.standard_normal((group.size, 1 << 20)).astype(np.float32)
     x = cupy.asarray(data[group.rank])
     work = group.all_reduce(x, async_op=True)
@@ -129,7 +129,7 @@ def test_cupy_arrays_and_async(make_comm, group_of, shared_seed):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_dropped_communicators_do_not_hang(make_comm):
+def test_dropped_communicators_do_not_hang(hetcomm_make_comm):
     """Communicators dropped without close(), in opposite orders on the two ranks of a pair:
     their NCCL communicators must not be destroyed by the garbage collector (ncclCommDestroy
     waits for the other ranks, and each rank collects at its own moments and in its own order),
@@ -139,7 +139,7 @@ def test_dropped_communicators_do_not_hang(make_comm):
 
     from hetcomm.transports import nccl
 
-    world = make_comm(transport="nccl")
+    world = hetcomm_make_comm(transport="nccl")
     if world.size > cupy.cuda.runtime.getDeviceCount():
         pytest.skip("needs two ranks on GPUs of their own: NCCL refuses two ranks on one GPU")
     groups = [_own_gpu_group(world) for _ in range(2)]
@@ -168,8 +168,8 @@ def test_dropped_communicators_do_not_hang(make_comm):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_shared_gpu_is_refused_with_the_reason(make_comm):
-    world = make_comm(transport="nccl")
+def test_shared_gpu_is_refused_with_the_reason(hetcomm_make_comm):
+    world = hetcomm_make_comm(transport="nccl")
     if world.size <= cupy.cuda.runtime.getDeviceCount():
         pytest.skip("every rank has a GPU of its own here")
     x = torch.ones(16, device="cuda")
@@ -183,7 +183,7 @@ def test_shared_gpu_is_refused_with_the_reason(make_comm):
         "duplicate" in message and "share device" in message,
         f"expected a refusal naming the shared device, got {message!r}",
     )
-    auto = make_comm()
+    auto = hetcomm_make_comm()
     assert_all_ranks(
         world,
         auto.plan.lookup("all_reduce", "device", "large")[0] != "nccl",

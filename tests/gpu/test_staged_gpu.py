@@ -44,10 +44,10 @@ def _to_numpy(x: object) -> np.ndarray:
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("setup", list(SETUPS))
 @pytest.mark.parametrize("kind", ["cupy", "torch"])
-def test_every_collective(make_comm, shared_seed, setup, kind) -> None:
-    comm = make_comm(transport="staged", **SETUPS[setup])
+def test_every_collective(hetcomm_make_comm, hetcomm_shared_seed, setup, kind) -> None:
+    comm = hetcomm_make_comm(transport="staged", **SETUPS[setup])
     n, r = comm.size, comm.rank
-    rng = np.random.default_rng(shared_seed)
+    rng = np.random.default_rng(hetcomm_shared_seed)
     problems = []
     for dtype in DTYPES:
         if kind == "cupy" and dtype == "bfloat16":
@@ -86,9 +86,9 @@ def test_every_collective(make_comm, shared_seed, setup, kind) -> None:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("nbytes", [0, 4, 4 << 20, (9 << 20) + 12])
-def test_send_recv_sizes(make_comm, shared_seed, nbytes) -> None:
-    comm = make_comm(transport="staged", vendors=("nvidia", "amd"))
-    rng = np.random.default_rng(shared_seed)
+def test_send_recv_sizes(hetcomm_make_comm, hetcomm_shared_seed, nbytes) -> None:
+    comm = hetcomm_make_comm(transport="staged", vendors=("nvidia", "amd"))
+    rng = np.random.default_rng(hetcomm_shared_seed)
     data = rng.integers(0, 255, nbytes, dtype=np.uint8)
     ok = True
     if comm.rank == 0:
@@ -102,9 +102,9 @@ def test_send_recv_sizes(make_comm, shared_seed, nbytes) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_stream_order(make_comm) -> None:
+def test_stream_order(hetcomm_make_comm) -> None:
     """Work queued before the call is seen by it; work queued after wait() sees the result."""
-    comm = make_comm(transport="staged", vendors=("nvidia", "amd"))
+    comm = hetcomm_make_comm(transport="staged", vendors=("nvidia", "amd"))
     stream = torch.cuda.Stream()
     ok = True
     with torch.cuda.stream(stream):
@@ -121,8 +121,8 @@ def test_stream_order(make_comm) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_calling_thread_not_blocked(make_comm) -> None:
-    comm = make_comm(transport="staged", vendors=("nvidia", "amd"))
+def test_calling_thread_not_blocked(hetcomm_make_comm) -> None:
+    comm = hetcomm_make_comm(transport="staged", vendors=("nvidia", "amd"))
     x = cupy.ones(64 << 20, dtype=cupy.float32)
     work = comm.all_reduce(x, async_op=True)
     started_pending = not work.test()

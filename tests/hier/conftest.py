@@ -46,7 +46,7 @@ def mpmd_argv(
 
 
 @pytest.fixture
-def hier_job(mpirun: tuple[list[str], dict[str, str]]) -> Any:
+def hier_job(hetcomm_mpirun: tuple[list[str], dict[str, str]]) -> Any:
     """hier_job(ranks, scenario, params, limit, **HETCOMM_variables) -> MpiJob; `ranks` lists
     (count, vendor, host) in rank order, and the hier transport is forced for every group."""
 
@@ -57,7 +57,8 @@ def hier_job(mpirun: tuple[list[str], dict[str, str]]) -> Any:
         limit: float = 120,
         **variables: str,
     ) -> MpiJob:
-        prefix, mpi_env = mpirun
+        pytest.importorskip("torch", reason="the hier jobs use torch (tests/hier/_job.py)")
+        prefix, mpi_env = hetcomm_mpirun
         settings = {"HETCOMM_TRANSPORT": "hier", "HETCOMM_TIMEOUT": "60", **variables}
         program = [str(JOB), scenario, json.dumps(params or {})]
         argv = mpmd_argv(prefix, ranks, program, settings)
@@ -67,14 +68,15 @@ def hier_job(mpirun: tuple[list[str], dict[str, str]]) -> Any:
 
 
 @pytest.fixture
-def hier_pytest(mpirun: tuple[list[str], dict[str, str]]) -> Any:
+def hier_pytest(hetcomm_mpirun: tuple[list[str], dict[str, str]]) -> Any:
     """hier_pytest(ranks, files, limit) -> MpiJob: test files of tests/mpi run under mpirun on
     those simulated islands, with hier forced for every group."""
 
     def start(
         ranks: Sequence[tuple[int, str, str]], files: Sequence[str], limit: float = 150
     ) -> MpiJob:
-        prefix, mpi_env = mpirun
+        pytest.importorskip("torch", reason="those tests/mpi files use torch (tests/mpi/_data.py)")
+        prefix, mpi_env = hetcomm_mpirun
         program = [
             "-m",
             "pytest",

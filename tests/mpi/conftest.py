@@ -1,9 +1,10 @@
 """Fixtures of the MPI tests, run as `mpirun -n N python -m mpi4py -m pytest --with-mpi tests/mpi`.
 
-The `comm`, `make_comm`, `shared_seed` and `hetcomm_world` fixtures come from hetcomm's own pytest
-plugin (hetcomm.testing). Tests here collect their findings in `errors` and end with
-`errors.verify()`, which fails on every rank when any rank found something, so that a failure on
-one rank never leaves the others waiting in the next collective.
+The `hetcomm_comm`, `hetcomm_make_comm`, `hetcomm_shared_seed` and `hetcomm_world` fixtures come
+from hetcomm's own pytest plugin (hetcomm.testing, loaded by `-p hetcomm.testing` in
+pyproject.toml). Tests here collect their findings in `errors` and end with `errors.verify()`,
+which fails on every rank when any rank found something, so that a failure on one rank never
+leaves the others waiting in the next collective.
 """
 
 from __future__ import annotations
@@ -60,14 +61,14 @@ class Errors(list[str]):
 
 
 @pytest.fixture
-def errors(comm: Communicator, shared_seed: int) -> Errors:
-    return Errors(comm, shared_seed)
+def errors(hetcomm_comm: Communicator, hetcomm_shared_seed: int) -> Errors:
+    return Errors(hetcomm_comm, hetcomm_shared_seed)
 
 
 @pytest.fixture
-def rng(shared_seed: int) -> np.random.Generator:
+def rng(hetcomm_shared_seed: int) -> np.random.Generator:
     """The same generator on every rank: each rank can draw every rank's inputs."""
-    return np.random.default_rng(shared_seed)
+    return np.random.default_rng(hetcomm_shared_seed)
 
 
 @pytest.fixture(scope="class")

@@ -77,47 +77,57 @@ def mixed_cases(rng: np.random.Generator, comm: Any, op: ReduceOp) -> list[Case]
     return [cases[i] for i in order]
 
 
-def test_every_op_on_mixed_arrays(comm, rng, errors):
+def test_every_op_on_mixed_arrays(hetcomm_comm, rng, errors):
     """One call per op over ~80 arrays of every dtype, shape and layout; an array outside the
     call keeps its values."""
     for op in REDUCE_OPS:
-        cases = mixed_cases(rng, comm, op)
-        outsider = Case(rng, comm.size, comm.rank, "float32", "numpy", (6,), "contiguous")
+        cases = mixed_cases(rng, hetcomm_comm, op)
+        outsider = Case(
+            rng, hetcomm_comm.size, hetcomm_comm.rank, "float32", "numpy", (6,), "contiguous"
+        )
         before = outsider.placed.values()
-        if errors.run(f"{op}", comm.all_reduce_coalesced, [c.placed.array for c in cases], op):
+        if errors.run(
+            f"{op}", hetcomm_comm.all_reduce_coalesced, [c.placed.array for c in cases], op
+        ):
             for c in cases:
                 errors += c.check(op, str(op))
         errors += compare(outsider.placed.values(), before, f"{op}: an array outside the call")
     errors.verify()
 
 
-def test_op_by_name_and_tuple(comm, rng, errors):
+def test_op_by_name_and_tuple(hetcomm_comm, rng, errors):
     cases = [
-        Case(rng, comm.size, comm.rank, "float64", "numpy", (5, 4), "contiguous"),
-        Case(rng, comm.size, comm.rank, "int32", "torch", (9,), "strided"),
+        Case(rng, hetcomm_comm.size, hetcomm_comm.rank, "float64", "numpy", (5, 4), "contiguous"),
+        Case(rng, hetcomm_comm.size, hetcomm_comm.rank, "int32", "torch", (9,), "strided"),
     ]
     if errors.run(
-        "max by name", comm.all_reduce_coalesced, tuple(c.placed.array for c in cases), "max"
+        "max by name",
+        hetcomm_comm.all_reduce_coalesced,
+        tuple(c.placed.array for c in cases),
+        "max",
     ):
         for c in cases:
             errors += c.check(ReduceOp.MAX, "max by name")
     errors.verify()
 
 
-def test_many_small_arrays(comm, rng, errors):
+def test_many_small_arrays(hetcomm_comm, rng, errors):
     """Hundreds of arrays of one dtype (one fused collective), 1-element and empty among them."""
     sizes = [int(n) for n in rng.integers(0, 40, size=300)] + [1, 0, 1]
-    cases = [Case(rng, comm.size, comm.rank, "float32", "numpy", (n,), "contiguous") for n in sizes]
-    if errors.run("300 arrays", comm.all_reduce_coalesced, [c.placed.array for c in cases]):
+    cases = [
+        Case(rng, hetcomm_comm.size, hetcomm_comm.rank, "float32", "numpy", (n,), "contiguous")
+        for n in sizes
+    ]
+    if errors.run("300 arrays", hetcomm_comm.all_reduce_coalesced, [c.placed.array for c in cases]):
         for c in cases:
             errors += c.check(ReduceOp.SUM, "300 arrays")
     errors.verify()
 
 
-def test_views_of_one_buffer(comm, rng, errors):
+def test_views_of_one_buffer(hetcomm_comm, rng, errors):
     """Disjoint views of one allocation, interleaved ones included (x[::2] and x[1::2]), are
     accepted; the gaps between them keep their values."""
-    size, me = comm.size, comm.rank
+    size, me = hetcomm_comm.size, hetcomm_comm.rank
     stack = draw(rng, "float64", (64,), size)
     base = stack[me].copy()
     views = [base[0:10], base[10:11], base[12:30:2], base[13:30:2], base[40:64].reshape(4, 6).T]
@@ -125,31 +135,33 @@ def test_views_of_one_buffer(comm, rng, errors):
     used = np.concatenate([index[0:10], index[10:11], index[12:30:2], index[13:30:2], index[40:64]])
     want = stack[me].copy()
     want[used] = stack[:, used].sum(axis=0)
-    if errors.run("views", comm.all_reduce_coalesced, views):
+    if errors.run("views", hetcomm_comm.all_reduce_coalesced, views):
         errors += compare(
             base, want, "views of one buffer", stack=stack, op=ReduceOp.SUM, dtype="float64"
         )
     errors.verify()
 
 
-def test_async(comm, rng, errors):
+def test_async(hetcomm_comm, rng, errors):
     """async_op: a Work whose completion unpacks; two calls in flight at once, a synchronous
     one of the same dtype in between (the fused buffers are never shared)."""
     first = [
-        Case(rng, comm.size, comm.rank, d, lib, (33,), "strided")
+        Case(rng, hetcomm_comm.size, hetcomm_comm.rank, d, lib, (33,), "strided")
         for d, lib in (("float32", "torch"), ("bfloat16", "torch"), ("int64", "numpy"))
     ]
     second = [
-        Case(rng, comm.size, comm.rank, "float32", "numpy", (300, 7), "transposed")
+        Case(rng, hetcomm_comm.size, hetcomm_comm.rank, "float32", "numpy", (300, 7), "transposed")
         for _ in range(3)
     ]
-    middle = [Case(rng, comm.size, comm.rank, "float32", "numpy", (500,), "contiguous")]
-    work1 = comm.all_reduce_coalesced([c.placed.array for c in first], async_op=True)
-    work2 = comm.all_reduce_coalesced(
+    middle = [
+        Case(rng, hetcomm_comm.size, hetcomm_comm.rank, "float32", "numpy", (500,), "contiguous")
+    ]
+    work1 = hetcomm_comm.all_reduce_coalesced([c.placed.array for c in first], async_op=True)
+    work2 = hetcomm_comm.all_reduce_coalesced(
         [c.placed.array for c in second], ReduceOp.MIN, async_op=True, timeout=60
     )
     errors.expect(isinstance(work1, Work) and isinstance(work2, Work), "async_op returns Works")
-    comm.all_reduce_coalesced([c.placed.array for c in middle])
+    hetcomm_comm.all_reduce_coalesced([c.placed.array for c in middle])
     errors += middle[0].check(ReduceOp.SUM, "synchronous, between two in flight")
     work2.wait()
     work1.wait()
@@ -161,25 +173,28 @@ def test_async(comm, rng, errors):
     errors.verify()
 
 
-def test_sizes_grow_and_shrink(comm, rng, errors):
+def test_sizes_grow_and_shrink(hetcomm_comm, rng, errors):
     """Reused fused buffers: a small call, a large one, a small one again."""
     for n in (10, 50_000, 3):
         cases = [
-            Case(rng, comm.size, comm.rank, "float16", "numpy", (n,), "contiguous"),
-            Case(rng, comm.size, comm.rank, "float16", "torch", (n,), "strided"),
+            Case(rng, hetcomm_comm.size, hetcomm_comm.rank, "float16", "numpy", (n,), "contiguous"),
+            Case(rng, hetcomm_comm.size, hetcomm_comm.rank, "float16", "torch", (n,), "strided"),
         ]
         if errors.run(
-            f"n={n}", comm.all_reduce_coalesced, [c.placed.array for c in cases], ReduceOp.PROD
+            f"n={n}",
+            hetcomm_comm.all_reduce_coalesced,
+            [c.placed.array for c in cases],
+            ReduceOp.PROD,
         ):
             for c in cases:
                 errors += c.check(ReduceOp.PROD, f"n={n}")
     errors.verify()
 
 
-def test_requires_grad_tensor(comm, rng, errors):
-    stack = draw(rng, "float32", (7,), comm.size)
-    t = torch.tensor(stack[comm.rank], dtype=torch.float32, requires_grad=True)
-    if errors.run("requires_grad", comm.all_reduce_coalesced, [t]):
+def test_requires_grad_tensor(hetcomm_comm, rng, errors):
+    stack = draw(rng, "float32", (7,), hetcomm_comm.size)
+    t = torch.tensor(stack[hetcomm_comm.rank], dtype=torch.float32, requires_grad=True)
+    if errors.run("requires_grad", hetcomm_comm.all_reduce_coalesced, [t]):
         errors += compare(
             logical(t),
             stack.sum(axis=0),
@@ -191,29 +206,29 @@ def test_requires_grad_tensor(comm, rng, errors):
     errors.verify()
 
 
-def test_empty_list(comm, errors):
-    errors.expect(comm.all_reduce_coalesced([]) is None, "[] returns None")
-    work = comm.all_reduce_coalesced((), async_op=True)
+def test_empty_list(hetcomm_comm, errors):
+    errors.expect(hetcomm_comm.all_reduce_coalesced([]) is None, "[] returns None")
+    work = hetcomm_comm.all_reduce_coalesced((), async_op=True)
     errors.expect(isinstance(work, Work) and work.test(), "async [] is a completed Work")
-    x = np.full(3, float(comm.rank))
-    comm.all_reduce(x)  # the ranks are still in step
-    errors.expect((x == sum(range(comm.size))).all(), f"all_reduce after [] gave {x}")
+    x = np.full(3, float(hetcomm_comm.rank))
+    hetcomm_comm.all_reduce(x)  # the ranks are still in step
+    errors.expect((x == sum(range(hetcomm_comm.size))).all(), f"all_reduce after [] gave {x}")
     errors.verify()
 
 
 # ---- bad calls ----------------------------------------------------------------------------------
 
 
-def test_bad_calls_move_nothing(comm, errors):
-    f = np.arange(6, dtype=np.float32) + comm.rank
-    g = np.arange(4, dtype=np.float64) - comm.rank
+def test_bad_calls_move_nothing(hetcomm_comm, errors):
+    f = np.arange(6, dtype=np.float32) + hetcomm_comm.rank
+    g = np.arange(4, dtype=np.float64) - hetcomm_comm.rank
     t = torch.arange(5, dtype=torch.bfloat16)
     flags = np.array([True, False])
     ro = np.ones(3)
     ro.setflags(write=False)
     base = np.arange(20, dtype=np.int32)
     keep = [f, g, t, flags, base]
-    ar = comm.all_reduce_coalesced
+    ar = hetcomm_comm.all_reduce_coalesced
     cases: list[tuple[str, type[Exception], Callable[[], Any], list[str]]] = [
         ("an array, not a list", InvalidArgument, lambda: ar(f), ["list or tuple", "numpy"]),
         ("a generator", InvalidArgument, lambda: ar(x for x in (f, g)), ["list or tuple"]),
@@ -247,16 +262,16 @@ def test_bad_calls_move_nothing(comm, errors):
     for what, exc_type, call, words in cases:
         expect_raises(errors, exc_type, {what: (call, words)}, keep)
     # the ranks are still in step, and the arrays reduce normally afterwards
-    want = np.arange(6, dtype=np.float32) * comm.size + sum(range(comm.size))
-    comm.all_reduce_coalesced([f, t])
+    want = np.arange(6, dtype=np.float32) * hetcomm_comm.size + sum(range(hetcomm_comm.size))
+    hetcomm_comm.all_reduce_coalesced([f, t])
     errors.expect(np.array_equal(f, want), f"after the bad calls: {f}")
     errors.verify()
 
 
-def test_debug_mode_catches_another_order(make_comm, errors):
+def test_debug_mode_catches_another_order(hetcomm_make_comm, errors):
     """Groups are issued in order of first appearance: ranks listing dtypes in another order
     get MismatchError on every rank (debug mode) instead of reducing mismatched buffers."""
-    comm = make_comm(debug=True, timeout=30)
+    comm = hetcomm_make_comm(debug=True, timeout=30)
     a, b = np.ones(4, dtype=np.float32), np.ones(4, dtype=np.int32)
     arrays = [a, b] if comm.rank == 0 else [b, a]
     expect_raises(
@@ -268,18 +283,18 @@ def test_debug_mode_catches_another_order(make_comm, errors):
     errors.verify()
 
 
-def test_one_node_reduces_in_shared_segments(comm, rng, errors):
+def test_one_node_reduces_in_shared_segments(hetcomm_comm, rng, errors):
     """Where the group is one node's ranks on the mpi transport, a blocking call packs into a
     shared segment and reduces there (hetcomm.transports.mpi.node); the segments grow for a larger
     call; an async call (the fused MPI all-reduce) gives the same values."""
     from hetcomm.arrays import as_buffer
 
-    t = comm._transport("all_reduce", as_buffer(np.zeros(4, np.float32)))
+    t = hetcomm_comm._transport("all_reduce", as_buffer(np.zeros(4, np.float32)))
     if t.name != "mpi" or not t.fits_node(16):
         pytest.skip(f"host all-reduces go through {t.name} here, or the ranks span nodes")
     for n in (1000, 300_000):  # 2.4 MB of float64 alone: past the first segments (1 MiB)
         cases = [
-            Case(rng, comm.size, comm.rank, d, lib, (n,), layout)
+            Case(rng, hetcomm_comm.size, hetcomm_comm.rank, d, lib, (n,), layout)
             for d, lib, layout in (
                 ("float32", "numpy", "contiguous"),
                 ("float64", "numpy", "strided"),
@@ -288,7 +303,10 @@ def test_one_node_reduces_in_shared_segments(comm, rng, errors):
             )
         ]
         if errors.run(
-            f"n={n}", comm.all_reduce_coalesced, [c.placed.array for c in cases], ReduceOp.AVG
+            f"n={n}",
+            hetcomm_comm.all_reduce_coalesced,
+            [c.placed.array for c in cases],
+            ReduceOp.AVG,
         ):
             for c in cases:
                 errors += c.check(ReduceOp.AVG, f"n={n}")
@@ -298,10 +316,10 @@ def test_one_node_reduces_in_shared_segments(comm, rng, errors):
             f"n={n}: the shared segments hold the largest group",
         )
         again = [
-            Case(rng, comm.size, comm.rank, "float32", "numpy", (n,), "contiguous")
+            Case(rng, hetcomm_comm.size, hetcomm_comm.rank, "float32", "numpy", (n,), "contiguous")
             for _ in range(3)
         ]
-        work = comm.all_reduce_coalesced([c.placed.array for c in again], async_op=True)
+        work = hetcomm_comm.all_reduce_coalesced([c.placed.array for c in again], async_op=True)
         work.wait()
         for c in again:
             errors += c.check(ReduceOp.SUM, f"n={n}, async")
@@ -311,7 +329,7 @@ def test_one_node_reduces_in_shared_segments(comm, rng, errors):
 
 
 def test_without_shared_segments_the_fused_all_reduce_goes_through_mpi(
-    make_comm, rng, errors, monkeypatch
+    hetcomm_make_comm, rng, errors, monkeypatch
 ):
     """Rank 1 cannot have its shared segment (a full /dev/shm): every rank learns it in the
     same call, the others drop theirs, and the call reduces through the fused MPI all-reduce
@@ -320,7 +338,7 @@ def test_without_shared_segments_the_fused_all_reduce_goes_through_mpi(
     from hetcomm.transports import shm
     from hetcomm.transports.mpi import node as mpi_node
 
-    c = make_comm(name="no-shm")
+    c = hetcomm_make_comm(name="no-shm")
     t = c._transport("all_reduce", as_buffer(np.zeros(4, np.float32)))
     if t.name != "mpi" or not t.fits_node(16):
         pytest.skip(f"host all-reduces go through {t.name} here, or the ranks span nodes")

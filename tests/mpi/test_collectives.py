@@ -37,46 +37,48 @@ def reduced(got: np.ndarray, stack: np.ndarray, op: ReduceOp, dtype: str, what: 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize(("lib", "dtype"), CASES)
-def test_all_reduce(comm, rng, errors, lib, dtype):
+def test_all_reduce(hetcomm_comm, rng, errors, lib, dtype):
     for op in ops_for(dtype):
         for shape, layout in SHAPES:
-            stack = draw(rng, dtype, shape, comm.size)
-            mine = stack[comm.rank]
+            stack = draw(rng, dtype, shape, hetcomm_comm.size)
+            mine = stack[hetcomm_comm.rank]
             case = f"{op} {layout}{list(shape)}"
 
             x = Placed(mine, dtype, lib, layout)
-            if errors.run(f"in place, {case}", comm.all_reduce, x.array, op):
+            if errors.run(f"in place, {case}", hetcomm_comm.all_reduce, x.array, op):
                 errors += reduced(x.values(), stack, op, dtype, f"in place, {case}")
                 errors.expect(x.intact(), f"in place, {case}: wrote outside x")
 
             # out of place, naming the op by its string
             x = Placed(mine, dtype, lib, layout)
             out = Placed(draw(rng, dtype, shape, 1)[0], dtype, lib, layout)
-            if errors.run(f"out=, {case}", comm.all_reduce, x.array, op.value, out=out.array):
+            if errors.run(
+                f"out=, {case}", hetcomm_comm.all_reduce, x.array, op.value, out=out.array
+            ):
                 errors += reduced(out.values(), stack, op, dtype, f"out=, {case}")
                 errors += compare(x.values(), mine, f"out=, {case}: x changed")
                 errors.expect(x.intact() and out.intact(), f"out=, {case}: wrote outside out")
 
             # out= the very array x is in place
             x = Placed(mine, dtype, lib, layout)
-            if errors.run(f"out=x, {case}", comm.all_reduce, x.array, op, out=x.array):
+            if errors.run(f"out=x, {case}", hetcomm_comm.all_reduce, x.array, op, out=x.array):
                 errors += reduced(x.values(), stack, op, dtype, f"out=x, {case}")
     errors.verify()
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize(("lib", "dtype"), CASES)
-def test_reduce(comm, rng, errors, lib, dtype):
+def test_reduce(hetcomm_comm, rng, errors, lib, dtype):
     for op in ops_for(dtype):
-        for root in sorted({0, comm.size - 1}):
+        for root in sorted({0, hetcomm_comm.size - 1}):
             for shape, layout in SHAPES:
-                stack = draw(rng, dtype, shape, comm.size)
-                mine = stack[comm.rank]
+                stack = draw(rng, dtype, shape, hetcomm_comm.size)
+                mine = stack[hetcomm_comm.rank]
                 case = f"{op} root {root} {layout}{list(shape)}"
                 x = Placed(mine, dtype, lib, layout)
-                if not errors.run(case, comm.reduce, x.array, root, op):
+                if not errors.run(case, hetcomm_comm.reduce, x.array, root, op):
                     continue
-                if comm.rank == root:
+                if hetcomm_comm.rank == root:
                     errors += reduced(x.values(), stack, op, dtype, case)
                 else:
                     errors += compare(x.values(), mine, f"{case}: non-root x changed")
@@ -86,13 +88,13 @@ def test_reduce(comm, rng, errors, lib, dtype):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize(("lib", "dtype"), CASES)
-def test_broadcast(comm, rng, errors, lib, dtype):
-    for root in range(comm.size):
+def test_broadcast(hetcomm_comm, rng, errors, lib, dtype):
+    for root in range(hetcomm_comm.size):
         for shape, layout in SHAPES:
-            stack = draw(rng, dtype, shape, comm.size)
+            stack = draw(rng, dtype, shape, hetcomm_comm.size)
             case = f"root {root} {layout}{list(shape)}"
-            x = Placed(stack[comm.rank], dtype, lib, layout)
-            if errors.run(case, comm.broadcast, x.array, root):
+            x = Placed(stack[hetcomm_comm.rank], dtype, lib, layout)
+            if errors.run(case, hetcomm_comm.broadcast, x.array, root):
                 errors += compare(x.values(), stack[root], case)
                 errors.expect(x.intact(), f"{case}: wrote outside x")
     errors.verify()
@@ -100,15 +102,15 @@ def test_broadcast(comm, rng, errors, lib, dtype):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize(("lib", "dtype"), CASES)
-def test_all_gather(comm, rng, errors, lib, dtype):
-    size, rank = comm.size, comm.rank
+def test_all_gather(hetcomm_comm, rng, errors, lib, dtype):
+    size, rank = hetcomm_comm.size, hetcomm_comm.rank
     for shape, layout in SHAPES:
         stack = draw(rng, dtype, shape, size)
         out_shape = blocks_shape(size, shape, layout)
         case = f"{layout}{list(shape)} into {list(out_shape)}"
         x = Placed(stack[rank], dtype, lib, layout)
         out = Placed(draw(rng, dtype, out_shape, 1)[0], dtype, lib, layout)
-        if errors.run(case, comm.all_gather, out.array, x.array):
+        if errors.run(case, hetcomm_comm.all_gather, out.array, x.array):
             errors += compare(out.values(), stack.reshape(out_shape), case)
             errors += compare(x.values(), stack[rank], f"{case}: x changed")
             errors.expect(x.intact() and out.intact(), f"{case}: wrote outside out")
@@ -118,7 +120,7 @@ def test_all_gather(comm, rng, errors, lib, dtype):
     start = draw(rng, dtype, (size, 5), 1)[0]
     start[rank] = stack[rank]
     out = Placed(start, dtype, lib, "contiguous")
-    if errors.run("in place", comm.all_gather, out.array, out.array[rank]):
+    if errors.run("in place", hetcomm_comm.all_gather, out.array, out.array[rank]):
         errors += compare(out.values(), stack, "in place (x = out[rank])")
         errors.expect(out.intact(), "in place: wrote outside out")
     errors.verify()
@@ -126,8 +128,8 @@ def test_all_gather(comm, rng, errors, lib, dtype):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize(("lib", "dtype"), CASES)
-def test_reduce_scatter(comm, rng, errors, lib, dtype):
-    size, rank = comm.size, comm.rank
+def test_reduce_scatter(hetcomm_comm, rng, errors, lib, dtype):
+    size, rank = hetcomm_comm.size, hetcomm_comm.rank
     for op in ops_for(dtype):
         for shape, layout in SHAPES:
             x_shape = blocks_shape(size, shape, layout)
@@ -137,7 +139,7 @@ def test_reduce_scatter(comm, rng, errors, lib, dtype):
             case = f"{op} {layout}{list(x_shape)} into {list(shape)}"
             x = Placed(mine, dtype, lib, layout)
             out = Placed(draw(rng, dtype, shape, 1)[0], dtype, lib, layout)
-            if errors.run(case, comm.reduce_scatter, out.array, x.array, op):
+            if errors.run(case, hetcomm_comm.reduce_scatter, out.array, x.array, op):
                 errors += reduced(out.values(), block, op, dtype, case)
                 errors += compare(x.values(), mine, f"{case}: x changed")
                 errors.expect(x.intact() and out.intact(), f"{case}: wrote outside out")
@@ -146,7 +148,7 @@ def test_reduce_scatter(comm, rng, errors, lib, dtype):
         stack = draw(rng, dtype, (size, 3), size)
         x = Placed(stack[rank], dtype, lib, "contiguous")
         case = f"{op} in place (out = x[rank])"
-        if errors.run(case, comm.reduce_scatter, x.array[rank], x.array, op):
+        if errors.run(case, hetcomm_comm.reduce_scatter, x.array[rank], x.array, op):
             errors += reduced(x.values()[rank], stack[:, rank], op, dtype, case)
             errors.expect(x.intact(), f"{case}: wrote outside x")
     errors.verify()
@@ -154,8 +156,8 @@ def test_reduce_scatter(comm, rng, errors, lib, dtype):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize(("lib", "dtype"), CASES)
-def test_all_to_all(comm, rng, errors, lib, dtype):
-    size, rank = comm.size, comm.rank
+def test_all_to_all(hetcomm_comm, rng, errors, lib, dtype):
+    size, rank = hetcomm_comm.size, hetcomm_comm.rank
     for shape, layout in SHAPES:
         x_shape = blocks_shape(size, shape, layout)
         stack = draw(rng, dtype, (size, *shape), size)  # [sender, destination, ...]
@@ -164,14 +166,14 @@ def test_all_to_all(comm, rng, errors, lib, dtype):
         case = f"{layout}{list(x_shape)}"
         x = Placed(mine, dtype, lib, layout)
         out = Placed(draw(rng, dtype, x_shape, 1)[0], dtype, lib, layout)
-        if errors.run(case, comm.all_to_all, out.array, x.array):
+        if errors.run(case, hetcomm_comm.all_to_all, out.array, x.array):
             errors += compare(out.values(), want, case)
             errors += compare(x.values(), mine, f"{case}: x changed")
             errors.expect(x.intact() and out.intact(), f"{case}: wrote outside out")
 
         # in place: out is x
         x = Placed(mine, dtype, lib, layout)
-        if errors.run(f"in place, {case}", comm.all_to_all, x.array, x.array):
+        if errors.run(f"in place, {case}", hetcomm_comm.all_to_all, x.array, x.array):
             errors += compare(x.values(), want, f"in place, {case}")
             errors.expect(x.intact(), f"in place, {case}: wrote outside x")
     errors.verify()
@@ -179,26 +181,28 @@ def test_all_to_all(comm, rng, errors, lib, dtype):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dtype", ["int8", "int16", "int32", "int64", "uint8"])
-def test_integer_sums_and_products_wrap(comm, rng, errors, dtype):
+def test_integer_sums_and_products_wrap(hetcomm_comm, rng, errors, dtype):
     """Integers wrap around as C's do, for arrays long enough for an MPI library's vectorized
     reductions (Open MPI 5.0's saturate 8- and 16-bit sums: 127 + 1 gave 127)."""
     info = np.iinfo(dtype)
     n = 1000
     # every rank's values, large enough that their sum and product leave the dtype's range
-    stack = rng.integers(info.max // 2, info.max, size=(comm.size, n), endpoint=True)
+    stack = rng.integers(info.max // 2, info.max, size=(hetcomm_comm.size, n), endpoint=True)
     for op, fold in ((ReduceOp.SUM, np.add), (ReduceOp.PROD, np.multiply)):
         want = stack[0].astype(dtype)
         for row in stack[1:]:
             want = fold(want, row.astype(dtype), dtype=dtype)  # numpy wraps in the dtype
-        x = stack[comm.rank].astype(dtype)
-        if errors.run(f"all_reduce {op}", comm.all_reduce, x, op):
+        x = stack[hetcomm_comm.rank].astype(dtype)
+        if errors.run(f"all_reduce {op}", hetcomm_comm.all_reduce, x, op):
             errors.expect(
                 np.array_equal(x, want), f"all_reduce {op} {dtype}: got {x[:4]}, want {want[:4]}"
             )
-        out = np.zeros(n // comm.size, dtype)
-        full = np.resize(stack[comm.rank], (n // comm.size) * comm.size).astype(dtype)
-        if errors.run(f"reduce_scatter {op}", comm.reduce_scatter, out, full, op):
-            block = slice(comm.rank * len(out), (comm.rank + 1) * len(out))
+        out = np.zeros(n // hetcomm_comm.size, dtype)
+        full = np.resize(
+            stack[hetcomm_comm.rank], (n // hetcomm_comm.size) * hetcomm_comm.size
+        ).astype(dtype)
+        if errors.run(f"reduce_scatter {op}", hetcomm_comm.reduce_scatter, out, full, op):
+            block = slice(hetcomm_comm.rank * len(out), (hetcomm_comm.rank + 1) * len(out))
             errors.expect(
                 np.array_equal(out, want[block]),
                 f"reduce_scatter {op} {dtype}: got {out[:4]}, want {want[block][:4]}",

@@ -17,18 +17,18 @@ from hetcomm import ReduceOp
 
 
 @pytest.mark.mpi(min_size=2)
-def test_barrier_waits_for_every_rank(comm, errors):
+def test_barrier_waits_for_every_rank(hetcomm_comm, errors):
     """No rank leaves the barrier before the last one (rank 0, late by 0.2 s) entered it
     (with 0.05 s to spare for clocks of different hosts)."""
-    if comm.rank == 0:
+    if hetcomm_comm.rank == 0:
         time.sleep(0.2)
     entered = time.time()
-    comm.barrier()
+    hetcomm_comm.barrier()
     left = time.time()
-    work = comm.barrier(async_op=True, timeout=30)
+    work = hetcomm_comm.barrier(async_op=True, timeout=30)
     errors.expect(isinstance(work, hetcomm.Work), f"async barrier returned {work!r}")
     work.wait()
-    times = comm.mpi.allgather((entered, left))
+    times = hetcomm_comm.mpi.allgather((entered, left))
     last_in = max(t[0] for t in times)
     first_out = min(t[1] for t in times)
     errors.expect(first_out > last_in - 0.05, f"a rank left at {first_out} before {last_in}")
@@ -39,23 +39,23 @@ def test_barrier_waits_for_every_rank(comm, errors):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_split_by_parity_ordered_by_key(comm, errors):
-    color = comm.rank % 2
-    sub = comm.split(color, key=-comm.rank)  # reversed order inside each half
+def test_split_by_parity_ordered_by_key(hetcomm_comm, errors):
+    color = hetcomm_comm.rank % 2
+    sub = hetcomm_comm.split(color, key=-hetcomm_comm.rank)  # reversed order inside each half
     try:
-        members = sorted((r for r in range(comm.size) if r % 2 == color), reverse=True)
-        got = sub.mpi.allgather(comm.rank)
+        members = sorted((r for r in range(hetcomm_comm.size) if r % 2 == color), reverse=True)
+        got = sub.mpi.allgather(hetcomm_comm.rank)
         errors.expect(got == members, f"members {got}, expected {members}")
         errors.expect(
-            sub.size == len(members) and sub.rank == members.index(comm.rank),
+            sub.size == len(members) and sub.rank == members.index(hetcomm_comm.rank),
             f"rank {sub.rank} of {sub.size}",
         )
-        errors.expect(sub.name == f"{comm.name}.{color}", f"default name {sub.name!r}")
+        errors.expect(sub.name == f"{hetcomm_comm.name}.{color}", f"default name {sub.name!r}")
         errors.expect(
             [t.world_rank for t in sub.topology] == members,
             f"topology world ranks {[t.world_rank for t in sub.topology]}",
         )
-        x = np.array([comm.rank, 1], dtype=np.int64)
+        x = np.array([hetcomm_comm.rank, 1], dtype=np.int64)
         sub.all_reduce(x)
         errors += compare(x, np.array([sum(members), len(members)]), "all_reduce on the split")
     finally:
@@ -64,49 +64,53 @@ def test_split_by_parity_ordered_by_key(comm, errors):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_split_leaves_out_none_and_negative_colors(comm, errors):
+def test_split_leaves_out_none_and_negative_colors(hetcomm_comm, errors):
     """color None or negative: the rank gets None; the others form the group (named)."""
-    color = None if comm.rank == 0 else (-1 if comm.rank == 1 else 7)
-    sub = comm.split(color, name="rest")
-    if comm.rank in (0, 1):
-        errors.expect(sub is None, f"rank {comm.rank} got {sub!r}")
+    color = None if hetcomm_comm.rank == 0 else (-1 if hetcomm_comm.rank == 1 else 7)
+    sub = hetcomm_comm.split(color, name="rest")
+    if hetcomm_comm.rank in (0, 1):
+        errors.expect(sub is None, f"rank {hetcomm_comm.rank} got {sub!r}")
     else:
         assert sub is not None
         errors.expect(
-            sub.name == "rest" and sub.size == comm.size - 2, f"{sub.name!r} of size {sub.size}"
+            sub.name == "rest" and sub.size == hetcomm_comm.size - 2,
+            f"{sub.name!r} of size {sub.size}",
         )
         x = np.ones(2, dtype=np.int32)
         sub.all_reduce(x)
-        errors.expect((x == comm.size - 2).all(), f"sum of ones {x}")
+        errors.expect((x == hetcomm_comm.size - 2).all(), f"sum of ones {x}")
         sub.close()
     errors.verify()
 
 
 @pytest.mark.mpi(min_size=2)
-def test_dup_has_same_members_and_name(comm, errors):
-    twin = comm.dup()
-    named = comm.dup(name="other")
+def test_dup_has_same_members_and_name(hetcomm_comm, errors):
+    twin = hetcomm_comm.dup()
+    named = hetcomm_comm.dup(name="other")
     try:
         errors.expect(
-            (twin.rank, twin.size, twin.name) == (comm.rank, comm.size, comm.name),
+            (twin.rank, twin.size, twin.name)
+            == (hetcomm_comm.rank, hetcomm_comm.size, hetcomm_comm.name),
             f"dup is {twin!r}",
         )
         errors.expect(named.name == "other", f"named dup is {named.name!r}")
-        x = np.array([comm.rank], dtype=np.int64)
+        x = np.array([hetcomm_comm.rank], dtype=np.int64)
         twin.all_reduce(x)
-        errors.expect(int(x[0]) == comm.size * (comm.size - 1) // 2, f"sum of ranks {x}")
+        errors.expect(
+            int(x[0]) == hetcomm_comm.size * (hetcomm_comm.size - 1) // 2, f"sum of ranks {x}"
+        )
     finally:
         twin.close()
         named.close()
     x = np.ones(1)
-    comm.all_reduce(x)  # closing the dups leaves the parent working
-    errors.expect(x[0] == comm.size, f"parent after the dups closed: {x}")
+    hetcomm_comm.all_reduce(x)  # closing the dups leaves the parent working
+    errors.expect(x[0] == hetcomm_comm.size, f"parent after the dups closed: {x}")
     errors.verify()
 
 
 @pytest.mark.mpi(min_size=2)
-def test_close_and_with(comm, errors):
-    with comm.dup(name="scoped") as scoped:
+def test_close_and_with(hetcomm_comm, errors):
+    with hetcomm_comm.dup(name="scoped") as scoped:
         scoped.barrier()
         errors.expect(not scoped.closed, "closed inside its with block")
     errors.expect(scoped.closed, "still open after its with block")
@@ -125,12 +129,12 @@ def test_close_and_with(comm, errors):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_async_all_reduce_wait_in_reverse_order(comm, errors):
-    size = comm.size
+def test_async_all_reduce_wait_in_reverse_order(hetcomm_comm, errors):
+    size = hetcomm_comm.size
     arrays = [
-        np.full(7, comm.rank + 1, dtype=np.float32),
-        np.full((3, 2), comm.rank, dtype=np.int64),
-        torch.full((5,), float(comm.rank), dtype=torch.float64),
+        np.full(7, hetcomm_comm.rank + 1, dtype=np.float32),
+        np.full((3, 2), hetcomm_comm.rank, dtype=np.int64),
+        torch.full((5,), float(hetcomm_comm.rank), dtype=torch.float64),
         np.arange(12, dtype=np.int32).reshape(4, 3).T,
     ]
     ops = [ReduceOp.SUM, ReduceOp.MAX, ReduceOp.SUM, ReduceOp.PROD]
@@ -140,7 +144,7 @@ def test_async_all_reduce_wait_in_reverse_order(comm, errors):
         np.full(5, size * (size - 1) / 2),
         np.arange(12, dtype=np.int64).reshape(4, 3).T ** size,
     ]
-    works = [comm.all_reduce(a, op, async_op=True) for a, op in zip(arrays, ops)]
+    works = [hetcomm_comm.all_reduce(a, op, async_op=True) for a, op in zip(arrays, ops)]
     for w in works:
         errors.expect(isinstance(w, hetcomm.Work), f"async all_reduce returned {w!r}")
         errors.expect(w.exception() is None, f"exception() {w.exception()!r} while in flight")
@@ -155,9 +159,9 @@ def test_async_all_reduce_wait_in_reverse_order(comm, errors):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_async_test_becomes_true(comm, errors):
+def test_async_test_becomes_true(hetcomm_comm, errors):
     """Polling test() alone drives every kind of operation to completion."""
-    size, rank = comm.size, comm.rank
+    size, rank = hetcomm_comm.size, hetcomm_comm.rank
     x = np.full(4, rank, dtype=np.int64)
     root_x = np.full(3, 10 + rank, dtype=np.int16)
     gathered, mine = np.zeros((size, 2), dtype=np.int32), np.full(2, rank, dtype=np.int32)
@@ -165,14 +169,14 @@ def test_async_test_becomes_true(comm, errors):
     exchanged, blocks = np.zeros(size, dtype=np.int64), np.arange(size) + 100 * rank
     sent, received = np.full(3, rank, dtype=np.uint8), np.zeros(3, dtype=np.uint8)
     works = [
-        comm.all_reduce(x, async_op=True),
-        comm.broadcast(root_x, size - 1, async_op=True),
-        comm.all_gather(gathered, mine, async_op=True),
-        comm.reduce_scatter(scattered, ones, async_op=True),
-        comm.all_to_all(exchanged, blocks, async_op=True),
-        comm.send(sent, (rank + 1) % size, async_op=True),
-        comm.recv(received, (rank - 1) % size, async_op=True),
-        comm.barrier(async_op=True),
+        hetcomm_comm.all_reduce(x, async_op=True),
+        hetcomm_comm.broadcast(root_x, size - 1, async_op=True),
+        hetcomm_comm.all_gather(gathered, mine, async_op=True),
+        hetcomm_comm.reduce_scatter(scattered, ones, async_op=True),
+        hetcomm_comm.all_to_all(exchanged, blocks, async_op=True),
+        hetcomm_comm.send(sent, (rank + 1) % size, async_op=True),
+        hetcomm_comm.recv(received, (rank - 1) % size, async_op=True),
+        hetcomm_comm.barrier(async_op=True),
     ]
     deadline = time.monotonic() + 60
     pending = list(works)
@@ -191,13 +195,15 @@ def test_async_test_becomes_true(comm, errors):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_async_non_contiguous_result_lands_on_wait(comm, errors):
+def test_async_non_contiguous_result_lands_on_wait(hetcomm_comm, errors):
     base = np.full(10, -1.0)
     view = base[::2]
-    view[:] = comm.rank
-    work = comm.all_reduce(view, async_op=True)
+    view[:] = hetcomm_comm.rank
+    work = hetcomm_comm.all_reduce(view, async_op=True)
     work.wait()
-    errors += compare(view, np.full(5, comm.size * (comm.size - 1) / 2), "strided result")
+    errors += compare(
+        view, np.full(5, hetcomm_comm.size * (hetcomm_comm.size - 1) / 2), "strided result"
+    )
     errors += compare(base[1::2], np.full(5, -1.0), "gaps of the strided view")
     errors.verify()
 
@@ -254,14 +260,18 @@ def _start_with_packed_input(comm, op, n):
         "send_recv",
     ],
 )
-def test_async_keeps_its_packed_input_alive(comm, errors, op):
+def test_async_keeps_its_packed_input_alive(hetcomm_comm, errors, op):
     """hetcomm packs a strided (or aliased) input into a copy of its own before handing it to
     MPI; an async operation must keep that copy alive until it completes, even while the
     caller allocates (and so reuses freed memory) before waiting."""
     n = 16
-    work, result, want = _start_with_packed_input(comm, op, n)
-    junk = [np.full(n * k, -1e6) for k in (1, comm.size, 2 * comm.size) for _ in range(8)]
-    comm.mpi.Barrier()  # every rank has started and allocated before anyone waits
+    work, result, want = _start_with_packed_input(hetcomm_comm, op, n)
+    junk = [
+        np.full(n * k, -1e6)
+        for k in (1, hetcomm_comm.size, 2 * hetcomm_comm.size)
+        for _ in range(8)
+    ]
+    hetcomm_comm.mpi.Barrier()  # every rank has started and allocated before anyone waits
     work.wait(timeout=60)
     errors += compare(result, want, f"async {op}")
     del junk
@@ -272,12 +282,12 @@ def test_async_keeps_its_packed_input_alive(comm, errors, op):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_recv_timeout_aborts_the_communicator(comm, errors):
+def test_recv_timeout_aborts_the_communicator(hetcomm_comm, errors):
     """A recv that nobody answers times out naming the group and the op; the communicator is
     aborted and refuses every later call at once. Only rank 0 uses the dedicated dup."""
-    lonely = comm.dup(name="lonely")
+    lonely = hetcomm_comm.dup(name="lonely")
     try:
-        if comm.rank == 0:
+        if hetcomm_comm.rank == 0:
             x = np.zeros(4, dtype=np.float32)
             start = time.monotonic()
             try:
@@ -315,11 +325,11 @@ def test_recv_timeout_aborts_the_communicator(comm, errors):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_async_recv_timeout_is_kept_by_its_work(comm, errors):
+def test_async_recv_timeout_is_kept_by_its_work(hetcomm_comm, errors):
     """The Work of a timed-out async recv reports the CommTimeout from exception() and test()."""
-    lonely = comm.dup(name="lonely-async")
+    lonely = hetcomm_comm.dup(name="lonely-async")
     try:
-        if comm.rank == 0:
+        if hetcomm_comm.rank == 0:
             x = np.zeros(3)
             work = lonely.recv(x, src=1, tag=7, async_op=True, timeout=0.3)
             errors.expect(not work.test() and work.exception() is None, f"fresh work {work!r}")
@@ -349,10 +359,10 @@ def test_async_recv_timeout_is_kept_by_its_work(comm, errors):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_config_timeout_is_the_default_limit(make_comm, errors):
+def test_config_timeout_is_the_default_limit(hetcomm_make_comm, errors):
     """make_comm(timeout=0.5): a call without its own timeout gives up after the configured 0.5 s
     (only rank 0 waits, in a recv that nobody answers)."""
-    quick = make_comm(timeout=0.5)
+    quick = hetcomm_make_comm(timeout=0.5)
     if quick.rank == 0:
         start = time.monotonic()
         try:
@@ -379,8 +389,8 @@ def _expect_mismatch(errors, call, word):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_debug_mode_names_what_differs(make_comm, errors):
-    dbg = make_comm(debug=True)
+def test_debug_mode_names_what_differs(hetcomm_make_comm, errors):
+    dbg = hetcomm_make_comm(debug=True)
     n = 4 if dbg.rank == 0 else 5
     x = np.ones(n, dtype=np.float32)
     _expect_mismatch(errors, lambda: dbg.all_reduce(x), "count")
@@ -402,10 +412,10 @@ def test_debug_mode_names_what_differs(make_comm, errors):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_debug_mode_accepts_collectives_after_uneven_point_to_point(make_comm, errors):
+def test_debug_mode_accepts_collectives_after_uneven_point_to_point(hetcomm_make_comm, errors):
     """send/recv are not collective: rank 0 sending a message to itself while the other ranks
     do nothing must not make the next, matching, collective look mismatched."""
-    dbg = make_comm(debug=True)
+    dbg = hetcomm_make_comm(debug=True)
     if dbg.rank == 0:
         x, y = np.arange(3, dtype=np.int64), np.zeros(3, dtype=np.int64)
         sent = dbg.send(x, 0, tag=1, async_op=True)
@@ -426,9 +436,9 @@ def test_debug_mode_accepts_collectives_after_uneven_point_to_point(make_comm, e
 
 
 @pytest.mark.mpi(min_size=2)
-def test_simulated_vendors_and_hosts(make_comm, errors):
+def test_simulated_vendors_and_hosts(hetcomm_make_comm, errors):
     vendors, hosts = ("nvidia", "amd"), ("a", "b")
-    sim = make_comm(vendors=vendors, hosts=hosts)
+    sim = hetcomm_make_comm(vendors=vendors, hosts=hosts)
     topo = sim.topology
     errors.expect(len(topo) == sim.size, f"topology has {len(topo)} ranks")
     for r in range(sim.size):
@@ -477,10 +487,10 @@ def test_simulated_vendors_and_hosts(make_comm, errors):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_make_comm_takes_a_name(make_comm, errors):
+def test_make_comm_takes_a_name(hetcomm_make_comm, errors):
     """make_comm(name=...) names the communicator (hetcomm/testing.py pops `name` for init)."""
     try:
-        named = make_comm(name="custom")
+        named = hetcomm_make_comm(name="custom")
     except TypeError as exc:
         errors.append(f"make_comm(name=...) raised TypeError: {exc}")
     else:
@@ -489,24 +499,24 @@ def test_make_comm_takes_a_name(make_comm, errors):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_repeated_small_in_place_all_reduce(comm, shared_seed, errors):
+def test_repeated_small_in_place_all_reduce(hetcomm_comm, hetcomm_shared_seed, errors):
     """The short path for small in-place numpy reductions gives what the general one gives."""
-    rng = np.random.default_rng(shared_seed)
+    rng = np.random.default_rng(hetcomm_shared_seed)
     ops = {ReduceOp.SUM: np.sum, ReduceOp.PROD: np.prod, ReduceOp.MIN: np.min, ReduceOp.MAX: np.max}
     for step in range(60):
         dtype = ("int32", "int64", "float32", "float64", "int8")[step % 5]
         op = list(ops)[step % 4]
         count = int(rng.integers(1, 9))
-        data = rng.integers(-3, 4, size=(comm.size, count)).astype(dtype)
-        x = data[comm.rank].copy()
-        comm.all_reduce(x, op)
+        data = rng.integers(-3, 4, size=(hetcomm_comm.size, count)).astype(dtype)
+        x = data[hetcomm_comm.rank].copy()
+        hetcomm_comm.all_reduce(x, op)
         want = ops[op](data.astype(np.float64), axis=0)
         errors.expect(np.array_equal(x.astype(np.float64), want), f"step {step} {dtype} {op}")
     errors.verify()
 
 
 @pytest.mark.mpi(min_size=2)
-def test_use_local_device_follows_the_topology(comm, errors, monkeypatch):
+def test_use_local_device_follows_the_topology(hetcomm_comm, errors, monkeypatch):
     """use_local_device makes device (node rank mod visible devices) current in CuPy and torch,
     the device the topology assigns the rank; with no GPU it changes nothing and returns None.
     The libraries are stand-ins that record what they were told."""
@@ -528,8 +538,8 @@ def test_use_local_device_follows_the_topology(comm, errors, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: told.__setitem__("torch", i))
     monkeypatch.setattr(topology, "detect_vendor", lambda: ("nvidia", 3))
-    index = topology.use_local_device(comm.mpi)
-    node = comm.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    index = topology.use_local_device(hetcomm_comm.mpi)
+    node = hetcomm_comm.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=hetcomm_comm.rank)
     want = node.Get_rank() % 3
     node.Free()
     errors.expect(
@@ -538,5 +548,7 @@ def test_use_local_device_follows_the_topology(comm, errors, monkeypatch):
     )
     told.clear()
     monkeypatch.setattr(topology, "detect_vendor", lambda: ("cpu", 0))
-    errors.expect(topology.use_local_device(comm.mpi) is None and not told, f"no GPU: told {told}")
+    errors.expect(
+        topology.use_local_device(hetcomm_comm.mpi) is None and not told, f"no GPU: told {told}"
+    )
     errors.verify()

@@ -33,9 +33,9 @@ def _wait(task: Task) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_ring_of_operations_with_idle_spells(comm, errors):
-    p = _proxy(comm)
-    mpi, r, n = comm.mpi, comm.rank, comm.size
+def test_ring_of_operations_with_idle_spells(hetcomm_comm, errors):
+    p = _proxy(hetcomm_comm)
+    mpi, r, n = hetcomm_comm.mpi, hetcomm_comm.rank, hetcomm_comm.size
     got = []
 
     def ring(i):
@@ -62,11 +62,11 @@ def test_ring_of_operations_with_idle_spells(comm, errors):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_point_to_point_progresses_beside_a_waiting_collective(comm, errors):
+def test_point_to_point_progresses_beside_a_waiting_collective(hetcomm_comm, errors):
     """Rank 0 queues a collective (a barrier) and then a send; rank 1 receives before it joins
     the barrier. The send must go out while the barrier waits, or both ranks wait forever."""
-    p = _proxy(comm)
-    mpi, r = comm.mpi, comm.rank
+    p = _proxy(hetcomm_comm)
+    mpi, r = hetcomm_comm.mpi, hetcomm_comm.rank
     buf = np.zeros(4, np.int64)
 
     def barrier():
@@ -102,9 +102,9 @@ def test_point_to_point_progresses_beside_a_waiting_collective(comm, errors):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_collectives_run_in_issue_order_and_errors_reach_the_caller(comm, errors):
-    p = _proxy(comm)
-    mpi = comm.mpi
+def test_collectives_run_in_issue_order_and_errors_reach_the_caller(hetcomm_comm, errors):
+    p = _proxy(hetcomm_comm)
+    mpi = hetcomm_comm.mpi
     order = []
 
     def step(i):

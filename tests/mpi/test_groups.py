@@ -34,12 +34,12 @@ def _id(world: int, sizes: dict) -> str:
     ("world", "sizes"),
     [pytest.param(w, s, id=_id(w, s), marks=pytest.mark.mpi(min_size=w)) for w, s in LAYOUTS],
 )
-def test_groups_match_the_layout(comm, errors, world, sizes):
-    if comm.size != world:
-        pytest.skip(f"layout for {world} ranks, running on {comm.size}")
+def test_groups_match_the_layout(hetcomm_comm, errors, world, sizes):
+    if hetcomm_comm.size != world:
+        pytest.skip(f"layout for {world} ranks, running on {hetcomm_comm.size}")
     layout = ParallelLayout.build(world, **sizes)
-    rank = comm.rank
-    with ParallelGroups(comm, **sizes) as groups:
+    rank = hetcomm_comm.rank
+    with ParallelGroups(hetcomm_comm, **sizes) as groups:
         errors.expect(groups.layout == layout, f"layout {groups.layout}, expected {layout}")
         errors.expect(groups.coords == layout.coords(rank), f"coords {groups.coords}")
         for dim in DIMENSIONS:
@@ -58,20 +58,24 @@ def test_groups_match_the_layout(comm, errors, world, sizes):
             errors.expect(x.tolist() == [sum(want), len(want)], f"{dim}: all_reduce gave {x}")
         comms = [c for _, c in groups.items()]
     errors.expect(all(c.closed for c in comms), "a group stayed open after the with block")
-    errors.expect(not comm.closed, "the world was closed with its groups")
+    errors.expect(not hetcomm_comm.closed, "the world was closed with its groups")
     errors.verify()
 
 
 @pytest.mark.mpi(min_size=2)
-def test_impossible_layout_raises_on_every_rank(comm, errors):
-    for sizes in ({"tp": comm.size + 1}, {"tp": comm.size, "pp": 2}, {"tp": 2, "order": "pp-dp"}):
+def test_impossible_layout_raises_on_every_rank(hetcomm_comm, errors):
+    for sizes in (
+        {"tp": hetcomm_comm.size + 1},
+        {"tp": hetcomm_comm.size, "pp": 2},
+        {"tp": 2, "order": "pp-dp"},
+    ):
         try:
-            ParallelGroups(comm, **sizes)
+            ParallelGroups(hetcomm_comm, **sizes)
         except LayoutError:
             pass
         else:
-            errors.append(f"{sizes} on {comm.size} ranks did not raise LayoutError")
+            errors.append(f"{sizes} on {hetcomm_comm.size} ranks did not raise LayoutError")
     x = np.ones(1)
-    comm.all_reduce(x)  # and the world is still in step
-    errors.expect(x[0] == comm.size, f"all_reduce after gave {x}")
+    hetcomm_comm.all_reduce(x)  # and the world is still in step
+    errors.expect(x[0] == hetcomm_comm.size, f"all_reduce after gave {x}")
     errors.verify()

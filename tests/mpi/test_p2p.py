@@ -11,38 +11,44 @@ import hetcomm
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize(("lib", "dtype"), CASES)
-def test_send_recv_ring(comm, rng, errors, lib, dtype):
+def test_send_recv_ring(hetcomm_comm, rng, errors, lib, dtype):
     """Rank r sends to r+1 and receives from r-1, from and into every layout."""
-    dst, src = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    dst, src = (
+        (hetcomm_comm.rank + 1) % hetcomm_comm.size,
+        (hetcomm_comm.rank - 1) % hetcomm_comm.size,
+    )
     for tag, (shape, layout) in enumerate(SHAPES):
-        stack = draw(rng, dtype, shape, comm.size)
+        stack = draw(rng, dtype, shape, hetcomm_comm.size)
         case = f"{layout}{list(shape)} tag {tag}"
-        x = Placed(stack[comm.rank], dtype, lib, layout)
+        x = Placed(stack[hetcomm_comm.rank], dtype, lib, layout)
         y = Placed(draw(rng, dtype, shape, 1)[0], dtype, lib, layout)
 
         def exchange(x=x, y=y, tag=tag):
-            sent = comm.send(x.array, dst, tag, async_op=True)
-            comm.recv(y.array, src, tag)
+            sent = hetcomm_comm.send(x.array, dst, tag, async_op=True)
+            hetcomm_comm.recv(y.array, src, tag)
             sent.wait()
 
         if errors.run(case, exchange):
             errors += compare(y.values(), stack[src], f"received, {case}")
-            errors += compare(x.values(), stack[comm.rank], f"sent, {case}: x changed")
+            errors += compare(x.values(), stack[hetcomm_comm.rank], f"sent, {case}: x changed")
             errors.expect(x.intact() and y.intact(), f"{case}: wrote outside the target")
     errors.verify()
 
 
 @pytest.mark.mpi(min_size=2)
-def test_tags_select_the_message(comm, errors):
+def test_tags_select_the_message(hetcomm_comm, errors):
     """Rank 0 sends tags 1 then 2; rank 1 receives tag 2 first: each lands where it belongs."""
-    if comm.rank == 0:
-        works = [comm.send(np.full(3, t, dtype=np.int32), 1, tag=t, async_op=True) for t in (1, 2)]
+    if hetcomm_comm.rank == 0:
+        works = [
+            hetcomm_comm.send(np.full(3, t, dtype=np.int32), 1, tag=t, async_op=True)
+            for t in (1, 2)
+        ]
         for w in works:
             w.wait()
-    elif comm.rank == 1:
+    elif hetcomm_comm.rank == 1:
         second, first = np.zeros(3, dtype=np.int32), np.zeros(3, dtype=np.int32)
-        comm.recv(second, 0, tag=2)
-        comm.recv(first, 0, tag=1)
+        hetcomm_comm.recv(second, 0, tag=2)
+        hetcomm_comm.recv(first, 0, tag=1)
         errors.expect(
             (first == 1).all() and (second == 2).all(), f"tag 1 gave {first}, tag 2 gave {second}"
         )
@@ -50,37 +56,37 @@ def test_tags_select_the_message(comm, errors):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_recv_posted_before_send(comm, errors):
+def test_recv_posted_before_send(hetcomm_comm, errors):
     """An async recv posted before the matching send completes once the send comes."""
     x = np.arange(6, dtype=np.float64).reshape(2, 3)
-    if comm.rank == 1:
+    if hetcomm_comm.rank == 1:
         y = np.zeros((2, 3))
-        work = comm.recv(y, 0, tag=5, async_op=True)
+        work = hetcomm_comm.recv(y, 0, tag=5, async_op=True)
         errors.expect(isinstance(work, hetcomm.Work), f"recv returned {work!r}")
-        comm.barrier()
+        hetcomm_comm.barrier()
         work.wait(timeout=30)
         errors.expect(work.test() and work.exception() is None, f"recv work {work!r}")
         errors += compare(y, x, "received")
     else:
-        comm.barrier()
-        if comm.rank == 0:
-            comm.send(x, 1, tag=5)
+        hetcomm_comm.barrier()
+        if hetcomm_comm.rank == 0:
+            hetcomm_comm.send(x, 1, tag=5)
     errors.verify()
 
 
 @pytest.mark.mpi(min_size=2)
-def test_dup_has_its_own_message_space(comm, errors):
+def test_dup_has_its_own_message_space(hetcomm_comm, errors):
     """The same (source, tag) on a dup and on its parent never match each other."""
-    with comm.dup(name="twin") as twin:
-        if comm.rank == 0:
-            a = comm.send(np.array([1.0]), 1, tag=0, async_op=True)
+    with hetcomm_comm.dup(name="twin") as twin:
+        if hetcomm_comm.rank == 0:
+            a = hetcomm_comm.send(np.array([1.0]), 1, tag=0, async_op=True)
             b = twin.send(np.array([2.0]), 1, tag=0, async_op=True)
             a.wait()
             b.wait()
-        elif comm.rank == 1:
+        elif hetcomm_comm.rank == 1:
             on_twin, on_comm = np.zeros(1), np.zeros(1)
             twin.recv(on_twin, 0, tag=0)
-            comm.recv(on_comm, 0, tag=0)
+            hetcomm_comm.recv(on_comm, 0, tag=0)
             errors.expect(
                 on_twin[0] == 2.0 and on_comm[0] == 1.0,
                 f"twin got {on_twin[0]}, parent got {on_comm[0]}",
@@ -90,22 +96,22 @@ def test_dup_has_its_own_message_space(comm, errors):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_same_tag_messages_match_in_order(comm, rng, errors):
+def test_same_tag_messages_match_in_order(hetcomm_comm, rng, errors):
     """Several messages in flight between two ranks with one tag match in the order they were
     posted, as in MPI, whatever their sizes (a transport that starts them on several threads
     must not let a later one overtake an earlier one)."""
-    if comm.rank > 1:
+    if hetcomm_comm.rank > 1:
         errors.verify()
         return
     sizes = [int(n) for n in rng.integers(1, 300_000, 6)]
     for _ in range(3):
-        if comm.rank == 0:
+        if hetcomm_comm.rank == 0:
             xs = [np.full(n, i + 1, np.int8) for i, n in enumerate(sizes)]
-            for w in [comm.send(x, 1, tag=5, async_op=True) for x in xs]:
+            for w in [hetcomm_comm.send(x, 1, tag=5, async_op=True) for x in xs]:
                 w.wait()
         else:
             ys = [np.zeros(n, np.int8) for n in sizes]
-            for w in [comm.recv(y, 0, tag=5, async_op=True) for y in ys]:
+            for w in [hetcomm_comm.recv(y, 0, tag=5, async_op=True) for y in ys]:
                 w.wait()
             for i, y in enumerate(ys):
                 errors += compare(y, np.full(sizes[i], i + 1, np.int8), f"message {i}")
@@ -113,12 +119,12 @@ def test_same_tag_messages_match_in_order(comm, rng, errors):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_staged_send_recv_start_on_the_calling_thread(make_comm, rng, errors):
+def test_staged_send_recv_start_on_the_calling_thread(hetcomm_make_comm, rng, errors):
     """Once the shm channel between two ranks of a host is open, staged send and recv run
     without a driver thread, whether the receive is posted before the send or after it, and
     the k-th send still lands in the k-th receive of its tag. Without a shm rail (simulated
     hosts, HETCOMM_RAILS=mpi) the clear-to-send comes over MPI and a driver runs each one."""
-    comm = make_comm(transport="staged")
+    comm = hetcomm_make_comm(transport="staged")
     if comm.rank > 1:
         errors.verify()
         return
@@ -166,12 +172,12 @@ def test_staged_send_recv_start_on_the_calling_thread(make_comm, rng, errors):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("opened", [False, True], ids=["first message", "open channel"])
-def test_staged_send_without_a_receive_times_out_naming_it(make_comm, errors, opened):
+def test_staged_send_without_a_receive_times_out_naming_it(hetcomm_make_comm, errors, opened):
     """A staged send whose receive is never posted fails with CommTimeout saying so, whether a
     driver thread runs it (the first message to a peer: the peer opens the channel with a
     receive of another tag, which times out too) or the calling thread, and leaves nothing
     behind that a late clear-to-send could start."""
-    comm = make_comm(transport="staged", timeout=3)
+    comm = hetcomm_make_comm(transport="staged", timeout=3)
     if opened and comm.rank < 2:
         if comm.rank == 0:
             comm.send(np.ones(4), 1)

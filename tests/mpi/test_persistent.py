@@ -177,14 +177,16 @@ def _behind_the_lane(comm: Any, rng: np.random.Generator, count: int, what: str)
     return found + compare(b, sent, f"{what}: asynchronous broadcast from {root}")
 
 
-def test_every_rank_its_own_form(make_comm, shared_seed, errors):
+def test_every_rank_its_own_form(hetcomm_make_comm, hetcomm_shared_seed, errors):
     """Small all-reduces of every kind, each rank in forms of its own, among broadcasts,
     float16 all-reduces (not persistent) and large ones on the lane (see the module's
     docstring); a mismatch between ranks fails within the communicator's timeout."""
-    comm = make_comm(transport="mpi", name="persistent-forms", timeout=20, persistent_max=_LIMIT)
+    comm = hetcomm_make_comm(
+        transport="mpi", name="persistent-forms", timeout=20, persistent_max=_LIMIT
+    )
     transport, calls = counted(comm)
-    shared = np.random.default_rng(shared_seed)
-    mine = np.random.default_rng([shared_seed, comm.rank])
+    shared = np.random.default_rng(hetcomm_shared_seed)
+    mine = np.random.default_rng([hetcomm_shared_seed, comm.rank])
     pending: list[tuple[Any, Call]] = []
     larges, others = [], 0
     for i in range(160):
@@ -235,14 +237,16 @@ def test_every_rank_its_own_form(make_comm, shared_seed, errors):
 
 
 @_needs_persistent
-def test_more_keys_than_the_cache_holds(make_comm, shared_seed, errors):
+def test_more_keys_than_the_cache_holds(hetcomm_make_comm, hetcomm_shared_seed, errors):
     """Cycling through more keys than the cache holds evicts (and frees) the least recently
     used one each time; a key used between every two others stays. An asynchronous call still
     in flight when its request is evicted completes first, with its result."""
-    comm = make_comm(transport="mpi", name="persistent-lru", timeout=60, persistent_max=_LIMIT)
+    comm = hetcomm_make_comm(
+        transport="mpi", name="persistent-lru", timeout=60, persistent_max=_LIMIT
+    )
     transport, calls = counted(comm)
     requests, cap = transport.requests, mpi_persistent.CAPACITY
-    rng = np.random.default_rng(shared_seed)
+    rng = np.random.default_rng(hetcomm_shared_seed)
     n, me = comm.size, comm.rank
     first = rng.integers(-50, 50, (n, 500))
     early = first[me].astype(np.int32)
@@ -274,10 +278,10 @@ def test_more_keys_than_the_cache_holds(make_comm, shared_seed, errors):
 
 
 @_needs_persistent
-def test_requests_are_reused_and_freed_on_close(make_comm, errors):
+def test_requests_are_reused_and_freed_on_close(hetcomm_make_comm, errors):
     """One request serves every call of its key, on the short path and the general one alike;
     closing the communicator frees it."""
-    comm = make_comm(transport="mpi", name="persistent-close", persistent_max=_LIMIT)
+    comm = hetcomm_make_comm(transport="mpi", name="persistent-close", persistent_max=_LIMIT)
     transport, calls = counted(comm)
     n = comm.size
     for i in range(50):
@@ -309,7 +313,7 @@ def test_requests_are_reused_and_freed_on_close(make_comm, errors):
 
 
 @pytest.mark.parametrize("why", ["limit 0", "no persistent collectives"])
-def test_off(make_comm, errors, monkeypatch, why):
+def test_off(hetcomm_make_comm, errors, monkeypatch, why):
     """With HETCOMM_PERSISTENT_MAX=0, or an MPI without persistent collectives, small
     all-reduces are Iallreduce calls on the caller's arrays, as before."""
     options: dict[str, Any] = {}
@@ -317,7 +321,7 @@ def test_off(make_comm, errors, monkeypatch, why):
         options["persistent_max"] = 0
     else:
         monkeypatch.setattr(mpi_persistent, "unavailable", lambda: "MPI 3.1")
-    comm = make_comm(transport="mpi", name="persistent-off", **options)
+    comm = hetcomm_make_comm(transport="mpi", name="persistent-off", **options)
     transport, calls = counted(comm)
     errors.expect(
         (transport.persistent_off == "MPI 3.1") == (why != "limit 0"),
@@ -336,13 +340,15 @@ def test_off(make_comm, errors, monkeypatch, why):
 
 
 @pytest.mark.parametrize("then", ["dup", "split", "fingerprint"])
-def test_calls_outside_the_transport_come_after_the_lane(make_comm, shared_seed, errors, then):
+def test_calls_outside_the_transport_come_after_the_lane(
+    hetcomm_make_comm, hetcomm_shared_seed, errors, then
+):
     """MPI_Comm_dup, MPI_Comm_split and the debug fingerprints are collectives of the
     communicator's MPI communicator too: made while the lane still holds small collectives on
     some ranks only, they must come after those everywhere. Even ranks' lanes are kept busy by
     a job of their own (a sleep), so that the small collectives queue there and run at once on
     odd ranks."""
-    comm = make_comm(
+    comm = hetcomm_make_comm(
         transport="mpi",
         name="persistent-outside",
         timeout=20,
@@ -351,7 +357,7 @@ def test_calls_outside_the_transport_come_after_the_lane(make_comm, shared_seed,
     )
     transport, _ = counted(comm)
     lane = transport._lane
-    rng = np.random.default_rng(shared_seed)
+    rng = np.random.default_rng(hetcomm_shared_seed)
     n, me = comm.size, comm.rank
     for i in range(3):
         if me % 2 == 0:

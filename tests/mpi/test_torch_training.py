@@ -83,9 +83,9 @@ def close(
 
 @pytest.mark.usefixtures("pg")
 class TestTraining:
-    def test_ddp_matches_gloo_and_reference(self, shared_seed, errors, gloo) -> None:
+    def test_ddp_matches_gloo_and_reference(self, hetcomm_shared_seed, errors, gloo) -> None:
         n, me = dist.get_world_size(), dist.get_rank()
-        seed = shared_seed % 2**31
+        seed = hetcomm_shared_seed % 2**31
         data = batches(seed + 1, n)
         params = {}
         # tiny buckets: several all-reduces in flight per step, completed through futures
@@ -99,13 +99,13 @@ class TestTraining:
         )
         errors.verify()
 
-    def test_ddp_comm_hooks(self, shared_seed, errors, gloo) -> None:
+    def test_ddp_comm_hooks(self, hetcomm_shared_seed, errors, gloo) -> None:
         """Python comm hooks chain on get_future(): allreduce, and fp16 compression (float16
         sums in hetcomm's own kernels)."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         n, me = dist.get_world_size(), dist.get_rank()
-        seed = shared_seed % 2**31
+        seed = hetcomm_shared_seed % 2**31
         data = batches(seed + 2, n)
         for hook, rtol in (
             (default_hooks.allreduce_hook, 1e-5),
@@ -120,11 +120,11 @@ class TestTraining:
             errors += close(params["hetcomm"], params["gloo"], hook.__name__, rtol, rtol / 10)
         errors.verify()
 
-    def test_fsdp2_matches_gloo_and_reference(self, shared_seed, errors, gloo) -> None:
+    def test_fsdp2_matches_gloo_and_reference(self, hetcomm_shared_seed, errors, gloo) -> None:
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
         n, me = dist.get_world_size(), dist.get_rank()
-        seed = shared_seed % 2**31
+        seed = hetcomm_shared_seed % 2**31
         data = batches(seed + 3, n)
         meshes = {
             "hetcomm": init_device_mesh("cpu", (n,)),

@@ -26,7 +26,7 @@ from _rails import (
 
 
 @pytest.fixture
-def job(mpirun: tuple[list[str], dict[str, str]]) -> Any:
+def job(hetcomm_mpirun: tuple[list[str], dict[str, str]]) -> Any:
     """job(scenario, params, **HETCOMM_variables) runs _job.py on 2 ranks with the staged
     transport forced; e.g. job("roundtrip", {"hosts": True}, HETCOMM_RAILS=TWO_RAILS)."""
 
@@ -36,7 +36,7 @@ def job(mpirun: tuple[list[str], dict[str, str]]) -> Any:
         limit: float = JOB_LIMIT_S,
         **variables: str,
     ) -> Job:
-        prefix, mpi_env = mpirun
+        prefix, mpi_env = hetcomm_mpirun
         settings = {"HETCOMM_TRANSPORT": "staged", "HETCOMM_TIMEOUT": "30", **variables}
         argv = [
             *prefix,

@@ -117,8 +117,8 @@ def test_sigterm_ends_the_command_and_removes_the_namespace(emulator, tmp_path):
 
 
 @pytest.mark.parametrize("launch", ["rank-host-shim", "hetcomm-run"])
-def test_ranks_are_hosts_joined_by_the_emulated_rails(emulator, mpirun, launch):
-    prefix, mpi_env = mpirun
+def test_ranks_are_hosts_joined_by_the_emulated_rails(emulator, hetcomm_mpirun, launch):
+    prefix, mpi_env = hetcomm_mpirun
     job = [
         "env",
         "HETCOMM_TRANSPORT=staged",
@@ -162,10 +162,10 @@ def test_ranks_are_hosts_joined_by_the_emulated_rails(emulator, mpirun, launch):
     assert done.returncode == 0, done.explain()
 
 
-def test_two_rails_beat_one(emulator, mpirun):
+def test_two_rails_beat_one(emulator, hetcomm_mpirun):
     """16 MiB over 1 and over 2 rails of 200 Mbit/s (scripts/bench_rails.py): loosely, since
     the machine is shared, 2 rails at least 1.4x one."""
-    prefix, mpi_env = mpirun
+    prefix, mpi_env = hetcomm_mpirun
     argv = [
         str(emulator),
         "--rails",
@@ -203,11 +203,11 @@ def test_two_rails_beat_one(emulator, mpirun):
     assert min(two["shares"]) > 0.25, f"bytes per rail: {rows}"
 
 
-def test_tuned_rail_weights_keep_the_slow_rails_share_near_its_speed(emulator, mpirun):
+def test_tuned_rail_weights_keep_the_slow_rails_share_near_its_speed(emulator, hetcomm_mpirun):
     """A 400 Mbit/s and a 100 Mbit/s rail with the weights `hetcomm tune` would give them (1 and
     0.25): the slow rail may hold one unacknowledged 1 MiB chunk against the fast rail's four,
     so it carries at most a quarter of 16 MiB (without weights it took 5-6 chunks of 16)."""
-    prefix, mpi_env = mpirun
+    prefix, mpi_env = hetcomm_mpirun
     params = {"hosts": True, "mib": 16, "chunk_bytes": 1 << 20, "weights": [1.0, 0.25]}
     argv = [
         str(emulator),

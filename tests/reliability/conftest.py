@@ -11,7 +11,7 @@ from _reliability import Job, clean_environ, job_argv, run
 
 
 @pytest.fixture
-def job(mpirun: tuple[list[str], dict[str, str]]) -> Any:
+def job(hetcomm_mpirun: tuple[list[str], dict[str, str]]) -> Any:
     """job(n, scenario, params, limit, **HETCOMM_variables) runs _jobs.py on n ranks."""
 
     def start(
@@ -21,7 +21,7 @@ def job(mpirun: tuple[list[str], dict[str, str]]) -> Any:
         limit: float = 120,
         **variables: str,
     ) -> Job:
-        prefix, mpi_env = mpirun
+        prefix, mpi_env = hetcomm_mpirun
         argv = job_argv(prefix, n, scenario, params or {}, variables)
         return run(argv, clean_environ(**mpi_env), limit)
 

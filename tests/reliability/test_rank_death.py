@@ -33,9 +33,9 @@ def test_rank_death_ends_the_job(job: Any) -> None:
     _ended_by_death(result)
 
 
-def test_rank_death_survivors_time_out(mpirun: tuple[list[str], dict[str, str]]) -> None:
+def test_rank_death_survivors_time_out(hetcomm_mpirun: tuple[list[str], dict[str, str]]) -> None:
     """With the launcher told to keep going, the survivors' CommTimeout ends the job."""
-    prefix, mpi_env = mpirun
+    prefix, mpi_env = hetcomm_mpirun
     if "--oversubscribe" not in prefix:
         pytest.skip("--enable-recovery is an Open MPI (prterun) option")
     argv = [
@@ -59,9 +59,9 @@ def test_rank_death_survivors_time_out(mpirun: tuple[list[str], dict[str, str]])
     assert "did not complete within 5.0 s" in result.stderr, result.explain()
 
 
-def test_rank_death_under_hetcomm_run(mpirun: tuple[list[str], dict[str, str]]) -> None:
+def test_rank_death_under_hetcomm_run(hetcomm_mpirun: tuple[list[str], dict[str, str]]) -> None:
     """The same job started by `hetcomm run --timeout 60`."""
-    _, mpi_env = mpirun
+    _, mpi_env = hetcomm_mpirun
     argv = [
         sys.executable,
         "-m",

@@ -32,7 +32,7 @@ from hetcomm.launch.rankenv import PLAN_VARIABLE, LaunchPlan
 from hetcomm.config import ENV_NAMES
 
 PY = "/venv/bin/python"
-SHIM = [PY, "-m", SHIM_MODULE, "--", "python", "-m", "mpi4py", "train.py"]
+SHIM = [PY, "-m", SHIM_MODULE, "--", PY, "-m", "mpi4py", "train.py"]  # `python` resolved to PY
 ENVIRON = {"HETCOMM_LOG": "info", "PATH": "/usr/bin", "HOME": "/root"}
 FULL = LaunchRequest(
     command=("python", "train.py"),
@@ -277,7 +277,7 @@ def test_mpi4py_wrapped(command: list[str], wrapped: list[str]) -> None:
 
 def test_no_mpi4py(tmp_path: Path) -> None:
     request = LaunchRequest(command=("python", "t.py"), n=1, mpi4py_abort=False)
-    assert make("mpich", request, tmp_path)[0][-3:] == ["--", "python", "t.py"]
+    assert make("mpich", request, tmp_path)[0][-3:] == ["--", PY, "t.py"]
 
 
 # ---- hosts --------------------------------------------------------------------------------------

@@ -75,7 +75,9 @@ def test_dry_run_through_the_cli(
     assert code == 0
     command = next(line for line in out.splitlines() if str(launcher) in line and "shim" in line)
     assert expect in command
-    assert command.endswith("-m hetcomm.launch.shim -- python -m mpi4py train.py --epochs 1")
+    # `python` is the interpreter hetcomm run runs under
+    shim = f"-m hetcomm.launch.shim -- {sys.executable} -m mpi4py train.py --epochs 1"
+    assert command.endswith(shim)
     words = shlex.split(command)
     plan_word = next(w for w in words if w.startswith(PLAN_VARIABLE + "="))
     plan = LaunchPlan.from_json(plan_word.partition("=")[2])
