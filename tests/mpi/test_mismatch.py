@@ -41,8 +41,8 @@ def _still_works(comm, errors, what):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
-def test_mismatched_collectives_raise_on_every_rank(make_comm, errors, async_op):
-    comm = make_comm(name="mismatch", timeout=30)
+def test_mismatched_collectives_raise_on_every_rank(hetcomm_make_comm, errors, async_op):
+    comm = hetcomm_make_comm(name="mismatch", timeout=30)
     odd = comm.rank == 1
 
     def run(call):
@@ -126,10 +126,10 @@ def test_mismatched_collectives_raise_on_every_rank(make_comm, errors, async_op)
 
 
 @pytest.mark.mpi(min_size=2)
-def test_the_same_signature_repeated_is_checked_every_time(make_comm, errors):
+def test_the_same_signature_repeated_is_checked_every_time(hetcomm_make_comm, errors):
     """A route is resolved once per signature, but the check runs on every call: ranks that
     agree for a while and then diverge are caught at the first call that differs."""
-    comm = make_comm(name="diverge", timeout=30)
+    comm = hetcomm_make_comm(name="diverge", timeout=30)
     x = np.ones(8, np.float32)
     for i in range(5):
         errors.run(f"round {i}", comm.all_reduce, x)
@@ -141,9 +141,9 @@ def test_the_same_signature_repeated_is_checked_every_time(make_comm, errors):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_the_check_can_be_switched_off(make_comm, errors):
+def test_the_check_can_be_switched_off(hetcomm_make_comm, errors):
     """With check=False (the same on every rank) agreeing calls still give right results."""
-    comm = make_comm(name="unchecked", check=False)
+    comm = hetcomm_make_comm(name="unchecked", check=False)
     for form in ("in place", "out of place"):
         x = np.full(16, comm.rank + 1.0)
         out = np.empty_like(x) if form == "out of place" else None
@@ -154,9 +154,9 @@ def test_the_check_can_be_switched_off(make_comm, errors):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_timeout_names_the_ranks_that_have_not_arrived(make_comm, errors):
+def test_a_timeout_names_the_ranks_that_have_not_arrived(hetcomm_make_comm, errors):
     """Rank 1 never calls: every other rank's CommTimeout names it (and only it)."""
-    comm = make_comm(name="late", timeout=3)
+    comm = hetcomm_make_comm(name="late", timeout=3)
     x = np.ones(4)
     if comm.rank != 1:
         try:
@@ -174,12 +174,14 @@ def test_a_timeout_names_the_ranks_that_have_not_arrived(make_comm, errors):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_an_asynchronous_collective_starts_while_its_caller_blocks_elsewhere(make_comm, errors):
+def test_an_asynchronous_collective_starts_while_its_caller_blocks_elsewhere(
+    hetcomm_make_comm, errors
+):
     """Rank 0 issues an asynchronous all_reduce, then blocks in a large send to rank 1, which
     first runs the all_reduce (blocking) and only then receives: the all_reduce, held back
     until its check completes, must start without rank 0 polling it (legal MPI, and it ran
     before the check existed)."""
-    comm = make_comm(name="deferred", timeout=30)
+    comm = hetcomm_make_comm(name="deferred", timeout=30)
     x = np.full(16, comm.rank + 1.0)
     big = np.zeros(1 << 20)  # 8 MiB: past the eager limit, the send waits for its receive
     want = comm.size * (comm.size + 1) / 2

@@ -22,25 +22,29 @@ def _mine(seed: int, rank: int) -> np.ndarray:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_sendrecv_ring(comm, shared_seed, errors):
+def test_sendrecv_ring(hetcomm_comm, hetcomm_shared_seed, errors):
+    comm = hetcomm_comm
     right, left = _ring(comm)
-    x = _mine(shared_seed, comm.rank)
+    x = _mine(hetcomm_shared_seed, comm.rank)
     out = np.zeros(N + 2)  # sentinels on both sides
     out[0] = out[-1] = -7.0
     keep = x.copy()
     if errors.run("sendrecv", comm.sendrecv, x, right, out[1:-1], left, tag=3, timeout=60):
-        errors.expect(np.array_equal(out[1:-1], _mine(shared_seed, left)), "wrong data received")
+        errors.expect(
+            np.array_equal(out[1:-1], _mine(hetcomm_shared_seed, left)), "wrong data received"
+        )
         errors.expect(out[0] == -7.0 and out[-1] == -7.0, "wrote outside the output")
         errors.expect(np.array_equal(x, keep), "the send buffer changed")
     errors.verify()
 
 
 @pytest.mark.mpi(min_size=2)
-def test_group_block_halo_exchange(comm, shared_seed, errors):
+def test_group_block_halo_exchange(hetcomm_comm, hetcomm_shared_seed, errors):
     """Each rank sends to both neighbours and receives from both, blocking calls inside one
     block, in an order that would deadlock outside it (sends first)."""
+    comm = hetcomm_comm
     right, left = _ring(comm)
-    x = _mine(shared_seed, comm.rank)
+    x = _mine(hetcomm_shared_seed, comm.rank)
     from_left, from_right = np.zeros(N), np.zeros(N)
 
     def exchange():
@@ -51,15 +55,18 @@ def test_group_block_halo_exchange(comm, shared_seed, errors):
             comm.recv(from_right, right, tag=2)
 
     if errors.run("group", exchange):
-        errors.expect(np.array_equal(from_left, _mine(shared_seed, left)), "from the left")
-        errors.expect(np.array_equal(from_right, _mine(shared_seed, right)), "from the right")
+        errors.expect(np.array_equal(from_left, _mine(hetcomm_shared_seed, left)), "from the left")
+        errors.expect(
+            np.array_equal(from_right, _mine(hetcomm_shared_seed, right)), "from the right"
+        )
     errors.verify()
 
 
 @pytest.mark.mpi(min_size=2)
-def test_group_block_with_asynchronous_calls(comm, shared_seed, errors):
+def test_group_block_with_asynchronous_calls(hetcomm_comm, hetcomm_shared_seed, errors):
+    comm = hetcomm_comm
     right, left = _ring(comm)
-    x = _mine(shared_seed, comm.rank)
+    x = _mine(hetcomm_shared_seed, comm.rank)
     got = np.zeros(N)
     works = []
 
@@ -71,14 +78,15 @@ def test_group_block_with_asynchronous_calls(comm, shared_seed, errors):
             w.wait(timeout=60)
 
     if errors.run("group async", block):
-        errors.expect(np.array_equal(got, _mine(shared_seed, left)), "wrong data received")
+        errors.expect(np.array_equal(got, _mine(hetcomm_shared_seed, left)), "wrong data received")
     errors.verify()
 
 
 @pytest.mark.mpi(min_size=2)
-def test_group_block_refusals(comm, errors):
+def test_group_block_refusals(hetcomm_comm, errors):
     """Collectives and nested blocks are refused inside a block; an exception inside drops the
     queued calls (nothing moved), and the communicator goes on working."""
+    comm = hetcomm_comm
     x = np.ones(4)
 
     def collective_inside():
