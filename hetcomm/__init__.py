@@ -14,6 +14,7 @@ from .errors import (
     HetcommError,
     InvalidArgument,
     MismatchError,
+    PeerLost,
     TopologyError,
     TransportUnavailable,
 )
@@ -37,6 +38,7 @@ except _metadata.PackageNotFoundError:  # imported from a checkout that was neve
 
 __all__ = [
     "CommAborted",
+    "PeerLost",
     "CommTimeout",
     "Communicator",
     "Config",

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
-from ...errors import HetcommError, MismatchError
+from ...errors import MismatchError, PeerLost
 from .. import tags
 from ..local import Region
 from ..shm import SegmentError
@@ -296,9 +296,8 @@ class RailThreads(ClearToSend):
             if not item[0].done.is_set():
                 ch.queue.put(item)
         if not ch.alive():
-            self._fail_channel(
-                ch, HetcommError(f"every rail to rank {ch.peer} failed: " + "; ".join(ch.dead))
-            )
+            lost = f"every rail to rank {ch.peer} failed: " + "; ".join(ch.dead)
+            self._fail_channel(ch, PeerLost(lost, [ch.peer]))
 
     def _land(self, link: links.Link, op: _Op | None, idx: int, off: int, n: int) -> None:
         if op is None or op.done.is_set():
