@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
-from ...errors import HetcommError
+from ...errors import HetcommError, PeerLost
 from .. import tags
 from . import links
 from .ops import PeerTimeout, _Op
@@ -97,9 +97,10 @@ class ClearToSend:
                     # the peer closed its transport or died: its receive can never come
                     ch = self._channels[peer]
                     why = "; ".join(ch.dead) or "the peer closed it"
-                    raise HetcommError(
+                    raise PeerLost(
                         f"send to rank {peer}: its shm rail is gone ({why}) "
-                        "while waiting for the matching receive"
+                        "while waiting for the matching receive",
+                        [peer],
                     )
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -187,8 +188,9 @@ class ClearToSend:
         for ch, op in failed:
             why = "; ".join(ch.dead) or "the peer closed it"
             op.fail(
-                HetcommError(
+                PeerLost(
                     f"send to rank {ch.peer}: its shm rail is gone ({why}) while "
-                    "waiting for the matching receive"
+                    "waiting for the matching receive",
+                    [ch.peer],
                 )
             )
