@@ -38,7 +38,6 @@ except _metadata.PackageNotFoundError:  # imported from a checkout that was neve
 
 __all__ = [
     "CommAborted",
-    "PeerLost",
     "CommTimeout",
     "Communicator",
     "Config",
@@ -50,6 +49,7 @@ __all__ = [
     "MismatchError",
     "ParallelGroups",
     "ParallelLayout",
+    "PeerLost",
     "ReduceOp",
     "TopologyError",
     "TransportUnavailable",
