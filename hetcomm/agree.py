@@ -83,31 +83,61 @@ def _show(field: str, v: int) -> str:
     return str(v)
 
 
+class Check:
+    """One persistent all-reduce (MAX) of a signature vector and its result: a slot of the
+    ring that every collective's check takes its turn on (see Agreement)."""
+
+    __slots__ = ("busy", "held", "mine", "request", "result")
+
+    def __init__(self, mpi: MPI.Intracomm) -> None:
+        width = 2 * len(FIELDS)
+        self.mine = np.zeros(width, np.int64)
+        self.result = np.zeros(width, np.int64)
+        self.request: MPI.Prequest = mpi.Allreduce_init(self.mine, self.result, MPI.MAX)
+        self.held: np.ndarray | None = None  # the signature `mine` holds a copy of
+        self.busy = False  # started, and its result not yet read
+
+    def load(self, vec: np.ndarray) -> None:
+        """Put `vec` in the send vector (skipped when it holds that signature already)."""
+        if self.held is not vec:
+            self.mine[:] = vec
+            self.held = vec
+
+    def agreed(self) -> bool:
+        """After completion: whether every rank sent the vector this rank sent."""
+        self.busy = False
+        return bool(self.result.tobytes() == self.mine.tobytes())
+
+
 class Agreement:
-    """The check and the arrivals table of one communicator (see the module's docstring)."""
+    """The check and the arrivals table of one communicator (see the module's docstring).
+
+    Collective number n is checked on slot n % RING of a ring of persistent requests, whether
+    the call is blocking or asynchronous: a persistent collective matches only the same request
+    on the other ranks, and ranks may call one collective in different forms (one blocking,
+    another asynchronous), so the request a check uses depends on its number alone. A slot is
+    free again once its previous check's result has been read; an asynchronous caller more
+    than RING collectives ahead of its reads waits for that first.
+    """
+
+    RING = 256
 
     def __init__(self, mpi_comm: MPI.Intracomm, enabled: bool, with_sequence: bool) -> None:
         self.enabled = enabled
         self.with_sequence = with_sequence
         self.mpi: MPI.Intracomm = mpi_comm.Dup()  # its own message space
         self.rank, self.size = self.mpi.Get_rank(), self.mpi.Get_size()
-        width = 2 * len(FIELDS)
-        self._mine = np.zeros(width, np.int64)
-        self._all = np.zeros(width, np.int64)
-        self._request: MPI.Prequest | None = None
+        self._ring: list[Check | None] = [None] * self.RING
         self.arrivals = Arrivals(self.mpi)
 
-    def blocking(self) -> tuple[MPI.Prequest, np.ndarray, np.ndarray]:
-        """The persistent request of blocking checks and its (send, result) vectors."""
-        request = self._request
-        if request is None:
-            request = self._request = self.mpi.Allreduce_init(self._mine, self._all, MPI.MAX)
-        return request, self._mine, self._all
-
-    def start(self, mine: np.ndarray) -> tuple[MPI.Request, np.ndarray]:
-        """A non-blocking check of `mine` (for asynchronous calls): its request and result."""
-        result = np.empty_like(mine)
-        return self.mpi.Iallreduce(mine, result, MPI.MAX), result
+    def slot(self, seq: int) -> Check:
+        """The check slot of collective `seq`, made (collectively, in number order on every
+        rank) at its first use."""
+        i = seq % self.RING
+        check = self._ring[i]
+        if check is None:
+            check = self._ring[i] = Check(self.mpi)
+        return check
 
     def mismatch(
         self, group: str, seq: int, mine: np.ndarray, wait: Callable[[MPI.Request], None]
@@ -124,12 +154,14 @@ class Agreement:
         )
 
     def close(self, free: bool) -> None:
+        """Unmap the arrivals table; with `free`, also free the check's request and communicator."""
         self.arrivals.close()
-        if self._request is not None and free:
-            self._request.Free()
-        self._request = None
         if free:
+            for check in self._ring:
+                if check is not None and not check.busy:
+                    check.request.Free()
             self.mpi.Free()
+        self._ring = [None] * self.RING
 
 
 class Arrivals:
@@ -153,6 +185,7 @@ class Arrivals:
         self._pids_seen = all(_alive(int(self._pids[r])) for r in self.local_ranks)
 
     def enter(self, seq: int) -> None:
+        """Note that this rank has entered collective `seq`."""
         self.table[self.rank] = seq
 
     def late(self, seq: int) -> tuple[list[int], list[int]]:
@@ -170,6 +203,7 @@ class Arrivals:
         return [r for r in self.local_ranks if not _alive(int(self._pids[r]))]
 
     def close(self) -> None:
+        """Unmap the shared table (a view still alive keeps it mapped until exit)."""
         if self._map is not None:
             self.table = np.zeros(len(self.table), np.int64)
             self._pids = np.zeros(len(self.table), np.int64)

@@ -4,7 +4,6 @@ group), then the transport; blocking calls are driven to completion on the calli
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -12,80 +11,35 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import agree, fusion
+from . import agree, coalesced
 from . import plan as planning
+from . import trace as _trace  # noqa: F401 (importing it registers tracing's decision on Work)
 from . import work as _work
-from .arrays import Buffer, as_buffer, overlap, storage_dtype
+from .argcheck import (
+    check_timeout,
+    contiguous_in,
+    contiguous_out,
+    same,
+    then,
+    writable,
+)
+from .arrays import Buffer, as_buffer, overlap
 from .config import Config
-from .errors import CommAborted, InvalidArgument, MismatchError, MpiError, TransportUnavailable
+from .deferred import Deferred, DeferredStarts
+from .errors import CommAborted, InvalidArgument, MismatchError, MpiError
+from .grouping import Group, Queued
 from .ops import ReduceOp, as_reduce_op, check_op_for_dtype
+from .routes import MAX_ROUTES, OP_TYPES, Route, host_view, key_of, no_general
 from .topology import Topology
 from .transports import registry
 from .transports.base import Transport
-from .transports.mpi.transport import MpiTransport
-from .work import Work, completed
+from .work import Work, all_of, completed
 
 log = logging.getLogger("hetcomm")
 
 _POINT_TO_POINT = frozenset(("send", "recv"))
-# what a reduce op may be given as for its route to be kept (None: an op without one)
-_OP_TYPES = frozenset((ReduceOp, str, type(None)))
-# routes kept per communicator; a program that keeps making new signatures (shapes that never
-# repeat) starts over instead of growing without bound
-_MAX_ROUTES = 4096
 # polls of a blocking check before it waits as a Work (bounded, with the stall warning)
 _QUICK_POLLS = 64
-
-Runner = Callable[..., bool]
-
-
-class Route:
-    """What every call of one signature shares, worked out at its first call: the transport
-    the plan chose, the signature vector the default check compares across the group, and the
-    transport's prepared blocking call for host arrays (None where it has none).
-
-    The signature is everything the route's key holds (op, array type, dtype, shape, device,
-    reduce op, root, the out array's): validation that depends on it ran once, when the route
-    was made. What depends on the array itself (address, writability, layout) is checked at
-    every call.
-    """
-
-    __slots__ = ("general", "op", "root", "rop", "run", "runs", "transport", "uses", "vec")
-
-    def __init__(
-        self,
-        op: str,
-        transport: Transport,
-        vec: np.ndarray,
-        general: Callable[..., Work | None],
-        rop: ReduceOp | None = None,
-        root: int = -1,
-        run: Runner | None = None,
-    ) -> None:
-        self.op, self.transport, self.vec, self.general = op, transport, vec, general
-        self.rop, self.root, self.run = rop, root, run
-        # calls served by the prepared call, and by the general path (for tests and stats)
-        self.runs = 0
-        self.uses = 0
-
-
-class _Deferred:
-    """An asynchronous collective whose start waits for its check (see Communicator._admit)."""
-
-    __slots__ = ("error", "inner", "request", "result", "seq", "start", "vec")
-
-    def __init__(
-        self,
-        request: MPI.Request,
-        result: np.ndarray,
-        vec: np.ndarray,
-        seq: int,
-        start: Callable[[], Work],
-    ) -> None:
-        self.request, self.result, self.vec, self.start = request, result, vec, start
-        self.seq = seq
-        self.inner: Work | None = None
-        self.error: BaseException | None = None
 
 
 class Communicator:
@@ -127,16 +81,15 @@ class Communicator:
         self._agree = agree.Agreement(mpi_comm, config.check or config.debug, config.debug)
         self._checking = self._agree.enabled
         self._arrived = self._agree.arrivals.table
-        self._check_request: MPI.Prequest | None = None
-        self._check_mine: np.ndarray | None = None
-        self._check_all: np.ndarray | None = None
-        self._checked_vec: np.ndarray | None = None  # the vector the blocking check holds
         self._last_entered = 0  # the sequence number _blocking_run entered
         # the point-to-point calls queued by an open `with comm.group():` block, else None
-        self._group: list[_Queued] | None = None
+        self._group: list[Queued] | None = None
         # asynchronous collectives whose check has not completed, in issue order: each starts
         # once its check has, and none before the ones ahead of it
-        self._deferred: deque[_Deferred] = deque()
+        self._deferred = DeferredStarts(
+            lambda seq, mine: self._mismatch("check", seq, mine),
+            lambda seq, exc: self._mpi_error("check", seq, exc),
+        )
         # the ordering guard: the transport of the latest collective, and the asynchronous
         # collectives not yet seen complete (see _order)
         self._last: Transport | None = None
@@ -328,7 +281,7 @@ class Communicator:
             run = prepare(op, xb, out, rop, root)
         route = Route(op, transport, vec, general, rop, root, run)
         if key is not None:
-            if len(self._routes) >= _MAX_ROUTES:
+            if len(self._routes) >= MAX_ROUTES:
                 self._routes.clear()
             self._routes[key] = route
         return route
@@ -345,29 +298,36 @@ class Communicator:
             self._order(transport)
         self._seq = seq = self._seq + 1
         self._arrived[self.rank] = seq
+        if self._deferred:
+            # the asynchronous collectives before this one start first: their checks complete
+            # once every rank has entered them, and a rank waiting in this one's check may be
+            # waiting for them
+            self._flush_deferred(route.op, seq, timeout)
         if self._checking:
             self._check_blocking(route, seq, timeout)
-        if self._deferred:
-            self._flush_deferred(route.op, seq, timeout)
         return seq
 
-    def _check_blocking(self, route: Route, seq: int, timeout: float | None) -> None:
-        request = self._check_request
-        if request is None:
-            request, self._check_mine, self._check_all = self._agree.blocking()
-            self._check_request = request
-        mine, every = self._check_mine, self._check_all
-        assert mine is not None and every is not None
-        vec = route.vec
+    def _check_slot(self, route: Route, seq: int, timeout: float | None) -> agree.Check:
+        """Collective `seq`'s check slot, free (an earlier asynchronous check on it read
+        first) and loaded with the route's signature; not started."""
+        check = self._agree.slot(seq)
+        if check.busy:
+            # the asynchronous collective RING places back has not been seen checked yet
+            self._flush_deferred(route.op, seq, timeout)
         if self._debug:
-            mine[:] = vec
-            mine[5], mine[11] = seq, -seq
-            self._checked_vec = None
-        elif self._checked_vec is not vec:
-            mine[:] = vec
-            self._checked_vec = vec
+            vec = route.vec.copy()
+            vec[5], vec[11] = seq, -seq
+            check.load(vec)
+        else:
+            check.load(route.vec)
+        return check
+
+    def _check_blocking(self, route: Route, seq: int, timeout: float | None) -> None:
+        check = self._check_slot(route, seq, timeout)
+        request = check.request
         try:
             request.Start()
+            check.busy = True
             test = request.Test
             for _ in range(_QUICK_POLLS):
                 if test():
@@ -376,8 +336,8 @@ class Communicator:
                 _work.wait_for(self, route.op, seq, test, timeout)
         except MPI.Exception as exc:
             raise self._mpi_error(route.op, seq, exc) from exc
-        if every.tobytes() != mine.tobytes():
-            raise self._mismatch(route.op, seq, mine.copy())
+        if not check.agreed():
+            raise self._mismatch(route.op, seq, check.mine.copy())
 
     def _admit(self, route: Route, start: Callable[[int], Work]) -> Work:
         """An asynchronous collective: its sequence number and arrival at once, its check
@@ -396,21 +356,21 @@ class Communicator:
             if self._deferred:
                 self._flush_deferred(route.op, seq)
             return start(seq)
-        vec = route.vec
-        if self._debug:
-            vec = vec.copy()
-            vec[5], vec[11] = seq, -seq
+        if self._deferred:
+            self._deferred.advance()  # start what can start now, without waiting
+        check = self._check_slot(route, seq, None)
         try:
-            request, result = self._agree.start(vec)
+            check.request.Start()
         except MPI.Exception as exc:
             raise self._mpi_error(route.op, seq, exc) from exc
-        item = _Deferred(request, result, vec, seq, partial(start, seq))
-        self._deferred.append(item)
+        check.busy = True
+        item = Deferred(check, seq, partial(start, seq))
+        self._deferred.add(item)
 
         def poll() -> bool:
             inner = item.inner
             if inner is None:
-                self._advance_deferred()
+                self._deferred.advance()
                 if item.error is not None:
                     raise item.error
                 inner = item.inner
@@ -423,35 +383,11 @@ class Communicator:
         outer = Work(self, route.op, seq, poll)
         return outer
 
-    def _advance_deferred(self) -> None:
-        """Start, in issue order, each deferred collective whose check has completed."""
-        queue = self._deferred
-        while queue:
-            item = queue[0]
-            try:
-                if not item.request.Test():
-                    return
-            except MPI.Exception as exc:
-                item.error = self._mpi_error("check", -1, exc)
-                queue.popleft()
-                continue
-            queue.popleft()
-            if item.result.tobytes() != item.vec.tobytes():
-                try:
-                    item.error = self._mismatch("check", item.seq, item.vec)
-                except BaseException as exc:  # the gather of the signatures failed
-                    item.error = exc
-                continue
-            try:
-                item.inner = item.start()
-            except BaseException as exc:
-                item.error = exc
-
     def _flush_deferred(self, op: str, seq: int, timeout: float | None = None) -> None:
         """Start every deferred collective before the one now entering (bounded wait)."""
 
         def started() -> bool:
-            self._advance_deferred()
+            self._deferred.advance()
             return not self._deferred
 
         if not started():
@@ -483,14 +419,17 @@ class Communicator:
         """Enter `op` on `buf` outside the routes (fused groups, hier's parts): the transport
         and the sequence number. Blocking: the check is made here."""
         if timeout is not None:
-            _check_timeout(timeout, op)
+            check_timeout(timeout, op)
         transport = self._transport(op, buf)
         if op in _POINT_TO_POINT:
             self._p2p_seq += 1
             return transport, self._p2p_seq
         count = buf.count if buf is not None else 0
         route = Route(
-            op, transport, agree.signature(op, buf.dtype if buf else None, count, None, root), _no
+            op,
+            transport,
+            agree.signature(op, buf.dtype if buf else None, count, None, root),
+            no_general,
         )
         return transport, self._enter(route)
 
@@ -541,7 +480,7 @@ class Communicator:
         """Enter (unless the caller already did) and start a collective of the general path."""
         route.uses += 1
         if timeout is not None:
-            _check_timeout(timeout, route.op)
+            check_timeout(timeout, route.op)
         if async_op:
             work = self._admit(route, start)
         else:
@@ -597,19 +536,19 @@ class Communicator:
         if self._aborted is not None or self._closed:
             self._check_open()
         inplace = out is None or out is x
-        kx = _key(x)
+        kx = key_of(x)
         key = (
             None
-            if kx is None or op.__class__ not in _OP_TYPES
-            else ("all_reduce", kx, op, None if inplace else _key(out))
+            if kx is None or op.__class__ not in OP_TYPES
+            else ("all_reduce", kx, op, None if inplace else key_of(out))
         )
         route = self._routes.get(key) if key is not None else None
         if route is None:
             route = self._route_all_reduce(key, x, op, out, inplace)
-        if route.run is not None and not async_op and timeout is None and _work._recorder is None:
-            xh = _host_view(x, inplace)
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
+            xh = host_view(x, inplace)
             if xh is not None:
-                oh = xh if inplace else _host_view(out, True)
+                oh = xh if inplace else host_view(out, True)
                 if oh is not None and (inplace or not np.may_share_memory(xh, oh)):
                     if self._blocking_run(route, xh, oh):
                         return None
@@ -625,7 +564,7 @@ class Communicator:
         ob = None
         if not inplace:
             ob = as_buffer(out, "all_reduce: out")
-            _same(ob, xb, "all_reduce: out", ob.count == xb.count, f"{xb.count} elements")
+            same(ob, xb, "all_reduce: out", ob.count == xb.count, f"{xb.count} elements")
         return self._route(key, "all_reduce", xb, self._all_reduce, rop, -1, ob)
 
     def _all_reduce(
@@ -642,11 +581,11 @@ class Communicator:
         rop = route.rop
         assert rop is not None
         if inplace:
-            _writable(xb, "all_reduce: x (in place)")
+            writable(xb, "all_reduce: x (in place)")
             ob = xb
         else:
             ob = as_buffer(out, "all_reduce: out")
-            _writable(ob, "all_reduce: out")
+            writable(ob, "all_reduce: out")
             kind = overlap(xb, ob)
             if kind == "partial":
                 raise InvalidArgument(
@@ -666,14 +605,14 @@ class Communicator:
             )
         steps: list[Callable[[], None]] = []
         same = ob is xb
-        xc = _contiguous_out(xb, steps) if same else _contiguous_in(xb)
-        oc = xc if same else _contiguous_out(ob, steps)
+        xc = contiguous_out(xb, steps) if same else contiguous_in(xb)
+        oc = xc if same else contiguous_out(ob, steps)
         return self._collective(
             route,
             async_op,
             timeout,
             seq,
-            lambda s: _then(transport.all_reduce(xc, oc, rop, s), steps),
+            lambda s: then(transport.all_reduce(xc, oc, rop, s), steps),
             (xb, ob, xc, oc),
         )
 
@@ -695,106 +634,7 @@ class Communicator:
         empty list does nothing (None, or a completed Work). An array given twice, arrays that
         overlap, read-only arrays, unsupported dtypes and ops are refused before anything moves.
         """
-        self._check_open()
-        what = "all_reduce_coalesced"
-        rop = op if op.__class__ is ReduceOp else as_reduce_op(op, f"{what}: op")
-        if timeout is not None:
-            _check_timeout(timeout, what)
-        bufs, groups = fusion.prepare(arrays, rop, what)
-        if not groups:
-            return completed(self, "all_reduce", self._seq) if async_op else None
-        # every group's transport is chosen (and may refuse) before any array is read
-        chosen = []
-        for g in groups:
-            if g.on_device:
-                fusion.check_device(what)
-            chosen.append(self._transport("all_reduce", g.fused()))
-        if not async_op and all(
-            isinstance(t, MpiTransport) and not g.on_device for g, t in zip(groups, chosen)
-        ):
-            sizes = [g.total * storage_dtype(g.dtype).itemsize for g in groups]
-            mpi = chosen[0]  # the communicator's one mpi transport
-            assert isinstance(mpi, MpiTransport)
-            if all(map(mpi.fits_node, sizes)) and self._coalesced_on_node(
-                groups, sizes, mpi, rop, timeout
-            ):
-                return None
-        packed: list[tuple[Buffer, list[Callable[[], None]], Any]] = []
-        for g in groups:
-            if g.on_device:
-                dev = fusion.pack_device(g)
-                packed.append((g.fused(ptr=dev.ptr), [dev.unpack], dev))
-            else:
-                pool = fusion.host_buffers(self)
-                flat = pool.take(g.dtype, g.total)
-                fusion.pack_host(g, flat)
-                packed.append(
-                    (g.fused(flat[: g.total]), [_unpacker(g, flat), _giver(pool, flat)], flat)
-                )
-        works: list[Work] = []
-        for fb, steps, holder in packed:
-            # a group on another transport than the one before starts once the groups before it
-            # are done (the ordering guard waits for the collectives in flight)
-            route = self._route(None, "all_reduce", fb, _no, rop)
-            transport = route.transport
-
-            def start(
-                s: int,
-                fb: Buffer = fb,
-                steps: list[Callable[[], None]] = steps,
-                transport: Transport = transport,
-            ) -> Work:
-                return _then(transport.all_reduce(fb, fb, rop, s), steps)
-
-            if fb.on_device and transport.name == "mpi":
-                holder.synchronize()  # MPI reads device memory without regard to streams
-            work = self._admit(route, start) if async_op else start(self._enter(route, timeout))
-            if timeout is not None:
-                work._timeout = float(timeout)
-            self._inflight.append(work)
-            works.append(work)
-        if async_op:
-            work = works[0] if len(works) == 1 else _all_of(self, works)
-            return self._finish(work, True, timeout, (bufs, packed))
-        for work in works:
-            self._finish(work, False, timeout)
-        # seen complete here: out of the ordering guard's list, which would otherwise keep
-        # every blocking call's arrays alive
-        self._inflight = [w for w in self._inflight if not w._done]
-        return None
-
-    def _coalesced_on_node(
-        self,
-        groups: list[fusion.Group],
-        sizes: list[int],
-        transport: MpiTransport,
-        rop: ReduceOp,
-        timeout: float | None,
-    ) -> bool:
-        """A blocking all_reduce_coalesced of host arrays among one node's ranks: each group
-        (of `sizes` bytes) packed into this rank's shared segment, reduced there, and unpacked,
-        on this thread (hetcomm.transports.mpi.node). False, with nothing moved, where the
-        segments cannot be had (every rank finds out alike): the call then takes the fused MPI
-        all-reduce."""
-
-        def wait(request: Any, what: str, seq: int) -> None:
-            Work(self, f"all_reduce_coalesced ({what})", seq, request.Test, timeout=timeout).wait()
-
-        node = transport.node_reduce("all_reduce_coalesced", self._seq + 1)
-        try:
-            node.segment(max(sizes), partial(wait, seq=self._seq + 1))
-        except TransportUnavailable as exc:
-            log.warning("group '%s': %s; fused all-reduces go through MPI", self.name, exc)
-            transport.node_off()
-            return False
-        for g, nbytes in zip(groups, sizes):
-            route = self._route(None, "all_reduce", g.fused(), _no, rop)
-            seq = self._enter(route, timeout)
-            fused = node.segment(nbytes, partial(wait, seq=seq)).view(storage_dtype(g.dtype))
-            fusion.pack_host(g, fused)
-            node.all_reduce(nbytes, g.dtype, rop, partial(wait, seq=seq))
-            fusion.unpack_host(g, fused)
-        return True
+        return coalesced.all_reduce_coalesced(self, arrays, op, async_op, timeout)
 
     def reduce(
         self,
@@ -808,10 +648,10 @@ class Communicator:
         """Reduce `x` over the group into `x` of `root`; the others' `x` is left as it was."""
         if self._aborted is not None or self._closed:
             self._check_open()
-        kx = _key(x)
+        kx = key_of(x)
         key = (
             None
-            if kx is None or root.__class__ is not int or op.__class__ not in _OP_TYPES
+            if kx is None or root.__class__ is not int or op.__class__ not in OP_TYPES
             else ("reduce", kx, root, op)
         )
         route = self._routes.get(key) if key is not None else None
@@ -822,8 +662,8 @@ class Communicator:
             check_op_for_dtype(rop, xb.dtype, "reduce")
             route = self._route(key, "reduce", xb, self._reduce, rop, r)
         at_root = self.rank == route.root
-        if route.run is not None and not async_op and timeout is None and _work._recorder is None:
-            xh = _host_view(x, at_root)
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
+            xh = host_view(x, at_root)
             if xh is not None:
                 if self._blocking_run(route, xh):
                     return None
@@ -838,16 +678,16 @@ class Communicator:
         assert rop is not None
         at_root = self.rank == root
         if at_root:
-            _writable(xb, "reduce: x at the root")
+            writable(xb, "reduce: x at the root")
         steps: list[Callable[[], None]] = []
-        xc = _contiguous_out(xb, steps) if at_root else _contiguous_in(xb)
+        xc = contiguous_out(xb, steps) if at_root else contiguous_in(xb)
         transport = route.transport
         return self._collective(
             route,
             async_op,
             timeout,
             seq,
-            lambda s: _then(transport.reduce(xc, rop, root, s), steps),
+            lambda s: then(transport.reduce(xc, rop, root, s), steps),
             (xb, xc),
         )
 
@@ -857,15 +697,15 @@ class Communicator:
         """Copy `x` of `root` into `x` of every rank."""
         if self._aborted is not None or self._closed:
             self._check_open()
-        kx = _key(x)
+        kx = key_of(x)
         key = None if kx is None or root.__class__ is not int else ("broadcast", kx, root)
         route = self._routes.get(key) if key is not None else None
         if route is None:
             xb = as_buffer(x, "broadcast: x")
             r = self._root(root, "broadcast: root")
             route = self._route(key, "broadcast", xb, self._broadcast, None, r)
-        if route.run is not None and not async_op and timeout is None and _work._recorder is None:
-            xh = _host_view(x, self.rank != route.root)
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
+            xh = host_view(x, self.rank != route.root)
             if xh is not None:
                 if self._blocking_run(route, xh):
                     return None
@@ -878,16 +718,16 @@ class Communicator:
         xb = as_buffer(x, "broadcast: x")
         root = route.root
         if self.rank != root:
-            _writable(xb, "broadcast: x")
+            writable(xb, "broadcast: x")
         steps: list[Callable[[], None]] = []
-        xc = _contiguous_in(xb) if self.rank == root else _contiguous_out(xb, steps)
+        xc = contiguous_in(xb) if self.rank == root else contiguous_out(xb, steps)
         transport = route.transport
         return self._collective(
             route,
             async_op,
             timeout,
             seq,
-            lambda s: _then(transport.broadcast(xc, root, s), steps),
+            lambda s: then(transport.broadcast(xc, root, s), steps),
             (xb, xc),
         )
 
@@ -937,18 +777,16 @@ class Communicator:
         element counts relate as out_blocks to x_blocks."""
         if self._aborted is not None or self._closed:
             self._check_open()
-        kx, ko = _key(x), _key(out)
+        kx, ko = key_of(x), key_of(out)
         key = (
-            None
-            if kx is None or ko is None or rop.__class__ not in _OP_TYPES
-            else (op, kx, ko, rop)
+            None if kx is None or ko is None or rop.__class__ not in OP_TYPES else (op, kx, ko, rop)
         )
         route = self._routes.get(key) if key is not None else None
         if route is None:
             route = self._route_blocks(key, op, out, x, rop, out_blocks, x_blocks, method)
-        if route.run is not None and not async_op and timeout is None and _work._recorder is None:
-            xh = _host_view(x, False)
-            oh = _host_view(out, True)
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
+            xh = host_view(x, False)
+            oh = host_view(out, True)
             if xh is not None and oh is not None and not np.may_share_memory(xh, oh):
                 if self._blocking_run(route, xh, oh):
                     return None
@@ -985,7 +823,7 @@ class Communicator:
             )
         else:
             expected = f"{xb.count} elements"
-        _same(ob, xb, f"{op}: out", ob.count * x_blocks == xb.count * out_blocks, expected)
+        same(ob, xb, f"{op}: out", ob.count * x_blocks == xb.count * out_blocks, expected)
         general = partial(_blocks_general, self, method)
         return self._route(key, op, xb, general, r, -1, ob)
 
@@ -1008,14 +846,14 @@ class Communicator:
             tag = self._tag(tag, "send")
         if self._group is not None:
             return self._queue("send", x, dst, tag, async_op, timeout)
-        kx = _key(x)
+        kx = key_of(x)
         key = None if kx is None else ("send", kx)
         route = self._routes.get(key) if key is not None else None
         if route is None:
             xb = as_buffer(x, "send: x")
-            route = self._route(key, "send", xb, _no)
-        if route.run is not None and not async_op and timeout is None and _work._recorder is None:
-            xh = _host_view(x, False)
+            route = self._route(key, "send", xb, no_general)
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
+            xh = host_view(x, False)
             if xh is not None:
                 self._p2p_seq = seq = self._p2p_seq + 1
                 route.runs += 1
@@ -1038,12 +876,12 @@ class Communicator:
         seq: int | None,
     ) -> Work | None:
         if timeout is not None:
-            _check_timeout(timeout, "send")
+            check_timeout(timeout, "send")
         route.uses += 1
         xb = as_buffer(x, "send: x")
         if seq is None:
             self._p2p_seq = seq = self._p2p_seq + 1
-        xc = _contiguous_in(xb)
+        xc = contiguous_in(xb)
         _work.set_blocking(not async_op)
         try:
             work = route.transport.send(xc, dst, tag, seq)
@@ -1070,14 +908,14 @@ class Communicator:
             tag = self._tag(tag, "recv")
         if self._group is not None:
             return self._queue("recv", x, src, tag, async_op, timeout)
-        kx = _key(x)
+        kx = key_of(x)
         key = None if kx is None else ("recv", kx)
         route = self._routes.get(key) if key is not None else None
         if route is None:
             xb = as_buffer(x, "recv: x")
-            route = self._route(key, "recv", xb, _no)
-        if route.run is not None and not async_op and timeout is None and _work._recorder is None:
-            xh = _host_view(x, True)
+            route = self._route(key, "recv", xb, no_general)
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
+            xh = host_view(x, True)
             if xh is not None:
                 self._p2p_seq = seq = self._p2p_seq + 1
                 route.runs += 1
@@ -1100,22 +938,22 @@ class Communicator:
         seq: int | None,
     ) -> Work | None:
         if timeout is not None:
-            _check_timeout(timeout, "recv")
+            check_timeout(timeout, "recv")
         route.uses += 1
         xb = as_buffer(x, "recv: x")
-        _writable(xb, "recv: x")
+        writable(xb, "recv: x")
         if seq is None:
             self._p2p_seq = seq = self._p2p_seq + 1
         steps: list[Callable[[], None]] = []
-        xc = _contiguous_out(xb, steps)
+        xc = contiguous_out(xb, steps)
         _work.set_blocking(not async_op)
         try:
             work = route.transport.recv(xc, src, tag, seq)
         finally:
             _work.set_blocking(False)
-        return self._finish(_then(work, steps), async_op, timeout, (xb, xc))
+        return self._finish(then(work, steps), async_op, timeout, (xb, xc))
 
-    def group(self) -> _Group:
+    def group(self) -> Group:
         """`with comm.group():` queues the sends and receives made inside the block and starts
         them together when it ends (receives first), as ncclGroupStart/End and torch's
         batch_isend_irecv do, so that rings and halo exchanges cannot deadlock. Each call is
@@ -1123,7 +961,7 @@ class Communicator:
         block ends, an asynchronous one returns a Work that completes after the block. Only
         point-to-point calls may be made inside; an exception inside the block drops the queued
         calls, none of which has moved a byte."""
-        return _Group(self)
+        return Group(self)
 
     def sendrecv(
         self,
@@ -1148,7 +986,7 @@ class Communicator:
         if not async_op:
             return None
         assert sent is not None and got is not None
-        return _all_of(self, [got, sent], "sendrecv")
+        return all_of(self, [got, sent], "sendrecv")
 
     def _queue(
         self,
@@ -1162,11 +1000,11 @@ class Communicator:
         """A send or recv inside `with comm.group():`, validated now and started at its end."""
         assert self._group is not None
         if timeout is not None:
-            _check_timeout(timeout, op)
+            check_timeout(timeout, op)
         xb = as_buffer(x, f"{op}: x")
         if op == "recv":
-            _writable(xb, "recv: x")
-        item = _Queued(op, x, peer, tag, timeout, not async_op)
+            writable(xb, "recv: x")
+        item = Queued(op, x, peer, tag, timeout, not async_op)
         self._group.append(item)
         if not async_op:
             return None
@@ -1180,7 +1018,7 @@ class Communicator:
 
         return Work(self, op, self._p2p_seq, poll)
 
-    def _run_group(self, items: list[_Queued]) -> None:
+    def _run_group(self, items: list[Queued]) -> None:
         """Start the calls of a group block, receives first, then wait for the blocking ones."""
         order = [i for i in items if i.op == "recv"] + [i for i in items if i.op == "send"]
         for item in order:
@@ -1197,19 +1035,19 @@ class Communicator:
             self._check_open()
         route = self._routes.get("barrier")
         if route is None:
-            route = self._route("barrier", "barrier", None, _no)
-        if self._checking and _work._recorder is None:
+            route = self._route("barrier", "barrier", None, no_general)
+        if self._checking and not _work.observing:
             # the check compares the barrier's signature across the group, so it completes
             # once every rank has entered the barrier: it is the barrier
             route.runs += 1
             if not async_op:
                 if timeout is not None:
-                    _check_timeout(timeout, "barrier")
+                    check_timeout(timeout, "barrier")
                 self._enter(route, timeout)
                 return None
             work = self._admit(route, partial(completed, self, "barrier"))
             return self._finish(work, True, timeout)
-        if route.run is not None and not async_op and timeout is None and _work._recorder is None:
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
             if self._blocking_run(route):
                 return None
             seq: int | None = self._last_entered
@@ -1223,44 +1061,6 @@ class Communicator:
         if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag <= top:
             raise InvalidArgument(f"{what}: expected a tag in [0, {top}], got {tag!r}")
         return int(tag)
-
-
-class _Queued:
-    """A point-to-point call queued by a group block, and its Work once started."""
-
-    __slots__ = ("blocking", "dropped", "op", "peer", "tag", "timeout", "work", "x")
-
-    def __init__(
-        self, op: str, x: Any, peer: int, tag: int, timeout: float | None, blocking: bool
-    ) -> None:
-        self.op, self.x, self.peer, self.tag, self.timeout = op, x, peer, tag, timeout
-        self.blocking = blocking
-        self.work: Work | None = None
-        self.dropped = False
-
-
-class _Group:
-    """The context manager of Communicator.group()."""
-
-    def __init__(self, comm: Communicator) -> None:
-        self.comm = comm
-
-    def __enter__(self) -> _Group:
-        comm = self.comm
-        comm._check_open()
-        if comm._group is not None:
-            raise InvalidArgument("comm.group() blocks do not nest")
-        comm._group = []
-        return self
-
-    def __exit__(self, kind: object, exc: object, tb: object) -> None:
-        comm = self.comm
-        items, comm._group = comm._group or [], None
-        if kind is not None:
-            for item in items:
-                item.dropped = True
-            return
-        comm._run_group(items)
 
 
 def _reduce_scatter(t: Transport) -> Callable[..., Work]:
@@ -1281,172 +1081,22 @@ def _blocks_general(
     op = route.op
     xb = as_buffer(x, f"{op}: x")
     ob = as_buffer(out, f"{op}: out")
-    _writable(ob, f"{op}: out")
+    writable(ob, f"{op}: out")
     steps: list[Callable[[], None]] = []
-    xc = _contiguous_in(xb, copy=overlap(xb, ob) != "none")
-    oc = _contiguous_out(ob, steps)
+    xc = contiguous_in(xb, copy=overlap(xb, ob) != "none")
+    oc = contiguous_out(ob, steps)
     call = method(route.transport)
     rop = route.rop
     if rop is None:
 
         def start(s: int) -> Work:
-            return _then(call(oc, xc, s), steps)
+            return then(call(oc, xc, s), steps)
     else:
 
         def start(s: int) -> Work:
-            return _then(call(oc, xc, rop, s), steps)
+            return then(call(oc, xc, rop, s), steps)
 
     return comm._collective(route, async_op, timeout, seq, start, (xb, ob, xc, oc))
-
-
-def _no(*_: Any) -> Work | None:
-    raise AssertionError("a route of the communicator's own calls has no general path")
-
-
-# ---- arrays on the routes ------------------------------------------------------------------
-
-_TENSOR: type | None = None  # torch.Tensor, once a tensor has been seen (torch loads lazily)
-
-
-def _key(x: Any) -> Hashable | None:
-    """What of an array decides its route: its type, dtype, shape and device. None for types
-    whose routes are not kept (each call then resolves afresh, as the first call does)."""
-    cls = x.__class__
-    if cls is np.ndarray:
-        return (cls, x.dtype, x.shape)
-    if cls is _TENSOR:
-        return (cls, x.dtype, x.shape, x.device)
-    if _TENSOR is None and cls.__name__ == "Tensor" and cls.__module__ == "torch":
-        _learn_tensor(cls)
-        return (cls, x.dtype, x.shape, x.device)
-    if cls.__name__ == "ndarray" and cls.__module__.startswith("cupy"):
-        return (cls, x.dtype, x.shape, x.device.id)
-    return None
-
-
-def _learn_tensor(cls: type) -> None:
-    global _TENSOR
-    _TENSOR = cls
-
-
-def _host_view(x: Any, write: bool) -> np.ndarray | None:
-    """The numpy array a prepared host call works on: `x` itself (a contiguous numpy array,
-    writable where `write`), the numpy view of a contiguous CPU tensor that needs no grad, or
-    None where the call takes the general path (which packs or refuses)."""
-    if x.__class__ is np.ndarray:
-        flags = x.flags
-        if flags.c_contiguous and (flags.writeable or not write):
-            return x
-        return None
-    if x.__class__ is _TENSOR:
-        return _cpu_tensor_array(x)
-    return None
-
-
-def _cpu_tensor_array(x: Any) -> np.ndarray | None:
-    """The numpy view of a contiguous CPU torch tensor that needs no grad, else None."""
-    if not x.is_cpu or x.requires_grad or not x.is_contiguous():
-        return None
-    try:
-        arr: np.ndarray = x.numpy()  # bfloat16 and friends raise: the general path takes them
-    except (TypeError, RuntimeError):
-        return None
-    return arr
-
-
-def _check_timeout(timeout: Any, op: str) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise InvalidArgument(
-            f"{op}: timeout must be a positive number of seconds, got {timeout!r}"
-        )
-    return float(timeout)
-
-
-def _same(b: Buffer, ref: Buffer, what: str, count_ok: bool, expected: str) -> None:
-    if b.dtype != ref.dtype:
-        raise InvalidArgument(f"{what}: expected dtype {ref.dtype} like x, got {b.dtype}")
-    if b.on_device != ref.on_device or b.device_index != ref.device_index:
-        raise InvalidArgument(
-            f"{what}: expected memory where x lives ({ref.describe()}), got {b.describe()}"
-        )
-    if not count_ok:
-        raise InvalidArgument(f"{what}: expected {expected}, got {b.count} (shape {list(b.shape)})")
-
-
-def _writable(b: Buffer, what: str) -> None:
-    if b.readonly:
-        raise InvalidArgument(f"{what}: the array is read-only but this operation writes it")
-
-
-def _contiguous_in(b: Buffer, copy: bool = False) -> Buffer:
-    """`b` itself when contiguous, else (or when `copy`) a packed copy: inputs only."""
-    if b.contiguous and not copy:
-        return b
-    if b.host is None:
-        raise InvalidArgument(
-            f"{b.describe()}: non-contiguous device arrays are not packed yet; pass a "
-            "contiguous array (.contiguous() / cupy.ascontiguousarray)"
-        )
-    packed = np.array(b.host, order="C", copy=True).reshape(-1)
-    return _host_buffer(b, packed)
-
-
-def _contiguous_out(b: Buffer, steps: list[Callable[[], None]]) -> Buffer:
-    """`b` itself when contiguous; else a packed copy whose result is written back when done."""
-    if b.contiguous:
-        return b
-    if b.host is None:
-        raise InvalidArgument(
-            f"{b.describe()}: non-contiguous device arrays are not packed yet; pass a "
-            "contiguous array (.contiguous() / cupy.ascontiguousarray)"
-        )
-    target = b.host
-    packed = np.array(target, order="C", copy=True).reshape(-1)
-    steps.append(lambda: np.copyto(target, packed.reshape(target.shape)))
-    return _host_buffer(b, packed)
-
-
-def _host_buffer(like: Buffer, flat: np.ndarray) -> Buffer:
-    return Buffer(
-        obj=like.obj,
-        kind=like.kind,
-        dtype=like.dtype,
-        shape=like.shape,
-        device="cpu",
-        device_index=None,
-        ptr=flat.__array_interface__["data"][0],
-        contiguous=True,
-        readonly=False,
-        host=flat,
-    )
-
-
-def _then(work: Work, steps: list[Callable[[], None]]) -> Work:
-    if steps:
-        work._finish = [*work._finish, *steps]
-    return work
-
-
-def _unpacker(g: fusion.Group, flat: np.ndarray) -> Callable[[], None]:
-    return lambda: fusion.unpack_host(g, flat)
-
-
-def _giver(pool: fusion.HostBuffers, flat: np.ndarray) -> Callable[[], None]:
-    return lambda: pool.give(flat)
-
-
-def _all_of(comm: Communicator, works: list[Work], op: str = "all_reduce") -> Work:
-    """One Work over several, complete once each is (in order; the first failure is its own)."""
-    left = list(works)
-
-    def poll() -> bool:
-        while left:
-            if not left[0].test():
-                return False
-            left.pop(0)
-        return True
-
-    return Work(comm, op, works[-1].seq, poll)
 
 
 __all__ = ["Communicator", "MismatchError", "Route"]

@@ -24,17 +24,6 @@ _SPIN_S = 200e-6
 _MAX_SLEEP_S = 1e-3
 
 
-def _decide_tracing(work: Work) -> None:
-    """The first completed operation decides, from its communicator's config, whether this
-    process traces (hetcomm.trace); afterwards each completion costs one check of `_recorder`."""
-    global _recorder
-    from .trace import recorder_for
-
-    _recorder = recorder_for(work._comm.config.trace)
-    if _recorder is not None:
-        _recorder(work)
-
-
 # Whether the call this thread is issuing will wait for its operation at once (a blocking
 # call): the communicator says so before it hands the call to a transport, which may then leave
 # its progress thread asleep, since the calling thread is about to run the operation itself.
@@ -64,8 +53,45 @@ def thread_stacks() -> str:
     return "\n".join(parts)
 
 
-# called with each Work that completes; None when tracing is off (see hetcomm.trace)
-_recorder: Callable[[Work], None] | None = _decide_tracing
+# ---- observers: callables told of every operation that completes (hetcomm.trace is one) -------
+
+Observer = Callable[["Work"], None]
+
+# Replaced whole, never changed in place: a completing Work iterates the tuple it read while
+# another thread registers or removes an observer.
+_observers: tuple[Observer, ...] = ()
+_observers_lock = threading.Lock()
+
+# True while any observer is registered. The communicator reads it once per call: its prepared
+# blocking calls make no Work, so it takes them only while nobody observes.
+observing = False
+
+
+def add_observer(fn: Observer) -> None:
+    """Call `fn(work)` with every Work that completes from now on, on the completing thread."""
+    global _observers, observing
+    if not callable(fn):
+        raise InvalidArgument(f"add_observer: expected a callable, got {type(fn).__name__}")
+    with _observers_lock:
+        if fn not in _observers:
+            _observers = (*_observers, fn)
+        observing = True
+
+
+def remove_observer(fn: Observer) -> bool:
+    """Stop calling `fn`; whether it was registered (a bound method matches an equal one)."""
+    global _observers, observing
+    with _observers_lock:
+        kept = tuple(o for o in _observers if o != fn)
+        removed = len(kept) != len(_observers)
+        _observers = kept
+        observing = bool(kept)
+    return removed
+
+
+def observers() -> tuple[Observer, ...]:
+    """The observers registered now, in the order they are called."""
+    return _observers
 
 
 class Work:
@@ -118,7 +144,7 @@ class Work:
         self._waiter = waiter
         self._t0 = time.perf_counter()  # the start of the operation, for the trace
         self.info: dict[str, Any] | None = None
-        # whether the trace records it (not a wait inside another operation)
+        # whether observers are told of it (not of a wait inside another operation)
         self.observed = True
 
     def test(self) -> bool:
@@ -146,8 +172,9 @@ class Work:
             raise
         self._done = True
         self._keep = ()
-        if _recorder is not None and self.observed:
-            _recorder(self)
+        if observing and self.observed:
+            for fn in _observers:
+                fn(self)
         return True
 
     def is_completed(self) -> bool:
@@ -239,3 +266,17 @@ def completed(comm: Context, op: str, seq: int) -> Work:
 
 def _true() -> bool:
     return True
+
+
+def all_of(comm: Context, works: list[Work], op: str = "all_reduce") -> Work:
+    """One Work over several, complete once each is (in order; the first failure is its own)."""
+    left = list(works)
+
+    def poll() -> bool:
+        while left:
+            if not left[0].test():
+                return False
+            left.pop(0)
+        return True
+
+    return Work(comm, op, works[-1].seq, poll)

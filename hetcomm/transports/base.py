@@ -175,6 +175,7 @@ class Job:
             self._lock.release()
 
     def is_set(self) -> bool:
+        """Whether the call has returned or raised."""
         return self._done
 
     def wait(self, timeout: float | None = None) -> bool:

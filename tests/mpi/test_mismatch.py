@@ -171,3 +171,30 @@ def test_a_timeout_names_the_ranks_that_have_not_arrived(make_comm, errors):
             errors.append("no CommTimeout")
         errors.expect(np.array_equal(x, np.ones(4)), "x was written")
     errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_asynchronous_collective_starts_while_its_caller_blocks_elsewhere(make_comm, errors):
+    """Rank 0 issues an asynchronous all_reduce, then blocks in a large send to rank 1, which
+    first runs the all_reduce (blocking) and only then receives: the all_reduce, held back
+    until its check completes, must start without rank 0 polling it (legal MPI, and it ran
+    before the check existed)."""
+    comm = make_comm(name="deferred", timeout=30)
+    x = np.full(16, comm.rank + 1.0)
+    big = np.zeros(1 << 20)  # 8 MiB: past the eager limit, the send waits for its receive
+    want = comm.size * (comm.size + 1) / 2
+    if comm.rank == 0:
+
+        def go():
+            work = comm.all_reduce(x, async_op=True)
+            comm.send(np.ones_like(big), 1, tag=9)
+            work.wait()
+
+        errors.run("rank 0", go)
+    else:
+        errors.run("all_reduce", comm.all_reduce, x)
+        if comm.rank == 1:
+            errors.run("recv", comm.recv, big, 0, tag=9)
+            errors.expect((big == 1).all(), "the large message")
+    errors.expect((x == want).all(), f"all_reduce gave {x[:3]}")
+    errors.verify()

@@ -187,6 +187,7 @@ class MpiTransport(Transport):
             Work(self.comm, f"{op} after the mpi lane", seq, drained).wait()
 
     def close(self) -> None:
+        """Free the persistent requests and the node segments."""
         self.requests.close()
         if self._node is not None:
             self._node.close(free_comm=self.comm._aborted is None)
@@ -234,6 +235,7 @@ class MpiTransport(Transport):
 
     @classmethod
     def unavailable(cls, topology: Topology) -> str | None:
+        """Always None: the communicator is itself MPI."""
         return None  # the communicator itself is MPI, so MPI is always there
 
     def _start(
@@ -310,6 +312,7 @@ class MpiTransport(Transport):
         return [lambda: reduce.divide(host, n, dtype)]
 
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
+        """A cached persistent request when small, else MPI_Allreduce (AVG divides after)."""
         self._reducible(x)
         if 0 < out.nbytes <= self._persistent_max:
             kind = _PERSISTENT.get((x.dtype, op._value_))
@@ -562,6 +565,7 @@ class MpiTransport(Transport):
         return True
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
+        """MPI_Reduce into the root's `x` (AVG divides after)."""
         self._reducible(x)
         dt, mpi = _DATATYPES[x.dtype], self._mpi
         mop = mpi_op(x.dtype, op)
@@ -593,6 +597,7 @@ class MpiTransport(Transport):
         )
 
     def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
+        """MPI_Bcast, in spans past MPI's count limit."""
         dt, mpi = _DATATYPES[x.dtype], self._mpi
         spans = _spans(x)
         if len(spans) > 1:
@@ -605,6 +610,7 @@ class MpiTransport(Transport):
         )
 
     def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        """MPI_Allgather, in spans past MPI's count limit."""
         dt, mpi = _DATATYPES[x.dtype], self._mpi
         spans = _spans(x, mpi.Get_size())
         if len(spans) > 1:
@@ -630,6 +636,7 @@ class MpiTransport(Transport):
         )
 
     def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
+        """MPI_Reduce_scatter_block (AVG divides after)."""
         self._reducible(x)
         dt, mpi = _DATATYPES[x.dtype], self._mpi
         mop = mpi_op(x.dtype, op)
@@ -664,6 +671,7 @@ class MpiTransport(Transport):
         )
 
     def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        """MPI_Alltoall, in spans past MPI's count limit."""
         dt, mpi = _DATATYPES[x.dtype], self._mpi
         size = mpi.Get_size()
         spans = _spans(out, size, size)
@@ -688,6 +696,7 @@ class MpiTransport(Transport):
         )
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
+        """MPI_Isend on the group's own communicator, with the caller's tag."""
         dt, spans = _DATATYPES[x.dtype], _spans(x)
         if len(spans) == 1:
             work = Work(self.comm, "send", seq, self._mpi.Isend((self._mem(x), dt), dst, tag).Test)
@@ -701,6 +710,7 @@ class MpiTransport(Transport):
         return work
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
+        """MPI_Irecv on the group's own communicator, with the caller's tag."""
         spans = _spans(x)
         dt, mpi = _DATATYPES[x.dtype], self._mpi
         if len(spans) == 1:
@@ -715,6 +725,7 @@ class MpiTransport(Transport):
         return work
 
     def barrier(self, seq: int) -> Work:
+        """MPI_Ibarrier, or MPI_Barrier on the lane."""
         mpi = self._mpi
         return self._start("barrier", seq, 0, mpi.Ibarrier, mpi.Barrier)
 
