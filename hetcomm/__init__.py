@@ -14,6 +14,7 @@ from .errors import (
     HetcommError,
     InvalidArgument,
     MismatchError,
+    PeerLost,
     TopologyError,
     TransportUnavailable,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "MismatchError",
     "ParallelGroups",
     "ParallelLayout",
+    "PeerLost",
     "ReduceOp",
     "TopologyError",
     "TransportUnavailable",

@@ -165,18 +165,24 @@ class Agreement:
 
 
 class Arrivals:
-    """Each rank's latest entered collective, in shared memory among the ranks of one host."""
+    """Each rank's latest entered collective, in shared memory among the ranks of one host,
+    beside each rank's process id: a rank that died inside an operation had arrived, and is
+    named by its process being gone."""
 
     def __init__(self, mpi_comm: MPI.Intracomm) -> None:
         rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         local: Any = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         try:
             self.local_ranks: list[int] = local.allgather(rank)
-            self._map, self.table = _shared_table(local, size)
+            self._map, shared = _shared_table(local, rank, size)
         finally:
             local.Free()
         self.rank = rank
+        self.table, self._pids = shared[:size], shared[size:]
         self.table[rank] = 0
+        # a process id says whether a rank lives only where every local rank's can be seen
+        # (ranks of one host may still sit in different pid namespaces)
+        self._pids_seen = all(_alive(int(self._pids[r])) for r in self.local_ranks)
 
     def enter(self, seq: int) -> None:
         """Note that this rank has entered collective `seq`."""
@@ -190,21 +196,45 @@ class Arrivals:
         unknown = [r for r in range(len(table)) if r not in here]
         return late, unknown
 
+    def dead(self) -> list[int]:
+        """Ranks of this host whose process has ended (killed, crashed, exited)."""
+        if not self._pids_seen:
+            return []
+        return [r for r in self.local_ranks if not _alive(int(self._pids[r]))]
+
     def close(self) -> None:
         """Unmap the shared table (a view still alive keeps it mapped until exit)."""
         if self._map is not None:
             self.table = np.zeros(len(self.table), np.int64)
+            self._pids = np.zeros(len(self.table), np.int64)
+            self._pids_seen = False
             # a view of it still alive somewhere keeps it mapped: the OS frees it at exit
             with contextlib.suppress(BufferError):
                 self._map.close()
             self._map = None
 
 
-def _shared_table(local: MPI.Intracomm, size: int) -> tuple[mmap.mmap | None, np.ndarray]:
-    """An int64 table of `size` entries shared by the ranks of `local`, made by its first rank
-    and unlinked as soon as every rank has mapped it (nothing is left behind, even after a
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists (signal 0 checks without sending anything)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by someone else
+        return True
+    return True
+
+
+def _shared_table(
+    local: MPI.Intracomm, rank: int, size: int
+) -> tuple[mmap.mmap | None, np.ndarray]:
+    """An int64 table of 2 * `size` entries (sequence numbers, then process ids, which each
+    rank `rank` writes before the others read) shared by the ranks of `local`, made by its first
+    rank and unlinked as soon as every rank has mapped it (nothing is left behind, even after a
     crash); a private table where shared memory cannot be had (every rank learns that alike)."""
-    nbytes = 8 * size
+    nbytes = 16 * size
     name = ""
     fd = -1
     if local.Get_rank() == 0:
@@ -223,6 +253,7 @@ def _shared_table(local: MPI.Intracomm, size: int) -> tuple[mmap.mmap | None, np
             if fd < 0:
                 fd = os.open(name, os.O_RDWR)
             mapped = mmap.mmap(fd, nbytes)
+            np.frombuffer(mapped, dtype=np.int64)[size + rank] = os.getpid()
             ok = 1
         except OSError:
             mapped = None
@@ -236,8 +267,10 @@ def _shared_table(local: MPI.Intracomm, size: int) -> tuple[mmap.mmap | None, np
     if not every or mapped is None:
         if mapped is not None:
             mapped.close()
-        return None, np.zeros(size, np.int64)
-    return mapped, np.frombuffer(mapped, dtype=np.int64, count=size)
+        private = np.zeros(2 * size, np.int64)
+        private[size + rank] = os.getpid()
+        return None, private
+    return mapped, np.frombuffer(mapped, dtype=np.int64, count=2 * size)
 
 
 def describe_late(late: Sequence[int], unknown: Sequence[int]) -> str:

@@ -148,10 +148,12 @@ class Communicator:
         if op in _POINT_TO_POINT:
             return None, "a point-to-point operation waits for its peer to post the matching call"
         late, unknown = self._agree.arrivals.late(seq)
-        late = [r for r in late if r != self.rank]
+        dead = [r for r in self._agree.arrivals.dead() if r != self.rank]  # arrived, then died
+        late = sorted({r for r in late if r != self.rank} | set(dead))
+        notes = [f"ranks {dead} have died (their processes are gone)"] if dead else []
         if unknown:
-            return late, f"ranks {unknown} are on other hosts: their progress cannot be read here"
-        return late, ""
+            notes.append(f"ranks {unknown} are on other hosts: their progress cannot be read here")
+        return late, "; ".join(notes)
 
     def __repr__(self) -> str:
         return f"<hetcomm.Communicator '{self.name}' rank {self.rank} of {self.size}>"

@@ -65,3 +65,12 @@ class MpiError(HetcommError):
 
 class CommAborted(HetcommError):
     """The communicator was aborted by an earlier failure; every later call fails at once."""
+
+
+class PeerLost(CommAborted):
+    """Every connection to a peer failed in an operation (the peer died or closed them): the
+    communicator is aborted; `ranks` names the peers."""
+
+    def __init__(self, message: str, ranks: Sequence[int]) -> None:
+        self.ranks = tuple(ranks)
+        super().__init__(message)

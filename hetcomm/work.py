@@ -10,7 +10,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .errors import CommTimeout, InvalidArgument, MpiError
+from .errors import CommTimeout, InvalidArgument, MpiError, PeerLost
 
 if TYPE_CHECKING:
     from .transports.base import Context
@@ -167,7 +167,7 @@ class Work:
                 self._comm._abort(wrapped)
                 raise wrapped from exc
             self._fail(exc)
-            if isinstance(exc, CommTimeout):
+            if isinstance(exc, (CommTimeout, PeerLost)):
                 self._comm._abort(exc)
             raise
         self._done = True

@@ -512,13 +512,17 @@ def _all_arrived(comm: Context, svc: Any) -> None:
     while not req.Test():
         waited = time.monotonic() - start
         if waited > comm.config.timeout:
+            # the ranks not as far as this one (the arrivals table) are the ones not come;
+            # none, where the setup comes before this rank enters the collective: unknown
+            late, detail = comm.late("hier setup", comm._seq)
+            why = "not every rank came to set up the hier transport"
             exc = CommTimeout(
                 comm.name,
                 "hier setup",
                 comm._seq + 1,
                 comm.config.timeout,
-                None,
-                "not every rank came to set up the hier transport",
+                late or None,
+                f"{why}; {detail}" if detail else why,
             )
             comm._abort(exc)
             raise exc

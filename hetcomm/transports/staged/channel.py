@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ...errors import HetcommError
+from ...errors import PeerLost
 from .. import tags
 from ..local import Region
 from ..shm import SegmentError, SharedSlots
@@ -431,9 +431,8 @@ class Channel:
             if not item[0].done.is_set():
                 self.queue.put(item)
         if not self.alive():
-            self.fail(
-                HetcommError(f"every rail to rank {self.peer} failed: " + "; ".join(self.dead))
-            )
+            lost = f"every rail to rank {self.peer} failed: " + "; ".join(self.dead)
+            self.fail(PeerLost(lost, [self.peer]))
 
     def fail(self, exc: BaseException) -> None:
         """Fail every operation with the peer: its receives and the chunks still queued."""

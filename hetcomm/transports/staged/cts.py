@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
-from ...errors import HetcommError
+from ...errors import HetcommError, PeerLost
 from .. import tags
 from . import links
 from .ops import PeerTimeout, _Op
@@ -109,9 +109,10 @@ class ClearToSend:
                 if doorbell is not None and not doorbell.alive:
                     # the peer closed its transport or died: its receive can never come
                     why = "; ".join(self._channels[peer].dead) or "the peer closed it"
-                    raise HetcommError(
+                    raise PeerLost(
                         f"send to rank {peer}: its shm rail is gone ({why}) "
-                        "while waiting for the matching receive"
+                        "while waiting for the matching receive",
+                        [peer],
                     )
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -199,9 +200,10 @@ class ClearToSend:
         for ch, op in failed:
             why = "; ".join(ch.dead) or "the peer closed it"
             op.fail(
-                HetcommError(
+                PeerLost(
                     f"send to rank {ch.peer}: its shm rail is gone ({why}) while "
-                    "waiting for the matching receive"
+                    "waiting for the matching receive",
+                    [ch.peer],
                 )
             )
 
