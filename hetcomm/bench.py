@@ -47,6 +47,7 @@ from .bench_report import (
     table,
     to_json,
 )
+from .bench_timing import share_cores
 
 # (label, dtype, bytes) of the overhead study
 OVERHEAD_CASES = (
@@ -74,17 +75,6 @@ def _bind(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
     return lambda: fn(*args)
 
 
-def _share_cores(torch: Any, comm: Any) -> None:
-    """Give torch this rank's share of the cores its host's ranks run on: torch's idle worker
-    threads spin for a while after a parallel operation, and with more threads than cores
-    they take the cores from whichever implementation runs next."""
-    from mpi4py import MPI
-
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local.Get_size()))
-    local.Free()
-
-
 def overhead(rounds: int = 15) -> list[dict[str, Any]]:
     """all_reduce: hetcomm vs raw mpi4py Allreduce vs torch gloo, per OVERHEAD_CASES."""
     import torch
@@ -95,7 +85,7 @@ def overhead(rounds: int = 15) -> list[dict[str, Any]]:
     world = hetcomm.init(name="bench")
     raw = MPI.COMM_WORLD.Dup()
     dist = torch_gloo(raw)
-    _share_cores(torch, raw)
+    share_cores(torch, raw)
     rows: list[dict[str, Any]] = []
     orders = np.random.default_rng(0)  # one seed on every rank: every rank runs the same order
     for label, dtype, nbytes in OVERHEAD_CASES:
@@ -188,32 +178,66 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .arrays import DTYPES
 
     p.add_argument(
+        "--latency",
+        action="store_true",
+        help="the OSU-style latency table: every op form beside its floor, measured in the "
+        "same interleaved rounds (docs/bench.md)",
+    )
+    p.add_argument(
         "--op",
-        default="all_reduce",
+        default=None,
         help="one op or a comma list: all_reduce, all_gather, reduce_scatter, "
         "broadcast, reduce, all_to_all, sendrecv (nccl-tests names such as "
-        "allreduce, allgather, reducescatter, alltoall too); default all_reduce",
+        "allreduce, allgather, reducescatter, alltoall too); default all_reduce, with "
+        "--latency every op (also barrier, all_reduce_coalesced, all_gather_single)",
     )
-    p.add_argument("-b", "--minbytes", default="8", help="smallest size (8, 64K, 1M, ...)")
-    p.add_argument("-e", "--maxbytes", default="256M", help="largest size")
+    p.add_argument("-b", "--minbytes", default=None, help="smallest size (8, 64K, 1M, ...); 8")
+    p.add_argument("-e", "--maxbytes", default=None, help="largest size; 256M (16M with --latency)")
     p.add_argument("-f", "--stepfactor", type=float, default=2.0, help="size step factor")
-    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("-d", "--dtype", default="float32", choices=DTYPES)
     p.add_argument("--redop", default="sum", help="sum, prod, min, max or avg (default sum)")
     p.add_argument("--root", type=int, default=0, help="root of broadcast and reduce")
-    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size")
-    p.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations first")
+    p.add_argument(
+        "-n",
+        "--iters",
+        type=int,
+        default=None,
+        help="timed iterations per size (20); with --latency calls per sample up to 8 KiB (100)",
+    )
+    p.add_argument(
+        "--iters-large",
+        type=int,
+        default=10,
+        help="--latency: calls per sample above 8 KiB (default 10)",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=10, help="--latency: interleaved rounds (default 10)"
+    )
+    p.add_argument("-w", "--warmup", type=int, default=None, help="untimed iterations first (5)")
     p.add_argument(
         "-c",
         "--check",
-        action="store_true",
-        help="check every result against a float64 numpy reference (#wrong)",
+        type=int,
+        nargs="?",
+        const=1,
+        default=0,
+        help="check results against a float64 numpy reference (#wrong); '-c', '-c 1' on, "
+        "'-c 0' off (nccl-tests' spelling)",
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
         "--transport",
         default="auto",
-        help="comma list of hetcomm transports to run, each in its own communicator "
-        "(auto, mpi, staged, direct, nccl, hier); 'none' for baselines only",
+        help="hetcomm transport(s): auto, mpi, staged, direct, nccl, hier; the sweep takes a "
+        "comma list, each in its own communicator, or 'none' for baselines only; --latency "
+        "takes one (Config(transport=...) on every rank)",
+    )
+    p.add_argument(
+        "--no-mismatch-check",
+        "--no-check",
+        action="store_true",
+        help="--latency: switch off hetcomm's default mismatch check (Config field "
+        "'check') where this hetcomm has one, to measure the control path alone",
     )
     p.add_argument(
         "--baselines",
@@ -291,7 +315,7 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     raw = MPI.COMM_WORLD.Dup()
     rank, ranks = raw.Get_rank(), raw.Get_size()
-    _share_cores(torch, raw)
+    share_cores(torch, raw)
     ops = [canonical_op(o) for o in args.op.split(",") if o.strip()]
     sizes = size_steps(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
     redop = args.redop.lower()
@@ -416,10 +440,33 @@ def _sum() -> Any:
     return MPI.SUM
 
 
+def _sweep_defaults(args: argparse.Namespace) -> None:
+    """The sweep's defaults for the options that --latency defaults otherwise."""
+    for name, value in (("op", "all_reduce"), ("minbytes", "8"), ("maxbytes", "256M")):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.iters = 20 if args.iters is None else args.iters
+    args.warmup = 5 if args.warmup is None else args.warmup
+
+
+def _latency_defaults(args: argparse.Namespace) -> None:
+    args.iters = 100 if args.iters is None else args.iters
+    args.warmup = 10 if args.warmup is None else args.warmup
+
+
 def run_args(args: argparse.Namespace) -> int:
     """`hetcomm bench`: sweep, then the table (and JSON, plot) on rank 0; 1 if any #wrong."""
     from mpi4py import MPI
 
+    if args.latency:
+        from .bench_latency import run_latency
+
+        _latency_defaults(args)
+        argv = getattr(args, "argv", None)
+        if argv is None:
+            argv = sys.argv[sys.argv.index("bench") + 1 :] if "bench" in sys.argv else []
+        return run_latency(args, argv)
+    _sweep_defaults(args)
     rows = sweep(args)
     if MPI.COMM_WORLD.Get_rank() == 0:
         print(table(rows))
@@ -480,7 +527,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _overhead_main(argv)
     parser = argparse.ArgumentParser(prog="hetcomm bench", description=__doc__)
     add_arguments(parser)
-    return run_args(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    args.argv = argv
+    return run_args(args)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from hetcomm import bench
+from hetcomm.bench_latency_table import FORMS
 
 
 @pytest.mark.mpi(min_size=2)
@@ -59,4 +60,83 @@ def test_bench_sweep_checks_json_and_plot():
     if world.Get_rank() == 0:
         for path in (out_json, out_png):
             os.remove(path)
+        os.rmdir(where)
+
+
+def _latency_lines(text):
+    """Data lines of the latency table the way a cluster script reads them: comment lines
+    name the section, every other non-empty line splits on whitespace into the columns."""
+    section, rows = None, []
+    for line in text.splitlines():
+        if line.startswith("# section "):
+            section = line.split()[2].rstrip(":")
+        elif line.strip() and not line.startswith("#"):
+            cells = line.split()
+            assert len(cells) == 10, line
+            op, form, nbytes, het, floor, ratio, _spread, floor_name, gloo, wrong = cells
+            rows.append(
+                {
+                    "section": section,
+                    "op": op,
+                    "form": form,
+                    "bytes": int(nbytes),
+                    "hetcomm": None if het == "-" else float(het),
+                    "floor": None if floor == "-" else float(floor),
+                    "ratio": None if ratio == "-" else float(ratio),
+                    "floor_name": floor_name,
+                    "gloo": None if gloo == "-" else float(gloo),
+                    "wrong": None if wrong == "-" else int(wrong),
+                }
+            )
+    return rows
+
+
+@pytest.mark.mpi(min_size=2)
+def test_latency_table_every_form_beside_its_floor(capsys):
+    world = MPI.COMM_WORLD
+    where = tempfile.mkdtemp(prefix="hetcomm-latency-") if world.Get_rank() == 0 else None
+    where = world.bcast(where, root=0)
+    out_json = os.path.join(where, "latency.json")
+    sweep = ["--latency", "-b", "8", "-e", "16K", "-f", "2048", "-n", "3", "--iters-large", "2"]
+    code = bench.main(
+        [*sweep, "--rounds", "2", "-w", "1", "-c", "1", "--transport", "mpi", "--json", out_json]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    if world.Get_rank() == 0:
+        head = [ln for ln in printed.splitlines() if ln.startswith("# ")]
+        assert head[0].startswith("# hetcomm bench --latency: mpirun -n ")
+        assert any(ln.startswith("# date: ") for ln in head)
+        assert any(ln.startswith("# machine: ") for ln in head)
+        assert any("round trip / 2" in ln for ln in head)
+        rows = _latency_lines(printed)
+        host = [r for r in rows if r["section"] == "host"]
+        forms = list(dict.fromkeys((r["op"], r["form"]) for r in host))
+        assert forms == list(FORMS)  # every op form, in the table's order
+        assert ("all_reduce", "out-of-place") in forms and ("sendrecv", "ping-pong") in forms
+        sizes = {r["bytes"] for r in host if r["op"] == "all_reduce"}
+        assert sizes == {8, 16384}
+        assert [r["bytes"] for r in host if r["op"] == "barrier"] == [0]
+        for r in host:
+            assert r["hetcomm"] > 0 and r["floor"] > 0 and r["floor_name"] == "mpi4py", r
+            assert r["ratio"] > 0 and r["wrong"] == 0, r
+        torch_rows = [r for r in rows if r["section"] == "torch"]
+        assert {r["op"] for r in torch_rows} == {
+            "all_reduce",
+            "broadcast",
+            "all_gather_single",
+            "sendrecv",
+        }
+        assert all(r["floor"] > 0 and r["wrong"] == 0 for r in torch_rows)
+        assert any(r["gloo"] is not None for r in host if r["op"] == "all_reduce")
+        with open(out_json) as f:
+            data = json.load(f)
+        assert data["meta"]["transport"] == "mpi" and data["meta"]["ranks"] == world.Get_size()
+        assert len(data["rows"]) == len(rows)
+        for r in data["rows"]:
+            if r["section"] == "torch":
+                assert {"dist_us", "bare_us", "goal_us"} <= set(r["extra"])
+    world.Barrier()
+    if world.Get_rank() == 0:
+        os.remove(out_json)
         os.rmdir(where)
