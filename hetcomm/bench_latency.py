@@ -656,9 +656,10 @@ class Study:
         config, self.check_state = mismatch_config(args.transport, not args.no_mismatch_check)
         self.comm = hetcomm.init(config=config, name="bench-latency")
         self.sizes = size_steps(
-            parse_size(args.minbytes or "8"),
-            parse_size(args.maxbytes or "16M"),
-            args.stepfactor,
+            parse_size(args.minbytes),
+            parse_size(args.maxbytes),
+            args.stepfactor or 1,
+            None if args.stepbytes is None else parse_size(args.stepbytes),
         )
         self.forms = select_forms(args.op, FORMS)
         self.torch_forms = select_forms(args.op, TORCH_FORMS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -13,8 +14,40 @@ from hetcomm import bench
 from hetcomm.bench_latency_table import FORMS
 
 
+def _check_on_rank0(world, check, where):
+    """Run `check` on rank 0, remove `where`, then fail there if it failed: the other ranks
+    never wait on a rank that stopped at an assertion."""
+    failed = None
+    if world.Get_rank() == 0:
+        try:
+            check()
+        except AssertionError as exc:
+            failed = exc
+    world.Barrier()
+    if world.Get_rank() == 0:
+        shutil.rmtree(where)
+        if failed is not None:
+            raise failed
+
+
+def _nccl_tests_rows(text):
+    """nccl-tests' data lines as a cluster script reads them: not starting with '#', split on
+    whitespace, size, count, type, redop, root, then time algbw busbw #wrong out of place and
+    again in place; plus the two closing lines."""
+    rows, closing = [], {}
+    for line in text.splitlines():
+        if line.startswith("# Out of bounds values") or line.startswith("# Avg bus bandwidth"):
+            label, _, value = line[2:].partition(":")
+            closing[label.strip()] = value.split()
+        elif line.strip() and not line.startswith("#"):
+            c = line.split()
+            assert len(c) == 13, line
+            rows.append((int(c[0]), int(c[1]), c[2], c[3], int(c[4]), c[5:9], c[9:13]))
+    return rows, closing
+
+
 @pytest.mark.mpi(min_size=2)
-def test_bench_sweep_checks_json_and_plot():
+def test_bench_sweep_checks_json_and_plot(capsys):
     world = MPI.COMM_WORLD
     # one directory for every rank: rank 0 makes it and tells the others
     where = tempfile.mkdtemp(prefix="hetcomm-bench-") if world.Get_rank() == 0 else None
@@ -23,17 +56,22 @@ def test_bench_sweep_checks_json_and_plot():
     code = bench.main(
         [
             "--op",
-            "all_reduce,allgather",
+            "all_reduce,allgather,broadcast",
             "-b",
             "8",
             "-e",
             "4K",
             "-f",
             "8",
-            "--check",
-            "--iters",
+            "-c",
+            "1",
+            "-d",
+            "float",
+            "-n",
             "2",
-            "--warmup",
+            "-w",
+            "1",
+            "-z",
             "1",
             "--transport",
             "auto",
@@ -47,20 +85,42 @@ def test_bench_sweep_checks_json_and_plot():
         ]
     )
     assert code == 0
-    with open(out_json) as f:
-        rows = json.load(f)["rows"]
-    ops = {r["op"] for r in rows}
-    assert ops == {"all_reduce", "all_gather"}
-    assert {r["transport"] for r in rows} >= {"auto", "mpi4py", "naive"}
-    assert {r["size_bytes"] for r in rows if r["op"] == "all_reduce"} == {8, 64, 512, 4096}
-    assert all(r["wrong"] == 0 for r in rows), [r for r in rows if r["wrong"]]
-    assert all(r["time_us"] > 0 and r["busbw_GBps"] >= 0 for r in rows)
-    assert os.path.getsize(out_png) > 0
-    world.Barrier()
-    if world.Get_rank() == 0:
-        for path in (out_json, out_png):
-            os.remove(path)
-        os.rmdir(where)
+    printed = capsys.readouterr().out
+
+    def check():
+        reports = printed.split("# ---- ")[1:]
+        assert [r.split()[0] for r in reports] == ["all_reduce", "all_gather", "broadcast"]
+        for titled in reports:
+            report = titled.partition("\n")[2]
+            head = [ln for ln in report.splitlines() if ln.startswith("# nThread")]
+            assert head == [
+                "# nThread 1 nGpus 1 minBytes 8 maxBytes 4096 step: 8(factor) warmup iters: 1 "
+                "iters: 2 agg iters: 1 validation: 1 graph: 0"
+            ]
+            ranks = [ln for ln in report.splitlines() if ln.startswith("#  Rank")]
+            assert len(ranks) == world.Get_size()
+            rows, closing = _nccl_tests_rows(report)
+            assert [r[0] for r in rows] == [8, 64, 512, 4096]  # hetcomm's rows only
+            assert closing["Out of bounds values"] == ["0", "OK"]
+            assert float(closing["Avg bus bandwidth"][0]) >= 0
+            for _size, _count, dtype, _redop, _root, _oop, ip in rows:
+                assert dtype == "float" and ip[3] == "0" and float(ip[0]) > 0
+            if titled.startswith("broadcast"):
+                assert all(r[5] == ["N/A"] * 4 and r[4] == 0 and r[3] == "none" for r in rows)
+            else:
+                assert all(r[5][3] == "0" and float(r[5][0]) > 0 and r[4] == -1 for r in rows)
+        with open(out_json) as f:
+            data = json.load(f)["rows"]
+        assert {r["op"] for r in data} == {"all_reduce", "all_gather", "broadcast"}
+        assert {r["transport"] for r in data} >= {"auto", "mpi4py", "naive"}
+        assert {r["form"] for r in data} == {"out-of-place", "in-place"}
+        sizes = {r["size_bytes"] for r in data if r["op"] == "all_reduce"}
+        assert sizes == {8, 64, 512, 4096}
+        assert all(r["wrong"] == 0 for r in data), [r for r in data if r["wrong"]]
+        assert all(r["time_us"] > 0 and r["busbw_GBps"] >= 0 for r in data)
+        assert os.path.getsize(out_png) > 0
+
+    _check_on_rank0(world, check, where)
 
 
 def _latency_lines(text):
@@ -103,7 +163,8 @@ def test_latency_table_every_form_beside_its_floor(capsys):
     )
     assert code == 0
     printed = capsys.readouterr().out
-    if world.Get_rank() == 0:
+
+    def check():
         head = [ln for ln in printed.splitlines() if ln.startswith("# ")]
         assert head[0].startswith("# hetcomm bench --latency: mpirun -n ")
         assert any(ln.startswith("# date: ") for ln in head)
@@ -136,7 +197,5 @@ def test_latency_table_every_form_beside_its_floor(capsys):
         for r in data["rows"]:
             if r["section"] == "torch":
                 assert {"dist_us", "bare_us", "goal_us"} <= set(r["extra"])
-    world.Barrier()
-    if world.Get_rank() == 0:
-        os.remove(out_json)
-        os.rmdir(where)
+
+    _check_on_rank0(world, check, where)
