@@ -21,16 +21,21 @@ from typing import Any
 
 from .bench_report import canonical_dtype
 
-#: study name -> (module, what it measures); each module has `run(args) -> int`
+#: study name -> (module, its function, what it measures); the function takes the parsed
+#: arguments and returns the exit code; modules with study options have `add_arguments`
 STUDIES = {
-    "overhead": ("bench_overhead", "in-place all_reduce of tensors and arrays vs mpi4py, gloo"),
-    "staged": ("bench_staged", "staged send/recv: one at a time, back to back, vs PCIe"),
-    "direct": ("bench_direct", "direct send/recv and all_reduce vs the device copy rate"),
-    "hier": ("bench_hier", "hier all_reduce across simulated vendor islands"),
-    "rails": ("bench_rails", "staged bandwidth over 1..K emulated tcp rails"),
-    "coalesced": ("bench_coalesced", "all_reduce_coalesced vs one all_reduce per tensor"),
-    "ddp": ("bench_ddp", "a DDP training step through hetcomm vs gloo"),
+    "overhead": ("bench_overhead", "run", "in-place all_reduce of tensors, arrays vs mpi4py, gloo"),
+    "staged": ("bench_device", "run_staged", "GPU: staged send/recv, all_reduce vs PCIe, naive"),
+    "direct": ("bench_device", "run_direct", "GPU: direct send/recv, all_reduce vs the copy rate"),
+    "hier": ("bench_hier", "run", "hier vs flat all_reduce across simulated vendor islands"),
+    "rails": ("bench_rails", "run", "staged send/recv over 1..K emulated tcp rails"),
+    "coalesced": ("bench_coalesced", "run", "all_reduce_coalesced vs one all_reduce per array"),
+    "ddp": ("bench_ddp", "run", "a DDP training step through hetcomm vs gloo"),
 }
+
+
+def _study_module(name: str) -> Any:
+    return importlib.import_module(f"hetcomm.{STUDIES[name][0]}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--study",
         choices=sorted(STUDIES),
         help="one of the studies of docs/BENCHMARKS.md: "
-        + "; ".join(f"{k}: {v[1]}" for k, v in STUDIES.items()),
+        + "; ".join(f"{k}: {v[2]}" for k, v in STUDIES.items()),
     )
     p.add_argument("--mode", default=None, help="--study: the study's mode (docs/bench.md)")
     p.add_argument(
@@ -88,7 +93,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--iters-large", type=int, default=10, help="--latency: calls per sample above 8 KiB"
     )
     p.add_argument(
-        "--rounds", type=int, default=10, help="--latency, --study: interleaved rounds (10)"
+        "--rounds",
+        "--repeats",
+        type=int,
+        default=10,
+        help="--latency, --study: interleaved rounds (10)",
     )
     p.add_argument("-w", "--warmup", type=int, default=None, help="untimed iterations first (5)")
     p.add_argument(
@@ -137,9 +146,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="sweep: add hetcomm's columns after nccl-tests' (transport, busbw / the best "
         "baseline's per form)",
     )
-    p.add_argument("--json", help="write the rows (and the run's facts) to this file (rank 0)")
+    p.add_argument(
+        "--json",
+        help="write the rows (and the run's facts) to this file (rank 0; rails: - for "
+        "one JSON line on stdout)",
+    )
     p.add_argument("--plot", help="sweep: busbw against size into this PNG (rank 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    group = p.add_argument_group("study options")
+    for module in dict.fromkeys(m for m, _, _ in STUDIES.values()):
+        add = getattr(importlib.import_module(f"hetcomm.{module}"), "add_arguments", None)
+        if add is not None:
+            add(group)
 
 
 def _refuse(args: argparse.Namespace) -> None:
@@ -183,11 +201,10 @@ def run_args(args: argparse.Namespace) -> int:
     _refuse(args)
     if args.latency and args.study:
         raise SystemExit("hetcomm bench: --latency and --study are two runs; give one")
-    _defaults(args)
-    if args.study:
-        module = importlib.import_module(f"hetcomm.{STUDIES[args.study][0]}")
-        code: int = module.run(args)
+    if args.study:  # a study takes its own defaults for the options it reads
+        code: int = getattr(_study_module(args.study), STUDIES[args.study][1])(args)
         return code
+    _defaults(args)
     if args.latency:
         from .bench_latency import run_latency
 

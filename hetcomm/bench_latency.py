@@ -886,7 +886,8 @@ class Study:
     def run(self) -> list[LatencyRow]:
         """Every row, in table order; the same list on every rank."""
         rows: list[LatencyRow] = []
-        why = self._start_torch()
+        # torch (gloo beside the host rows, the torch section) serves host buffers only
+        why = self._start_torch() if self.device == "cpu" else None
         if why is not None:
             self.say(f"# no gloo and no torch section: {why}")
         barrier_done = False

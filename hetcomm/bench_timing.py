@@ -143,6 +143,22 @@ def cuda_event_timer() -> Callable[[Callable[[], Any]], float]:
     return events
 
 
+def cupy_event_seconds(fn: Callable[[], Any], runs: int = 10) -> float:
+    """Median seconds of the GPU work `fn` queues on CuPy's current stream, by CUDA events;
+    the first run warms up and is left out."""
+    import cupy
+
+    times = []
+    for _ in range(runs):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+    return float(statistics.median(times[1:]))
+
+
 def wall_timer(sync: Callable[[], Any] | None = None) -> Callable[[Callable[[], Any]], float]:
     """Seconds of one call by the host clock, `sync` (a device synchronize) inside the span."""
 

@@ -199,3 +199,13 @@ def test_latency_table_every_form_beside_its_floor(capsys):
                 assert {"dist_us", "bare_us", "goal_us"} <= set(r["extra"])
 
     _check_on_rank0(world, check, where)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_coalesced_study_checks_its_results(capsys):
+    code = bench.main(["--study", "coalesced", "--arrays", "6", "--array-bytes", "64"])
+    assert code == 0
+    out = capsys.readouterr().out
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert "wrong elements: 0" in out
+        assert "| coalesced |" in out and "| separate |" in out

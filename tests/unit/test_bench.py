@@ -358,3 +358,55 @@ def test_overhead_table_ratios():
     assert cells[6:] == ["2.50x", "2.40x", "70.00x", "25%"]
     no_numpy = overhead_table([row("hetcomm", 6.0), row("gloo", 12.0)]).splitlines()[2]
     assert [c.strip() for c in no_numpy.strip("|").split("|")][6:] == ["-", "-", "2.00x", "25%"]
+
+
+def test_every_study_resolves_to_a_function():
+    import importlib
+
+    from hetcomm.bench import STUDIES
+
+    for name, (module, function, what) in STUDIES.items():
+        assert callable(getattr(importlib.import_module(f"hetcomm.{module}"), function)), name
+        assert what
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-g", "2"], "one GPU per rank"),
+        (["-t", "4"], "one thread per rank"),
+        (["-d", "uint32"], "hetcomm has no uint32"),
+        (["-d", "all"], "unknown datatype"),
+        (["--latency", "--study", "ddp"], "give one"),
+        (["-c", "-1"], "-c takes 0 or a positive count"),
+    ],
+)
+def test_bench_refuses_what_it_cannot_do_before_any_mpi(argv, message):
+    from hetcomm import bench
+
+    with pytest.raises(SystemExit, match=message):
+        bench.main(argv)
+
+
+def test_bench_accepts_nccl_tests_spellings():
+    import argparse
+
+    from hetcomm.bench import _defaults, _refuse, add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["-b", "8", "-e", "128M", "-f", "2", "-c", "1", "-d", "half", "-o", "max"])
+    _refuse(args)
+    _defaults(args)
+    assert (args.dtype, args.redop, args.check, args.iters, args.warmup) == (
+        "float16",
+        "max",
+        1,
+        20,
+        5,
+    )
+    assert p.parse_args(["-c"]).check == 1 and p.parse_args(["-c", "0"]).check == 0
+    assert p.parse_args(["-z", "1"]).blocking == 1
+    latency = p.parse_args(["--latency"])
+    _defaults(latency)
+    assert (latency.maxbytes, latency.iters, latency.stepfactor) == ("16M", 100, 2.0)
