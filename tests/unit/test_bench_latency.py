@@ -300,3 +300,20 @@ def test_in_place_buffers_are_views_of_one_array():
     assert Buffers(host, "barrier", "-", 0, "float32", 0, 2).x is None
     with pytest.raises(ValueError, match="no buffers"):
         Buffers(host, "scatter", "-", 4, "float32", 0, 2)
+
+
+def test_mismatch_switch_follows_the_config_field():
+    import dataclasses
+
+    import hetcomm
+    from hetcomm.bench_latency import MISMATCH_CHECK_FIELD, mismatch_config
+
+    config, state = mismatch_config("mpi", mismatch_check=False)
+    assert config.transport == "mpi"
+    if MISMATCH_CHECK_FIELD in {f.name for f in dataclasses.fields(hetcomm.Config)}:
+        assert getattr(config, MISMATCH_CHECK_FIELD) is False and state.startswith("off")
+        on, on_state = mismatch_config("staged", mismatch_check=True)
+        assert on.transport == "staged" and on_state.startswith("on")
+    else:
+        assert f"no Config field {MISMATCH_CHECK_FIELD!r}" in state
+        assert "nothing to switch off" in state
