@@ -162,7 +162,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _refuse(args: argparse.Namespace) -> None:
     """Exit with a clear message on what hetcomm bench cannot do."""
-    from .arrays import DTYPES
+    from .dtypes import DTYPES
 
     if args.ngpus != 1:
         raise SystemExit(
