@@ -205,6 +205,12 @@ def run_args(args: argparse.Namespace) -> int:
         code: int = getattr(_study_module(args.study), STUDIES[args.study][1])(args)
         return code
     _defaults(args)
+    from .bench_sweep import sizes_of
+
+    try:  # a bad size or step is a clear message before any rank starts MPI work
+        sizes_of(args)
+    except ValueError as exc:
+        raise SystemExit(f"hetcomm bench: -b/-e/-f/-i: {exc}") from None
     if args.latency:
         from .bench_latency import run_latency
 

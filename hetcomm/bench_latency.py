@@ -35,7 +35,8 @@ from .bench_latency_table import (
     to_json,
     torch_goal_us,
 )
-from .bench_report import element_count, parse_size, size_steps
+from .bench_report import element_count
+from .bench_sweep import sizes_of
 from .bench_timing import Interleaved, Run, paired_difference, paired_ratio, share_cores
 
 #: the Config field that switches off the default mismatch check, where this hetcomm has one
@@ -655,12 +656,7 @@ class Study:
         self.timing = Interleaved(self.ctl, args.rounds, sync=self.arrays.sync)
         config, self.check_state = mismatch_config(args.transport, not args.no_mismatch_check)
         self.comm = hetcomm.init(config=config, name="bench-latency")
-        self.sizes = size_steps(
-            parse_size(args.minbytes),
-            parse_size(args.maxbytes),
-            args.stepfactor or 1,
-            None if args.stepbytes is None else parse_size(args.stepbytes),
-        )
+        self.sizes = sizes_of(args)
         self.forms = select_forms(args.op, FORMS)
         self.torch_forms = select_forms(args.op, TORCH_FORMS)
         self.dist: Any = None

@@ -379,6 +379,9 @@ def test_every_study_resolves_to_a_function():
         (["-d", "all"], "unknown datatype"),
         (["--latency", "--study", "ddp"], "give one"),
         (["-c", "-1"], "-c takes 0 or a positive count"),
+        (["-b", "1X"], "expected a size"),
+        (["--latency", "-b", "64", "-e", "8"], "need 0 < begin <= end"),
+        (["-f", "1"], "give step bytes"),
     ],
 )
 def test_bench_refuses_what_it_cannot_do_before_any_mpi(argv, message):
