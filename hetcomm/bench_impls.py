@@ -117,13 +117,17 @@ def to_tensor(values: np.ndarray, dtype: str, device: str) -> Any:
 
 
 class Impl:
-    """One way of running the ops: `prepare` gives (call, output) for a case or raises Skip."""
+    """One way of running the ops: `prepare` gives (call, output) for a case in one form or
+    raises Skip. In place, `x` and `y` are the one buffer the op works in (for all_gather, `x`
+    is this rank's block of `y`; for reduce_scatter, `y` is this rank's block of `x`)."""
 
     name = ""
     kind = "baseline"
     on_device = True  # buffers on the benchmark's device (else on the host)
 
-    def prepare(self, case: Case, x: Any, y: Any) -> tuple[Callable[[], Any], Any]:
+    def prepare(
+        self, case: Case, x: Any, y: Any, in_place: bool = False
+    ) -> tuple[Callable[[], Any], Any]:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -131,6 +135,8 @@ class Impl:
 
 
 class Hetcomm(Impl):
+    """A hetcomm Communicator with one transport (Config(transport=...))."""
+
     kind = "hetcomm"
 
     def __init__(self, transport: str) -> None:
@@ -139,20 +145,35 @@ class Hetcomm(Impl):
         self.name = transport
         self.comm = hetcomm.init(config=hetcomm.Config.load(transport=transport), name="bench")
 
-    def prepare(self, case: Case, x: Any, y: Any) -> tuple[Callable[[], Any], Any]:
+    def prepare(
+        self, case: Case, x: Any, y: Any, in_place: bool = False
+    ) -> tuple[Callable[[], Any], Any]:
         c, op, red, root = self.comm, case.op, case.redop, case.root
         if op == "all_reduce":
+            if in_place:
+                return (lambda: c.all_reduce(x, red)), x
             return (lambda: c.all_reduce(x, red, out=y)), y
-        if op == "all_gather":
+        if op == "all_gather":  # in place, x is this rank's block of y
             return (lambda: c.all_gather(y, x)), y
-        if op == "reduce_scatter":
+        if op == "reduce_scatter":  # in place, y is this rank's block of x
             return (lambda: c.reduce_scatter(y, x, red)), y
         if op == "all_to_all":
+            if in_place:
+                return (lambda: c.all_to_all(x, x)), x
             return (lambda: c.all_to_all(y, x)), y
+        if op == "sendrecv":
+            if in_place:
+                raise Skip("no in-place send/recv: one buffer both sent and received into")
+            return self._sendrecv(x, y)
+        if not in_place:
+            raise Skip(f"hetcomm's {op} has no out-of-place form")
         if op == "broadcast":
             return (lambda: c.broadcast(x, root)), x
-        if op == "reduce":
-            return (lambda: c.reduce(x, root, red)), x
+        return (lambda: c.reduce(x, root, red)), x
+
+    def _sendrecv(self, x: Any, y: Any) -> tuple[Callable[[], Any], Any]:
+        """Send to rank+1 and receive from rank-1 at once (the sweep's sendrecv)."""
+        c = self.comm
         dst, src = (c.rank + 1) % c.size, (c.rank - 1) % c.size
 
         def sendrecv() -> None:
@@ -173,30 +194,49 @@ def _mpi_dtype(case: Case) -> None:
         raise Skip(f"no MPI datatype for {case.dtype} here")
 
 
-def _mpi_call(raw: Any, case: Case, a: np.ndarray, b: np.ndarray) -> Callable[[], Any]:
-    """The raw mpi4py call of `case` from numpy `a` into numpy `b` (a for broadcast)."""
+def _mpi_call(
+    raw: Any, case: Case, a: np.ndarray, b: np.ndarray, in_place: bool = False
+) -> tuple[Callable[[], Any], np.ndarray]:
+    """The raw mpi4py call of `case` from numpy `a` into numpy `b`, and the array that holds
+    the result. In place: MPI.IN_PLACE where MPI has it, Sendrecv_replace for sendrecv."""
     from mpi4py import MPI
 
     _mpi_dtype(case)
     ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
     if case.op in REDUCING and case.redop not in ops:
         raise Skip(f"MPI has no {case.redop} reduction")
-    mop, root, n = ops.get(case.redop, MPI.SUM), case.root, raw.Get_size()
-    op = case.op
-    if op == "all_reduce":
-        return lambda: raw.Allreduce(a, b, op=mop)
-    if op == "all_gather":
-        return lambda: raw.Allgather(a, b)
-    if op == "reduce_scatter":
-        return lambda: raw.Reduce_scatter_block(a, b, op=mop)
-    if op == "all_to_all":
-        return lambda: raw.Alltoall(a, b)
+    mop, root, n, me = ops.get(case.redop, MPI.SUM), case.root, raw.Get_size(), raw.Get_rank()
+    op, here = case.op, MPI.IN_PLACE
     if op == "broadcast":
-        return lambda: raw.Bcast(a, root=root)
+        if not in_place:
+            raise Skip("MPI_Bcast works in place only")
+        return (lambda: raw.Bcast(a, root=root)), a
+    dst, src = (me + 1) % n, (me - 1) % n
+    if in_place:
+        if op == "all_reduce":
+            return (lambda: raw.Allreduce(here, a, op=mop)), a
+        if op == "all_gather":  # b is the whole output, a its block
+            return (lambda: raw.Allgather(here, b)), b
+        if op == "reduce_scatter":  # MPI leaves the result in the first block of a
+            return (lambda: raw.Reduce_scatter_block(here, a, op=mop)), a[: b.size]
+        if op == "all_to_all":
+            return (lambda: raw.Alltoall(here, a)), a
+        if op == "reduce":
+            if me == root:
+                return (lambda: raw.Reduce(here, a, op=mop, root=root)), a
+            return (lambda: raw.Reduce(a, None, op=mop, root=root)), a
+        return (lambda: raw.Sendrecv_replace(a, dst, 0, src, 0)), a
+    if op == "all_reduce":
+        return (lambda: raw.Allreduce(a, b, op=mop)), b
+    if op == "all_gather":
+        return (lambda: raw.Allgather(a, b)), b
+    if op == "reduce_scatter":
+        return (lambda: raw.Reduce_scatter_block(a, b, op=mop)), b
+    if op == "all_to_all":
+        return (lambda: raw.Alltoall(a, b)), b
     if op == "reduce":
-        return lambda: raw.Reduce(a, b, op=mop, root=root)
-    me = raw.Get_rank()
-    return lambda: raw.Sendrecv(a, (me + 1) % n, 0, b, (me - 1) % n, 0)
+        return (lambda: raw.Reduce(a, b, op=mop, root=root)), b
+    return (lambda: raw.Sendrecv(a, dst, 0, b, src, 0)), b
 
 
 class Mpi4py(Impl):
@@ -208,11 +248,11 @@ class Mpi4py(Impl):
     def __init__(self, raw: Any) -> None:
         self.raw = raw
 
-    def prepare(self, case: Case, x: Any, y: Any) -> tuple[Callable[[], Any], Any]:
+    def prepare(
+        self, case: Case, x: Any, y: Any, in_place: bool = False
+    ) -> tuple[Callable[[], Any], Any]:
         _mpi_dtype(case)
-        a, b = x.numpy(), y.numpy()
-        out = a if case.op == "broadcast" else b
-        return _mpi_call(self.raw, case, a, b), out
+        return _mpi_call(self.raw, case, x.numpy(), y.numpy(), in_place)
 
 
 class Naive(Impl):
@@ -223,22 +263,25 @@ class Naive(Impl):
     def __init__(self, raw: Any) -> None:
         self.raw = raw
 
-    def prepare(self, case: Case, x: Any, y: Any) -> tuple[Callable[[], Any], Any]:
+    def prepare(
+        self, case: Case, x: Any, y: Any, in_place: bool = False
+    ) -> tuple[Callable[[], Any], Any]:
         import torch
 
         _mpi_dtype(case)
-        if case.op == "broadcast":
-            y = x
+        if in_place and case.op in ("all_gather", "reduce_scatter"):
+            raise Skip("naive staging runs these out of place only")
         hx = np.empty(x.shape, _np_dtype(case.dtype))
-        hy = hx if case.op == "broadcast" else np.empty(y.shape, _np_dtype(case.dtype))
-        mpi = _mpi_call(self.raw, case, hx, hy)
+        hy = hx if in_place else np.empty(y.shape, _np_dtype(case.dtype))
+        mpi, result = _mpi_call(self.raw, case, hx, hy, in_place)
+        out = x if result is hx else y
 
         def naive() -> None:
             hx[...] = x.to("cpu").numpy()  # device -> pageable host (a numpy copy on the CPU)
             mpi()
-            y.copy_(torch.from_numpy(hy))
+            out.copy_(torch.from_numpy(result))
 
-        return naive, y
+        return naive, out
 
 
 def _np_dtype(dtype: str) -> Any:
@@ -258,7 +301,9 @@ class Gloo(Impl):
         self.size, self.rank = raw.Get_size(), raw.Get_rank()
         self.group: Any = None  # the default group
 
-    def prepare(self, case: Case, x: Any, y: Any) -> tuple[Callable[[], Any], Any]:
+    def prepare(
+        self, case: Case, x: Any, y: Any, in_place: bool = False
+    ) -> tuple[Callable[[], Any], Any]:
         op, root, g = case.op, case.root, self.group
         dist = _InGroup(self.dist, g)
         ops = {
@@ -268,21 +313,26 @@ class Gloo(Impl):
             "max": dist.ReduceOp.MAX,
         }
         if op in REDUCING and case.redop not in ops:
-            raise Skip(f"gloo has no {case.redop} reduction")
+            raise Skip(f"{self.name} has no {case.redop} reduction")
         red = ops.get(case.redop, dist.ReduceOp.SUM)
+        gather = _dist_fn(self.dist, "all_gather_single", "all_gather_into_tensor")
+        scatter = _dist_fn(self.dist, "reduce_scatter_single", "reduce_scatter_tensor")
+        if op == "all_gather":  # in place, x is this rank's block of y
+            return (lambda: dist.call(gather, y, x)), y
+        if op == "reduce_scatter":  # in place, y is this rank's block of x
+            return (lambda: dist.call(scatter, y, x, red)), y
+        if op == "all_to_all" and not in_place:
+            return (lambda: dist.all_to_all_single(y, x)), y
+        if op in ("all_reduce", "broadcast", "reduce") and not in_place:
+            raise Skip(f"torch's {op} works in place only")
         if op == "all_reduce":
             return (lambda: dist.all_reduce(x, red)), x
-        if op == "all_gather":
-            blocks = list(y.chunk(self.size))
-            return (lambda: dist.all_gather(blocks, x)), y
-        if op == "reduce_scatter":
-            return (lambda: dist.reduce_scatter_tensor(y, x, red)), y
-        if op == "all_to_all":
-            return (lambda: dist.all_to_all_single(y, x)), y
         if op == "broadcast":
             return (lambda: dist.broadcast(x, src=root)), x
         if op == "reduce":
             return (lambda: dist.reduce(x, dst=root, op=red)), x
+        if in_place:
+            raise Skip(f"torch has no in-place {op}")
         dst, src = (self.rank + 1) % self.size, (self.rank - 1) % self.size
 
         def sendrecv() -> None:
@@ -308,6 +358,18 @@ class _InGroup:
     def __getattr__(self, name: str) -> Callable[..., Any]:
         fn = getattr(self._dist, name)
         return lambda *a, **k: fn(*a, group=self._group, **k)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(*args, group=self._group)
+
+
+def _dist_fn(dist: Any, *names: str) -> Callable[..., Any]:
+    """The first of `names` this torch.distributed has (torch 2.13 renamed some)."""
+    for name in names:
+        fn = getattr(dist, name, None)
+        if fn is not None:
+            return fn
+    raise Skip(f"this torch has none of {', '.join(names)}")
 
 
 class TorchNccl(Gloo):

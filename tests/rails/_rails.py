@@ -17,7 +17,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 JOB = HERE / "_job.py"
 EMULATE = ROOT / "scripts" / "emulate-rails"
-BENCH = ROOT / "scripts" / "bench_rails.py"
 # two rails on plain loopback: every 127.x.y.z address works on `lo`, no namespace needed
 TWO_RAILS = "127.0.1.1,127.0.2.1"
 # one job's limit: timeout(1) ends mpirun (and mpirun its ranks) after this long

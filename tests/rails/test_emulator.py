@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from _rails import BENCH, JOB, ROOT, clean_environ, run
+from _rails import JOB, ROOT, clean_environ, run
 
 
 def namespaces() -> set[str]:
@@ -163,7 +163,7 @@ def test_ranks_are_hosts_joined_by_the_emulated_rails(emulator, hetcomm_mpirun, 
 
 
 def test_two_rails_beat_one(emulator, hetcomm_mpirun):
-    """16 MiB over 1 and over 2 rails of 200 Mbit/s (scripts/bench_rails.py): loosely, since
+    """16 MiB over 1 and over 2 rails of 200 Mbit/s (`hetcomm bench --study rails`): loosely, since
     the machine is shared, 2 rails at least 1.4x one."""
     prefix, mpi_env = hetcomm_mpirun
     argv = [
@@ -179,7 +179,11 @@ def test_two_rails_beat_one(emulator, hetcomm_mpirun):
         sys.executable,
         "-m",
         "mpi4py",
-        str(BENCH),
+        "-m",
+        "hetcomm",
+        "bench",
+        "--study",
+        "rails",
         "--rails",
         "1,2",
         "--mib",
@@ -187,6 +191,7 @@ def test_two_rails_beat_one(emulator, hetcomm_mpirun):
         "--repeats",
         "3",
         "--json",
+        "-",
     ]
     done = run(argv, clean_environ(**mpi_env), limit=120)
     assert done.returncode == 0, done.explain()

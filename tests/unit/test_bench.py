@@ -7,16 +7,19 @@ import json
 import pytest
 
 from hetcomm.bench_report import (
+    NCCL_DATA_COLUMNS,
     ROW_KEYS,
     add_ratios,
     bus_factor,
+    canonical_dtype,
     canonical_op,
     element_count,
     make_row,
+    nccl_report,
+    nccl_time,
     parse_size,
     plot,
     size_steps,
-    table,
     to_json,
 )
 
@@ -56,6 +59,38 @@ def test_size_steps_like_nccl_tests():
     for bad in ((0, 8, 2), (16, 8, 2), (8, 64, 1)):
         with pytest.raises(ValueError):
             size_steps(*bad)
+
+
+def test_size_steps_in_step_bytes_like_nccl_tests_i():
+    assert size_steps(1 << 20, 4 << 20, 1, step_bytes=1 << 20) == [
+        1 << 20,
+        2 << 20,
+        3 << 20,
+        4 << 20,
+    ]
+    assert size_steps(8, 20, 1, step_bytes=5) == [8, 13, 18]
+    assert size_steps(8, 64, 2, step_bytes=5) == [8, 16, 32, 64]  # a factor above 1 wins
+    with pytest.raises(ValueError):
+        size_steps(8, 64, 1, step_bytes=-1)
+
+
+def test_datatype_names_of_hetcomm_and_nccl_tests():
+    known = ("bool", "int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64")
+    assert canonical_dtype("float", known) == "float32"
+    assert canonical_dtype("half", known) == "float16"
+    assert canonical_dtype("double", known) == "float64"
+    assert canonical_dtype("bfloat16", known) == "bfloat16"
+    assert canonical_dtype("Float32", known) == "float32"
+    assert canonical_dtype("int32", known) == "int32"
+    for bad in ("uint32", "uint64", "all", "fp8"):
+        with pytest.raises(ValueError, match="unknown datatype"):
+            canonical_dtype(bad, known)
+
+
+def test_nccl_time_cells():
+    assert nccl_time(1.234) == "   1.23"
+    assert nccl_time(135.84) == "  135.8"
+    assert nccl_time(12646.4) == "  12646"
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
@@ -100,9 +135,10 @@ def test_element_count_whole_blocks():
     assert element_count("broadcast", 1, 4, 4) == 1
 
 
-def _row(transport, kind, busbw_time, size=4096, op="all_reduce", wrong=0):
+def _row(transport, kind, busbw_time, size=4096, op="all_reduce", wrong=0, form="out-of-place"):
     return make_row(
         op=op,
+        form=form,
         transport=transport,
         kind=kind,
         count=size // 4,
@@ -160,7 +196,7 @@ def test_json_schema():
     assert len(doc["rows"]) == 2
     for r in doc["rows"]:
         assert tuple(r) == ROW_KEYS
-        for key in ("op", "transport", "dtype"):
+        for key in ("op", "form", "transport", "dtype"):
             assert isinstance(r[key], str)
         for key in ("size_bytes", "count", "ranks", "wrong"):
             assert isinstance(r[key], int)
@@ -180,25 +216,109 @@ def test_json_schema():
         assert key in ROW_KEYS
 
 
-def test_table_layout():
-    rows = [
-        _row("auto", "hetcomm", 1e-6),
-        _row("mpi4py", "baseline", 2e-6),
-        _row("auto", "hetcomm", 1e-6, size=8, wrong=None),
-    ]
+def parse_nccl_tests(text):
+    """Read nccl-tests output as cluster scripts do: data lines are the lines that do not start
+    with '#', split on whitespace, the columns at nccl-tests' positions; the closing lines by
+    their labels."""
+    rows, oob, avg = [], None, None
+    for line in text.splitlines():
+        if line.startswith("# Out of bounds values"):
+            oob = line.split(":")[1].split()
+        elif line.startswith("# Avg bus bandwidth"):
+            avg = float(line.split(":")[1].split()[0])
+        elif line.strip() and not line.startswith("#"):
+            c = line.split()
+            rows.append(
+                {
+                    "size": int(c[0]),
+                    "count": int(c[1]),
+                    "type": c[2],
+                    "redop": c[3],
+                    "root": int(c[4]),
+                    "oop": (c[5], c[6], c[7], c[8]),
+                    "ip": (c[9], c[10], c[11], c[12]),
+                    "extra": c[13:],
+                }
+            )
+    return rows, oob, avg
+
+
+META = {
+    "min_bytes": 8,
+    "max_bytes": 4096,
+    "step": (8, "factor"),
+    "warmup": 1,
+    "iters": 3,
+    "check": 1,
+    "ranks": 2,
+    "notes": ["a note"],
+}
+DEVICES = [
+    {"rank": r, "pid": 100 + r, "host": "node", "device": -1, "bus": 0, "name": "cpu"}
+    for r in (0, 1)
+]
+
+
+def test_nccl_report_reads_as_nccl_tests():
+    rows = []
+    for size, t in ((8, 2e-6), (4096, 5e-6)):
+        rows.append(_row("auto", "hetcomm", t, size=size))
+        rows.append(_row("auto", "hetcomm", t / 2, size=size, form="in-place", wrong=1))
+        rows.append(_row("mpi4py", "baseline", t / 4, size=size))
     add_ratios(rows)
-    lines = table(rows).splitlines()
-    assert lines[0] == "# all_reduce"
-    assert lines[1].startswith("#") and "busbw" in lines[1] and "#wrong" in lines[1]
-    assert "(GB/s)" in lines[2] and "(us)" in lines[2]
-    body = [ln for ln in lines[3:] if ln.strip()]
-    assert len(body) == 3
-    assert len({len(ln) for ln in lines[1:] if ln.strip()}) == 1  # aligned columns
-    first = body[0].split()
-    assert first[:7] == ["4096", "1024", "float32", "sum", "-1", "auto", "1.0"]
-    assert first[-2:] == ["0", "2.00x"]
-    assert body[2].split()[-2:] == ["N/A", "-"]
-    assert "" in lines  # a blank line between sizes
+    text = nccl_report(rows, META, DEVICES)
+    lines = text.splitlines()
+    assert lines[0] == (
+        "# nThread 1 nGpus 1 minBytes 8 maxBytes 4096 step: 8(factor) warmup iters: 1 iters: 3 "
+        "agg iters: 1 validation: 1 graph: 0"
+    )
+    assert "# Using devices" in lines
+    assert [ln for ln in lines if ln.startswith("#  Rank")] == [
+        "#  Rank  0 Group  0 Pid    100 on       node device -1 [0x00] cpu",
+        "#  Rank  1 Group  0 Pid    101 on       node device -1 [0x00] cpu",
+    ]
+    head = next(ln for ln in lines if "redop" in ln)
+    pair = ["time", "algbw", "busbw", "#wrong"]
+    assert head.split() == ["#", "size", "count", "type", "redop", "root", *pair, *pair]
+    assert any(ln.startswith("#") and "out-of-place" in ln and "in-place" in ln for ln in lines)
+    data, oob, avg = parse_nccl_tests(text)
+    assert len(data) == 2  # hetcomm's rows only: the baseline's lines are comments
+    assert all(len(ln.split()) == NCCL_DATA_COLUMNS for ln in lines if not ln.startswith("#"))
+    first = data[0]
+    key = (first["size"], first["count"], first["type"], first["redop"], first["root"])
+    assert key == (8, 2, "float", "sum", -1)  # nccl-tests' name of float32
+    assert float(first["oop"][0]) == pytest.approx(2.0)
+    assert float(first["ip"][0]) == pytest.approx(1.0)
+    assert float(first["oop"][1]) == pytest.approx(8 / 2e-6 / 1e9, abs=0.01)
+    assert first["oop"][3] == "0" and first["ip"][3] == "1"
+    assert oob == ["2", "FAILED"]
+    mine = [r for r in rows if r["kind"] == "hetcomm"]
+    assert avg == pytest.approx(sum(r["busbw_GBps"] for r in mine) / len(mine), rel=1e-5)
+    assert any(ln.startswith("#") and "4096" in ln for ln in lines if "mpi4py" not in ln)
+
+
+def test_nccl_report_marks_missing_forms_and_unchecked():
+    rows = [_row("auto", "hetcomm", 1e-6, op="broadcast", form="in-place", wrong=None)]
+    meta = {**META, "check": 0}
+    data, oob, _ = parse_nccl_tests(nccl_report(rows, meta, DEVICES))
+    assert data[0]["oop"] == ("N/A", "N/A", "N/A", "N/A")
+    assert data[0]["ip"][3] == "N/A"
+    assert oob == ["0", "OK"]
+
+
+def test_nccl_report_extra_columns_come_after_nccl_tests_columns():
+    rows = [_row("staged", "hetcomm", 1e-6), _row("mpi4py", "baseline", 2e-6)]
+    add_ratios(rows)
+    data, _, _ = parse_nccl_tests(nccl_report(rows, META, DEVICES, extra=True))
+    assert data[0]["extra"] == ["staged", "2.00x", "-"]
+    plain, _, _ = parse_nccl_tests(nccl_report(rows, META, DEVICES))
+    assert plain[0]["extra"] == []
+
+
+def test_blocked_ops_count_per_rank_like_nccl_tests():
+    rows = [_row("auto", "hetcomm", 1e-6, op="all_gather", size=4096)]
+    data, _, _ = parse_nccl_tests(nccl_report(rows, META, DEVICES))
+    assert data[0]["size"] == 4096 and data[0]["count"] == 512  # 1024 elements over 2 ranks
 
 
 def test_plot_writes_png(tmp_path):
@@ -215,7 +335,7 @@ def test_plot_writes_png(tmp_path):
 
 def test_overhead_table_ratios():
     """The overhead table's ratios come from the rows: medians, and the per-round pairs."""
-    from hetcomm.bench import overhead_table
+    from hetcomm.bench_overhead import overhead_table
 
     def row(impl, us, **extra):
         return {
@@ -238,3 +358,58 @@ def test_overhead_table_ratios():
     assert cells[6:] == ["2.50x", "2.40x", "70.00x", "25%"]
     no_numpy = overhead_table([row("hetcomm", 6.0), row("gloo", 12.0)]).splitlines()[2]
     assert [c.strip() for c in no_numpy.strip("|").split("|")][6:] == ["-", "-", "2.00x", "25%"]
+
+
+def test_every_study_resolves_to_a_function():
+    import importlib
+
+    from hetcomm.bench import STUDIES
+
+    for name, (module, function, what) in STUDIES.items():
+        assert callable(getattr(importlib.import_module(f"hetcomm.{module}"), function)), name
+        assert what
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-g", "2"], "one GPU per rank"),
+        (["-t", "4"], "one thread per rank"),
+        (["-d", "uint32"], "hetcomm has no uint32"),
+        (["-d", "all"], "unknown datatype"),
+        (["--latency", "--study", "ddp"], "give one"),
+        (["-c", "-1"], "-c takes 0 or a positive count"),
+        (["-b", "1X"], "expected a size"),
+        (["--latency", "-b", "64", "-e", "8"], "need 0 < begin <= end"),
+        (["-f", "1"], "give step bytes"),
+    ],
+)
+def test_bench_refuses_what_it_cannot_do_before_any_mpi(argv, message):
+    from hetcomm import bench
+
+    with pytest.raises(SystemExit, match=message):
+        bench.main(argv)
+
+
+def test_bench_accepts_nccl_tests_spellings():
+    import argparse
+
+    from hetcomm.bench import _defaults, _refuse, add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["-b", "8", "-e", "128M", "-f", "2", "-c", "1", "-d", "half", "-o", "max"])
+    _refuse(args)
+    _defaults(args)
+    assert (args.dtype, args.redop, args.check, args.iters, args.warmup) == (
+        "float16",
+        "max",
+        1,
+        20,
+        5,
+    )
+    assert p.parse_args(["-c"]).check == 1 and p.parse_args(["-c", "0"]).check == 0
+    assert p.parse_args(["-z", "1"]).blocking == 1
+    latency = p.parse_args(["--latency"])
+    _defaults(latency)
+    assert (latency.maxbytes, latency.iters, latency.stepfactor) == ("16M", 100, 2.0)
