@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
+#: `Communicator.recv(x, src=ANY_SOURCE)` takes the next matching message from any rank and
+#: returns (or its Work carries, `work.source`) the rank it came from
+ANY_SOURCE = -1
+
 # kernels/ and launch/ sit beside hetcomm/ in the repository and install as hetcomm.kernels and
 # hetcomm.launch. When hetcomm is imported straight from a checkout (the checkout's root on
 # sys.path shadows the installed finder), let those two resolve from the root all the same.
@@ -37,6 +41,7 @@ if os.path.isfile(os.path.join(_checkout, "pyproject.toml")) and os.path.isfile(
     __path__.append(_checkout)
 
 __all__ = [
+    "ANY_SOURCE",
     "CommAborted",
     "CommTimeout",
     "Communicator",

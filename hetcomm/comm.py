@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 from mpi4py import MPI
 
-from . import fusion
+from . import ANY_SOURCE, fusion
 from . import plan as planning
 from . import work as _work
 from .arrays import Buffer, as_buffer, overlap, storage_dtype
@@ -636,6 +636,30 @@ class Communicator:
         work = transport.send(xc, dst, tag, seq)
         return self._finish(work, async_op, timeout, (xb, xc))
 
+    @overload
+    def recv(
+        self,
+        x: Any,
+        src: int,
+        tag: int = 0,
+        *,
+        async_op: Literal[False] = False,
+        timeout: float | None = None,
+    ) -> int: ...
+    @overload
+    def recv(
+        self,
+        x: Any,
+        src: int,
+        tag: int = 0,
+        *,
+        async_op: Literal[True],
+        timeout: float | None = None,
+    ) -> Work: ...
+    @overload
+    def recv(
+        self, x: Any, src: int, tag: int = 0, *, async_op: bool, timeout: float | None = None
+    ) -> Work | int: ...
     def recv(
         self,
         x: Any,
@@ -644,18 +668,36 @@ class Communicator:
         *,
         async_op: bool = False,
         timeout: float | None = None,
-    ) -> Work | None:
-        """Receive into `x` from rank `src` (a message of exactly x's size and dtype)."""
+    ) -> Work | int:
+        """Receive into `x` from rank `src` (a message of exactly x's size and dtype); returns
+        the sender's rank, or with `async_op` a Work whose `source` is it once complete.
+
+        `src=hetcomm.ANY_SOURCE` takes the next message with `tag` from any rank (on the mpi
+        transport; the others refuse it with InvalidArgument)."""
         self._check_open()
         xb = as_buffer(x, "recv: x")
-        src = self._root(src, "recv: src")
+        anywhere = src == ANY_SOURCE and isinstance(src, (int, np.integer))
+        src = ANY_SOURCE if anywhere else self._root(src, "recv: src")
         tag = self._tag(tag, "recv")
         _writable(xb, "recv: x")
+        if anywhere:
+            chosen = self._transport("recv", xb)
+            if not chosen.any_source:
+                memory = "device" if xb.on_device else "host"
+                raise InvalidArgument(
+                    f"recv from ANY_SOURCE: group '{self.name}' receives {memory} buffers of "
+                    f"{xb.nbytes} bytes over the '{chosen.name}' transport, which needs the "
+                    "sender's rank; name it (src=rank), or run the group on the mpi transport "
+                    "(HETCOMM_TRANSPORT=mpi), which receives from any source"
+                )
         transport, seq = self._start("recv", xb, timeout=timeout, blocking=not async_op)
         steps: list[Callable[[], None]] = []
         xc = _contiguous_out(xb, steps)
-        work = transport.recv(xc, src, tag, seq)
-        return self._finish(_then(work, steps), async_op, timeout, (xb, xc))
+        work = _then(transport.recv(xc, src, tag, seq), steps)
+        self._finish(work, async_op, timeout, (xb, xc))
+        if async_op:
+            return work
+        return work.source if work.source is not None else src
 
     def barrier(self, *, async_op: bool = False, timeout: float | None = None) -> Work | None:
         """Complete once every rank of the group has called barrier."""

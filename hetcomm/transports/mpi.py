@@ -216,6 +216,7 @@ class MpiTransport(Transport):
 
     name: ClassVar[str] = "mpi"
     memory: ClassVar[tuple[str, ...]] = ("host", "device")
+    any_source: ClassVar[bool] = True
 
     def __init__(self, comm: Any) -> None:
         super().__init__(comm)
@@ -632,9 +633,8 @@ class MpiTransport(Transport):
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
         spans = _spans(x)
-        work = Work(
-            self.comm, "recv", seq, _Receive(self._mpi, x, self._mem(x), src, tag, spans).poll
-        )
+        receive = _Receive(self._mpi, x, self._mem(x), src, tag, spans)
+        work = receive.work = Work(self.comm, "recv", seq, receive.poll)
         work.info = {"transport": "mpi", "bytes": x.nbytes, "stages": len(spans)}
         return work
 
@@ -648,7 +648,12 @@ class _Receive:
     MismatchError naming both sizes (MPI itself accepts a shorter message silently and fails a
     longer one with MPI_ERR_TRUNCATE). The data goes straight into the caller's array, so on a
     mismatch it may hold the first part of the message; probing each message first would keep
-    it untouched, at the price of posting every receive late (measured: slower)."""
+    it untouched, at the price of posting every receive late (measured: slower).
+
+    `src` -1 (hetcomm.ANY_SOURCE) receives from MPI.ANY_SOURCE; the status names the sender,
+    which the Work carries as `source`. A message cut into several calls (over 2^31 elements)
+    is then received piece by piece: the first from any source, the others from its sender,
+    posted once the first has matched (MPI keeps one sender's messages of a tag in order)."""
 
     def __init__(
         self,
@@ -660,21 +665,43 @@ class _Receive:
         spans: list[tuple[int, int]],
     ) -> None:
         self.src, self.nbytes, self.itemsize = src, x.nbytes, x.itemsize
-        dt = _DATATYPES[x.dtype]
+        self.work: Work | None = None
+        self._mpi, self._tag = mpi, tag
+        dt = self._dt = _DATATYPES[x.dtype]
+        self._rest: list[Any] = []  # pieces posted once an any-source one matched
+        source = MPI.ANY_SOURCE if src < 0 else src
         if len(spans) == 1:
-            self.reqs = [mpi.Irecv((mem, dt), src, tag)]
+            self.reqs = [mpi.Irecv((mem, dt), source, tag)]
         else:
             # MPI keeps messages of one sender, tag and communicator in order: the receiver's
             # pieces match the sender's one by one
             xs = _flat(x)
-            self.reqs = [mpi.Irecv((xs[s : s + n], dt), src, tag) for s, n in spans]
+            pieces = [xs[s : s + n] for s, n in spans]
+            if src < 0:
+                self.reqs = [mpi.Irecv((pieces[0], dt), source, tag)]
+                self._rest = pieces[1:]
+            else:
+                self.reqs = [mpi.Irecv((piece, dt), src, tag) for piece in pieces]
         self.spans = spans
         self.statuses = [MPI.Status() for _ in spans]
 
+    def _sender(self) -> str:
+        return f"rank {self.src}" if self.src >= 0 else "any source"
+
     def poll(self) -> bool:
         try:
-            if not MPI.Request.Testall(self.reqs, self.statuses):
+            statuses = self.statuses[: len(self.reqs)]
+            if not MPI.Request.Testall(self.reqs, statuses):
                 return False
+            if self.src < 0:
+                self.src = statuses[0].Get_source()
+                if self._rest:
+                    self.reqs += [
+                        self._mpi.Irecv((piece, self._dt), self.src, self._tag)
+                        for piece in self._rest
+                    ]
+                    self._rest = []
+                    return self.poll()
         except MPI.Exception as exc:
             # one request fails with ERR_TRUNCATE; Testall says ERR_IN_STATUS and the status
             # holds the reason
@@ -685,7 +712,7 @@ class _Receive:
             if MPI.ERR_TRUNCATE not in errors:
                 raise
             raise MismatchError(
-                f"receive from rank {self.src}: the sender has more than "
+                f"receive from {self._sender()}: the sender has more than "
                 f"{self.nbytes} bytes, this receive takes {self.nbytes}"
             ) from None
         for (_, n), status in zip(self.spans, self.statuses):
@@ -693,9 +720,11 @@ class _Receive:
             if got != n * self.itemsize:
                 sent = got if len(self.spans) == 1 else f"a piece of {got}"
                 raise MismatchError(
-                    f"receive from rank {self.src}: the sender has {sent} "
+                    f"receive from {self._sender()}: the sender has {sent} "
                     f"bytes, this receive takes {n * self.itemsize}"
                 )
+        if self.work is not None:
+            self.work.source = self.src
         return True
 
 
