@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops import ReduceOp
+from . import profile
 from .compat import BACKEND, METHOD_NAMES, reduce_op
 from .tensors import (
     _copier,
@@ -144,11 +145,21 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else -1.0
         return seconds if seconds > 0 else self.timeout_s
 
-    def _run(self, name: str, ops: Sequence[_Op], opts: Any = None, timeout: Any = None) -> _Work:
-        """Start prepared operations (in order, as one torch call) and hand back their Work."""
+    def _run(
+        self,
+        name: str,
+        ops: Sequence[_Op],
+        opts: Any = None,
+        timeout: Any = None,
+        *,
+        inputs: Sequence[torch.Tensor] = (),
+    ) -> _Work:
+        """Start prepared operations (in order, as one torch call) and hand back their Work;
+        `inputs`: the call's input tensors, whose shapes a torch profiler event records."""
         if self._closed:
             raise RuntimeError(f"hetcomm {name}: process group '{self.comm.name}' was destroyed")
         limit = self._limit(timeout if isinstance(timeout, timedelta) else opts)
+        record = profile.Record(name, inputs) if profile.active() else None
         with self._issue:
             works = []
             for op in ops:
@@ -158,6 +169,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         result = [t for op in ops for t in op.result]
         after = [step for op in ops for step in op.after]
         pending = _Pending(f"{self.comm.name}: {name}", works, after, result, limit)
+        pending.record = record
         if _synchronous():
             pending.wait()
         else:
@@ -182,7 +194,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         op = reduce_op(_opt(opts, "reduceOp"), "allreduce")
         t = _one(_listed(tensors), "allreduce")
         x = _reducible(t, op, "allreduce")
-        return self._run("allreduce", [_Op("all_reduce", (x, op), [t])], opts, timeout)
+        return self._run("allreduce", [_Op("all_reduce", (x, op), [t])], opts, timeout, inputs=[t])
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
         op = reduce_op(_opt(opts, "reduceOp"), "allreduce_coalesced")
@@ -190,7 +202,10 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         xs = [_reducible(t, op, "allreduce_coalesced") for t in tensors]
         # one fused all_reduce per (dtype, device), packed and unpacked by hetcomm
         return self._run(
-            "allreduce_coalesced", [_Op("all_reduce_coalesced", (xs, op), list(tensors))], opts
+            "allreduce_coalesced",
+            [_Op("all_reduce_coalesced", (xs, op), list(tensors))],
+            opts,
+            inputs=tensors,
         )
 
     def broadcast(self, tensors: Any, opts: Any = None, timeout: Any = None) -> _Work:
@@ -199,21 +214,23 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             raise ValueError("hetcomm broadcast: rootTensor must be 0 (one tensor per process)")
         t = _one(_listed(tensors), "broadcast")
         x, after = _movable(t, write=self.comm.rank != root)
-        return self._run("broadcast", [_Op("broadcast", (x, root), [t], after)], opts, timeout)
+        return self._run(
+            "broadcast", [_Op("broadcast", (x, root), [t], after)], opts, timeout, inputs=[t]
+        )
 
     def reduce(self, tensors: Any, opts: Any = None, op: Any = None, timeout: Any = None) -> _Work:
         rop = reduce_op(op if op is not None else _opt(opts, "reduceOp"), "reduce")
         root = self._rank_arg(_opt(opts, "rootRank", 0), "reduce: root")
         t = _one(_listed(tensors), "reduce")
         x = _reducible(t, rop, "reduce")
-        return self._run("reduce", [_Op("reduce", (x, root, rop), [t])], opts, timeout)
+        return self._run("reduce", [_Op("reduce", (x, root, rop), [t])], opts, timeout, inputs=[t])
 
     def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> _Work:
         if isinstance(input_tensors, torch.Tensor):  # the (outputs, input, timeout) form
             output_tensors, input_tensors = [output_tensors], [input_tensors]
         t = _one(input_tensors, "allgather: input")
         outs = _one(output_tensors, "allgather: output")
-        return self._run("allgather", [self._allgather_op(outs, t, "allgather")], opts)
+        return self._run("allgather", [self._allgather_op(outs, t, "allgather")], opts, inputs=[t])
 
     def allgather_coalesced(
         self,
@@ -237,19 +254,21 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             self._allgather_op([outs[i] for outs in output_lists], t, "allgather_coalesced")
             for i, t in enumerate(input_list)
         ]
-        return self._run("allgather_coalesced", ops, opts)
+        return self._run("allgather_coalesced", ops, opts, inputs=input_list)
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> _Work:
-        return self._run("all_gather_into_tensor", [self._gather_single_op(output, input)], opts)
+        return self._run(
+            "all_gather_into_tensor", [self._gather_single_op(output, input)], opts, inputs=[input]
+        )
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> _Work:
         _pairs(outputs, inputs, "all_gather_into_tensor_coalesced")
         ops = [self._gather_single_op(o, i) for o, i in zip(outputs, inputs)]
-        return self._run("all_gather_into_tensor_coalesced", ops, opts)
+        return self._run("all_gather_into_tensor_coalesced", ops, opts, inputs=inputs)
 
     def reduce_scatter(
         self, output_tensors: Any, input_tensors: Any, opts: Any = None, timeout: Any = None
@@ -263,7 +282,11 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         o = _reducible(t, op, "reduce_scatter")
         flat = torch.stack([_reducible(i, op, "reduce_scatter").reshape(o.shape) for i in ins])
         return self._run(
-            "reduce_scatter", [_Op("reduce_scatter", (o, flat, op), [t])], opts, timeout
+            "reduce_scatter",
+            [_Op("reduce_scatter", (o, flat, op), [t])],
+            opts,
+            timeout,
+            inputs=ins,
         )
 
     def reduce_scatter_single(
@@ -271,7 +294,10 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
     ) -> _Work:
         op = reduce_op(_opt(opts, "reduceOp"), "reduce_scatter_tensor")
         return self._run(
-            "reduce_scatter_tensor", [self._scatter_single_op(output, input, op)], opts
+            "reduce_scatter_tensor",
+            [self._scatter_single_op(output, input, op)],
+            opts,
+            inputs=[input],
         )
 
     def reduce_scatter_single_coalesced(
@@ -280,7 +306,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         op = reduce_op(_opt(opts, "reduceOp"), "reduce_scatter_tensor_coalesced")
         _pairs(outputs, inputs, "reduce_scatter_tensor_coalesced")
         ops = [self._scatter_single_op(o, i, op) for o, i in zip(outputs, inputs)]
-        return self._run("reduce_scatter_tensor_coalesced", ops, opts)
+        return self._run("reduce_scatter_tensor_coalesced", ops, opts, inputs=inputs)
 
     def all_to_all_single(
         self,
@@ -302,11 +328,14 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             x, _ = _movable(input, write=False)
             o, after = _movable(output, write=True)
             return self._run(
-                "all_to_all_single", [_Op("all_to_all", (o, x), [output], after)], opts
+                "all_to_all_single",
+                [_Op("all_to_all", (o, x), [output], after)],
+                opts,
+                inputs=[input],
             )
         sends = split_rows(input, input_split_sizes, n, "all_to_all_single: input")
         recvs = split_rows(output, output_split_sizes, n, "all_to_all_single: output")
-        return self._exchange("all_to_all_single", sends, recvs, [output], opts)
+        return self._exchange("all_to_all_single", sends, recvs, [output], opts, inputs=[input])
 
     def alltoall(
         self,
@@ -323,7 +352,12 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         for i, t in enumerate([*output_tensors, *input_tensors]):
             _same_dtype(t, input_tensors[0], f"alltoall: tensor {i}")
         return self._exchange(
-            "alltoall", list(input_tensors), list(output_tensors), list(output_tensors), opts
+            "alltoall",
+            list(input_tensors),
+            list(output_tensors),
+            list(output_tensors),
+            opts,
+            inputs=input_tensors,
         )
 
     def gather(
@@ -348,7 +382,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
                 )
             sends = [t if r == root else None for r in range(n)]
             recvs, result = [None] * n, []
-        return self._exchange("gather", sends, recvs, result, opts, timeout)
+        return self._exchange("gather", sends, recvs, result, opts, timeout, inputs=[t])
 
     def scatter(
         self, output_tensors: Any, input_tensors: Any, opts: Any = None, timeout: Any = None
@@ -371,7 +405,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
                 )
             sends = [None] * n
             recvs = [t if r == root else None for r in range(n)]
-        return self._exchange("scatter", sends, recvs, [t], opts, timeout)
+        return self._exchange("scatter", sends, recvs, [t], opts, timeout, inputs=input_tensors)
 
     def barrier(self, opts: Any = None) -> _Work:
         return self._run("barrier", [_Op("barrier", (), [])], opts)
@@ -382,17 +416,22 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         t = _one(tensors, "send")
         dst = self._rank_arg(dstRank, "send: dst")
         x, _ = _movable(t, write=False)
-        return self._run("send", [_Op("send", (x, dst, tag), [t])])
+        return self._run("send", [_Op("send", (x, dst, tag), [t])], inputs=[t])
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> _Work:
         t = _one(tensors, "recv")
         src = self._rank_arg(srcRank, "recv: src")
         x, after = _movable(t, write=True)
-        return self._run("recv", [_Op("recv", (x, src, tag), [t], after)])
+        return self._run("recv", [_Op("recv", (x, src, tag), [t], after)], inputs=[t])
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> _Work:
-        raise RuntimeError(
-            "hetcomm recv: a source rank is required (receiving from any source is not supported)"
+        from .. import ANY_SOURCE
+
+        t = _one(tensors, "recv")
+        x, after = _movable(t, write=True)
+        # the Work's _source_rank() is the sender's rank in this group, once complete
+        return self._run(
+            "recv_anysource", [_Op("recv", (x, ANY_SOURCE, tag), [t], after)], inputs=[t]
         )
 
     # ---- coalescing (batch_isend_irecv, _coalescing_manager) ----------------------------------
@@ -446,6 +485,8 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         result: list[torch.Tensor],
         opts: Any,
         timeout: Any = None,
+        *,
+        inputs: Sequence[torch.Tensor] = (),
     ) -> _Work:
         """Block j of `sends` goes to rank j, block i of `recvs` comes from rank i (p2p)."""
         me = self.comm.rank
@@ -471,7 +512,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             ops.append(_Op(None, (), [], [_copier(target, own)]))
         if ops:
             ops[0].result = result
-        return self._run(name, ops or [_Op(None, (), result)], opts, timeout)
+        return self._run(name, ops or [_Op(None, (), result)], opts, timeout, inputs=inputs)
 
     def _rank_arg(self, rank: Any, what: str) -> int:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.comm.size:

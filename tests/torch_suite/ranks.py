@@ -92,6 +92,7 @@ def listing(cls: Any) -> list[tuple[str, str | None]]:
 _ERROR_EXIT = 10  # MultiProcessTestCase.TEST_ERROR_EXIT_CODE
 # tests whose exit code torch does not check (TestDistBackend.setUp)
 _NO_CODE_CHECK = ("test_ddp_has_finalized",)
+_ERROR_GRACE_S = 5.0
 
 
 def outcome(test: str, codes: list[int | None], tracebacks: list[str]) -> tuple[str, str]:
@@ -164,11 +165,16 @@ class Watch:
                     if done:
                         codes[r], tbs[r] = got
                         del requests[r]
-                if _ERROR_EXIT in codes or None not in codes or time.monotonic() > deadline:
+                now = time.monotonic()
+                if None not in codes or now > deadline:
                     break
+                if _ERROR_EXIT in codes:
+                    # torch ends the other processes at once; give them a moment to end the
+                    # test themselves (they usually fail the same way), which spares a restart
+                    deadline = min(deadline, now + _ERROR_GRACE_S)
                 time.sleep(0.01)
             status, detail = outcome(test, codes, tbs)
-            if time.monotonic() > deadline and None in codes:
+            if None in codes and _ERROR_EXIT not in codes:
                 detail = f"timed out after {self.limit:.0f} s: " + detail
             decision = {
                 "status": status,
