@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..errors import HetcommError
 from ..ops import ReduceOp
 from . import profile
 from .compat import BACKEND, METHOD_NAMES, reduce_op
+from .errors import ArgumentError, DistBackendError, torch_error
 from .tensors import (
     _copier,
     _copy_rows,
@@ -157,15 +159,22 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         """Start prepared operations (in order, as one torch call) and hand back their Work;
         `inputs`: the call's input tensors, whose shapes a torch profiler event records."""
         if self._closed:
-            raise RuntimeError(f"hetcomm {name}: process group '{self.comm.name}' was destroyed")
+            raise DistBackendError(
+                f"hetcomm {name}: process group '{self.comm.name}' is closed (destroyed)"
+            )
         limit = self._limit(timeout if isinstance(timeout, timedelta) else opts)
         record = profile.Record(name, inputs) if profile.active() else None
         with self._issue:
             works = []
-            for op in ops:
-                work = op.start(self._aux_comm() if op.aux else self.comm)
-                if work is not None:
-                    works.append(work)
+            try:
+                for op in ops:
+                    work = op.start(self._aux_comm() if op.aux else self.comm)
+                    if work is not None:
+                        works.append(work)
+            except HetcommError as exc:
+                if record is not None:
+                    record.end()
+                raise torch_error(exc, f"{self.comm.name}: {name}") from exc
         result = [t for op in ops for t in op.result]
         after = [step for op in ops for step in op.after]
         pending = _Pending(f"{self.comm.name}: {name}", works, after, result, limit)
@@ -211,7 +220,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
     def broadcast(self, tensors: Any, opts: Any = None, timeout: Any = None) -> _Work:
         root = self._rank_arg(_opt(opts, "rootRank", 0), "broadcast: root")
         if _opt(opts, "rootTensor", 0) != 0:
-            raise ValueError("hetcomm broadcast: rootTensor must be 0 (one tensor per process)")
+            raise ArgumentError("hetcomm broadcast: rootTensor must be 0 (one tensor per process)")
         t = _one(_listed(tensors), "broadcast")
         x, after = _movable(t, write=self.comm.rank != root)
         return self._run(
@@ -240,13 +249,13 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
     ) -> _Work:
         _nonempty(input_list, "allgather_coalesced: input")
         if len(output_lists) != self.comm.size:
-            raise ValueError(
+            raise ArgumentError(
                 f"hetcomm allgather_coalesced: expected {self.comm.size} output "
                 f"lists (one per rank), got {len(output_lists)}"
             )
         for r, outs in enumerate(output_lists):
             if len(outs) != len(input_list):
-                raise ValueError(
+                raise ArgumentError(
                     f"hetcomm allgather_coalesced: output list {r} holds "
                     f"{len(outs)} tensors for {len(input_list)} inputs"
                 )
@@ -320,7 +329,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         _same_dtype(output, input, "all_to_all_single: output")
         if not output_split_sizes and not input_split_sizes:
             if input.numel() % n or output.numel() != input.numel():
-                raise ValueError(
+                raise ArgumentError(
                     f"hetcomm all_to_all_single: input and output must hold the "
                     f"same multiple of {n} elements, got {input.numel()} and "
                     f"{output.numel()}"
@@ -346,7 +355,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         n = self.comm.size
         for what, ts in (("output", output_tensors), ("input", input_tensors)):
             if len(ts) != n:
-                raise ValueError(
+                raise ArgumentError(
                     f"hetcomm alltoall: expected {n} {what} tensors (one per rank), got {len(ts)}"
                 )
         for i, t in enumerate([*output_tensors, *input_tensors]):
@@ -377,7 +386,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             result = list(outs)
         else:
             if any(output_tensors):
-                raise ValueError(
+                raise ArgumentError(
                     f"hetcomm gather: only the root (rank {root}) passes output tensors"
                 )
             sends = [t if r == root else None for r in range(n)]
@@ -400,7 +409,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             recvs: list[torch.Tensor | None] = [t if r == me else None for r in range(n)]
         else:
             if any(input_tensors):
-                raise ValueError(
+                raise ArgumentError(
                     f"hetcomm scatter: only the root (rank {root}) passes input tensors"
                 )
             sends = [None] * n
@@ -458,7 +467,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
     def _gather_single_op(self, output: torch.Tensor, input: torch.Tensor) -> _Op:
         _same_dtype(output, input, "all_gather_into_tensor: output")
         if output.numel() != input.numel() * self.comm.size:
-            raise ValueError(
+            raise ArgumentError(
                 f"hetcomm all_gather_into_tensor: output must hold {self.comm.size} "
                 f"x {input.numel()} elements, got {output.numel()}"
             )
@@ -469,7 +478,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
     def _scatter_single_op(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> _Op:
         _same_dtype(output, input, "reduce_scatter_tensor: output")
         if output.numel() * self.comm.size != input.numel():
-            raise ValueError(
+            raise ArgumentError(
                 f"hetcomm reduce_scatter_tensor: input must hold {self.comm.size} x "
                 f"{output.numel()} elements, got {input.numel()}"
             )
@@ -492,7 +501,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         me = self.comm.rank
         mine_in, mine_out = sends[me], recvs[me]
         if (mine_in is None) != (mine_out is None):
-            raise ValueError(f"hetcomm {name}: this rank's own block is missing on one side")
+            raise ArgumentError(f"hetcomm {name}: this rank's own block is missing on one side")
         ops: list[_Op] = []
         for peer, t in enumerate(recvs):
             if t is not None and peer != me and t.numel():
@@ -504,7 +513,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
                 ops.append(_Op("send", (x, peer), [], aux=True))
         if mine_in is not None and mine_out is not None:
             if mine_in.numel() != mine_out.numel():
-                raise ValueError(
+                raise ArgumentError(
                     f"hetcomm {name}: this rank sends itself {mine_in.numel()} "
                     f"elements but expects {mine_out.numel()}"
                 )
@@ -516,21 +525,21 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
 
     def _rank_arg(self, rank: Any, what: str) -> int:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.comm.size:
-            raise ValueError(
+            raise ArgumentError(
                 f"hetcomm {what}: expected a rank in [0, {self.comm.size}), got {rank!r}"
             )
         return rank
 
     def _check_blocks(self, blocks: Sequence[torch.Tensor], like: torch.Tensor, what: str) -> None:
         if len(blocks) != self.comm.size:
-            raise ValueError(
+            raise ArgumentError(
                 f"hetcomm {what}: expected {self.comm.size} tensors (one per rank), "
                 f"got {len(blocks)}"
             )
         for i, t in enumerate(blocks):
             _same_dtype(t, like, f"{what}[{i}]")
             if t.numel() != like.numel():
-                raise ValueError(
+                raise ArgumentError(
                     f"hetcomm {what}[{i}]: expected {like.numel()} elements like "
                     f"the input, got {t.numel()} (shape {list(t.shape)})"
                 )
@@ -630,7 +639,7 @@ def _create_group(opts: Any, backend_options: Any = None) -> ProcessGroupHetcomm
     rank, size, group_id = int(opts.group_rank), int(opts.group_size), str(opts.group_id)
     if not ranks:  # the default group
         if (rank, size) != (world_rank, world_size):
-            raise ValueError(
+            raise ArgumentError(
                 f"hetcomm: init_process_group was given rank {rank} of world_size {size}, but MPI "
                 f"makes this process rank {world_rank} of {world_size}. hetcomm takes ranks from "
                 "MPI: drop rank/world_size (and RANK/WORLD_SIZE) or make them match mpirun's"
@@ -641,7 +650,7 @@ def _create_group(opts: Any, backend_options: Any = None) -> ProcessGroupHetcomm
         return _bound(ProcessGroupHetcomm(world, _timeout_s(opts.timeout, world.config.timeout)))
     torch_rank = dist.get_rank()
     if torch_rank != world_rank or ranks[rank] != world_rank:
-        raise ValueError(
+        raise ArgumentError(
             f"hetcomm: torch's global rank {torch_rank} is not MPI's rank {world_rank}; hetcomm "
             "groups need the default group's ranks to be MPI.COMM_WORLD's (launch with mpirun)"
         )

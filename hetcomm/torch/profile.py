@@ -50,4 +50,3 @@ class Record:
         handle, self._handle = self._handle, None
         if handle is not None:
             torch._C._autograd._record_function_with_args_exit(handle)
-

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CommTimeout
+from .errors import torch_error
 from .profile import Record
 
 log = logging.getLogger("hetcomm")
@@ -136,6 +137,7 @@ class _Pending:
         self.future.set_result(self.result)
 
     def _fail(self, exc: BaseException) -> None:
+        exc = torch_error(exc, self.name)  # what torch callers catch; hetcomm's as __cause__
         self.done, self.error = True, exc
         if self.record is not None:
             _PROGRESS.end_record(self.record)
