@@ -44,6 +44,9 @@ _DTYPE_CODES = {
 }
 
 
+# the MPI communicators of closed Communicators, never freed (see Communicator.close)
+_CLOSED_MPI_COMMS: list[MPI.Intracomm] = []
+
 _AVG = ReduceOp.AVG
 _SMALL_BYTES = planning.SMALL_BYTES
 _POINT_TO_POINT = frozenset(("send", "recv"))
@@ -53,7 +56,8 @@ class Communicator:
     """A group of ranks and the operations among them; every rank of the group calls each op.
 
     Made by `hetcomm.init()`, `ParallelGroups` or `split()`; owns its MPI communicator (a Dup or
-    a Split) and frees it on `close()`. Collectives follow NCCL's layouts; see the README.
+    a Split), which `close()` retires (kept unused until MPI_Finalize, so that no message of this
+    group reaches another). Collectives follow NCCL's layouts; see the README.
     """
 
     def __init__(
@@ -112,11 +116,15 @@ class Communicator:
         for transport in self._transports.values():
             transport.close()
         self._transports.clear()
-        # an aborted communicator may still have MPI operations in flight: freeing it then
-        # would let MPI write into released memory, so it is left to MPI_Finalize
-        if self._aborted is None and self.mpi != MPI.COMM_NULL:
-            self.service.Free()
-            self.mpi.Free()
+        # The MPI communicators are kept, not freed, until MPI_Finalize (about 10 KB each).
+        # MPI gives a freed communicator's context id to the next one made, and Open MPI hands
+        # that one the messages still addressed to the old: a message another rank sends on
+        # this group after it closed here would reach a later group. Kept, such a message is
+        # never matched: it is dropped, or its sender fails within its timeout (as gloo's and
+        # NCCL's do). An aborted communicator may also have MPI operations in flight, which a
+        # free would let write into released memory.
+        if self.mpi != MPI.COMM_NULL:
+            _CLOSED_MPI_COMMS.extend((self.service, self.mpi))
 
     @property
     def closed(self) -> bool:
