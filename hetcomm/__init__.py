@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 #: `Communicator.recv(x, src=ANY_SOURCE)` takes the next matching message from any rank and
-#: returns (or its Work carries, `work.source`) the rank it came from
-ANY_SOURCE = -1
+#: returns (or its Work carries, `work.source`) the rank it came from. Not -1: a rank computed
+#: as -1 by mistake stays an error instead of receiving from whoever sends first.
+ANY_SOURCE = -(2**31)
 
 # kernels/ and launch/ sit beside hetcomm/ in the repository and install as hetcomm.kernels and
 # hetcomm.launch. When hetcomm is imported straight from a checkout (the checkout's root on

@@ -25,7 +25,7 @@ class Transport:
     name: ClassVar[str] = "base"
     #: which memory it can move: "host", "device" (both for most)
     memory: ClassVar[tuple[str, ...]] = ()
-    #: whether recv takes src=ANY_SOURCE (-1): the mpi transport only, whose receives MPI
+    #: whether recv takes src=hetcomm.ANY_SOURCE: the mpi transport only, whose receives MPI
     #: matches; the others set up each transfer with a known peer before the first byte moves
     any_source: ClassVar[bool] = False
 

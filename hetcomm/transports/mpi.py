@@ -650,7 +650,7 @@ class _Receive:
     mismatch it may hold the first part of the message; probing each message first would keep
     it untouched, at the price of posting every receive late (measured: slower).
 
-    `src` -1 (hetcomm.ANY_SOURCE) receives from MPI.ANY_SOURCE; the status names the sender,
+    `src` hetcomm.ANY_SOURCE (negative) receives from MPI.ANY_SOURCE; the status names the sender,
     which the Work carries as `source`. A message cut into several calls (over 2^31 elements)
     is then received piece by piece: the first from any source, the others from its sender,
     posted once the first has matched (MPI keeps one sender's messages of a tag in order)."""

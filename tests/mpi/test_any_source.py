@@ -18,34 +18,36 @@ def _recv_transport(comm: hetcomm.Communicator, y: np.ndarray) -> str:
 
 
 def test_recv_from_any_source_returns_the_sender(comm, errors, rng):
-    """Rank 0 receives one message from every other rank, blocking and with a Work, in the order
-    they arrive; each message holds its sender's rank and a random payload, so both the returned
-    rank and the data are checked against what that rank sent."""
+    """Every other rank sends rank 0 two messages; rank 0 takes them from any source, half
+    blocking and half with a Work, in whatever order they come. Each message holds its sender's
+    rank, its number and a random payload drawn on every rank, so the returned rank and the data
+    are both checked against what that rank sent, and one sender's two arrive in order."""
     n = 64
     payload = rng.standard_normal((comm.size, 2, n))  # the same draw on every rank
-    y = np.empty(n + 1, np.float64)
+    y = np.empty(n + 2, np.float64)
     if _recv_transport(comm, y) != "mpi":
         return  # the refusal is tested below
     if comm.rank == 0:
         seen: dict[int, list[int]] = {}
-        for round_ in range(2):
-            for _ in range(comm.size - 1):
-                y = np.full(n + 1, np.nan)
-                if round_ == 0:
-                    sender = comm.recv(y, hetcomm.ANY_SOURCE, tag=7, timeout=30)
-                else:
-                    work = comm.recv(y, hetcomm.ANY_SOURCE, tag=7, async_op=True, timeout=30)
-                    work.wait()
-                    sender = work.source
-                seen.setdefault(int(y[0]), []).append(round_)
-                errors.expect(sender == int(y[0]), f"recv returned {sender}, data from {y[0]}")
-                if 0 < sender < comm.size:
-                    want = payload[sender, round_]
-                    errors.expect(np.array_equal(y[1:], want), f"payload from {sender} differs")
-        errors.expect(sorted(seen) == list(range(1, comm.size)), f"senders seen: {sorted(seen)}")
+        for i in range(2 * (comm.size - 1)):
+            y = np.full(n + 2, np.nan)
+            if i % 2 == 0:
+                sender = comm.recv(y, hetcomm.ANY_SOURCE, tag=7, timeout=30)
+            else:
+                work = comm.recv(y, hetcomm.ANY_SOURCE, tag=7, async_op=True, timeout=30)
+                work.wait()
+                sender = work.source
+            errors.expect(sender == int(y[0]), f"recv returned {sender}, data from {y[0]}")
+            number = int(y[1])
+            seen.setdefault(sender, []).append(number)
+            if 0 < sender < comm.size and number in (0, 1):
+                want = payload[sender, number]
+                errors.expect(np.array_equal(y[2:], want), f"payload from {sender} differs")
+        want_seen = {r: [0, 1] for r in range(1, comm.size)}
+        errors.expect(seen == want_seen, f"messages seen: {seen}")
     else:
-        for round_ in range(2):
-            msg = np.concatenate([[float(comm.rank)], payload[comm.rank, round_]])
+        for number in range(2):
+            msg = np.concatenate([[comm.rank, number], payload[comm.rank, number]])
             errors.run("send", comm.send, msg, 0, tag=7, timeout=30)
     errors.verify()
 
@@ -74,7 +76,7 @@ def test_any_source_is_refused_by_name_where_the_transport_needs_the_sender(comm
             for word in (f"'{transport}'", "src=rank", "HETCOMM_TRANSPORT=mpi"):
                 errors.expect(word in str(exc), f"{word} not in: {exc}")
         errors.expect((y == 5.0).all(), f"y changed: {y}")
-    for bad in (-2, comm.size, True):
+    for bad in (-1, -2, comm.size, True):  # -1 is a bad rank, not ANY_SOURCE
         try:
             comm.recv(y, bad)
             errors.append(f"src={bad!r}: no error")

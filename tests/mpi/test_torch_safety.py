@@ -30,14 +30,15 @@ def recv_transport(group: dist.ProcessGroup, t: torch.Tensor) -> str:
 
 class TestAnySource:
     def test_recv_and_irecv_without_src_return_the_sender(self, errors, pg, rng) -> None:
-        """Each rank in turn receives from every other with dist.recv(t) and dist.irecv(t);
-        the senders' data are random, drawn on every rank, so the returned rank and the data
-        are both checked against what that rank sent."""
+        """Each rank in turn receives two messages from every other, with dist.recv(t) and
+        dist.irecv(t) in turn, in whatever order they come; each holds its sender's rank, its
+        number and random data drawn on every rank, so the returned rank and the data are both
+        checked against what that rank sent."""
         n, me = dist.get_world_size(), dist.get_rank()
-        data = torch.from_numpy(rng.standard_normal((n, n, 2, 6)))  # [receiver, sender, form]
-        if recv_transport(pg, torch.empty(7, dtype=torch.float64)) != "mpi":
+        data = torch.from_numpy(rng.standard_normal((n, n, 2, 6)))  # [receiver, sender, number]
+        if recv_transport(pg, torch.empty(8, dtype=torch.float64)) != "mpi":
             with pytest.raises(ArgumentError, match="ANY_SOURCE") as info:
-                dist.recv(torch.empty(7, dtype=torch.float64))
+                dist.recv(torch.empty(8, dtype=torch.float64))
             errors.expect(isinstance(info.value, RuntimeError), "not a RuntimeError")
             errors.expect(
                 isinstance(info.value.__cause__, hetcomm.InvalidArgument), "cause not kept"
@@ -46,31 +47,29 @@ class TestAnySource:
             return
         for receiver in range(n):
             if me == receiver:
-                senders = []
-                for form in range(2):
-                    for _ in range(n - 1):
-                        got = torch.full((7,), float("nan"), dtype=torch.float64)
-                        if form == 0:
-                            sender = dist.recv(got)
-                        else:
-                            work = dist.irecv(got)
-                            work.wait()
-                            sender = work._source_rank()
-                        senders.append(sender)
-                        errors.expect(sender == int(got[0]), f"{sender} sent {got[0]}")
-                        if 0 <= sender < n and sender != me:
-                            errors.expect(
-                                torch.equal(got[1:], data[me, sender, form]),
-                                f"data from {sender} differs",
-                            )
-                want = sorted(r for r in range(n) if r != me) * 2
-                errors.expect(sorted(senders) == sorted(want), f"senders {senders}")
+                seen: dict[int, list[int]] = {}
+                for i in range(2 * (n - 1)):
+                    got = torch.full((8,), float("nan"), dtype=torch.float64)
+                    if i % 2 == 0:
+                        sender = dist.recv(got)
+                    else:
+                        work = dist.irecv(got)
+                        work.wait()
+                        sender = work._source_rank()
+                    errors.expect(sender == int(got[0]), f"{sender} sent {got[0]}")
+                    number = int(got[1])
+                    seen.setdefault(sender, []).append(number)
+                    if 0 <= sender < n and sender != me and number in (0, 1):
+                        errors.expect(
+                            torch.equal(got[2:], data[me, sender, number]),
+                            f"data from {sender} differs",
+                        )
+                want = {r: [0, 1] for r in range(n) if r != me}
+                errors.expect(seen == want, f"messages seen: {seen}")
             else:
-                for form in range(2):
-                    msg = torch.cat(
-                        [torch.tensor([float(me)], dtype=torch.float64), data[receiver, me, form]]
-                    )
-                    dist.send(msg, receiver)
+                for number in range(2):
+                    head = torch.tensor([float(me), float(number)], dtype=torch.float64)
+                    dist.send(torch.cat([head, data[receiver, me, number]]), receiver)
             dist.barrier()
         errors.verify()
 
