@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+from importlib import metadata as _metadata
 from typing import TYPE_CHECKING, Any
 
 from .config import Config
@@ -25,7 +25,11 @@ if TYPE_CHECKING:
     from .comm import Communicator
     from .groups import ParallelGroups
 
-__version__ = "0.1.0"
+try:
+    # one source of the version: pyproject.toml, as the installed metadata carries it
+    __version__ = _metadata.version("hetcomm")
+except _metadata.PackageNotFoundError:  # imported from a checkout that was never installed
+    __version__ = "0+unknown"
 
 #: `Communicator.recv(x, src=ANY_SOURCE)` takes the next matching message from any rank and
 #: returns (or its Work carries, `work.source`) the rank it came from. Not -1: a rank computed
@@ -33,13 +37,8 @@ __version__ = "0.1.0"
 ANY_SOURCE = -(2**31)
 
 # kernels/ and launch/ sit beside hetcomm/ in the repository and install as hetcomm.kernels and
-# hetcomm.launch. When hetcomm is imported straight from a checkout (the checkout's root on
-# sys.path shadows the installed finder), let those two resolve from the root all the same.
-_checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.path.isfile(os.path.join(_checkout, "pyproject.toml")) and os.path.isfile(
-    os.path.join(_checkout, "launch", "__init__.py")
-):
-    __path__.append(_checkout)
+# hetcomm.launch by pyproject's package mapping; a checkout imports them through its editable
+# install (pip install -e .), never by widening this package's __path__.
 
 __all__ = [
     "ANY_SOURCE",
@@ -93,19 +92,23 @@ def init(
     dup = comm.Dup()
     try:
         topo = topology.gather(dup, config)
-        from .transports.peer import probe
+        from .transports.direct.peer import probe
 
-        probe(dup, [r.node for r in topo.ranks], [r.device_index is not None for r in topo.ranks])
-        from . import tune
+        topo = topo.with_peer_mapping(
+            probe(
+                dup, [r.node for r in topo.ranks], [r.device_index is not None for r in topo.ranks]
+            )
+        )
+        from . import tuning
 
         # values `hetcomm tune` measured for this topology, the same on every rank; a config
         # that already carries some (a sub-communicator's) keeps them
         tuned = (
             config.tuned
             if config.tuned is not None
-            else tune.lookup(dup, topo.fingerprint(), config)
+            else tuning.lookup(dup, topo.fingerprint(), config)
         )
-        config = tune.adopt(config, tuned)
+        config = tuning.adopt(config, tuned)
     except BaseException:
         dup.Free()
         raise

@@ -6,27 +6,13 @@ from typing import Any
 
 import numpy as np
 
+from .dtypes import DTYPES, TABLE, storage_dtype
 from .errors import DtypeError, InvalidArgument
 
-DTYPES = (
-    "bool",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-)
-FLOATS = ("float16", "bfloat16", "float32", "float64")
-HALVES = ("float16", "bfloat16")
+__all__ = ["DTYPES", "Buffer", "as_buffer", "overlap", "storage_dtype"]
 
-# numpy storage for each logical dtype: numpy has no bfloat16, so its bits live in uint16
-_STORAGE = {name: np.dtype(name) for name in DTYPES if name != "bfloat16"}
-_STORAGE["bfloat16"] = np.dtype(np.uint16)
-_NUMPY_NAMES = {np.dtype(n): n for n in DTYPES if n != "bfloat16"}
+# numpy dtype of a host view -> logical dtype name (bfloat16 has none: it is never inferred)
+_NUMPY_NAMES = {d.numpy: n for n, d in TABLE.items() if n != "bfloat16"}
 # typestr of the CUDA array interface (without byte order) -> dtype name
 _TYPESTR = {
     "b1": "bool",
@@ -40,11 +26,6 @@ _TYPESTR = {
     "f8": "float64",
 }
 _DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST, _DLPACK_ROCM = 1, 2, 3, 10
-
-
-def storage_dtype(dtype: str) -> np.dtype:
-    """The numpy dtype that holds the bits of logical dtype `dtype`."""
-    return _STORAGE[dtype]
 
 
 class Buffer:
@@ -71,6 +52,7 @@ class Buffer:
 
     def __init__(
         self,
+        *,
         obj: Any,
         kind: str,
         dtype: str,
@@ -86,7 +68,7 @@ class Buffer:
         self.obj, self.kind, self.dtype, self.shape = obj, kind, dtype, shape
         self.device, self.device_index, self._ptr = device, device_index, ptr
         self.contiguous, self.readonly, self.host = contiguous, readonly, host
-        self.itemsize = _STORAGE[dtype].itemsize
+        self.itemsize = TABLE[dtype].itemsize
         if count < 0:
             count = 1
             for n in shape:
@@ -171,17 +153,17 @@ def _from_numpy(arr: np.ndarray, obj: Any, kind: str, what: str) -> Buffer:
     contiguous = flags.c_contiguous
     host = view if not contiguous or view.ndim == 1 else view.reshape(-1)
     return Buffer(
-        obj,
-        kind,
-        dtype,
-        arr.shape,
-        "cpu",
-        None,
-        -1,
-        contiguous,
-        not flags.writeable,
-        host,
-        arr.size,
+        obj=obj,
+        kind=kind,
+        dtype=dtype,
+        shape=arr.shape,
+        device="cpu",
+        device_index=None,
+        ptr=-1,
+        contiguous=contiguous,
+        readonly=not flags.writeable,
+        host=host,
+        count=arr.size,
     )
 
 
@@ -217,11 +199,31 @@ def _from_torch(t: Any, what: str) -> Buffer:
             host = d.numpy()
         if contiguous and host.ndim != 1:
             host = host.reshape(-1)
-        return Buffer(t, "torch", name, shape, "cpu", None, -1, contiguous, False, host)
+        return Buffer(
+            obj=t,
+            kind="torch",
+            dtype=name,
+            shape=shape,
+            device="cpu",
+            device_index=None,
+            ptr=-1,
+            contiguous=contiguous,
+            readonly=False,
+            host=host,
+        )
     if t.device.type == "cuda":
         device = "rocm" if getattr(torch.version, "hip", None) else "cuda"
         return Buffer(
-            t, "torch", name, shape, device, t.device.index, t.data_ptr(), contiguous, False, None
+            obj=t,
+            kind="torch",
+            dtype=name,
+            shape=shape,
+            device=device,
+            device_index=t.device.index,
+            ptr=t.data_ptr(),
+            contiguous=contiguous,
+            readonly=False,
+            host=None,
         )
     raise InvalidArgument(f"{what}: tensors on {t.device.type} are not supported (cpu, cuda)")
 
@@ -234,17 +236,17 @@ def _from_cupy(x: Any, what: str) -> Buffer:
         return _from_cuda_interface(x, "cupy", what)
     device = "rocm" if _is_hip("cupy") else "cuda"
     return Buffer(
-        x,
-        "cupy",
-        name,
-        x.shape,
-        device,
-        x.device.id,
-        x.data.ptr,
-        x.flags.c_contiguous,
-        False,
-        None,
-        x.size,
+        obj=x,
+        kind="cupy",
+        dtype=name,
+        shape=x.shape,
+        device=device,
+        device_index=x.device.id,
+        ptr=x.data.ptr,
+        contiguous=x.flags.c_contiguous,
+        readonly=False,
+        host=None,
+        count=x.size,
     )
 
 
@@ -256,14 +258,25 @@ def _from_cuda_interface(x: Any, module: str, what: str) -> Buffer:
         raise DtypeError(f"{what}: expected one of {', '.join(DTYPES)}, got typestr {typestr!r}")
     shape = tuple(int(n) for n in cai["shape"])
     ptr = int(cai["data"][0])
-    itemsize = _STORAGE[name].itemsize
+    itemsize = TABLE[name].itemsize
     strides = cai.get("strides")
     contiguous = strides is None or _c_contiguous(shape, tuple(strides), itemsize)
     readonly = bool(cai["data"][1])
     device_index = _device_of(x, module)
     device = "rocm" if _is_hip(module) else "cuda"
     kind = "numba" if module == "numba" else module
-    return Buffer(x, kind, name, shape, device, device_index, ptr, contiguous, readonly, None)
+    return Buffer(
+        obj=x,
+        kind=kind,
+        dtype=name,
+        shape=shape,
+        device=device,
+        device_index=device_index,
+        ptr=ptr,
+        contiguous=contiguous,
+        readonly=readonly,
+        host=None,
+    )
 
 
 def _from_dlpack(x: Any, module: str, what: str) -> Buffer:

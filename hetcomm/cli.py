@@ -31,8 +31,8 @@ def group_plans(world: Any, groups: Any) -> str | None:
 def tuning_report(world: Any) -> str:
     """Whether values of `hetcomm tune` are in use for this topology, and which."""
     from .config import Config
-    from .transports.staged import CHUNK_BYTES, SLOTS
-    from .tune import cache_dir, cache_path, resolve_direct_min
+    from .transports.staged.transport import CHUNK_BYTES, SLOTS
+    from .tuning import cache_dir, cache_path, resolve_direct_min
 
     tuned = world.config.tuned
     fp = world.topology.fingerprint()
@@ -53,8 +53,8 @@ def tuning_report(world: Any) -> str:
 
 def persistent_report(limit: int) -> str:
     """Whether small all-reduces of the mpi transport run as persistent requests, and why not."""
-    from .transports.mpi import LANE_BYTES
-    from .transports.mpi_persistent import unavailable
+    from .transports.mpi.persistent import unavailable
+    from .transports.mpi.transport import LANE_BYTES
 
     why = unavailable()
     if why is not None:

@@ -15,33 +15,18 @@ from . import plan as planning
 from . import work as _work
 from .arrays import Buffer, as_buffer, overlap, storage_dtype
 from .config import Config
+from .dtypes import CODES as DTYPE_CODES
 from .errors import CommAborted, InvalidArgument, MismatchError, TransportUnavailable
 from .ops import ReduceOp, as_reduce_op, check_op_for_dtype
 from .topology import Topology
-from .transports import Transport, registry
-from .transports.mpi import MpiTransport
+from .transports import registry
+from .transports.base import Transport
+from .transports.mpi.transport import MpiTransport
 from .work import Work, completed
 
 log = logging.getLogger("hetcomm")
 
 _OP_CODES = {name: i for i, name in enumerate(planning.OPS)}
-_DTYPE_CODES = {
-    name: i
-    for i, name in enumerate(
-        (
-            "bool",
-            "int8",
-            "int16",
-            "int32",
-            "int64",
-            "uint8",
-            "float16",
-            "bfloat16",
-            "float32",
-            "float64",
-        )
-    )
-}
 
 
 # the MPI communicators of closed Communicators, never freed (see Communicator.close)
@@ -317,7 +302,7 @@ class Communicator:
             [
                 self._seq,
                 _OP_CODES[op],
-                _DTYPE_CODES[buf.dtype] if buf else -1,
+                DTYPE_CODES[buf.dtype] if buf else -1,
                 buf.count if buf else 0,
                 root,
             ],
@@ -328,7 +313,7 @@ class Communicator:
         if (every == mine).all():
             return
         fields = ("sequence", "operation", "dtype", "count", "root")
-        names = {"operation": planning.OPS, "dtype": tuple(_DTYPE_CODES)}
+        names = {"operation": planning.OPS, "dtype": tuple(DTYPE_CODES)}
         diffs = []
         for col, field in enumerate(fields):
             values = every[:, col]
@@ -491,7 +476,7 @@ class Communicator:
     ) -> bool:
         """A blocking all_reduce_coalesced of host arrays among one node's ranks: each group
         (of `sizes` bytes) packed into this rank's shared segment, reduced there, and unpacked,
-        on this thread (hetcomm.transports.mpi_node). False, with nothing moved, where the
+        on this thread (hetcomm.transports.mpi.node). False, with nothing moved, where the
         segments cannot be had (every rank finds out alike): the call then takes the fused MPI
         all-reduce."""
 
@@ -788,16 +773,16 @@ def _contiguous_out(b: Buffer, steps: list[Callable[[], None]]) -> Buffer:
 
 def _host_buffer(like: Buffer, flat: np.ndarray) -> Buffer:
     return Buffer(
-        like.obj,
-        like.kind,
-        like.dtype,
-        like.shape,
-        "cpu",
-        None,
-        flat.__array_interface__["data"][0],
-        True,
-        False,
-        flat,
+        obj=like.obj,
+        kind=like.kind,
+        dtype=like.dtype,
+        shape=like.shape,
+        device="cpu",
+        device_index=None,
+        ptr=flat.__array_interface__["data"][0],
+        contiguous=True,
+        readonly=False,
+        host=flat,
     )
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import ConfigError
 
 if TYPE_CHECKING:
-    from .tune import Tuning
+    from .tuning import Tuning
 
 VENDORS = ("nvidia", "amd", "cpu")
 TRANSPORT_NAMES = ("auto", "mpi", "nccl", "direct", "staged", "hier")

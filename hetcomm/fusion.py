@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
-from .arrays import DTYPES, Buffer, as_buffer, storage_dtype
+from .arrays import Buffer, as_buffer
+from .dtypes import TABLE, storage_dtype
 from .errors import InvalidArgument, TransportUnavailable
 from .ops import ReduceOp, check_op_for_dtype
 
@@ -88,45 +89,45 @@ class Group:
         with the first array's library and device (whose current stream orders device work)."""
         if flat is not None:
             return Buffer(
-                flat,
-                "numpy",
-                self.dtype,
-                (self.total,),
-                "cpu",
-                None,
-                int(flat.__array_interface__["data"][0]),
-                True,
-                False,
-                flat,
-                self.total,
+                obj=flat,
+                kind="numpy",
+                dtype=self.dtype,
+                shape=(self.total,),
+                device="cpu",
+                device_index=None,
+                ptr=int(flat.__array_interface__["data"][0]),
+                contiguous=True,
+                readonly=False,
+                host=flat,
+                count=self.total,
             )
         if not self.bufs:  # plain numpy arrays: a description for the plan
             return Buffer(
-                None,
-                "numpy",
-                self.dtype,
-                (self.total,),
-                "cpu",
-                None,
-                0,
-                True,
-                False,
-                None,
-                self.total,
+                obj=None,
+                kind="numpy",
+                dtype=self.dtype,
+                shape=(self.total,),
+                device="cpu",
+                device_index=None,
+                ptr=0,
+                contiguous=True,
+                readonly=False,
+                host=None,
+                count=self.total,
             )
         first = self.bufs[0]
         return Buffer(
-            first.obj,
-            first.kind,
-            self.dtype,
-            (self.total,),
-            self.device,
-            self.device_index,
-            ptr,
-            True,
-            False,
-            None,
-            self.total,
+            obj=first.obj,
+            kind=first.kind,
+            dtype=self.dtype,
+            shape=(self.total,),
+            device=self.device,
+            device_index=self.device_index,
+            ptr=ptr,
+            contiguous=True,
+            readonly=False,
+            host=None,
+            count=self.total,
         )
 
 
@@ -177,7 +178,7 @@ def prepare(arrays: Any, op: ReduceOp, what: str) -> tuple[list[Any], list[Group
     return bufs, list(groups.values())
 
 
-_NUMPY_NAMES = {storage_dtype(n): n for n in DTYPES if n != "bfloat16"}
+_NUMPY_NAMES = {d.numpy: n for n, d in TABLE.items() if n != "bfloat16"}
 _DTYPE, _FLAGS, _SIZE = attrgetter("dtype"), attrgetter("flags.num"), attrgetter("size")
 _address = MPI.Get_address  # an array's address, without the dict of __array_interface__
 # the bits of ndarray.flags.num (numpy's NPY_ARRAY_C_CONTIGUOUS, NPY_ARRAY_OWNDATA and

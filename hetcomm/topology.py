@@ -14,6 +14,8 @@ from .config import Config
 from .nics import Nic, list_nics
 from .plan import Member
 
+NOT_PROBED = "peer mapping was not probed for this rank"
+
 
 @dataclass(frozen=True)
 class RankInfo:
@@ -32,6 +34,9 @@ class RankInfo:
     nics: tuple[Nic, ...]
     gpu_aware: bool
     mpi_gpu: str  # what the MPI library said about device buffers
+    # None when this rank can map the memory of its node's other device ranks, else why not
+    # (the probe at init, hetcomm.transports.direct.peer.probe)
+    peer_mapping: str | None = NOT_PROBED
 
     @property
     def simulated(self) -> bool:
@@ -96,6 +101,19 @@ class Topology:
                 for i, r in enumerate(picked)
             ]
         )
+
+    def with_peer_mapping(self, verdicts: Sequence[str | None] | None) -> Topology:
+        """This topology with each rank's peer-mapping verdict (rank order; None: not probed)."""
+        if verdicts is None:
+            return self
+        return Topology([replace(r, peer_mapping=v) for r, v in zip(self.ranks, verdicts)])
+
+    def peer_mapping_unavailable(self) -> str | None:
+        """Why these ranks cannot map each other's memory, from the probe; None when they can."""
+        for r in self.ranks:
+            if r.peer_mapping is not None:
+                return f"rank {r.world_rank}: {r.peer_mapping}"
+        return None
 
     def fingerprint(self) -> str:
         """A short hash of what shapes performance: hosts, vendors, devices, NICs per rank."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import CommTimeout, InvalidArgument
 
 if TYPE_CHECKING:
-    from .comm import Communicator
+    from .transports.base import Context
 
 Poll = Callable[[], bool]
 
@@ -99,7 +99,7 @@ class Work:
 
     def __init__(
         self,
-        comm: Communicator,
+        comm: Context,
         op: str,
         seq: int,
         poll: Poll,
@@ -212,7 +212,7 @@ class Work:
         return f"<Work {self._comm.name} {self.op} #{self.seq} {state}>"
 
 
-def completed(comm: Communicator, op: str, seq: int) -> Work:
+def completed(comm: Context, op: str, seq: int) -> Work:
     """A Work that is already complete (for operations with nothing to move)."""
     work = Work(comm, op, seq, _true)
     work._done = True

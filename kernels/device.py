@@ -10,24 +10,12 @@ from typing import Any
 
 import numpy as np
 
+from ..dtypes import BOOL_REDUCTION, HALVES, TABLE
+
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reduce.cu")
-_CTYPES = {
-    "bool": "unsigned char",
-    "uint8": "unsigned char",
-    "int8": "signed char",
-    "int16": "short",
-    "int32": "int",
-    "int64": "long long",
-    "float32": "float",
-    "float64": "double",
-}
 _OPS = {"sum": "Sum", "prod": "Prod", "min": "Min", "max": "Max"}
-_BOOL_OPS = {"sum": "Or", "max": "Or", "prod": "And", "min": "And"}
+_LOGICAL_OPS = {"or": "Or", "and": "And"}
 _THREADS = 256
-# The events that mark a staged copy's end: False lets the CUDA runtime choose how a thread
-# waits on one (cudaDeviceScheduleAuto: spin while the machine has cores to spare, else yield),
-# which wakes the waiter within microseconds; True always sleeps on an interrupt.
-BLOCKING_EVENTS = False
 
 
 def unavailable() -> str | None:
@@ -53,73 +41,6 @@ def host_register(ptr: int, nbytes: int, device: int) -> None:
     rt.setDevice(device)
     # portable | mapped: usable from every device and addressable by kernels and copies
     rt.hostRegister(ptr, nbytes, 1 | 2)
-
-
-class StreamFlags:
-    """Stream memory operations of the CUDA driver (cuStreamWaitValue32, cuStreamWriteValue32):
-    a stream waits until a 32-bit word of registered host memory reaches a value, or writes
-    one, in order with its copies. Two processes order each other's copies through such words
-    in a shared segment with no thread in between (the staged shm rail's flags)."""
-
-    def __init__(self) -> None:
-        import ctypes
-
-        self._ctypes = ctypes
-        lib = ctypes.CDLL("libcuda.so.1")
-        self._wait = _driver_function(lib, "cuStreamWaitValue32")
-        self._write = _driver_function(lib, "cuStreamWriteValue32")
-        for f in (self._wait, self._write):
-            f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-            f.restype = ctypes.c_int
-        self._devptr = lib.cuMemHostGetDevicePointer_v2
-        self._devptr.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
-        self._devptr.restype = ctypes.c_int
-
-    def device_pointer(self, host_ptr: int) -> int:
-        """The device address of registered (mapped) host memory, for the current context."""
-        out = self._ctypes.c_uint64()
-        _check_driver(
-            self._devptr(self._ctypes.byref(out), self._ctypes.c_void_p(host_ptr), 0),
-            "cuMemHostGetDevicePointer",
-        )
-        return int(out.value)
-
-    def wait(self, stream: Any, dev_ptr: int, value: int) -> None:
-        """`stream` waits until the word at `dev_ptr` is at least `value` (unsigned)."""
-        _check_driver(self._wait(stream.ptr, dev_ptr, value, 0), "cuStreamWaitValue32")  # GEQ
-
-    def write(self, stream: Any, dev_ptr: int, value: int) -> None:
-        """`stream` writes `value` to the word at `dev_ptr` once its earlier work is done (with
-        a memory fence before it, so the earlier copies' bytes are visible first)."""
-        _check_driver(self._write(stream.ptr, dev_ptr, value, 0), "cuStreamWriteValue32")
-
-
-def _driver_function(lib: Any, name: str) -> Any:
-    for suffix in ("_v2", ""):
-        found = getattr(lib, name + suffix, None)
-        if found is not None:
-            return found
-    raise OSError(f"{name} is not in this CUDA driver")
-
-
-def _check_driver(status: int, what: str) -> None:
-    if status != 0:
-        raise RuntimeError(f"{what} failed (CUresult {status})")
-
-
-_FLAGS: list[StreamFlags | None] = []
-
-
-def stream_flags() -> StreamFlags | None:
-    """The driver's stream memory operations where this process can use them (a CUDA driver;
-    ROCm's hipStreamWaitValue32 is not used here yet), else None. Loads no GPU library other
-    than the driver itself."""
-    if not _FLAGS:
-        found: StreamFlags | None = None
-        with contextlib.suppress(Exception):
-            found = StreamFlags()
-        _FLAGS.append(found)
-    return _FLAGS[0]
 
 
 def host_unregister(ptr: int) -> None:
@@ -273,92 +194,9 @@ class StagingDevice:
         if ready is not None:
             stream.wait_event(ready)
         self.cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
-        event = self.cupy.cuda.Event(block=BLOCKING_EVENTS, disable_timing=True)
-        event.record(stream)
-        return event
-
-    def copy_to_slot_flagged(
-        self,
-        dst: np.ndarray,
-        src: Any,
-        ready: Any,
-        free_word: int,
-        free_value: int,
-        ready_word: int,
-        ready_value: int,
-    ) -> None:
-        """On the outbound stream: wait until the receiver's flag `free_word` reaches
-        `free_value` (its copy out of the slot has ended; 0: nothing to wait for), copy `src`
-        into the slot, then set `ready_word` to `ready_value`. Nothing is waited for here."""
-        self._flagged_copy(
-            self._outbound_stream(),
-            _addr(dst),
-            src.dev,
-            src.nbytes,
-            2,
-            ready,
-            free_word,
-            free_value,
-            ready_word,
-            ready_value,
-        )
-
-    def copy_from_slot_flagged(
-        self,
-        dst: Any,
-        src: np.ndarray,
-        ready: Any,
-        ready_word: int,
-        ready_value: int,
-        free_word: int,
-        free_value: int,
-    ) -> None:
-        """On this thread's stream: wait until the sender's flag `ready_word` reaches
-        `ready_value` (its copy into the slot has ended), copy the slot into `dst`, then set
-        `free_word` to `free_value`. Nothing is waited for here."""
-        self._flagged_copy(
-            self._stream(),
-            dst.dev,
-            _addr(src),
-            dst.nbytes,
-            1,
-            ready,
-            ready_word,
-            ready_value,
-            free_word,
-            free_value,
-        )
-
-    def _flagged_copy(
-        self,
-        stream: Any,
-        dst: int,
-        src: int,
-        nbytes: int,
-        kind: int,
-        ready: Any,
-        wait_word: int,
-        wait_value: int,
-        set_word: int,
-        set_value: int,
-    ) -> None:
-        """Queue on `stream`: the caller's event, a wait until `wait_word` reaches `wait_value`
-        (0: none), the copy, then `set_value` written to `set_word`."""
-        flags = stream_flags()
-        assert flags is not None
-        if ready is not None:
-            stream.wait_event(ready)
-        if wait_value:
-            flags.wait(stream, wait_word, wait_value)
-        if nbytes:
-            self.cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
-        flags.write(stream, set_word, set_value)
-
-    def mark(self, outbound: bool) -> Any:
-        """An event after everything queued so far on the outbound stream (True) or on this
-        thread's stream (False)."""
-        stream = self._outbound_stream() if outbound else self._stream()
-        event = self.cupy.cuda.Event(block=BLOCKING_EVENTS, disable_timing=True)
+        # non-blocking: the runtime chooses how a waiter waits (spins while cores are spare),
+        # waking it within microseconds; a blocking event sleeps on an interrupt (slower here)
+        event = self.cupy.cuda.Event(block=False, disable_timing=True)
         event.record(stream)
         return event
 
@@ -478,20 +316,29 @@ def divide_on(stream: Any, ptr: int, count: int, n: int, dtype: str) -> None:
 
 
 def _itemsize(dtype: str) -> int:
-    return 2 if dtype in ("float16", "bfloat16") else np.dtype(dtype).itemsize
+    return TABLE[dtype].itemsize
+
+
+def kernel_op(dtype: str, op: str) -> str:
+    """The reduce.cu functor of reduction `op` (sum, prod, min, max) on `dtype`: bool's
+    reductions are logical (dtypes.BOOL_REDUCTION)."""
+    return _LOGICAL_OPS[BOOL_REDUCTION[op]] if dtype == "bool" else _OPS[op]
+
+
+def kernel_type(dtype: str) -> str:
+    """The reduce.cu template arguments for `dtype`: its C type, or a half's variant."""
+    ctype = TABLE[dtype].ctype
+    return f"<{int(dtype == 'bfloat16')}" if ctype is None else f"<{ctype}"
 
 
 def _combine_name(dtype: str, op: str) -> str:
-    if dtype in ("float16", "bfloat16"):
-        return f"combine_half<{int(dtype == 'bfloat16')}, {_OPS[op]}>"
-    ops = _BOOL_OPS if dtype == "bool" else _OPS
-    return f"combine<{_CTYPES[dtype]}, {ops[op]}>"
+    half = "_half" if dtype in HALVES else ""
+    return f"combine{half}{kernel_type(dtype)}, {kernel_op(dtype, op)}>"
 
 
 def divide_name(dtype: str) -> str:
-    if dtype in ("float16", "bfloat16"):
-        return f"divide_half<{int(dtype == 'bfloat16')}>"
-    return f"divide<{_CTYPES[dtype]}>"
+    half = "_half" if dtype in HALVES else ""
+    return f"divide{half}{kernel_type(dtype)}>"
 
 
 def _addr(arr: np.ndarray) -> int:

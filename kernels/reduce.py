@@ -15,39 +15,21 @@ from numba import types
 from numba.core import config
 from numba.extending import intrinsic, overload
 
+from ..dtypes import BOOL_REDUCTION, DTYPES, HALVES, TABLE
+
 __all__ = ["DTYPES", "OPS", "combine", "divide", "from_float32", "storage_dtype", "to_float32"]
 
-DTYPES = (
-    "bool",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-)
 OPS = ("sum", "prod", "min", "max")
 
 # Numba cannot do float16 arithmetic on the CPU and numpy has no bfloat16, so both halves are
-# stored as uint16 bit patterns and widened to float32 inside the kernels.
-_STORAGE = {
-    name: np.dtype(np.uint16 if name in ("float16", "bfloat16") else name) for name in DTYPES
-}
-_HALVES = ("float16", "bfloat16")
+# stored as uint16 bit patterns and widened to float32 inside the kernels (dtypes.Dtype.bits).
+_STORAGE = {name: d.bits for name, d in TABLE.items()}
 _OP_CODE = {op: code for code, op in enumerate(OPS)}
 
 # Standard dtypes go through numpy ufuncs with out=: they are already vectorized and wrap integers
 # the way MPI expects. bool has no arithmetic, so the ops become logical or/and.
 _UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
-_BOOL_UFUNCS = {
-    "sum": np.logical_or,
-    "prod": np.logical_and,
-    "min": np.logical_and,
-    "max": np.logical_or,
-}
+_LOGICAL_UFUNCS = {"or": np.logical_or, "and": np.logical_and}
 
 _U = np.uint32
 # No parallel=True: each MPI rank already owns a core. cache=True spares later processes the
@@ -270,8 +252,8 @@ def _check_dtype(dtype: object) -> str:
 
 
 def _check_half(dtype: object) -> None:
-    if _check_dtype(dtype) not in _HALVES:
-        raise ValueError(f"dtype must be one of {_HALVES}, got {dtype!r}")
+    if _check_dtype(dtype) not in HALVES:
+        raise ValueError(f"dtype must be one of {HALVES}, got {dtype!r}")
 
 
 def _check_array(
@@ -319,7 +301,7 @@ def combine(inout: np.ndarray, other: np.ndarray, op: str, dtype: str) -> None:
     elif dtype == "bfloat16":
         _combine_bf16(inout, other, _OP_CODE[op])
     elif dtype == "bool":
-        _BOOL_UFUNCS[op](inout, other, out=inout)
+        _LOGICAL_UFUNCS[BOOL_REDUCTION[op]](inout, other, out=inout)
     else:
         # Overflow to Inf and Inf - Inf = NaN are the IEEE results we want, not warnings.
         with np.errstate(all="ignore"):

@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 import hetcomm
 from hetcomm import ReduceOp, fusion
-from hetcomm.transports import mpi as mpi_transport
+from hetcomm.transports.mpi import transport as mpi_transport
 
 
 def percentile(values: list[float], q: float) -> float:

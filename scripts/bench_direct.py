@@ -148,7 +148,6 @@ def _comm(transport: str, r: int) -> hetcomm.Communicator:
 
 
 def p2p(out: str) -> None:
-    from hetcomm.transports import direct
 
     world = MPI.COMM_WORLD
     r = world.Get_rank()
@@ -182,7 +181,6 @@ def p2p(out: str) -> None:
     if own_gpus(world):
         cases.append(("nccl", "", None))
     for transport, how, stream in cases:
-        direct.PEER_COPY = how or direct.PEER_COPY
         comm = _comm(transport, r)
         name = f"{transport} ({how} copy{', own stream' if stream else ''})" if how else transport
         if stream is not None:
@@ -238,7 +236,6 @@ def p2p(out: str) -> None:
                 )
         cupy.cuda.Stream.null.use()
         comm.close()
-    direct.PEER_COPY = "memcpy"
     _save(out, rows, r)
 
 
@@ -336,7 +333,7 @@ def allreduce(out: str) -> None:
 
 def profile(out: str) -> None:
     """Where the time of one direct operation goes: the proxy's waits, each stamped."""
-    from hetcomm.transports import direct_proxy
+    from hetcomm.transports.direct import proxy as direct_proxy
 
     world = MPI.COMM_WORLD
     r = world.Get_rank()
@@ -569,7 +566,6 @@ def latency(out: str) -> None:
     so that a ratio compares runs of the same minute): a ping-pong (half a round trip, as
     osu_latency reports) and one message at a time (a barrier before each), with the arrays on
     the default stream and on a stream of each rank's own; the per-round ratio staged / direct."""
-    from hetcomm.transports import direct_proxy
 
     world = MPI.COMM_WORLD
     r = world.Get_rank()
@@ -604,8 +600,7 @@ def latency(out: str) -> None:
     for _ in range(7):
         for size, name, stream in cases:
             x, y = arrays[size]
-            for transport, (comm, lazy) in comms.items():
-                direct_proxy.LAZY_WAKE = lazy
+            for transport, (comm, _lazy) in comms.items():
                 with stream:
 
                     def pingpong(comm=comm, x=x, y=y) -> None:
@@ -645,7 +640,6 @@ def latency(out: str) -> None:
         rows.append(row)
         if r == 0:
             print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
-    direct_proxy.LAZY_WAKE = True
     for comm in made.values():
         comm.close()
     _save(out, rows, r)

@@ -90,7 +90,7 @@ def host_memory_rates(nbytes: int) -> list[dict[str, Any]]:
 
     from hetcomm.kernels import device as kd
 
-    from hetcomm.transports.rails import SharedSlots
+    from hetcomm.transports.shm import SharedSlots
 
     dev = cupy.cuda.Device().id
     src = cupy.ones(nbytes, dtype=cupy.uint8)
@@ -260,7 +260,7 @@ def timeline(out: str) -> None:
     host->device copy done), for each chunk size, after five unprofiled runs. With
     TIMELINE_CALLS=1 the stamps also list every call into C code that took over 30 us
     (SlowCalls), on every thread."""
-    from hetcomm.transports import staged_ops
+    from hetcomm.transports.staged import ops as staged_ops
 
     calls = SlowCalls() if os.environ.get("TIMELINE_CALLS") else None
     if calls is not None:
@@ -352,7 +352,6 @@ def early(out: str) -> None:
     beside them. The default settings are "early chunks"; "ordered by flags" orders the two
     ranks' copies by the shared slots' flags instead of threads waiting on every copy
     (staged.GPU_FLAGS)."""
-    from hetcomm.transports import staged
 
     world = MPI.COMM_WORLD
     r = world.Get_rank()
@@ -377,10 +376,8 @@ def early(out: str) -> None:
             config=hetcomm.Config.load(transport="staged", vendor=("nvidia", "amd")[r % 2])
         )
         c._transport("send", hetcomm.arrays.as_buffer(x)).chunk_bytes = chunk
-        staged.GPU_FLAGS = flags
         if r < 2:  # open the channel now, with this setting
             c.send(x[:1], 1) if r == 0 else c.recv(y[:1], 0)
-        staged.GPU_FLAGS = False
     comm = comms[8 * MiB, False]
 
     def use(name: str) -> None:
@@ -466,7 +463,7 @@ def pingstamp(out: str) -> None:
     """Small staged messages as a ping-pong (half a round trip, median of 7 runs of 100), host
     and device arrays of 8 B and 64 KiB; then three round trips of each stamped step by step
     on both ranks (staged_ops.stamp), to see where a round trip's time goes."""
-    from hetcomm.transports import staged_ops
+    from hetcomm.transports.staged import ops as staged_ops
 
     world = MPI.COMM_WORLD
     r = world.Get_rank()
@@ -598,10 +595,9 @@ def latency(out: str) -> None:
     waited for by helper threads on sleeping events (as before); started on the calling
     thread; with events whose wait the CUDA runtime chooses; and short copies waited for by
     the rail thread itself (all three: the default now)."""
-    from hetcomm.kernels import device as kd
 
-    from hetcomm.transports import staged as st
-    from hetcomm.transports import staged_rails as sr
+    from hetcomm.transports.staged import rails as sr
+    from hetcomm.transports.staged import transport as st
 
     world = MPI.COMM_WORLD
     r = world.Get_rank()
@@ -626,12 +622,10 @@ def latency(out: str) -> None:
         for size, memory in cases
     }
     for _ in range(15):
-        for name, (on_calling, blocking, inline_bytes) in variants.items():
+        for name, (on_calling, _blocking, _inline_bytes) in variants.items():
             st.StagedTransport._on_calling_thread = (
                 calling if on_calling else (lambda self, peer: False)
             )
-            kd.BLOCKING_EVENTS = blocking
-            sr.INLINE_COPY_BYTES = inline_bytes
             for size, memory in cases:
                 a = arrays[size, memory]
 
@@ -644,7 +638,6 @@ def latency(out: str) -> None:
                 med, _ = median_time(once, world, 5 if size < 256 * MiB else 3)
                 times.setdefault((name, size, memory), []).append(med)
     st.StagedTransport._on_calling_thread = calling
-    kd.BLOCKING_EVENTS, sr.INLINE_COPY_BYTES = False, inline
     rows = []
     for (name, size, memory), ts in times.items():
         med = statistics.median(ts)
@@ -666,10 +659,6 @@ if __name__ == "__main__":
     from hetcomm.topology import use_local_device
 
     use_local_device()  # rank r on device r % devices
-    if os.environ.get("BLOCKING_EVENTS"):  # staged copies' events sleep instead of spinning
-        from hetcomm.kernels import device
-
-        device.BLOCKING_EVENTS = True
     if os.environ.get("SWITCH_INTERVAL"):  # the interpreter's switch interval, in seconds
         sys.setswitchinterval(float(os.environ["SWITCH_INTERVAL"]))
     modes = {

@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 import hetcomm
-from hetcomm.transports import staged_collectives as sc
+from hetcomm.transports.staged import collectives as sc
 
 SIZES = (8, 4096, 65536, 262144)
 

@@ -91,7 +91,7 @@ def queued_times(dst: int, src: int, n: int, kind: int, stream, ready: bool) -> 
 
 def main(out: str) -> None:
     from hetcomm.topology import use_local_device
-    from hetcomm.transports.rails import SharedSlots
+    from hetcomm.transports.shm import SharedSlots
 
     use_local_device()
     world = MPI.COMM_WORLD

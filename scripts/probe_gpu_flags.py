@@ -38,7 +38,7 @@ class Pipe:
     """One direction of the flag-ordered pipeline between rank 0 (sender) and rank 1."""
 
     def __init__(self, world: MPI.Intracomm, slots: int, chunk: int) -> None:
-        from hetcomm.transports.rails import SharedSlots
+        from hetcomm.transports.shm import SharedSlots
 
         self.r, self.slots, self.chunk = world.Get_rank(), slots, chunk
         base = world.bcast(f"hetcomm-probe-flags-{os.getpid()}" if self.r == 0 else None)

@@ -168,7 +168,7 @@ def numa_node(dev: int) -> int:
 
 def main(out: str) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from hetcomm.transports.rails import SharedSlots
+    from hetcomm.transports.shm import SharedSlots
 
     dev = cupy.cuda.Device().id
     props = cupy.cuda.runtime.getDeviceProperties(dev)

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def main(out: str) -> None:
     from hetcomm.topology import use_local_device
-    from hetcomm.transports.rails import SharedSlots
+    from hetcomm.transports.shm import SharedSlots
 
     use_local_device()
     world = MPI.COMM_WORLD

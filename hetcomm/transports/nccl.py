@@ -18,27 +18,19 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from ..dtypes import BOOL_AS_MINMAX, TABLE
 from ..errors import InvalidArgument
 from ..ops import ReduceOp
 from ..work import Work
-from . import Transport
+from . import tags
+from .base import Context, Transport
 
 if TYPE_CHECKING:
     from ..arrays import Buffer
     from ..topology import Topology
 
 # ncclDataType_t and ncclRedOp_t values (nccl.h; the same in RCCL)
-_TYPES = {
-    "int8": 0,
-    "uint8": 1,
-    "bool": 1,
-    "int32": 2,
-    "int64": 4,
-    "float16": 6,
-    "float32": 7,
-    "float64": 8,
-    "bfloat16": 9,
-}
+_TYPES = {name: d.nccl for name, d in TABLE.items() if d.nccl is not None}
 _UINT8 = 1
 _SUM, _PROD, _MAX, _MIN = 0, 1, 2, 3
 _OPS = {
@@ -48,9 +40,10 @@ _OPS = {
     ReduceOp.MIN: _MIN,
     ReduceOp.MAX: _MAX,
 }
-# bool travels as uint8 0/1: MAX is "or", MIN is "and"
-_BOOL_OPS = {ReduceOp.SUM: _MAX, ReduceOp.MAX: _MAX, ReduceOp.PROD: _MIN, ReduceOp.MIN: _MIN}
-TAG_UID = 21
+# bool travels as uint8 0/1: its reductions are MAX ("or") and MIN ("and")
+_BOOL_OPS = {
+    op: _OPS[ReduceOp(BOOL_AS_MINMAX[op.value])] for op in ReduceOp if op.value in BOOL_AS_MINMAX
+}
 log = logging.getLogger("hetcomm")
 
 # Every NCCL communicator this process has made and not yet ended. CuPy's NcclCommunicator
@@ -168,7 +161,7 @@ class NcclTransport(Transport):
     name: ClassVar[str] = "nccl"
     memory: ClassVar[tuple[str, ...]] = ("device",)
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Context) -> None:
         super().__init__(comm)
         import cupy
         from cupy.cuda import nccl
@@ -240,9 +233,9 @@ class NcclTransport(Transport):
         uid = np.zeros(129, dtype=np.int8)
         if self.rank < peer:
             uid = self._new_uid()
-            self.comm.service.Send(uid, dest=peer, tag=TAG_UID)
+            self.comm.service.Send(uid, dest=peer, tag=tags.NCCL_UID)
         else:
-            self.comm.service.Recv(uid, source=peer, tag=TAG_UID)
+            self.comm.service.Recv(uid, source=peer, tag=tags.NCCL_UID)
         found = self._pairs[peer] = self._make(2, int(self.rank > peer), uid)
         return found
 

@@ -92,7 +92,7 @@ def reduce_ref(stack: np.ndarray, op: ReduceOp, dtype: str) -> np.ndarray:
 def test_pack_unpack_kernels(dtype: str) -> None:
     """One pack launch over contiguous, strided, reversed, transposed, permuted, empty and
     9-dim arrays gives numpy's concatenation; one unpack writes each back and nothing else."""
-    from hetcomm.kernels import fusion as K
+    from hetcomm.kernels import fusion as fusion_kernels
 
     rng = np.random.default_rng(3)
     backings, views = [], []
@@ -114,7 +114,7 @@ def test_pack_unpack_kernels(dtype: str) -> None:
         entries.append((v.data.ptr, off, v.size, v.shape, tuple(s // item for s in v.strides)))
         off += v.size
     stream = cupy.cuda.get_current_stream()
-    packed = K.shared().pack(entries, off, item, None, [stream.ptr])
+    packed = fusion_kernels.shared().pack(entries, off, item, None, [stream.ptr])
     fused = cupy.ndarray(
         (off,),
         dtype,
@@ -135,7 +135,7 @@ def test_pack_unpack_kernels(dtype: str) -> None:
 
 def test_pack_waits_for_every_stream() -> None:
     """Arrays used on two streams: the pack waits for both; both see the unpacked result."""
-    from hetcomm.kernels import fusion as K
+    from hetcomm.kernels import fusion as fusion_kernels
 
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(s1):
@@ -151,7 +151,7 @@ def test_pack_waits_for_every_stream() -> None:
         (b.data_ptr(), a.numel(), b.numel(), (b.numel(),), (1,)),
     ]
     total = a.numel() + b.numel()
-    packed = K.shared().pack(
+    packed = fusion_kernels.shared().pack(
         entries, total, 4, torch.cuda.current_device(), [s1.cuda_stream, s2.cuda_stream]
     )
     fused = torch.as_tensor(

@@ -12,7 +12,7 @@ from _refs import wrapped as _wrap
 
 from hetcomm import InvalidArgument, ReduceOp
 from hetcomm.testing import assert_all_ranks
-from hetcomm.transports import direct_schedule
+from hetcomm.transports.direct import schedule as direct_schedule
 
 cupy = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")

@@ -270,7 +270,7 @@ def test_debug_mode_catches_another_order(make_comm, errors):
 
 def test_one_node_reduces_in_shared_segments(comm, rng, errors):
     """Where the group is one node's ranks on the mpi transport, a blocking call packs into a
-    shared segment and reduces there (hetcomm.transports.mpi_node); the segments grow for a larger
+    shared segment and reduces there (hetcomm.transports.mpi.node); the segments grow for a larger
     call; an async call (the fused MPI all-reduce) gives the same values."""
     from hetcomm.arrays import as_buffer
 
@@ -317,7 +317,8 @@ def test_without_shared_segments_the_fused_all_reduce_goes_through_mpi(
     same call, the others drop theirs, and the call reduces through the fused MPI all-reduce
     with the right results; later calls go there at once."""
     from hetcomm.arrays import as_buffer
-    from hetcomm.transports import mpi_node, rails
+    from hetcomm.transports import shm
+    from hetcomm.transports.mpi import node as mpi_node
 
     c = make_comm(name="no-shm")
     t = c._transport("all_reduce", as_buffer(np.zeros(4, np.float32)))
@@ -326,7 +327,7 @@ def test_without_shared_segments_the_fused_all_reduce_goes_through_mpi(
     if c.rank == 1:
 
         def full(*args: Any, **kwargs: Any) -> Any:
-            raise rails.RailError("cannot reserve 1 MiB in /dev/shm (test: no space)")
+            raise shm.SegmentError("cannot reserve 1 MiB in /dev/shm (test: no space)")
 
         monkeypatch.setattr(mpi_node, "SharedSlots", full)
     for k in range(2):

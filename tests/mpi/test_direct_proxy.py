@@ -13,7 +13,7 @@ import types
 import numpy as np
 import pytest
 
-from hetcomm.transports.direct_proxy import Proxy, Task
+from hetcomm.transports.direct.proxy import Proxy, Task
 
 _NO_GPU = types.SimpleNamespace(
     cuda=types.SimpleNamespace(

@@ -17,8 +17,8 @@ import pytest
 from _data import CASES, REDUCE_OPS, Placed, compare, draw, reference
 
 from hetcomm import ReduceOp
-from hetcomm.transports import mpi_chunks
-from hetcomm.transports.mpi import MpiTransport
+from hetcomm.transports.mpi import schedule as mpi_chunks
+from hetcomm.transports.mpi.transport import MpiTransport
 
 # bytes per MPI call: 1 float64, 4 bfloat16, 8 int8 elements (fewer in collectives that move
 # a block per rank), so that every dtype is cut, mostly at boundaries inside a block

@@ -8,8 +8,8 @@ import pytest
 from _data import compare
 
 from hetcomm import ReduceOp
-from hetcomm.transports.mpi import MpiTransport
-from hetcomm.transports.staged import StagedTransport
+from hetcomm.transports.mpi.transport import MpiTransport
+from hetcomm.transports.staged.transport import StagedTransport
 
 
 @pytest.mark.mpi(min_size=2)

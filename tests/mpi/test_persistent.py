@@ -24,8 +24,8 @@ from _data import Placed, compare, draw, reference
 from mpi4py import MPI
 
 from hetcomm import ReduceOp
-from hetcomm.transports import mpi_persistent
-from hetcomm.transports.mpi import _PERSISTENT, LANE_BYTES, MpiTransport
+from hetcomm.transports.mpi import persistent as mpi_persistent
+from hetcomm.transports.mpi.transport import _PERSISTENT, LANE_BYTES, MpiTransport
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

@@ -13,10 +13,10 @@ import pytest
 from mpi4py import MPI
 
 import hetcomm
-from hetcomm import cli, tune
+from hetcomm import cli, tune, tuning
 from hetcomm.arrays import as_buffer
 from hetcomm.testing import assert_all_ranks
-from hetcomm.transports.staged import CHUNK_BYTES, SLOTS
+from hetcomm.transports.staged.transport import CHUNK_BYTES, SLOTS
 
 
 def _staged(comm: Any) -> Any:
@@ -52,7 +52,7 @@ def test_tune_quick_writes_the_cache_that_communicators_and_info_use(
 
         expect(files[0].name == f"{fp}.json", f"file {files[0].name}, fingerprint {fp}")
         expect(
-            data.get("schema") == tune.SCHEMA and data.get("ranks") == world.Get_size(),
+            data.get("schema") == tuning.SCHEMA and data.get("ranks") == world.Get_size(),
             f"schema/ranks of {data}",
         )
         expect(data["chunk_bytes"]["value"] in tune.QUICK.chunks, f"chunk {data['chunk_bytes']}")

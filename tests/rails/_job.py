@@ -260,7 +260,7 @@ def fail(params: dict[str, Any]) -> dict[str, Any]:
 def token(params: dict[str, Any]) -> dict[str, Any]:
     """Rank 0 knocks on rank 1's rail listener with a wrong token; rank 1 must refuse it and
     keep working."""
-    import hetcomm.transports.rails as R
+    from hetcomm.transports.staged import links
 
     comm = open_comm(params)
     t = staged(comm)
@@ -277,7 +277,7 @@ def token(params: dict[str, Any]) -> dict[str, Any]:
     if comm.rank == 0:
         spec = t._channels[1].specs[0]
         with socket.create_connection((spec.remote, spec.port), timeout=10) as s:
-            s.sendall(b"\x5a" * R.HELLO.size)  # 24 bytes that are not rank 1's token
+            s.sendall(b"\x5a" * links.HELLO.size)  # 24 bytes that are not rank 1's token
             s.settimeout(10)
             try:
                 closed_by_peer = s.recv(1) == b""
@@ -366,9 +366,7 @@ def gone(params: dict[str, Any]) -> dict[str, Any]:
 def early(params: dict[str, Any]) -> dict[str, Any]:
     """Sends over shm that start before their receive is posted copy their first chunks into
     shared slots at once (early), and take the rest once the clear-to-send comes. Rank 0 sends,
-    rank 1 receives; 4 KiB chunks, ramped (staged.RAMP, off by default, set to (3, 2) here), so
-    a message of 40 KiB starts with chunks of 512 B, 1 and 2 KiB and ends with 2 and 1 KiB
-    ones. In turn:
+    rank 1 receives; 4 KiB chunks, so a message of 40 KiB has eleven. In turn:
     - "late": one message, received 0.2 s after the send started;
     - "reversed": six messages in flight (tags 1-6), received in the reverse order with
       blocking receives: sends waiting for their clear-to-send hold at most half the slots,
@@ -378,7 +376,6 @@ def early(params: dict[str, Any]) -> dict[str, Any]:
     and after each, every slot of rank 0 is free again and none is held early."""
     comm = open_comm(params)
     t = staged(comm, 4096)
-    t.ramp = (3, 2)
     result: dict[str, Any] = {"errors": [], "early_slots": {}, "free_slots": {}, "slots": 0}
     nbytes = 40 * 1024 + 12
 
@@ -533,69 +530,7 @@ def sender_closes_first(params: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def flags(params: dict[str, Any]) -> dict[str, Any]:
-    """Device chunks over shm ordered by the slots' flags (staged.GPU_FLAGS, turned on), the GPU
-    played by the CPU (_fake_gpu: streams are threads, every copy a little late). 512 KiB chunks
-    (past INLINE_COPY_BYTES, so that they go flagged; short ones are waited for and go as before)
-    and 4 slots, reused within a message and from one message to the next. Messages of five sizes,
-    all in flight at once, in turn:
-    - "device": device to device, five rounds;
-    - "to host": device to host; "from host": host to device; "late": device to device, the
-      receives posted 0.2 s after the sends (early chunks);
-    - "back": device to device from rank 1 to rank 0.
-    Every byte is checked; then every slot is free and no stream saw an error."""
-    import _fake_gpu
-
-    from hetcomm.transports import staged as staged_module
-
-    _fake_gpu.install()
-    staged_module.GPU_FLAGS = True  # off by default (docs/staged.md)
-    comm = open_comm(params)
-    t = staged(comm, 512 * 1024)
-    t.slots = 4
-    result: dict[str, Any] = {"errors": [], "cases": []}
-    sizes = [3 * MiB + 5, 512 * 1024, 100, 2 * MiB, 5 * MiB + 1]
-    seq = iter(range(1, 1 << 30))
-
-    def case(
-        name: str, sender: int, src_dev: bool, dst_dev: bool, rounds: int = 1, late: bool = False
-    ) -> None:
-        msgs = [pattern(n, 100 * r + i) for r in range(rounds) for i, n in enumerate(sizes)]
-        tags = [i for _ in range(rounds) for i in range(len(sizes))]
-        if comm.rank == sender:
-            bufs = [_fake_gpu.device_buffer(m) if src_dev else as_buffer(m) for m in msgs]
-            works = [t.send(b, 1 - sender, tag, next(seq)) for b, tag in zip(bufs, tags)]
-        else:
-            if late:
-                time.sleep(0.2)
-            outs = [np.zeros_like(m) for m in msgs]
-            bufs = [_fake_gpu.device_buffer(o) if dst_dev else as_buffer(o) for o in outs]
-            works = [t.recv(b, sender, tag, next(seq)) for b, tag in zip(bufs, tags)]
-        for w in works:
-            w.wait()
-        if comm.rank != sender:
-            for k, (out, m) in enumerate(zip(outs, msgs)):
-                if d := first_difference(out, m):
-                    result["errors"].append(f"{name}, message {k}: {d}")
-        result["cases"].append(name)
-        WORLD.Barrier()
-
-    case("device", 0, True, True, rounds=5)
-    case("to host", 0, True, False)
-    case("from host", 0, False, True)
-    case("late", 0, True, True, late=True)
-    case("back", 1, True, True, rounds=2)
-    ch = t._channels[1 - comm.rank]
-    _wait_until(lambda: len(ch.shm_out._free) == ch.shm_out.slots, 10)
-    result["gpu_flags"] = ch.gpu_flags
-    result["slots"], result["free_slots"] = ch.shm_out.slots, len(ch.shm_out._free)
-    result["stream_errors"] = list(_fake_gpu.errors)
-    close(comm, result)
-    return result
-
-
 SCENARIOS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "flags": flags,
     "close_waiting": close_waiting,
     "sender_closes_first": sender_closes_first,
     "early": early,

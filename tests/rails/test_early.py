@@ -54,16 +54,3 @@ def test_a_receive_completes_after_its_sender_closed(job):
     assert receiver["error"] is None and receiver["errors"] == [], done.explain()
     assert receiver["recv_s"] > 2.5, done.explain()  # it outlasted the sender's close
     assert done.returncode == 0, done.explain()
-
-
-def test_device_chunks_ordered_by_flags(job):
-    """The flag-ordered path of device chunks over shm, with the GPU played by the CPU."""
-    done = job("flags")
-    for r in done.ranks():
-        assert r.get("crash") is None, done.explain()
-        assert r["errors"] == [], f"rank {r['rank']}: {r['errors']}\n{done.explain()}"
-        assert r["cases"] == ["device", "to host", "from host", "late", "back"], done.explain()
-        assert r["gpu_flags"] is True, done.explain()
-        assert r["stream_errors"] == [], done.explain()
-        assert r["free_slots"] == r["slots"] == 4, done.explain()
-    assert done.returncode == 0, done.explain()

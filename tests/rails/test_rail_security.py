@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 from _rails import TWO_RAILS
 
-from hetcomm.transports import rails as R
+from hetcomm.transports.staged import links
 
 
 def test_wrong_token_is_refused_and_the_transport_keeps_working(job):
@@ -34,8 +34,8 @@ ADDR = "127.0.3.1"
 
 
 @pytest.fixture
-def listener() -> Iterator[R.Listener]:
-    lst = R.Listener([ADDR], R.new_token(), rank=1)
+def listener() -> Iterator[links.Listener]:
+    lst = links.Listener([ADDR], links.new_token(), rank=1)
     yield lst
     lst.close()
 
@@ -50,7 +50,7 @@ def _closed_by_peer(s: socket.socket, limit: float = 5) -> bool:
         return False
 
 
-def _refusals(lst: R.Listener, at_least: int, limit: float = 5) -> int:
+def _refusals(lst: links.Listener, at_least: int, limit: float = 5) -> int:
     end = time.monotonic() + limit
     while lst.refused < at_least and time.monotonic() < end:
         time.sleep(0.01)
@@ -58,14 +58,16 @@ def _refusals(lst: R.Listener, at_least: int, limit: float = 5) -> int:
 
 
 @pytest.mark.parametrize(
-    "hello", [b"\0" * R.HELLO.size, b"short", b""], ids=["wrong-token", "short-hello", "nothing"]
+    "hello",
+    [b"\0" * links.HELLO.size, b"short", b""],
+    ids=["wrong-token", "short-hello", "nothing"],
 )
 def test_listener_refuses_a_bad_hello(listener, hello, caplog):
     port = listener.ports[ADDR]
     with socket.create_connection((ADDR, port), timeout=5) as s:
         if hello:
             s.sendall(hello)
-        if len(hello) < R.HELLO.size:
+        if len(hello) < links.HELLO.size:
             s.shutdown(socket.SHUT_WR)  # a hello that ends early
         assert _closed_by_peer(s)
     assert _refusals(listener, 1) == 1
@@ -73,9 +75,9 @@ def test_listener_refuses_a_bad_hello(listener, hello, caplog):
 
 
 def test_listener_takes_a_connection_with_its_token(listener):
-    spec = R.RailSpec("tcp", 0, ADDR, ADDR, listener.ports[ADDR])
+    spec = links.RailSpec("tcp", 0, ADDR, ADDR, listener.ports[ADDR])
     with contextlib.closing(
-        R.connect(spec, 1, listener.token, 0, listener.unix_name, time.monotonic() + 5)
+        links.connect(spec, 1, listener.token, 0, listener.unix_name, time.monotonic() + 5)
     ) as out:
         conn = listener.take(0, 0, time.monotonic() + 5)
         with contextlib.closing(conn):

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from hetcomm.arrays import DTYPES, FLOATS, HALVES, Buffer, as_buffer, overlap, storage_dtype
+from hetcomm.arrays import Buffer, as_buffer, overlap
+from hetcomm.dtypes import DTYPES, FLOATS, HALVES, storage_dtype
 from hetcomm.errors import DtypeError, InvalidArgument
 
 NUMPY_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64")

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hetcomm.transports import direct_proxy as DP
+from hetcomm.transports.direct import proxy as direct_proxy
 
 
 @pytest.fixture
 def proxy(monkeypatch, request):
     # a long idle bound unless the test is about it: else the proxy's own look at its queue,
     # every _IDLE_S, could take a task that the test expects to find still queued
-    monkeypatch.setattr(DP, "_IDLE_S", getattr(request, "param", 30.0))
+    monkeypatch.setattr(direct_proxy, "_IDLE_S", getattr(request, "param", 30.0))
 
     class Device:
         def __init__(self, index: int) -> None:
@@ -36,18 +36,18 @@ def proxy(monkeypatch, request):
     )
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
     svc = MPI.COMM_SELF.Dup()
-    p = DP.Proxy(0, sys.modules["cupy"], svc)
+    p = direct_proxy.Proxy(0, sys.modules["cupy"], svc)
     yield p
     p.stop()
     svc.Free()
 
 
-def _task(ran_on: list[int], *waits: object) -> DP.Task:
-    def gen() -> DP.Step:
+def _task(ran_on: list[int], *waits: object) -> direct_proxy.Task:
+    def gen() -> direct_proxy.Step:
         yield from waits
         ran_on.append(threading.get_ident())
 
-    return DP.Task(gen())
+    return direct_proxy.Task(gen())
 
 
 def test_blocking_call_runs_on_the_calling_thread_without_waking_the_proxy(proxy) -> None:

@@ -6,43 +6,43 @@ import itertools
 
 import pytest
 
-from hetcomm.transports import direct_schedule as S
-from hetcomm.transports.direct import group_unavailable
+from hetcomm.transports.direct import schedule
+from hetcomm.transports.direct.transport import group_unavailable
 
 
 @pytest.mark.parametrize("count", [0, 1, 3, 4, 5, 17, 1000, 1 << 20, (1 << 20) + 3])
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 7, 8])
 def test_shards_cover_in_order_and_stay_aligned(count, itemsize, size):
-    spans = S.shards(count, itemsize, size)
+    spans = schedule.shards(count, itemsize, size)
     assert len(spans) == size
     assert spans[0][0] == 0 and spans[-1][1] == count
     for (a, b), (c, _) in itertools.pairwise(spans):
         assert a <= b == c
-    unit = S.ALIGN_BYTES // itemsize
+    unit = schedule.ALIGN_BYTES // itemsize
     for a, _ in spans:
-        assert a == count or (a * itemsize) % S.ALIGN_BYTES == 0
+        assert a == count or (a * itemsize) % schedule.ALIGN_BYTES == 0
     lengths = [b - a for a, b in spans]
     assert max(lengths) - min(lengths) <= 2 * unit  # the last shard also takes the tail
 
 
 def test_shards_reject_nonsense():
     with pytest.raises(ValueError):
-        S.shards(10, 4, 0)
+        schedule.shards(10, 4, 0)
     with pytest.raises(ValueError):
-        S.shards(-1, 4, 2)
+        schedule.shards(-1, 4, 2)
 
 
 def test_algorithm_by_size():
-    assert S.algorithm(S.ONE_SHOT_BYTES, 4) == "one-shot"
-    assert S.algorithm(S.ONE_SHOT_BYTES + 1, 4) == "two-shot"
-    assert S.algorithm(1 << 30, 1) == "one-shot"
+    assert schedule.algorithm(schedule.ONE_SHOT_BYTES, 4) == "one-shot"
+    assert schedule.algorithm(schedule.ONE_SHOT_BYTES + 1, 4) == "two-shot"
+    assert schedule.algorithm(1 << 30, 1) == "one-shot"
 
 
 @pytest.mark.parametrize("n", [1, 2, 8, 9, 15, 16, 30])
 def test_batches_keep_rank_order_and_fit_the_kernel(n):
-    groups = S.batches(list(range(n)))
-    assert all(len(g) <= S.MAX_SOURCES for g in groups)
+    groups = schedule.batches(list(range(n)))
+    assert all(len(g) <= schedule.MAX_SOURCES for g in groups)
     assert [s for g in groups for s in g if s >= 0] == list(range(n))
     assert all(g[0] == -1 for g in groups[1:])
 
@@ -58,10 +58,10 @@ def test_one_rank_of_a_pair_sharing_a_device_copies_both_ways():
     shared = ["gpu0", "gpu0", "gpu0", "gpu1", None]
     # one device: the lower rank copies, whichever way the message goes
     for src, dst in [(0, 1), (1, 0), (2, 1), (1, 2), (0, 2), (2, 0)]:
-        assert S.copier(src, dst, shared) == min(src, dst)
+        assert schedule.copier(src, dst, shared) == min(src, dst)
     # separate devices (or none known): the receiver copies
     for src, dst in [(0, 3), (3, 0), (2, 3), (3, 4), (4, 3)]:
-        assert S.copier(src, dst, shared) == dst
-    assert S.copier(1, 0, ["gpu0", "gpu0"]) == S.copier(0, 1, ["gpu0", "gpu0"]) == 0
+        assert schedule.copier(src, dst, shared) == dst
+    assert schedule.copier(1, 0, ["gpu0", "gpu0"]) == schedule.copier(0, 1, ["gpu0", "gpu0"]) == 0
     with pytest.raises(ValueError, match="itself"):
-        S.copier(2, 2, shared)
+        schedule.copier(2, 2, shared)

@@ -12,10 +12,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hetcomm.kernels import fusion as K
+from hetcomm.kernels import fusion as fusion_kernels
 
-from hetcomm import DtypeError, InvalidArgument, ReduceOp
-from hetcomm import fusion as F
+from hetcomm import DtypeError, InvalidArgument, ReduceOp, fusion
 
 torch = pytest.importorskip("torch")
 
@@ -49,7 +48,10 @@ def interpret(rows: np.ndarray, memory: np.ndarray, fused: np.ndarray, unpack: b
     base, item = addr(memory), memory.itemsize
     for row in rows:
         ptr, off, count, nd = (int(v) for v in row[:4])
-        shape, strides = row[4 : 4 + nd], row[4 + K.DIMS : 4 + K.DIMS + nd]
+        shape, strides = (
+            row[4 : 4 + nd],
+            row[4 + fusion_kernels.DIMS : 4 + fusion_kernels.DIMS + nd],
+        )
         for i in range(count):
             at, rest = 0, i
             for d in range(nd - 1, -1, -1):
@@ -62,7 +64,7 @@ def interpret(rows: np.ndarray, memory: np.ndarray, fused: np.ndarray, unpack: b
                 fused[off + i] = memory[where]
 
 
-def entries_of(views: list[np.ndarray]) -> tuple[list[K.Entry], int]:
+def entries_of(views: list[np.ndarray]) -> tuple[list[fusion_kernels.Entry], int]:
     entries, off = [], 0
     for v in views:
         strides = tuple(s // v.itemsize for s in v.strides)
@@ -72,17 +74,21 @@ def entries_of(views: list[np.ndarray]) -> tuple[list[K.Entry], int]:
 
 
 def test_collapse():
-    assert K.collapse((4, 5), (5, 1)) == ((20,), (1,))
-    assert K.collapse((1, 7, 1), (70, 10, 1)) == ((7,), (10,))
-    assert K.collapse((3, 4), (1, 3)) == ((3, 4), (1, 3))  # transposed: no merge
-    assert K.collapse((2, 3, 4), (24, 4, 1)) == ((2, 12), (24, 1))
-    assert K.collapse((), ()) == ((), ())
-    assert K.collapse((1, 1), (5, 9)) == ((), ())
-    assert K.dense((), ()) and K.dense((12,), (1,)) and not K.dense((12,), (2,))
+    assert fusion_kernels.collapse((4, 5), (5, 1)) == ((20,), (1,))
+    assert fusion_kernels.collapse((1, 7, 1), (70, 10, 1)) == ((7,), (10,))
+    assert fusion_kernels.collapse((3, 4), (1, 3)) == ((3, 4), (1, 3))  # transposed: no merge
+    assert fusion_kernels.collapse((2, 3, 4), (24, 4, 1)) == ((2, 12), (24, 1))
+    assert fusion_kernels.collapse((), ()) == ((), ())
+    assert fusion_kernels.collapse((1, 1), (5, 9)) == ((), ())
+    assert (
+        fusion_kernels.dense((), ())
+        and fusion_kernels.dense((12,), (1,))
+        and not fusion_kernels.dense((12,), (2,))
+    )
 
 
 def test_table_rows():
-    rows, slow = K.table(
+    rows, slow = fusion_kernels.table(
         [
             (1000, 0, 6, (2, 3), (3, 1)),
             (2000, 6, 0, (0,), (1,)),
@@ -90,15 +96,15 @@ def test_table_rows():
             (4000, 10, 6, (3, 2), (1, 3)),
         ]
     )
-    assert not slow and rows.shape == (3, K.COLS)  # the empty array has no row
+    assert not slow and rows.shape == (3, fusion_kernels.COLS)  # the empty array has no row
     assert list(rows[0, :4]) == [1000, 0, 6, 0]  # contiguous: ndim 0
-    assert list(rows[1, :5]) == [3000, 6, 4, 1, 4] and rows[1, 4 + K.DIMS] == -2
+    assert list(rows[1, :5]) == [3000, 6, 4, 1, 4] and rows[1, 4 + fusion_kernels.DIMS] == -2
     assert list(rows[2, :6]) == [4000, 10, 6, 2, 3, 2]
-    assert list(rows[2, 4 + K.DIMS : 6 + K.DIMS]) == [1, 3]
-    assert K.grid(rows) == (1, 3)
-    big, _ = K.table([(0, 0, 10**9, (10**9,), (1,))])
-    assert K.grid(big) == (1024, 1)
-    assert K.grid(np.zeros((0, K.COLS), np.int64)) == (0, 0)
+    assert list(rows[2, 4 + fusion_kernels.DIMS : 6 + fusion_kernels.DIMS]) == [1, 3]
+    assert fusion_kernels.grid(rows) == (1, 3)
+    big, _ = fusion_kernels.table([(0, 0, 10**9, (10**9,), (1,))])
+    assert fusion_kernels.grid(big) == (1024, 1)
+    assert fusion_kernels.grid(np.zeros((0, fusion_kernels.COLS), np.int64)) == (0, 0)
 
 
 def test_table_packs_and_unpacks_like_numpy():
@@ -116,7 +122,7 @@ def test_table_packs_and_unpacks_like_numpy():
         memory[1200:1300].reshape(10, 10)[::2, 1::3],
     ]
     entries, total = entries_of(views)
-    rows, slow = K.table(entries)
+    rows, slow = fusion_kernels.table(entries)
     assert len(slow) == 1 and slow[0][0] == addr(views[7])  # 9 dims, no two merge: copied alone
     fused = np.full(total, np.nan)
     interpret(rows, memory, fused, unpack=False)
@@ -150,12 +156,12 @@ def test_groups_follow_first_appearance():
     a, b, c = np.zeros(3, np.float32), np.zeros((2, 2), np.int64), np.ones(5, np.float32)
     t = torch.zeros(4, dtype=torch.bfloat16)
     d = np.zeros(0, np.float32)
-    bufs, groups = F.prepare([b, a, t, c, d], ReduceOp.SUM, "x")
+    bufs, groups = fusion.prepare([b, a, t, c, d], ReduceOp.SUM, "x")
     assert [g.dtype for g in groups] == ["int64", "float32", "bfloat16"]
     f32 = groups[1]
     assert f32.index == [1, 3, 4] and f32.offsets == [0, 3, 8] and f32.total == 8
     assert len(bufs) == 5 and groups[2].total == 4 and f32.contiguous
-    _, strided = F.prepare([a, c[::2]], ReduceOp.MAX, "x")
+    _, strided = fusion.prepare([a, c[::2]], ReduceOp.MAX, "x")
     assert not strided[0].contiguous and strided[0].total == 6
 
 
@@ -166,19 +172,19 @@ def test_plain_numpy_arrays_need_no_buffers():
         np.zeros(6, np.float32)[::2],
         np.zeros(0, np.float32),
     ]
-    kept, groups = F.prepare(xs, ReduceOp.SUM, "x")
+    kept, groups = fusion.prepare(xs, ReduceOp.SUM, "x")
     assert kept == xs and all(not g.bufs for g in groups)
     assert [(g.dtype, g.index) for g in groups] == [("float32", [0, 2, 3]), ("float64", [1])]
     assert groups[0].offsets == [0, 3, 6] and groups[0].total == 6 and not groups[0].contiguous
     assert groups[1].hosts[0].shape == (4,) and groups[1].contiguous
     base = np.zeros(10)
-    _, shared = F.prepare([base[:5], base[5:]], ReduceOp.SUM, "x")  # one allocation: checked
+    _, shared = fusion.prepare([base[:5], base[5:]], ReduceOp.SUM, "x")  # one allocation: checked
     assert len(shared[0].bufs) == 2 and shared[0].offsets == [0, 5]
 
 
 def test_empty_list_and_tuple():
-    assert F.prepare([], ReduceOp.SUM, "x") == ([], [])
-    assert F.prepare((), ReduceOp.SUM, "x") == ([], [])
+    assert fusion.prepare([], ReduceOp.SUM, "x") == ([], [])
+    assert fusion.prepare((), ReduceOp.SUM, "x") == ([], [])
 
 
 @pytest.mark.parametrize(
@@ -193,65 +199,65 @@ def test_empty_list_and_tuple():
 )
 def test_bad_arguments(arrays: Any, op: ReduceOp, exc: type, words: list[str]) -> None:
     with pytest.raises(exc) as info:
-        F.prepare(arrays, op, "all_reduce_coalesced")
+        fusion.prepare(arrays, op, "all_reduce_coalesced")
     assert all(w in str(info.value) for w in [*words, "all_reduce_coalesced"]), str(info.value)
 
 
 def test_integer_avg_is_accepted():
-    F.prepare([np.zeros(3, np.int32)], ReduceOp.AVG, "x")  # truncates, as all_reduce does
+    fusion.prepare([np.zeros(3, np.int32)], ReduceOp.AVG, "x")  # truncates, as all_reduce does
 
 
 def test_read_only():
     ro = np.zeros(3)
     ro.setflags(write=False)
     with pytest.raises(InvalidArgument, match=r"arrays\[2\].*read-only"):
-        F.prepare([np.zeros(1), np.zeros(1), ro], ReduceOp.SUM, "x")
+        fusion.prepare([np.zeros(1), np.zeros(1), ro], ReduceOp.SUM, "x")
 
 
 def test_aliasing():
     base = np.arange(40.0)
     other = np.zeros(5)
     with pytest.raises(InvalidArgument, match=r"arrays\[0\] and arrays\[2\] are the same"):
-        F.prepare([other, base, other], ReduceOp.SUM, "x")
+        fusion.prepare([other, base, other], ReduceOp.SUM, "x")
     with pytest.raises(InvalidArgument, match=r"arrays\[1\] and arrays\[2\] overlap"):
-        F.prepare([other, base[5:15], base[0:6]], ReduceOp.SUM, "x")
+        fusion.prepare([other, base[5:15], base[0:6]], ReduceOp.SUM, "x")
     with pytest.raises(InvalidArgument, match="overlap"):
-        F.prepare([base[::3], base[6:7]], ReduceOp.SUM, "x")
+        fusion.prepare([base[::3], base[6:7]], ReduceOp.SUM, "x")
     with pytest.raises(InvalidArgument, match="same"):
-        F.prepare([base[::3], base[::3]], ReduceOp.SUM, "x")
+        fusion.prepare([base[::3], base[::3]], ReduceOp.SUM, "x")
     with pytest.raises(InvalidArgument, match="overlap"):
-        F.prepare([base[0:10], torch.from_numpy(base)[9:12]], ReduceOp.SUM, "x")
+        fusion.prepare([base[0:10], torch.from_numpy(base)[9:12]], ReduceOp.SUM, "x")
     t = torch.zeros(6)
     with pytest.raises(InvalidArgument, match="same"):
-        F.prepare([t, t.view(2, 3).reshape(6)], ReduceOp.SUM, "x")
+        fusion.prepare([t, t.view(2, 3).reshape(6)], ReduceOp.SUM, "x")
     # disjoint: neighbours, interleaved strides, empty views, the two halves of a transpose
-    F.prepare(
+    fusion.prepare(
         [base[0:10], base[10:20], base[20:30:2], base[21:30:2], base[5:5], base[5:5]],
         ReduceOp.SUM,
         "x",
     )
     grid = base.reshape(5, 8)
-    F.prepare([grid[:, :4].T, grid[:, 4:].T], ReduceOp.SUM, "x")
+    fusion.prepare([grid[:, :4].T, grid[:, 4:].T], ReduceOp.SUM, "x")
 
 
 def test_device_arrays_grouped_laid_out_and_checked():
     host = np.zeros(60, np.float32)
     d1, d2 = FakeDevice(host[0:10]), FakeDevice(host[10:40].reshape(5, 6)[:, ::2])
     h = np.ones(4, np.float32)
-    _, groups = F.prepare([d1, h, d2], ReduceOp.SUM, "x")
+    _, groups = fusion.prepare([d1, h, d2], ReduceOp.SUM, "x")
     assert [(g.device, g.device_index) for g in groups] == [("cuda", 0), ("cpu", None)]
     dev = groups[0]
     assert dev.layouts == [((10,), (1,)), ((5, 3), (6, 2))] and dev.offsets == [0, 10]
-    entries = F.device_entries(dev)
+    entries = fusion.device_entries(dev)
     assert entries[1] == (addr(host[10:]), 10, 15, (5, 3), (6, 2))
     fused = dev.fused(ptr=1234)
     assert fused.ptr == 1234 and fused.count == 25 and fused.on_device and fused.contiguous
     # interleaved device views are disjoint; overlapping ones are refused
-    F.prepare([FakeDevice(host[40:60:2]), FakeDevice(host[41:60:2])], ReduceOp.SUM, "x")
+    fusion.prepare([FakeDevice(host[40:60:2]), FakeDevice(host[41:60:2])], ReduceOp.SUM, "x")
     with pytest.raises(InvalidArgument, match=r"arrays\[0\] and arrays\[1\] overlap"):
-        F.prepare([FakeDevice(host[0:30:3]), FakeDevice(host[3:4])], ReduceOp.SUM, "x")
+        fusion.prepare([FakeDevice(host[0:30:3]), FakeDevice(host[3:4])], ReduceOp.SUM, "x")
     with pytest.raises(InvalidArgument, match="one device"):
-        F.prepare([d1, FakeDevice(host[50:52], device=1)], ReduceOp.SUM, "x")
+        fusion.prepare([d1, FakeDevice(host[50:52], device=1)], ReduceOp.SUM, "x")
 
 
 # ---- host packing -------------------------------------------------------------------------------
@@ -268,22 +274,22 @@ def test_pack_and_unpack_host_views():
         base[250:250],
     ]
     t = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4).t()
-    _, (g, tg) = F.prepare([*views, t], ReduceOp.SUM, "x")
+    _, (g, tg) = fusion.prepare([*views, t], ReduceOp.SUM, "x")
     fused = np.full(g.total + 3, np.nan)
-    F.pack_host(g, fused)
+    fusion.pack_host(g, fused)
     assert np.array_equal(fused[: g.total], np.concatenate([v.reshape(-1) for v in views]))
     assert np.isnan(fused[g.total :]).all()
     before = base.copy()
-    F.unpack_host(g, 2 * fused)
+    fusion.unpack_host(g, 2 * fused)
     touched = np.zeros(300, bool)
     for k in (*range(0, 10), *range(10, 40, 3), *range(100, 160), 200):
         touched[k] = True
     assert np.array_equal(base[touched], 2 * before[touched])
     assert np.array_equal(base[~touched], before[~touched])
     tf = np.empty(tg.total, np.uint16)
-    F.pack_host(tg, tf)
+    fusion.pack_host(tg, tf)
     assert np.array_equal(tf, t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1))
-    F.unpack_host(tg, np.zeros_like(tf))
+    fusion.unpack_host(tg, np.zeros_like(tf))
     assert (t == 0).all()
 
 
@@ -292,20 +298,20 @@ def test_pack_and_unpack_separate_contiguous_arrays():
     xs = [rng.standard_normal(n).astype(np.float32) for n in (7, 0, 1, 64)]
     xs.append(rng.standard_normal((3, 5)).astype(np.float32))
     before = [x.copy() for x in xs]
-    _, (g,) = F.prepare(xs, ReduceOp.SUM, "x")
+    _, (g,) = fusion.prepare(xs, ReduceOp.SUM, "x")
     assert g.contiguous and not g.bufs and g.offsets == [0, 7, 7, 8, 72] and g.total == 87
     fused = np.full(g.total + 5, np.nan, np.float32)  # a reused buffer may be longer
-    F.pack_host(g, fused)
+    fusion.pack_host(g, fused)
     want = np.concatenate([b.reshape(-1) for b in before])
     assert np.array_equal(fused[: g.total], want) and np.isnan(fused[g.total :]).all()
     fused[: g.total] *= 3
-    F.unpack_host(g, fused)
+    fusion.unpack_host(g, fused)
     for x, b in zip(xs, before):
         assert x.shape == b.shape and np.array_equal(x, 3 * b)
 
 
 def test_host_buffers_are_taken_and_given():
-    pool = F.HostBuffers()
+    pool = fusion.HostBuffers()
     a = pool.take("float32", 100)
     assert a.dtype == np.float32 and a.size >= 100
     b = pool.take("float32", 50)
@@ -315,7 +321,7 @@ def test_host_buffers_are_taken_and_given():
     pool.give(a)
     assert pool.take("float32", 500) is not a  # too small: a fresh one
     assert pool.take("bfloat16", 4).dtype == np.uint16
-    huge = np.empty((F.KEEP_BYTES // 4) + 1, np.float32)
+    huge = np.empty((fusion.KEEP_BYTES // 4) + 1, np.float32)
     pool.give(huge)
     assert pool.take("float32", 10) is not huge
 
@@ -351,20 +357,20 @@ def test_plain_arrays_are_packed_by_address():
     rng = np.random.default_rng()
     xs = [rng.standard_normal(n).astype(np.float32) for n in (5, 3, 0, 8)]
     xs.append(rng.standard_normal((2, 3)).astype(np.float32))
-    _, (g,) = F.prepare(xs, ReduceOp.SUM, "x")
+    _, (g,) = fusion.prepare(xs, ReduceOp.SUM, "x")
     assert g.addresses == [addr(x) for x in xs] and g.hosts == xs and g.total == 22
-    addresses, counts = F.host_table(g)
+    addresses, counts = fusion.host_table(g)
     assert addresses.tolist() == g.addresses and counts.tolist() == [5, 3, 0, 8, 6]
-    assert F.host_table(g)[0] is addresses  # once per call
+    assert fusion.host_table(g)[0] is addresses  # once per call
     before = [x.copy() for x in xs]
     fused = np.zeros(30, np.float32)
-    F.pack_host(g, fused)
-    F.unpack_host(g, -fused)
+    fusion.pack_host(g, fused)
+    fusion.unpack_host(g, -fused)
     for x, b in zip(xs, before):
         assert x.shape == b.shape and np.array_equal(x, -b)
     # a view or another dtype: checked array by array, without addresses
     for others in ([xs[0], xs[1][1:]], [xs[0], np.zeros(2)]):
-        _, groups = F.prepare(others, ReduceOp.SUM, "x")
+        _, groups = fusion.prepare(others, ReduceOp.SUM, "x")
         assert all(g.addresses is None for g in groups)
     with pytest.raises(InvalidArgument, match=r"arrays\[0\] and arrays\[2\] are the same"):
-        F.prepare([xs[0], xs[1], xs[0]], ReduceOp.SUM, "x")
+        fusion.prepare([xs[0], xs[1], xs[0]], ReduceOp.SUM, "x")

@@ -1,4 +1,4 @@
-"""The hier transport's schedule (hetcomm.transports.hier_schedule), without MPI.
+"""The hier transport's schedule (hetcomm.transports.hier.schedule), without MPI.
 
 Besides checking each property (shards tile the vector, every send has its matching receive,
 every element arrives once from every island), the schedules are run end to end on numpy data
@@ -12,7 +12,7 @@ import itertools
 import numpy as np
 import pytest
 
-from hetcomm.transports.hier_schedule import (
+from hetcomm.transports.hier.schedule import (
     Piece,
     Transfer,
     all_reduce_schedule,

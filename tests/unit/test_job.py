@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from hetcomm.transports import Job
+from hetcomm.transports.base import Job
 
 
 def test_wait_times_out_until_set_then_returns_at_once() -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from hetcomm.kernels import reduce as kr
+from hetcomm.kernels import reduce
 
 INTS = ("int8", "int16", "int32", "int64", "uint8")
 HALVES = ("float16", "bfloat16")
@@ -202,26 +202,26 @@ def assert_matches(
 
 
 @pytest.mark.parametrize("length", LENGTHS)
-@pytest.mark.parametrize("op", kr.OPS)
-@pytest.mark.parametrize("dtype", kr.DTYPES)
+@pytest.mark.parametrize("op", reduce.OPS)
+@pytest.mark.parametrize("dtype", reduce.DTYPES)
 def test_combine(dtype: str, op: str, length: int, rng: tuple[np.random.Generator, str]) -> None:
     gen, note = rng
     a, b = random_values(gen, length, dtype), random_values(gen, length, dtype)
     want = reference(a, b, op, dtype)
     inout, other = a.copy(), b.copy()
-    kr.combine(inout, other, op, dtype)
+    reduce.combine(inout, other, op, dtype)
     assert_matches(inout, want, dtype, op in ("sum", "prod"), f"{dtype} {op} n={length} {note}")
     assert other.tobytes() == b.tobytes(), f"other was modified {note}"
 
 
-@pytest.mark.parametrize("op", kr.OPS)
+@pytest.mark.parametrize("op", reduce.OPS)
 @pytest.mark.parametrize("dtype", HALVES)
 def test_half_special_pairs(dtype: str, op: str) -> None:
     """Every pair of edge cases: overflow to Inf, ties to even, subnormal results, NaN, -0."""
     specials = special_values(dtype)
     a, b = (x.ravel().copy() for x in np.meshgrid(specials, specials))
     want = reference(a, b, op, dtype)
-    kr.combine(a, b, op, dtype)
+    reduce.combine(a, b, op, dtype)
     assert_matches(a, want, dtype, op in ("sum", "prod"), f"{dtype} {op}")
 
 
@@ -230,20 +230,20 @@ def test_half_rounding_spot_checks() -> None:
         return np.array(values, np.float16).view(np.uint16)
 
     x = f16(1.0, 1.0 + 2**-10, 65504.0, 65504.0, 2.0**-24, -0.0, 1.0)
-    kr.combine(x, f16(2**-11, 2**-11, 15.0, 16.0, 2.0**-24, -0.0, -1.0), "sum", "float16")
+    reduce.combine(x, f16(2**-11, 2**-11, 15.0, 16.0, 2.0**-24, -0.0, -1.0), "sum", "float16")
     assert x.view(np.float16).tolist() == [1.0, 1.0 + 2**-9, 65504.0, np.inf, 2.0**-23, 0.0, 0.0]
     assert np.signbit(x.view(np.float16)).tolist() == [False] * 5 + [True, False]
     y = f16(2.0**-24, 2.0**-24)
-    kr.combine(y, f16(0.5, 1.5), "prod", "float16")  # ties between subnormals go to even
+    reduce.combine(y, f16(0.5, 1.5), "prod", "float16")  # ties between subnormals go to even
     assert y.view(np.float16).tolist() == [0.0, 2.0**-23]
     bf = np.array([0x3F80, 0x3F81, 0x7F7F, 0x7F80], np.uint16)  # 1, 1+2**-7, max, Inf
-    kr.combine(bf, np.array([0x3B80, 0x3B80, 0x7F7F, 0xFF80], np.uint16), "sum", "bfloat16")
+    reduce.combine(bf, np.array([0x3B80, 0x3B80, 0x7F7F, 0xFF80], np.uint16), "sum", "bfloat16")
     assert bf[:3].tolist() == [0x3F80, 0x3F82, 0x7F80] and np.isnan(decode(bf, "bfloat16")[3])
 
 
 def test_combine_in_place_with_itself() -> None:
     x = np.array([1.0, -2.5, 3.0], np.float16).view(np.uint16)
-    kr.combine(x, x, "sum", "float16")
+    reduce.combine(x, x, "sum", "float16")
     assert x.view(np.float16).tolist() == [2.0, -5.0, 6.0]
 
 
@@ -256,7 +256,7 @@ def test_divide_floats(dtype: str, n: int, rng: tuple[np.random.Generator, str])
     gen, note = rng
     a = random_values(gen, 4097, dtype)
     x = a.copy()
-    kr.divide(x, n, dtype)
+    reduce.divide(x, n, dtype)
     with np.errstate(all="ignore"):
         if dtype in HALVES:
             want = encode(decode(a, dtype) / np.float32(n), dtype)
@@ -272,7 +272,7 @@ def test_divide_ints_truncate(dtype: str, n: int, rng: tuple[np.random.Generator
     gen, note = rng
     a = random_values(gen, 4097, dtype)
     x = a.copy()
-    kr.divide(x, n, dtype)
+    reduce.divide(x, n, dtype)
     # exact integer division, truncated toward zero as in C
     want = np.array([(abs(int(v)) // n) * (1 if v >= 0 else -1) for v in a], dtype=dtype)
     assert_matches(x, want, dtype, True, f"{dtype} / {n} {note}")
@@ -280,20 +280,20 @@ def test_divide_ints_truncate(dtype: str, n: int, rng: tuple[np.random.Generator
 
 def test_divide_spot_checks() -> None:
     x = np.array([-7, 7, -6, -1, -128, 127], np.int8)
-    kr.divide(x, 2, "int8")
+    reduce.divide(x, 2, "int8")
     assert x.tolist() == [-3, 3, -3, 0, -64, 63]
     y = np.array([-128, 100], np.int8)
-    kr.divide(y, 128, "int8")  # n beyond the dtype's range is fine
+    reduce.divide(y, 128, "int8")  # n beyond the dtype's range is fine
     assert y.tolist() == [-1, 0]
     z = np.array([3.0, -1.0, np.inf], np.float16).view(np.uint16)
-    kr.divide(z, 2, "float16")
+    reduce.divide(z, 2, "float16")
     assert z.view(np.float16).tolist() == [1.5, -0.5, np.inf]
-    kr.divide(np.empty(0, np.int32), 3, "int32")
+    reduce.divide(np.empty(0, np.int32), 3, "int32")
 
 
 def test_divide_rejects() -> None:
     with pytest.raises(TypeError, match="bool"):
-        kr.divide(np.ones(3, bool), 2, "bool")
+        reduce.divide(np.ones(3, bool), 2, "bool")
     x = np.ones(3, np.float32)
     for bad_n, exc in [
         (0, ValueError),
@@ -304,12 +304,12 @@ def test_divide_rejects() -> None:
         ("2", TypeError),
     ]:
         with pytest.raises(exc, match="n must"):
-            kr.divide(x, bad_n, "float32")  # type: ignore[arg-type]
+            reduce.divide(x, bad_n, "float32")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"float32.*got float64"):
-        kr.divide(np.ones(3), 2, "float32")
+        reduce.divide(np.ones(3), 2, "float32")
     with pytest.raises(ValueError, match="writeable"):
         x.flags.writeable = False
-        kr.divide(x, 2, "float32")
+        reduce.divide(x, 2, "float32")
 
 
 # ---- conversions --------------------------------------------------------------------------------
@@ -318,12 +318,12 @@ def test_divide_rejects() -> None:
 @pytest.mark.parametrize("dtype", HALVES)
 def test_to_float32_exhaustive(dtype: str) -> None:
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-    got, want = kr.to_float32(bits, dtype), decode(bits, dtype)
+    got, want = reduce.to_float32(bits, dtype), decode(bits, dtype)
     assert got.dtype == np.float32 and got.shape == bits.shape
     nan = np.isnan(want)
     assert (np.isnan(got) == nan).all()
     assert (got.view(np.uint32)[~nan] == want.view(np.uint32)[~nan]).all()
-    assert kr.to_float32(bits.reshape(256, 256), dtype).shape == (256, 256)
+    assert reduce.to_float32(bits.reshape(256, 256), dtype).shape == (256, 256)
 
 
 @pytest.mark.parametrize("dtype", HALVES)
@@ -336,10 +336,10 @@ def test_from_float32(dtype: str, rng: tuple[np.random.Generator, str]) -> None:
         gen.integers(0, 1 << 32, size=1 << 16, dtype=np.uint64).astype(np.uint32) >> shift << shift
     ) | np.uint32(1 << (shift - 1))
     src = np.concatenate([raw, mid, mid - 1, mid + 1]).view(np.float32)
-    assert_matches(kr.from_float32(src, dtype), encode(src, dtype), dtype, True, note)
+    assert_matches(reduce.from_float32(src, dtype), encode(src, dtype), dtype, True, note)
     out = np.empty(src.shape, np.uint16)
-    assert kr.from_float32(src, dtype, out=out) is out
-    assert kr.from_float32(np.zeros((2, 3), np.float32), dtype).shape == (2, 3)
+    assert reduce.from_float32(src, dtype, out=out) is out
+    assert reduce.from_float32(np.zeros((2, 3), np.float32), dtype).shape == (2, 3)
 
 
 def test_portable_path_matches_numpy(rng: tuple[np.random.Generator, str]) -> None:
@@ -347,7 +347,7 @@ def test_portable_path_matches_numpy(rng: tuple[np.random.Generator, str]) -> No
     gen, note = rng
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     got = np.empty(bits.shape, np.float32)
-    kr._soft_f16_to_f32_array(bits, got)
+    reduce._soft_f16_to_f32_array(bits, got)
     want = decode(bits, "float16")
     nan = np.isnan(want)
     assert (np.isnan(got) == nan).all()
@@ -358,7 +358,7 @@ def test_portable_path_matches_numpy(rng: tuple[np.random.Generator, str]) -> No
     ties = (np.arange(1, 2048, 2) * 2.0**-25).astype(np.float32).view(np.uint32)
     src[1 << 16 : (1 << 16) + ties.size] = ties
     out = np.empty(src.shape, np.uint16)
-    kr._soft_f32_to_f16_array(src.view(np.float32), out)
+    reduce._soft_f32_to_f16_array(src.view(np.float32), out)
     assert_matches(out, encode(src.view(np.float32), "float16"), "float16", True, note)
 
 
@@ -366,51 +366,54 @@ def test_portable_path_matches_numpy(rng: tuple[np.random.Generator, str]) -> No
 
 
 def test_storage_dtype() -> None:
-    assert kr.storage_dtype("float16") == np.uint16 and kr.storage_dtype("bfloat16") == np.uint16
-    assert kr.storage_dtype("bool") == np.bool_ and kr.storage_dtype("int8") == np.int8
-    assert [kr.storage_dtype(d).name for d in kr.DTYPES[1:6]] == list(kr.DTYPES[1:6])
+    assert (
+        reduce.storage_dtype("float16") == np.uint16
+        and reduce.storage_dtype("bfloat16") == np.uint16
+    )
+    assert reduce.storage_dtype("bool") == np.bool_ and reduce.storage_dtype("int8") == np.int8
+    assert [reduce.storage_dtype(d).name for d in reduce.DTYPES[1:6]] == list(reduce.DTYPES[1:6])
     with pytest.raises(ValueError, match="unknown dtype 'float8'"):
-        kr.storage_dtype("float8")
+        reduce.storage_dtype("float8")
     with pytest.raises(TypeError, match="dtype must be a str"):
-        kr.storage_dtype(np.float32)  # type: ignore[arg-type]
+        reduce.storage_dtype(np.float32)  # type: ignore[arg-type]
 
 
 def test_combine_rejects() -> None:
     x, y = np.zeros(4, np.uint16), np.zeros(4, np.uint16)
     with pytest.raises(ValueError, match="same length, got 4 and 3"):
-        kr.combine(x, y[:3], "sum", "float16")
+        reduce.combine(x, y[:3], "sum", "float16")
     with pytest.raises(TypeError, match=r"inout must have dtype uint16.*got float16"):
-        kr.combine(x.view(np.float16), y, "sum", "float16")
+        reduce.combine(x.view(np.float16), y, "sum", "float16")
     with pytest.raises(TypeError, match=r"other must have dtype int64.*got int32"):
-        kr.combine(np.zeros(4, np.int64), np.zeros(4, np.int32), "sum", "int64")
+        reduce.combine(np.zeros(4, np.int64), np.zeros(4, np.int32), "sum", "int64")
     with pytest.raises(ValueError, match="C-contiguous"):
-        kr.combine(np.zeros(8, np.uint16)[::2], y, "sum", "bfloat16")
+        reduce.combine(np.zeros(8, np.uint16)[::2], y, "sum", "bfloat16")
     with pytest.raises(ValueError, match="1-D"):
-        kr.combine(x.reshape(2, 2), y.reshape(2, 2), "sum", "float16")
+        reduce.combine(x.reshape(2, 2), y.reshape(2, 2), "sum", "float16")
     with pytest.raises(ValueError, match=r"unknown op 'avg'; expected one of \('sum'"):
-        kr.combine(x, y, "avg", "float16")
+        reduce.combine(x, y, "avg", "float16")
     with pytest.raises(ValueError, match="unknown dtype 'half'"):
-        kr.combine(x, y, "sum", "half")
+        reduce.combine(x, y, "sum", "half")
     with pytest.raises(TypeError, match=r"numpy.ndarray, got list"):
-        kr.combine(x, [0, 0, 0, 0], "sum", "float16")  # type: ignore[arg-type]
+        reduce.combine(x, [0, 0, 0, 0], "sum", "float16")  # type: ignore[arg-type]
     x.flags.writeable = False
     with pytest.raises(ValueError, match="inout must be writeable"):
-        kr.combine(x, y, "sum", "float16")
+        reduce.combine(x, y, "sum", "float16")
     y.flags.writeable = False  # a read-only `other` is fine
-    kr.combine(np.ones(4, np.uint16), y, "max", "float16")
+    reduce.combine(np.ones(4, np.uint16), y, "max", "float16")
 
 
 def test_conversions_reject() -> None:
     with pytest.raises(ValueError, match="float16"):
-        kr.to_float32(np.zeros(3, np.uint16), "float32")
+        reduce.to_float32(np.zeros(3, np.uint16), "float32")
     with pytest.raises(TypeError, match="src must have dtype uint16"):
-        kr.to_float32(np.zeros(3, np.float16), "float16")
+        reduce.to_float32(np.zeros(3, np.float16), "float16")
     with pytest.raises(TypeError, match=r"src must have dtype float32.*got float64"):
-        kr.from_float32(np.zeros(3), "bfloat16")
+        reduce.from_float32(np.zeros(3), "bfloat16")
     with pytest.raises(ValueError, match="out must have the shape"):
-        kr.from_float32(np.zeros(3, np.float32), "bfloat16", out=np.zeros(4, np.uint16))
+        reduce.from_float32(np.zeros(3, np.float32), "bfloat16", out=np.zeros(4, np.uint16))
     with pytest.raises(TypeError, match="out must have dtype uint16"):
-        kr.from_float32(np.zeros(3, np.float32), "float16", out=np.zeros(3, np.int16))
+        reduce.from_float32(np.zeros(3, np.float32), "float16", out=np.zeros(3, np.int16))
 
 
 def test_import_is_light() -> None:
@@ -437,13 +440,13 @@ def test_speed_report(capsys: pytest.CaptureFixture[str]) -> None:
     lines = []
     for dtype in HALVES:
         a, b = encode(gen.standard_normal(n), dtype), encode(gen.standard_normal(n), dtype)
-        kr.combine(a[:8].copy(), b[:8], "sum", dtype)  # compile outside the timing
+        reduce.combine(a[:8].copy(), b[:8], "sum", dtype)  # compile outside the timing
         best = float("inf")
         for _ in range(5):
             x = a.copy()
             t0 = time.perf_counter()
-            kr.combine(x, b, "sum", dtype)
+            reduce.combine(x, b, "sum", dtype)
             best = min(best, time.perf_counter() - t0)
         lines.append(f"{dtype} sum of {n} elements: {best * 1e3:.2f} ms")
     with capsys.disabled():
-        print("\n" + "\n".join(lines), f"(F16C path: {kr._hardware_half()})")
+        print("\n" + "\n".join(lines), f"(F16C path: {reduce._hardware_half()})")

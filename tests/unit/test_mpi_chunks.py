@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hetcomm.transports import mpi_chunks
-from hetcomm.transports.mpi_chunks import element_spans
+from hetcomm.transports.mpi import schedule as mpi_chunks
+from hetcomm.transports.mpi.schedule import element_spans
 
 INT_MAX = 2**31 - 1
 

@@ -13,7 +13,7 @@ from hetcomm.config import Config
 from hetcomm.errors import TransportUnavailable
 from hetcomm.ops import ReduceOp
 from hetcomm.plan import Member
-from hetcomm.transports.mpi import MpiTransport
+from hetcomm.transports.mpi.transport import MpiTransport
 
 
 class _Calls:
@@ -38,7 +38,18 @@ def _transport(aware: list[bool]) -> MpiTransport:
 
 
 def _device(dtype: str = "float32", n: int = 8) -> Buffer:
-    return Buffer(object(), "cupy", dtype, (n,), "cuda", 0, 0x7F0000000000, True, False, None)
+    return Buffer(
+        obj=object(),
+        kind="cupy",
+        dtype=dtype,
+        shape=(n,),
+        device="cuda",
+        device_index=0,
+        ptr=0x7F0000000000,
+        contiguous=True,
+        readonly=False,
+        host=None,
+    )
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "broadcast", "all_gather", "send", "recv"])
@@ -66,5 +77,16 @@ def test_half_reductions_of_device_arrays_are_refused_even_when_aware():
 def test_host_buffers_still_go_through():
     t = _transport([False, False])
     host = np.zeros(4, np.float32)
-    b = Buffer(host, "numpy", "float32", (4,), "cpu", None, -1, True, False, host)
+    b = Buffer(
+        obj=host,
+        kind="numpy",
+        dtype="float32",
+        shape=(4,),
+        device="cpu",
+        device_index=None,
+        ptr=-1,
+        contiguous=True,
+        readonly=False,
+        host=host,
+    )
     assert t._mem(b) is host

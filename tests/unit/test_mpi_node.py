@@ -1,4 +1,4 @@
-"""The block split of the shared-window all-reduce (hetcomm.transports.mpi_node): pure."""
+"""The block split of the shared-window all-reduce (hetcomm.transports.mpi.node): pure."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from hetcomm.transports.mpi_node import blocks
+from hetcomm.transports.mpi.node import blocks
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 2, 8, 63, 64, 65, 1000, 4096, 800_000, 3 << 20])
@@ -35,10 +35,11 @@ def test_a_rank_without_room_in_dev_shm_is_named_and_nothing_is_left(monkeypatch
     from mpi4py import MPI
 
     from hetcomm import TransportUnavailable
-    from hetcomm.transports import mpi_node, rails
+    from hetcomm.transports import shm
+    from hetcomm.transports.mpi import node as mpi_node
 
     def full(*args, **kwargs):
-        raise rails.RailError("cannot reserve 1 MiB in /dev/shm for shared slots (No space)")
+        raise shm.SegmentError("cannot reserve 1 MiB in /dev/shm for shared slots (No space)")
 
     node = mpi_node.NodeReduce(MPI.COMM_SELF)
     monkeypatch.setattr(mpi_node, "SharedSlots", full)

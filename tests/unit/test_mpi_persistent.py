@@ -1,4 +1,4 @@
-"""The cache of persistent all-reduces (hetcomm.transports.mpi_persistent) on one rank.
+"""The cache of persistent all-reduces (hetcomm.transports.mpi.persistent) on one rank.
 
 On MPI.COMM_SELF a persistent all-reduce leaves its data as it was, which is enough to see the
 cache's bookkeeping: least recently used eviction, requests freed on eviction and on close, a
@@ -19,10 +19,10 @@ from hetcomm.arrays import Buffer
 from hetcomm.config import Config
 from hetcomm.ops import ReduceOp
 from hetcomm.plan import Member
-from hetcomm.transports import mpi as mpi_transport
-from hetcomm.transports import mpi_persistent
-from hetcomm.transports.mpi import _KINDS, _PERSISTENT, MpiTransport
-from hetcomm.transports.mpi_persistent import Requests
+from hetcomm.transports.mpi import persistent as mpi_persistent
+from hetcomm.transports.mpi import transport as mpi_transport
+from hetcomm.transports.mpi.persistent import Requests
+from hetcomm.transports.mpi.transport import _KINDS, _PERSISTENT, MpiTransport
 
 pytestmark = pytest.mark.skipif(
     mpi_persistent.unavailable() is not None, reason=f"{mpi_persistent.unavailable()}"
@@ -110,8 +110,30 @@ def test_transport_copies_in_and_out(self_comm):
     assert x.tolist() == [[0, 2], [3, 5]]
     host = np.arange(4, dtype=np.int64)
     out = np.zeros(4, np.int64)
-    xb = Buffer(host, "numpy", "int64", (4,), "cpu", None, -1, True, False, host)
-    ob = Buffer(out, "numpy", "int64", (4,), "cpu", None, -1, True, False, out)
+    xb = Buffer(
+        obj=host,
+        kind="numpy",
+        dtype="int64",
+        shape=(4,),
+        device="cpu",
+        device_index=None,
+        ptr=-1,
+        contiguous=True,
+        readonly=False,
+        host=host,
+    )
+    ob = Buffer(
+        obj=out,
+        kind="numpy",
+        dtype="int64",
+        shape=(4,),
+        device="cpu",
+        device_index=None,
+        ptr=-1,
+        contiguous=True,
+        readonly=False,
+        host=out,
+    )
     t.all_reduce(xb, ob, ReduceOp.MAX, 2).wait()
     assert out.tolist() == [0, 1, 2, 3]
     assert t.requests.made == 2 and t.requests.uses == 2
@@ -134,7 +156,18 @@ def test_device_buffers_go_through_the_host_scratch(self_comm, monkeypatch):
     x, out = np.arange(5, dtype=np.float64), np.zeros(5)
 
     def device(a: np.ndarray) -> Buffer:
-        return Buffer(a, "cupy", "float64", a.shape, "cuda", 0, a.ctypes.data, True, False, None)
+        return Buffer(
+            obj=a,
+            kind="cupy",
+            dtype="float64",
+            shape=a.shape,
+            device="cuda",
+            device_index=0,
+            ptr=a.ctypes.data,
+            contiguous=True,
+            readonly=False,
+            host=None,
+        )
 
     t.all_reduce(device(x), device(out), ReduceOp.SUM, 1).wait()
     assert out.tolist() == [0, 1, 2, 3, 4] and copies == [40, 40]

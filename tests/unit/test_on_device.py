@@ -7,7 +7,7 @@ import sys
 import types
 
 import pytest
-from hetcomm.kernels import device as kd
+from hetcomm.kernels import device as device_kernels
 
 
 @pytest.fixture
@@ -32,10 +32,10 @@ def fake_cupy(monkeypatch):
 
 
 def test_the_current_device_runs_without_entering_a_context(fake_cupy) -> None:
-    assert kd.on_device(0, lambda a, b: (a + b, fake_cupy["current"]), 2, 3) == (5, 0)
+    assert device_kernels.on_device(0, lambda a, b: (a + b, fake_cupy["current"]), 2, 3) == (5, 0)
     assert fake_cupy["entered"] == 0
 
 
 def test_another_device_runs_inside_its_context_and_is_restored(fake_cupy) -> None:
-    assert kd.on_device(1, lambda: fake_cupy["current"]) == 1
+    assert device_kernels.on_device(1, lambda: fake_cupy["current"]) == 1
     assert fake_cupy["entered"] == 1 and fake_cupy["current"] == 0

@@ -1,4 +1,4 @@
-"""The direct transport's buffer records (hetcomm.transports.peer) with a stand-in driver and
+"""The direct transport's buffer records (hetcomm.transports.direct.peer) with a stand-in driver and
 runtime: what a record carries, the registration cache on both sides, one driver query per
 cache hit."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hetcomm.transports import peer as P
+from hetcomm.transports.direct import peer as direct_peer
 
 
 class FakeDriver:
@@ -54,9 +54,9 @@ class FakeCupy:
 
 @pytest.fixture
 def maps(monkeypatch):
-    monkeypatch.setattr(P, "_Driver", FakeDriver)
+    monkeypatch.setattr(direct_peer, "_Driver", FakeDriver)
     FakeCupy.cuda.runtime = FakeRuntime()
-    return P.PeerMap(FakeCupy), P.PeerMap(FakeCupy)
+    return direct_peer.PeerMap(FakeCupy), direct_peer.PeerMap(FakeCupy)
 
 
 def fields(rec: np.ndarray) -> tuple[int, int, int, int, bytes]:

@@ -8,9 +8,10 @@ import queue
 
 import pytest
 
-from hetcomm.transports import rails as R
-from hetcomm.transports.staged_ops import Region, _Op
-from hetcomm.transports.staged_rails import INLINE_COPY_BYTES, RailThreads
+from hetcomm.transports.local import Region
+from hetcomm.transports.staged import links
+from hetcomm.transports.staged.ops import _Op
+from hetcomm.transports.staged.rails import INLINE_COPY_BYTES, RailThreads
 
 CHUNK = 8 << 20  # longer than INLINE_COPY_BYTES: never waited for inline for its size alone
 
@@ -57,7 +58,7 @@ def test_ended_copy_is_announced_at_once() -> None:
     rails, ch, link, op = _setup(CHUNK)
     event = Event(done=True)
     rails._announce_soon(ch, event, link, 3, op, 1, CHUNK, CHUNK)
-    assert link.sent == [(R.SLOT, 3, 7, 1, CHUNK, CHUNK)]
+    assert link.sent == [(links.SLOT, 3, 7, 1, CHUNK, CHUNK)]
     assert ch.signaller.empty()
     assert op.left == 1 and op.seen == {1}
 
@@ -73,7 +74,7 @@ def test_running_long_copy_goes_to_the_signaller() -> None:
 def test_host_bytes_are_announced_at_once() -> None:
     rails, ch, link, op = _setup(CHUNK)
     rails._announce_soon(ch, None, link, 0, op, 0, 0, CHUNK)
-    assert link.sent == [(R.SLOT, 0, 7, 0, 0, CHUNK)] and ch.signaller.empty()
+    assert link.sent == [(links.SLOT, 0, 7, 0, 0, CHUNK)] and ch.signaller.empty()
 
 
 class ShortCopy(Event):
@@ -93,6 +94,6 @@ def test_short_copy_waits_here_only_when_the_callers_work_is_done(caller_done: b
     event = ShortCopy(done=False)
     rails._announce_soon(ch, event, link, 2, op, 0, 0, n)
     if caller_done:
-        assert link.sent == [(R.SLOT, 2, 7, 0, 0, n)] and event.waits == 1
+        assert link.sent == [(links.SLOT, 2, 7, 0, 0, n)] and event.waits == 1
     else:
         assert link.sent == [] and ch.signaller.get_nowait()[0] is event

@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hetcomm.transports.staged_schedule import (
+from hetcomm.transports.staged.schedule import (
     block_spans,
     choose_rails,
     chunk_spans,
-    message_spans,
 )
 
 
@@ -25,31 +24,6 @@ def test_chunks_cover_the_message_on_element_boundaries(nbytes, chunk, itemsize)
         covered[off : off + n] += 1
     assert (covered == 1).all()
     assert [off for off, _ in spans] == sorted(off for off, _ in spans)
-
-
-@pytest.mark.parametrize("nbytes", [0, 1, 4096, 8192, 8193, 12289, 20000, 1 << 20, (1 << 20) + 7])
-@pytest.mark.parametrize("ramp", [(0, 0), (3, 2), (3, 0), (0, 2), (12, 12)])
-def test_message_spans_cover_the_message_once_in_order(nbytes, ramp) -> None:
-    chunk = 4096
-    spans = message_spans(nbytes, chunk, ramp)
-    covered = np.zeros(nbytes, dtype=np.int64)
-    for off, n in spans:
-        assert 0 < n <= chunk
-        covered[off : off + n] += 1
-    assert (covered == 1).all()
-    assert [off for off, _ in spans] == sorted(off for off, _ in spans)
-
-
-def test_message_spans_ramp_up_and_down_around_full_chunks() -> None:
-    chunk = 8 << 20
-    sizes = [n for _, n in message_spans(256 << 20, chunk, (3, 2))]
-    assert sizes[:3] == [1 << 20, 2 << 20, 4 << 20]
-    assert sizes[-2:] == [4 << 20, 2 << 20]
-    # what the ramps leave is full chunks and one remainder
-    assert sorted(sizes[3:-2])[1:] == [chunk] * (len(sizes) - 6)
-    # two chunks or less: no ramp; no ramp asked: plain chunks
-    assert message_spans(2 * chunk, chunk, (3, 2)) == chunk_spans(2 * chunk, chunk)
-    assert message_spans(256 << 20, chunk) == chunk_spans(256 << 20, chunk)
 
 
 def test_chunk_smaller_than_an_element_is_refused() -> None:

@@ -11,20 +11,20 @@ from typing import Any
 
 import pytest
 
-from hetcomm import tune
+from hetcomm import tune, tuning
 from hetcomm.config import Config
 from hetcomm.errors import ConfigError
 from hetcomm.plan import DIRECT_MIN_BYTES
-from hetcomm.transports.rails import RailSpec
-from hetcomm.transports.staged_schedule import RAIL_DEPTH, rail_key, rail_windows
-from hetcomm.tune import Tuning
+from hetcomm.transports.staged.links import RailSpec
+from hetcomm.transports.staged.schedule import RAIL_DEPTH, rail_key, rail_windows
+from hetcomm.tuning import Tuning
 
 FP = "0123456789abcdef"
 
 
 def good_file(**changes: Any) -> dict[str, Any]:
     data: dict[str, Any] = {
-        "schema": tune.SCHEMA,
+        "schema": tuning.SCHEMA,
         "fingerprint": FP,
         "hetcomm": "0.1.0",
         "measured": "2026-11-29T10:00:00+00:00",
@@ -156,18 +156,18 @@ def tuned(direct_min: int | None = 65536) -> Tuning:
 
 
 def test_explicit_direct_min_beats_tuned_which_beats_the_default() -> None:
-    assert tune.resolve_direct_min(None, None) == (DIRECT_MIN_BYTES, "built-in default")
-    assert tune.resolve_direct_min(None, tuned()) == (65536, "tuned (/x/f.json)")
-    assert tune.resolve_direct_min(None, tuned(None)) == (DIRECT_MIN_BYTES, "built-in default")
-    assert tune.resolve_direct_min(123, tuned()) == (123, "HETCOMM_DIRECT_MIN")
-    assert tune.resolve_direct_min(0, tuned()) == (0, "HETCOMM_DIRECT_MIN")  # 0 is explicit too
+    assert tuning.resolve_direct_min(None, None) == (DIRECT_MIN_BYTES, "built-in default")
+    assert tuning.resolve_direct_min(None, tuned()) == (65536, "tuned (/x/f.json)")
+    assert tuning.resolve_direct_min(None, tuned(None)) == (DIRECT_MIN_BYTES, "built-in default")
+    assert tuning.resolve_direct_min(123, tuned()) == (123, "HETCOMM_DIRECT_MIN")
+    assert tuning.resolve_direct_min(0, tuned()) == (0, "HETCOMM_DIRECT_MIN")  # 0 is explicit too
 
 
 def test_adopt_resolves_direct_min_from_the_environment_first() -> None:
-    assert tune.adopt(Config.load({}), tuned()).direct_min == 65536
-    assert tune.adopt(Config.load({"HETCOMM_DIRECT_MIN": "7"}), tuned()).direct_min == 7
-    assert tune.adopt(Config.load({}), None).direct_min == DIRECT_MIN_BYTES
-    c = tune.adopt(Config.load({}), tuned())
+    assert tuning.adopt(Config.load({}), tuned()).direct_min == 65536
+    assert tuning.adopt(Config.load({"HETCOMM_DIRECT_MIN": "7"}), tuned()).direct_min == 7
+    assert tuning.adopt(Config.load({}), None).direct_min == DIRECT_MIN_BYTES
+    c = tuning.adopt(Config.load({}), tuned())
     assert c.tuned is not None and c.tuned.chunk_bytes == 1 << 20
     assert c.with_options(timeout=5).tuned is c.tuned  # sub-communicators' configs keep it
 
@@ -176,8 +176,8 @@ def test_tune_dir_option() -> None:
     assert Config().tune_dir == "~/.cache/hetcomm/tune"
     assert Config.load({"HETCOMM_TUNE_DIR": " /tmp/t "}).tune_dir == "/tmp/t"
     assert Config.load({"HETCOMM_TUNE_DIR": ""}).tune_dir == "off"
-    assert tune.cache_dir(Config(tune_dir="OFF")) is None
-    assert tune.cache_dir(Config(tune_dir="~/t")) == Path(os.path.expanduser("~/t"))
+    assert tuning.cache_dir(Config(tune_dir="OFF")) is None
+    assert tuning.cache_dir(Config(tune_dir="~/t")) == Path(os.path.expanduser("~/t"))
     for bad in ("", "  ", 3):
         with pytest.raises(ConfigError, match="tune_dir: expected a directory"):
             Config(tune_dir=bad)  # type: ignore[arg-type]
@@ -189,11 +189,11 @@ def test_tune_dir_option() -> None:
 
 
 def test_a_written_file_reads_back(tmp_path: Path) -> None:
-    path = tune.cache_path(tmp_path / "new" / "dir", FP)
+    path = tuning.cache_path(tmp_path / "new" / "dir", FP)
     tune.write(path, good_file())
     assert path.name == f"{FP}.json"
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
-    t = tune.read(path, FP)
+    t = tuning.read(path, FP)
     assert t == Tuning(
         FP,
         1 << 20,
@@ -209,25 +209,25 @@ def test_a_written_file_reads_back(tmp_path: Path) -> None:
 
 
 def test_a_direct_min_not_measured_keeps_its_reason(tmp_path: Path) -> None:
-    path = tune.cache_path(tmp_path, FP)
+    path = tuning.cache_path(tmp_path, FP)
     tune.write(path, good_file(direct_min={"value": None, "note": "not measured: no GPU"}))
-    t = tune.read(path, FP)
+    t = tuning.read(path, FP)
     assert t is not None and t.direct_min is None and t.direct_note == "not measured: no GPU"
     assert "direct_min:   not measured: no GPU" in t.summary()
 
 
 def test_the_file_is_keyed_by_the_fingerprint(tmp_path: Path) -> None:
-    assert tune.cache_path(tmp_path, FP) != tune.cache_path(tmp_path, "fedcba9876543210")
+    assert tuning.cache_path(tmp_path, FP) != tuning.cache_path(tmp_path, "fedcba9876543210")
     for bad in ("", "../etc/passwd", "ABC", "a/b"):
         with pytest.raises(ValueError, match="fingerprint"):
-            tune.cache_path(tmp_path, bad)
+            tuning.cache_path(tmp_path, bad)
 
 
 def test_a_missing_file_is_silently_absent(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="hetcomm"):
-        assert tune.read(tmp_path / f"{FP}.json", FP) is None
+        assert tuning.read(tmp_path / f"{FP}.json", FP) is None
     assert caplog.records == []
 
 
@@ -258,8 +258,8 @@ def test_a_corrupt_or_mismatched_file_is_ignored_with_one_warning_naming_it(
     path = tmp_path / f"{FP}.json"
     path.write_text(text)
     with caplog.at_level(logging.WARNING, logger="hetcomm"):
-        assert tune.read(path, FP) is None
-        assert tune.read(path, FP) is None  # the same file again: no second warning
+        assert tuning.read(path, FP) is None
+        assert tuning.read(path, FP) is None  # the same file again: no second warning
     assert len(caplog.records) == 1, caplog.records
     message = caplog.records[0].getMessage()
     assert str(path) in message and message.startswith("ignoring tuning file")
@@ -272,34 +272,34 @@ def test_an_unreadable_file_is_ignored_with_a_warning(
     path = tmp_path / f"{FP}.json"
     path.mkdir()  # reading a directory fails with an OSError
     with caplog.at_level(logging.WARNING, logger="hetcomm"):
-        assert tune.read(path, FP) is None
+        assert tuning.read(path, FP) is None
     assert len(caplog.records) == 1 and str(path) in caplog.records[0].getMessage()
 
 
 def test_lookup_reads_on_rank_0_only_and_broadcasts(tmp_path: Path) -> None:
     config = Config(tune_dir=str(tmp_path))
-    tune.write(tune.cache_path(tmp_path, FP), good_file())
+    tune.write(tuning.cache_path(tmp_path, FP), good_file())
     root = FakeComm(0)
-    found = tune.lookup(root, FP, config)
+    found = tuning.lookup(root, FP, config)
     assert found is not None and found.chunk_bytes == 1 << 20 and root.sent == [found]
     # another rank takes what rank 0 sent, whatever its own file system says now
-    tune.write(tune.cache_path(tmp_path, FP), good_file(chunk_bytes={"value": 4096}))
+    tune.write(tuning.cache_path(tmp_path, FP), good_file(chunk_bytes={"value": 4096}))
     other = FakeComm(1, root_value=found)
-    assert tune.lookup(other, FP, config) is found and other.sent == [None]
+    assert tuning.lookup(other, FP, config) is found and other.sent == [None]
 
 
 def test_lookup_with_the_directory_off_reads_nothing(tmp_path: Path) -> None:
-    tune.write(tune.cache_path(tmp_path, FP), good_file())
-    assert tune.lookup(FakeComm(0), FP, Config(tune_dir="off")) is None
-    assert tune.lookup(FakeComm(0), "fedcba9876543210", Config(tune_dir=str(tmp_path))) is None
+    tune.write(tuning.cache_path(tmp_path, FP), good_file())
+    assert tuning.lookup(FakeComm(0), FP, Config(tune_dir="off")) is None
+    assert tuning.lookup(FakeComm(0), "fedcba9876543210", Config(tune_dir=str(tmp_path))) is None
 
 
 def test_write_replaces_atomically_and_cleans_up_on_failure(tmp_path: Path) -> None:
-    path = tune.cache_path(tmp_path, FP)
+    path = tuning.cache_path(tmp_path, FP)
     tune.write(path, good_file())
     with pytest.raises(TypeError):
         tune.write(path, {"bad": object()})  # not JSON: the old file stays whole
-    assert tune.read(path, FP) is not None
+    assert tuning.read(path, FP) is not None
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 

@@ -159,21 +159,20 @@ class PeerMap:
         self._told.clear()
 
 
-# world rank -> None (can map its node's peers) or why not; filled by probe() at init
-_PROBED: dict[int, str | None] = {}
-
-
-def probe(mpi_comm: Any, node_of: Sequence[int], has_device: Sequence[bool]) -> None:
+def probe(
+    mpi_comm: Any, node_of: Sequence[int], has_device: Sequence[bool]
+) -> list[str | None] | None:
     """Once per init, collective over `mpi_comm` (world ranks in order): can each rank map the
     memory of the other device ranks of its node? Ranks alone on their node, or without a
-    device, take no part. The result feeds the plan (`unavailable_for`)."""
+    device, take no part. Per rank: None where it can, else why not; None for all when nothing
+    is to be mapped anywhere (Topology.with_peer_mapping keeps it for the plan)."""
     rank = mpi_comm.Get_rank()
     nodes: dict[int, list[int]] = {}
     for r, (node, dev) in enumerate(zip(node_of, has_device, strict=True)):
         if dev:
             nodes.setdefault(node, []).append(r)
     if not any(len(v) > 1 for v in nodes.values()):
-        return  # nothing to map anywhere: no collective needed, every rank knows it
+        return None  # nothing to map anywhere: no collective needed, every rank knows it
     mine = nodes.get(node_of[rank], []) if has_device[rank] else []
     handle, why, mem = b"", None, None
     rt: Any = None
@@ -205,18 +204,7 @@ def probe(mpi_comm: Any, node_of: Sequence[int], has_device: Sequence[bool]) -> 
                 break
     verdicts = mpi_comm.allgather(why)
     del mem
-    _PROBED.clear()
-    for r, v in enumerate(verdicts):
-        _PROBED[r] = v
     for r, v in enumerate(verdicts):
         if v is not None and rank == 0:
             log.warning("peer mapping unavailable on world rank %d: %s; the plan uses staged", r, v)
-
-
-def unavailable_for(world_ranks: Sequence[int]) -> str | None:
-    """Why these ranks cannot map each other's memory, from the probe; None when they can."""
-    for r in world_ranks:
-        why = _PROBED.get(r, "peer mapping was not probed for this rank")
-        if why is not None:
-            return f"rank {r}: {why}"
-    return None
+    return list(verdicts)

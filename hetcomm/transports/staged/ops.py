@@ -10,28 +10,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from ..trace import Stamps
+from ...trace import Stamps
+from ..local import Region
 
 _STOP = object()
 # the staged pipeline's steps, stamped while stamp.marks is a list (bench_staged.py timeline)
 stamp = Stamps()
-
-
-@dataclass
-class Region:
-    """Bytes an op reads or writes: a flat uint8 host view, or a device pointer."""
-
-    nbytes: int
-    host: np.ndarray | None = None
-    dev: int = 0
-    keep: Any = None  # keeps a temporary allocation alive
-
-    def sub(self, offset: int, nbytes: int) -> Region:
-        if self.host is not None:
-            return Region(nbytes, self.host[offset : offset + nbytes])
-        return Region(nbytes, None, self.dev + offset, self.keep)
 
 
 @dataclass(eq=False)
@@ -47,14 +31,10 @@ class _Op:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     left: int = 0
-    # sends: chunks copied into shared slots before the clear-to-send came (slot, event, span,
-    # the READY value of a copy ordered by the slot's flags or 0)
-    early: list[tuple[int, Any, tuple[int, int], int]] = field(default_factory=list)
+    # sends: chunks copied into shared slots before the clear-to-send came (slot, event, span)
+    early: list[tuple[int, Any, tuple[int, int]]] = field(default_factory=list)
     seen: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    # chunks whose device copies are queued, ordered by shared flags, and not yet known to have
-    # ended: counted once the copies queued after the op's last chunk have (staged_rails)
-    on_gpu: list[int] = field(default_factory=list)
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:

@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import TransportUnavailable
-from ..ops import ReduceOp
-from .direct_schedule import shards
-from .rails import RailError, SharedSlots
+from ...errors import TransportUnavailable
+from ...ops import ReduceOp
+from ..shm import SegmentError, SharedSlots
+from ..spans import shards
 
 # a rank's segment holds at most this much; larger fused buffers go through the MPI transport
 MAX_BYTES = 16 << 20
@@ -89,7 +89,7 @@ class NodeReduce:
             name = f"hetcomm-node-{os.getpid()}-{id(self):x}-{self._generation}"
             try:
                 mine: SharedSlots | None = SharedSlots(name, 1, capacity, create=True)
-            except RailError as exc:  # /dev/shm full: every rank hears of it below
+            except SegmentError as exc:  # /dev/shm full: every rank hears of it below
                 mine, name, why = None, "", str(exc)
             names = np.zeros((self.size, _NAME_BYTES), np.uint8)
             own = np.frombuffer(name.encode().ljust(_NAME_BYTES, b"\0"), np.uint8)
@@ -125,10 +125,10 @@ class NodeReduce:
         """Reduce the `nbytes` every rank packed into its segment (values of `dtype`); the
         result is in every segment after. `wait(request, what)` waits for a barrier within the
         operation's timeout."""
-        from ..kernels import reduce as kr
+        from ...kernels import reduce
 
         assert self._comm is not None and nbytes <= self.capacity
-        storage = kr.storage_dtype(dtype)
+        storage = reduce.storage_dtype(dtype)
         wait(self._comm.Ibarrier(), "every rank's input in its shared segment")
         lo, hi = blocks(nbytes, storage.itemsize, self.size)[self.rank]
         if hi > lo:
@@ -138,9 +138,9 @@ class NodeReduce:
             name = _NAMES[op]
             for q in range(self.size):
                 if q != self.rank:
-                    kr.combine(acc, segs[q][lo:hi].view(storage), name, dtype)
+                    reduce.combine(acc, segs[q][lo:hi].view(storage), name, dtype)
             if op is ReduceOp.AVG:
-                kr.divide(acc, self.size, dtype)
+                reduce.divide(acc, self.size, dtype)
             for q in range(self.size):
                 if q != self.rank:
                     segs[q][lo:hi] = mine

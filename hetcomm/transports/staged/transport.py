@@ -16,26 +16,27 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import CommTimeout, HetcommError, MismatchError, TransportUnavailable
-from ..ops import ReduceOp
-from ..work import Work
-from . import Transport
-from . import rails as R
-from .staged_channel import Channel
-from .staged_ops import _STOP, PeerTimeout, Region, _Drivers, _Op, stamp
-from .staged_rails import (
+from ...errors import CommTimeout, HetcommError, MismatchError, TransportUnavailable
+from ...ops import ReduceOp
+from ...work import Work
+from .. import tags
+from ..base import Context, Transport
+from ..local import Region
+from ..shm import SharedSlots
+from . import links
+from .channel import Channel
+from .ops import _STOP, PeerTimeout, _Drivers, _Op, stamp
+from .rails import (
     BYE_MPI,
     ERROR_MPI,
-    TAG_HEAD,
     RailThreads,
-    _flagged,
     _size_mismatch,
 )
-from .staged_schedule import choose_rails, message_spans, rail_key, slots_that_fit
+from .schedule import choose_rails, chunk_spans, rail_key, slots_that_fit
 
 if TYPE_CHECKING:
-    from ..arrays import Buffer
-    from ..topology import Topology
+    from ...arrays import Buffer
+    from ...topology import Topology
 
 log = logging.getLogger("hetcomm")
 
@@ -44,24 +45,11 @@ log = logging.getLogger("hetcomm")
 # per transport through `StagedTransport.chunk_bytes` / `.slots` before its first operation.
 CHUNK_BYTES = 8 << 20
 SLOTS = 8
-# Halvings of the chunk at the start and end of a message longer than two chunks (up, down;
-# staged_schedule.message_spans). Off: on the H200, with one GPU or two, smaller end chunks
-# cost more in per-chunk signalling than they saved in pipeline fill (docs/BENCHMARKS.md).
-RAMP = (0, 0)
 # A send over shm copies up to this many of its first chunks into free shared slots at once,
 # before the receiver's clear-to-send comes; a channel's sends waiting for theirs hold at most
 # half its slots, so the sends already cleared always have slots to go on with. On the H200 a
 # 256 MiB send/recv took 1-3% less time so (docs/BENCHMARKS.md).
 EARLY_CHUNKS = 4
-# True: device chunks over shm are ordered by flags in the shared segment that the GPUs write
-# and wait for (cuStreamWriteValue32 / cuStreamWaitValue32), where both ranks have them, so that
-# no thread waits on a copy between a message's first chunk and its last. Off: on two H200 of
-# one host a 256 MiB send/recv took 6.26 ms so against 5.61 ms with threads waiting on every
-# copy's event, and 5.76 against 5.26 ms back to back (docs/BENCHMARKS.md), although a pipeline
-# of the same copies and flags with no transport around it (scripts/probe_gpu_flags.py) took
-# 5.33 ms. A channel decides when it opens.
-GPU_FLAGS = False
-TAG_HELLO = 12  # TAG_CTRL: staged_cts; TAG_HEAD, TAG_BODY: staged_rails
 CTS_P2P, CTS_COLL = 1, 2
 
 
@@ -77,19 +65,19 @@ class StagedTransport(RailThreads, Transport):
     name: ClassVar[str] = "staged"
     memory: ClassVar[tuple[str, ...]] = ("host", "device")
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Context) -> None:
         super().__init__(comm)
         self.rank, self.size = comm.rank, comm.size
         self.svc: MPI.Intracomm = comm.service
         tuned = comm.config.tuned
         self.chunk_bytes = CHUNK_BYTES if tuned is None else tuned.chunk_bytes
         self.slots = SLOTS if tuned is None else tuned.slots
-        self.ramp, self.early_chunks = RAMP, EARLY_CHUNKS
+        self.early_chunks = EARLY_CHUNKS
         self.rail_weights: dict[str, float] = {} if tuned is None else dict(tuned.rail_weights)
         self.timeout = comm.config.timeout
         self.mode, addrs = _rail_addresses(comm)
-        self.token = R.new_token()
-        self.listener = R.Listener(addrs, self.token, self.rank)
+        self.token = links.new_token()
+        self.listener = links.Listener(addrs, self.token, self.rank)
         info = comm.topology[self.rank]
         self.card = {
             "rank": self.rank,
@@ -154,8 +142,8 @@ class StagedTransport(RailThreads, Transport):
 
     def _swap(self, values: dict[int, Any], deadline: float) -> dict[int, Any]:
         """Send values[p] to every p and receive one object from each, all at once."""
-        sends = [self.svc.isend(v, dest=p, tag=TAG_HELLO) for p, v in values.items()]
-        recvs = {p: self.svc.irecv(source=p, tag=TAG_HELLO) for p in values}
+        sends = [self.svc.isend(v, dest=p, tag=tags.STAGED_HELLO) for p, v in values.items()]
+        recvs = {p: self.svc.irecv(source=p, tag=tags.STAGED_HELLO) for p in values}
         got: dict[int, Any] = {}
         while len(got) < len(recvs):
             for p, req in recvs.items():
@@ -174,10 +162,6 @@ class StagedTransport(RailThreads, Transport):
         return got
 
     def _open(self, peers: list[int], deadline: float) -> None:
-        if "gpu_flags" not in self.card:
-            from ..kernels import device
-
-            self.card["gpu_flags"] = GPU_FLAGS and device.stream_flags() is not None
         cards = self._swap({p: self.card for p in peers}, deadline)
         opened: dict[int, Channel] = {}
         try:
@@ -207,18 +191,18 @@ class StagedTransport(RailThreads, Transport):
                 if spec.kind == "mpi":
                     continue
                 if self.rank < peer:
-                    sock = R.connect(
+                    sock = links.connect(
                         spec, peer, theirs["token"], self.rank, theirs["unix"], deadline
                     )
                 else:
                     sock = self.listener.take(peer, spec.index, deadline)
-                ch.links.append(R.Link(sock, spec, peer))
+                ch.links.append(links.Link(sock, spec, peer))
         shm = [p for p, ch in opened.items() if any(s.kind == "shm" for s in ch.specs)]
         if shm:
             base = f"hetcomm-{self.token.hex()[:12]}"
             slots = slots_that_fit(self.slots, self.chunk_bytes, 2 * len(shm))
             for p in shm:
-                opened[p].shm_out = R.SharedSlots(
+                opened[p].shm_out = SharedSlots(
                     f"{base}-{self.rank}-{p}", slots, self.chunk_bytes, create=True
                 )
             names = self._swap(
@@ -226,8 +210,7 @@ class StagedTransport(RailThreads, Transport):
             )
             for p in shm:
                 name, count, slot_bytes = names[p]
-                opened[p].shm_in = R.SharedSlots(name, count, slot_bytes, create=False)
-                opened[p].gpu_flags = bool(self.card["gpu_flags"] and cards[p].get("gpu_flags"))
+                opened[p].shm_in = SharedSlots(name, count, slot_bytes, create=False)
             # both sides have mapped both segments: the names can go
             self._swap({p: None for p in shm}, deadline)
             for p in shm:
@@ -248,7 +231,7 @@ class StagedTransport(RailThreads, Transport):
         """Register a receive into `region` and tell `peer` it may send."""
         if peer != self.rank:
             self.channel(peer, deadline)
-        spans = message_spans(region.nbytes, self.chunk_bytes, self.ramp)
+        spans = chunk_spans(region.nbytes, self.chunk_bytes)
         op = _Op(peer, region, spans, ready=ready, left=len(spans))
         if peer != self.rank:
             self._count(len(spans))
@@ -276,10 +259,10 @@ class StagedTransport(RailThreads, Transport):
         if peer == self.rank:
             return self._send_to_self(region, kind, k1, k2, deadline, ready)
         ch = self.channel(peer, deadline)
-        spans = message_spans(region.nbytes, self.chunk_bytes, self.ramp)
+        spans = chunk_spans(region.nbytes, self.chunk_bytes)
         op = _Op(peer, region, spans, ready=ready, left=len(spans))
         self._count(len(spans))
-        self._stage_early(ch, op, deadline)
+        self._stage_early(ch, op)
         entry = self._cts_or_register(ch, op, (peer, kind, k1, k2), deadline)
         if entry is not None:
             self._queue_send(ch, op, *entry)
@@ -294,7 +277,7 @@ class StagedTransport(RailThreads, Transport):
             self._unwait(op)
             raise
 
-    def _stage_early(self, ch: Channel, op: _Op, deadline: float) -> None:
+    def _stage_early(self, ch: Channel, op: _Op) -> None:
         """Copy the first chunks of a send over shm into free shared slots now, without waiting
         for the receiver's clear-to-send: once it comes they are announced as their copies end
         (device data: up to early_chunks, the copy engine busy meanwhile; host data: the first
@@ -314,19 +297,13 @@ class StagedTransport(RailThreads, Transport):
         for idx, slot in enumerate(slots):
             off, n = op.spans[idx]
             target = ch.shm_out.view(slot, n)
-            gen = 0  # the READY value a copy ordered by the slot's flags sets
             if host is not None:
-                if ch.gpu_flags:
-                    ch.settle(slot, deadline, lambda: link.alive)
                 np.copyto(target, host[off : off + n])
                 event = None
-            elif ch.gpu_flags:
-                gen = self._copy_flagged(ch, slot, target, op.region.sub(off, n), op, idx)
-                event = self._gpu.mark(True)
             else:
                 stamp("d2h call early", idx)
                 event = self._gpu.copy_to_host_async(target, op.region.sub(off, n), op.ready)
-            op.early.append((slot, event, (off, n), gen))
+            op.early.append((slot, event, (off, n)))
             stamp("d2h queued early", idx)
 
     def _queue_send(self, ch: Channel, op: _Op, remote: int, expected: int) -> None:
@@ -350,13 +327,9 @@ class StagedTransport(RailThreads, Transport):
         if early:
             link = self._doorbell(op.peer)
             assert link is not None  # early chunks are staged only where the shm rail rings
-            self._count_bytes(link, sum(n for _, _, (_, n), _ in early))
-            for idx, (slot, event, (off, n), gen) in enumerate(early):
-                if gen and _flagged(n, op):
-                    link.send(R.SLOT_GPU, slot, op.remote, idx | gen << 32, off, n)
-                    self._queued_on_gpu(ch, op, idx, outbound=True)
-                else:
-                    self._announce_soon(ch, event, link, slot, op, idx, off, n)
+            self._count_bytes(link, sum(n for _, _, (_, n) in early))
+            for idx, (slot, event, (off, n)) in enumerate(early):
+                self._announce_soon(ch, event, link, slot, op, idx, off, n)
         for idx in range(len(early), len(op.spans)):
             ch.queue.put((op, idx, op.spans[idx]))
 
@@ -386,11 +359,13 @@ class StagedTransport(RailThreads, Transport):
     def _notify_error(self, ch: Channel, remote: int, nbytes: int) -> None:
         """Fail the peer's receive too, so that it does not wait for data that cannot come."""
         for link in ch.links:
-            with contextlib.suppress(R.RailError):
-                link.send(R.ERROR, -1, remote, 0, 0, nbytes)
+            with contextlib.suppress(links.RailError):
+                link.send(links.ERROR, -1, remote, 0, 0, nbytes)
                 return
         if ch.uses_mpi:
-            self.svc.Send(np.array([ERROR_MPI, remote, 0, 0, nbytes], np.int64), ch.peer, TAG_HEAD)
+            self.svc.Send(
+                np.array([ERROR_MPI, remote, 0, 0, nbytes], np.int64), ch.peer, tags.STAGED_HEAD
+            )
 
     def finish_recv(self, op: _Op, deadline: float) -> None:
         try:
@@ -478,7 +453,7 @@ class StagedTransport(RailThreads, Transport):
         if not any(b.on_device for b in bufs):
             return None
         if self._gpu is None:
-            from ..kernels import device
+            from ...kernels import device
 
             why = device.unavailable()
             if why is not None:
@@ -607,39 +582,50 @@ class StagedTransport(RailThreads, Transport):
             self.finish_recv(rop, deadline)
 
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
-        from . import staged_collectives as C
-
-        return self._run("all_reduce", seq, [x, out], C.all_reduce(self, x, out, op, seq), op)
-
-    def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
-        from . import staged_collectives as C
-
-        return self._run("reduce", seq, [x], C.reduce(self, x, op, root, seq), op)
-
-    def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
-        from . import staged_collectives as C
-
-        return self._run("broadcast", seq, [x], C.broadcast(self, x, root, seq))
-
-    def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
-        from . import staged_collectives as C
+        from . import collectives
 
         return self._run(
-            "all_gather", seq, [out, x], C.all_gather(self, out, x, seq), nbytes=out.nbytes
+            "all_reduce", seq, [x, out], collectives.all_reduce(self, x, out, op, seq), op
+        )
+
+    def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
+        from . import collectives
+
+        return self._run("reduce", seq, [x], collectives.reduce(self, x, op, root, seq), op)
+
+    def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
+        from . import collectives
+
+        return self._run("broadcast", seq, [x], collectives.broadcast(self, x, root, seq))
+
+    def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        from . import collectives
+
+        return self._run(
+            "all_gather",
+            seq,
+            [out, x],
+            collectives.all_gather(self, out, x, seq),
+            nbytes=out.nbytes,
         )
 
     def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
-        from . import staged_collectives as C
+        from . import collectives
 
         return self._run(
-            "reduce_scatter", seq, [out, x], C.reduce_scatter(self, out, x, op, seq), op, x.nbytes
+            "reduce_scatter",
+            seq,
+            [out, x],
+            collectives.reduce_scatter(self, out, x, op, seq),
+            op,
+            x.nbytes,
         )
 
     def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
-        from . import staged_collectives as C
+        from . import collectives
 
         return self._run(
-            "all_to_all", seq, [out, x], C.all_to_all(self, out, x, seq), nbytes=x.nbytes
+            "all_to_all", seq, [out, x], collectives.all_to_all(self, out, x, seq), nbytes=x.nbytes
         )
 
     def barrier(self, seq: int) -> Work:
@@ -654,10 +640,10 @@ class StagedTransport(RailThreads, Transport):
         for ch in self._channels.values():
             ch.stop()
             for link in ch.links:
-                with contextlib.suppress(R.RailError):
-                    link.send(R.BYE, -1, 0, 0, 0, 0)
+                with contextlib.suppress(links.RailError):
+                    link.send(links.BYE, -1, 0, 0, 0, 0)
         if self._mpi_rail is not None:
-            self.svc.Send(np.array([BYE_MPI, 0, 0, 0, 0], np.int64), self.rank, TAG_HEAD)
+            self.svc.Send(np.array([BYE_MPI, 0, 0, 0, 0], np.int64), self.rank, tags.STAGED_HEAD)
             self._mpi_rail.join(timeout=5)
         # operations still running (a peer that never came) end now: their threads must be out
         # of MPI before the process finalizes it
@@ -671,7 +657,7 @@ class StagedTransport(RailThreads, Transport):
                 ch.drop_early(op)  # their copies end before the segment goes
             op.fail(HetcommError("the staged transport was closed while waiting to send"))
         for ch in self._channels.values():
-            self._fail_channel(ch, closed)  # which also lets go of every stream's flag waits
+            self._fail_channel(ch, closed)
             ch.queue.put(_STOP)  # draining took the stop signal out too
         with self._inbox_cond:
             self._inbox_cond.notify_all()
@@ -699,7 +685,7 @@ def _close_all() -> None:
 
 def _rail_addresses(comm: Any) -> tuple[str, list[str]]:
     """('auto' | 'mpi' | 'list', the IPv4 addresses this rank listens on)."""
-    from ..nics import parse_rails, shared_subnet_warnings
+    from ...nics import parse_rails, shared_subnet_warnings
 
     spec = comm.config.rails.strip()
     if spec.lower() == "mpi":

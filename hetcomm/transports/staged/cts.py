@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import HetcommError
-from . import rails as R
-from .staged_ops import PeerTimeout, _Op
+from ...errors import HetcommError
+from .. import tags
+from . import links
+from .ops import PeerTimeout, _Op
 
 if TYPE_CHECKING:
-    from .staged_channel import Channel
+    from .channel import Channel
 
-TAG_CTRL = 11  # a clear-to-send over MPI, on the service communicator
 # a sender waiting for a clear-to-send over MPI polls for it, first after this many seconds,
 # doubling up to the second value (only between hosts: a host's ranks ring the shm doorbell);
 # the mpi rail's receiving thread polls for chunks the same way
@@ -45,7 +45,7 @@ class ClearToSend:
     # thread of this transport sits in a blocking MPI call: one would keep a core spinning for
     # as long as it waits (and on a machine with fewer cores than threads, stall the rest).
 
-    def _doorbell(self, peer: int) -> R.Link | None:
+    def _doorbell(self, peer: int) -> links.Link | None:
         """The link that carries `peer`'s clear-to-send messages: the shm rail's socket, or
         None (MPI). Both ranks of a pair see the same rails, so they agree on it."""
         ch = self._channels.get(peer)
@@ -61,9 +61,11 @@ class ClearToSend:
             return
         link = self._doorbell(peer)
         if link is not None:
-            link.send(R.CTS, kind, op_id, k1, k2, nbytes)
+            link.send(links.CTS, kind, op_id, k1, k2, nbytes)
             return
-        self.svc.Send(np.array([kind, k1, k2, op_id, nbytes, 0], dtype=np.int64), peer, TAG_CTRL)
+        self.svc.Send(
+            np.array([kind, k1, k2, op_id, nbytes, 0], dtype=np.int64), peer, tags.STAGED_CTS
+        )
 
     def _take_mpi_cts(self) -> int:
         """File every clear-to-send that has arrived over MPI; how many there were. Matched
@@ -72,7 +74,7 @@ class ClearToSend:
         msg = np.zeros(6, dtype=np.int64)
         status = MPI.Status()
         while True:
-            found = self.svc.Improbe(source=MPI.ANY_SOURCE, tag=TAG_CTRL, status=status)
+            found = self.svc.Improbe(source=MPI.ANY_SOURCE, tag=tags.STAGED_CTS, status=status)
             if found is None:
                 return taken
             found.Recv(msg)

@@ -29,11 +29,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
-from ..work import Work
+from ...work import Work
 
 if TYPE_CHECKING:
-    from ..comm import Communicator
-    from . import Job
+    from ..base import Context, Job
 
 # persistent all-reduces kept per transport; beyond this the least recently used one is freed
 CAPACITY = 64
@@ -220,7 +219,7 @@ class Requests:
     first. Requests are found by kind, then by element count: two small dict lookups."""
 
     def __init__(
-        self, comm: Communicator, mpi: MPI.Intracomm, kinds: int, capacity: int = CAPACITY
+        self, comm: Context, mpi: MPI.Intracomm, kinds: int, capacity: int = CAPACITY
     ) -> None:
         self._comm = comm
         self._mpi = mpi

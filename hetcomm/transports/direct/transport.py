@@ -1,6 +1,6 @@
 """Device-direct transport (DDC): GPUs read each other's memory; a CPU proxy drives control.
 
-Peers of one host map each other's allocations through CUDA/HIP IPC (hetcomm.transports.peer,
+Peers of one host map each other's allocations through CUDA/HIP IPC (hetcomm.transports.direct.peer,
 each handle exchanged once). The calling thread records an event on the array's stream and
 queues the operation; one proxy thread per communicator exchanges buffer records over MPI,
 orders the GPU work on its own stream after that event, and completes the Work once the GPU is
@@ -27,50 +27,25 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import InvalidArgument
-from ..ops import ReduceOp
-from ..work import Work, take_blocking
-from . import Transport
-from . import direct_proxy as DP
-from . import direct_schedule as S
-from . import peer as P
-from .direct_proxy import Step
+from ...dtypes import HALVES
+from ...errors import InvalidArgument
+from ...kernels.device import kernel_op, kernel_type
+from ...ops import ReduceOp
+from ...work import Work, take_blocking
+from .. import tags
+from ..base import Context, Transport
+from . import schedule
+from .peer import RECORD, PeerMap
+from .proxy import Proxy, Step, Task, stamp
 
 if TYPE_CHECKING:
-    from ..arrays import Buffer
-    from ..topology import Topology
+    from ...arrays import Buffer
+    from ...topology import Topology
 
 log = logging.getLogger("hetcomm")
 
 _D2D = 3  # cudaMemcpyDeviceToDevice
-# + 4 * user tag: the record of the rank that does not copy a message, then the copier's "done";
-# + 0, + 1 where the receiver copies, + 2, + 3 where the sender does (S.copier)
-TAG_P2P = 64
-# the top 2 * LEAD_TAGS tags: records sent to the one-GPU leader and its "done" replies, by
-# collective number modulo LEAD_TAGS (same-tag messages between two ranks stay in order)
-LEAD_TAGS = 1024
-_OPS = {
-    ReduceOp.SUM: "Sum",
-    ReduceOp.AVG: "Sum",
-    ReduceOp.PROD: "Prod",
-    ReduceOp.MIN: "Min",
-    ReduceOp.MAX: "Max",
-}
-_BOOL_OPS = {ReduceOp.SUM: "Or", ReduceOp.MAX: "Or", ReduceOp.PROD: "And", ReduceOp.MIN: "And"}
-_CTYPES = {
-    "bool": "unsigned char",
-    "uint8": "unsigned char",
-    "int8": "signed char",
-    "int16": "short",
-    "int32": "int",
-    "int64": "long long",
-    "float32": "float",
-    "float64": "double",
-}
 _THREADS = 512
-# how peer memory is copied: "memcpy" (cudaMemcpyAsync) or "kernel" (copy16). On the H200,
-# 256 MiB through an IPC mapping: cudaMemcpyAsync 1987 GB/s, the kernel 1849 GB/s (2026-11-29)
-PEER_COPY = "memcpy"
 
 
 def group_unavailable(
@@ -98,33 +73,33 @@ class DirectTransport(Transport):
     name: ClassVar[str] = "direct"
     memory: ClassVar[tuple[str, ...]] = ("device",)
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Context) -> None:
         super().__init__(comm)
         import cupy
 
-        from ..kernels import device as kd
+        from ...kernels import device as device_kernels
 
-        self.cupy, self.kd = cupy, kd
+        self.cupy, self.device_kernels = cupy, device_kernels
         self.rank, self.size = comm.rank, comm.size
         self.svc: MPI.Intracomm = comm.service
         self.device = cupy.cuda.Device().id
-        self.peers = P.PeerMap(cupy)
+        self.peers = PeerMap(cupy)
         self._devices = [r.device for r in comm.topology.ranks]
         # records of lent buffers not sent yet, per (peer, tag), in issue order
         self._lent: dict[tuple[int, int], deque[_Lent]] = {}
-        self._proxy = DP.Proxy(self.device, cupy, self.svc)
+        self._proxy = Proxy(self.device, cupy, self.svc)
         self._scratch: list[Any] = []  # two one-shot input buffers, used alternately
         self._prepared: set[tuple[str, ReduceOp]] = set()
         self._flip = 0
         self._others = [p for p in range(self.size) if p != self.rank]
         self._tag_ub = int(self.svc.Get_attr(MPI.TAG_UB) or 32767)
-        self._lead_tag = self._tag_ub - 2 * LEAD_TAGS + 1
+        self._lead_tag = tags.lead_base(self._tag_ub)
         self._done_flag = np.zeros(1, np.int8)  # the leader's "done" message
         # ranks that share one GPU: the leader (rank 0) does a reduction for all of them in one
         # pass from one process, which saves the GPU the switches between processes' kernels
         devices = {r.device for r in comm.topology.ranks}
-        self.shared = len(devices) == 1 and 1 < self.size <= S.MAX_SOURCES
-        kd.kernel("copy16")
+        self.shared = len(devices) == 1 and 1 < self.size <= schedule.MAX_SOURCES
+        device_kernels.kernel("copy16")
 
     @classmethod
     def unavailable(cls, topology: Topology) -> str | None:
@@ -136,13 +111,13 @@ class DirectTransport(Transport):
             return why
         if len({r.node for r in ranks}) > 1:
             return "members on several shared-memory nodes"
-        from ..kernels.device import unavailable as device_unavailable
+        from ...kernels.device import unavailable as device_unavailable
 
         why = device_unavailable()
         if why is not None:
             return why
         if len(ranks) > 1:
-            return P.unavailable_for([r.world_rank for r in ranks])
+            return topology.peer_mapping_unavailable()
         return None
 
     # ---- the calling thread ----------------------------------------------------------------------
@@ -160,9 +135,11 @@ class DirectTransport(Transport):
         this call; None where that stream has nothing left to run. That holds for the legacy
         default stream (0 or 1) too: its query counts the work of the blocking streams it
         waits for (tests/gpu/test_legacy_stream.py)."""
-        stream = self.kd.external_stream(self.kd.current_stream(b), self.device)
+        stream = self.device_kernels.external_stream(
+            self.device_kernels.current_stream(b), self.device
+        )
         # on the device: the legacy stream a query or record names is the current device's
-        return self.kd.on_device(self.device, self._event_unless_done, stream)
+        return self.device_kernels.on_device(self.device, self._event_unless_done, stream)
 
     def _event_unless_done(self, stream: Any) -> Any:
         """None if `stream` (of the current device) has run everything queued on it, else a
@@ -185,7 +162,7 @@ class DirectTransport(Transport):
     ) -> Work:
         """Hand the operation `body` to the proxy; unless told otherwise (`wait_ready`), it
         starts once the caller's stream has run what was queued before the call."""
-        DP.stamp("prepared")
+        stamp("prepared")
         self._check(op, bufs)
         ready = self._ready(bufs[0]) if wait_ready else None
 
@@ -194,8 +171,8 @@ class DirectTransport(Transport):
                 yield ready  # what the caller queued before the op has run
             yield from body()
 
-        task = DP.Task(run())
-        DP.stamp("queued")
+        task = Task(run())
+        stamp("queued")
         proxy = self._proxy
         proxy.submit(task, collective, nbytes, take_blocking())
         work = Work(
@@ -212,7 +189,7 @@ class DirectTransport(Transport):
 
     def _exchange(self, recs: np.ndarray, into: list[np.ndarray]) -> Step:
         """Allgather this rank's records; `into[0]` becomes the (size, len(recs)) table."""
-        table = np.empty((self.size, len(recs)), P.RECORD)
+        table = np.empty((self.size, len(recs)), RECORD)
         yield self.svc.Iallgather(recs.view(np.uint8), table.view(np.uint8))
         for p in self._others:  # handles sent to everyone are kept, even if not opened now
             for rec in table[p]:
@@ -236,29 +213,19 @@ class DirectTransport(Transport):
         yield self.svc.Ibarrier()
 
     def _copy(self, dst: int, src: int, nbytes: int) -> None:
-        """Copy on the proxy's stream: by cudaMemcpyAsync, or (PEER_COPY = "kernel") 16-byte
-        words by a kernel and the rest by cudaMemcpyAsync."""
-        words = nbytes // 16 if PEER_COPY == "kernel" and not (dst % 16 or src % 16) else 0
-        if words:
-            blocks = max(1, min(2048, (words + _THREADS - 1) // _THREADS))
-            args = (np.uint64(dst), np.uint64(src), np.uint64(words))
-            with self._proxy.stream:
-                self.kd.kernel("copy16")((blocks,), (_THREADS,), args)
-        rest = nbytes - 16 * words
-        if rest:
-            done = 16 * words
-            self.cupy.cuda.runtime.memcpyAsync(
-                dst + done, src + done, rest, _D2D, self._proxy.stream.ptr
-            )
+        """Copy on the proxy's stream by cudaMemcpyAsync (faster through an IPC mapping than a
+        copy kernel: docs/BENCHMARKS.md, "direct")."""
+        if nbytes:
+            self.cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, _D2D, self._proxy.stream.ptr)
 
     def _reduce(self, dst: int, srcs: list[int], count: int, dtype: str, op: ReduceOp) -> None:
         """dst = op over srcs (in order), `count` elements, on the proxy's stream."""
         if count == 0:
             return
-        if dst in srcs[S.MAX_SOURCES :]:
+        if dst in srcs[schedule.MAX_SOURCES :]:
             # dst is also a source past the first batch, which overwrites dst: read it first
             srcs = [dst, *(p for p in srcs if p != dst)]
-        for group in S.batches(list(range(len(srcs)))):
+        for group in schedule.batches(list(range(len(srcs)))):
             ptrs = [dst if i < 0 else srcs[i] for i in group]
             self._reduce_into([dst], ptrs, count, dtype, op, 0)
 
@@ -285,7 +252,7 @@ class DirectTransport(Transport):
             )
 
     def _launch(self, name: str, outs: list[int], srcs: list[int], count: int, div: int) -> None:
-        pad = S.MAX_SOURCES
+        pad = schedule.MAX_SOURCES
         args = (
             *(np.uint64(p) for p in outs + [outs[0]] * (pad - len(outs))),
             np.int32(len(outs)),
@@ -296,15 +263,15 @@ class DirectTransport(Transport):
         )
         blocks = max(1, min(2048, (count + _THREADS - 1) // _THREADS))
         with self._proxy.stream:
-            self.kd.kernel(name)((blocks,), (_THREADS,), args)
+            self.device_kernels.kernel(name)((blocks,), (_THREADS,), args)
 
     def _average(self, ptr: int, count: int, dtype: str) -> None:
         if count:
-            self.kd.divide_on(self._proxy.stream, ptr, count, self.size, dtype)
+            self.device_kernels.divide_on(self._proxy.stream, ptr, count, self.size, dtype)
 
     def _one_shot_scratch(self) -> Any:
         if not self._scratch:
-            self._scratch = [self.cupy.cuda.alloc(S.ONE_SHOT_BYTES) for _ in range(2)]
+            self._scratch = [self.cupy.cuda.alloc(schedule.ONE_SHOT_BYTES) for _ in range(2)]
         self._flip ^= 1
         return self._scratch[self._flip]
 
@@ -322,7 +289,7 @@ class DirectTransport(Transport):
                 self._reduce_all(outs, xs, x.count, x.dtype, op)
 
             return self._leader_op("all_reduce", seq, (x, out), x.nbytes, all_reduce)
-        if S.algorithm(x.nbytes, self.size) == "one-shot":
+        if schedule.algorithm(x.nbytes, self.size) == "one-shot":
             return self._queue(
                 "all_reduce", seq, (x, out), x.nbytes, lambda: self._one_shot(x, out, op)
             )
@@ -348,7 +315,7 @@ class DirectTransport(Transport):
         do not pay a round trip between them. The other ranks' side runs beside their other
         operations; rank 0's keeps its place among the collectives.
         """
-        t_rec = self._lead_tag + 2 * (seq % LEAD_TAGS)
+        t_rec = self._lead_tag + 2 * (seq % tags.LEAD_TAGS)
         t_done = t_rec + 1
         if self.rank != 0:
             rec = np.concatenate(
@@ -362,7 +329,7 @@ class DirectTransport(Transport):
                 yield finished
 
             return self._queue(name, seq, bufs, nbytes, member, collective=False)
-        table = np.zeros((self.size, len(bufs)), P.RECORD)
+        table = np.zeros((self.size, len(bufs)), RECORD)
         arrived = [self.svc.Irecv(table[p].view(np.uint8), p, t_rec) for p in self._others]
 
         def leader() -> Step:
@@ -409,7 +376,7 @@ class DirectTransport(Transport):
         yield from self._exchange(self._records([x, out]), got)
         xs = self._addresses(got[0], 0, x.ptr)
         outs = self._addresses(got[0], 1, out.ptr)
-        spans = S.shards(x.count, x.itemsize, self.size)
+        spans = schedule.shards(x.count, x.itemsize, self.size)
         lo, hi = spans[self.rank]
         item = x.itemsize
         # reduce-scatter: this rank reduces its shard of every input into its own output
@@ -503,7 +470,7 @@ class DirectTransport(Transport):
         return self._queue("all_to_all", seq, (x, out), x.nbytes, body)
 
     def barrier(self, seq: int) -> Work:
-        task = DP.Task(self._barrier())
+        task = Task(self._barrier())
         proxy = self._proxy
         proxy.submit(task, True)
         return Work(
@@ -514,29 +481,28 @@ class DirectTransport(Transport):
             waiter=lambda seconds: proxy.wait(task, True, seconds),
         )
 
-    # ---- point-to-point: one rank of the pair copies (S.copier) ------------------------------
+    # ---- point-to-point: one rank of the pair copies (schedule.copier) ----------------------
 
     def _tags(self, tag: int, op: str, pushed: bool) -> tuple[int, int]:
         """The tags of a message's record and its "done"."""
         top = self._lead_tag - 1
-        if TAG_P2P + 4 * tag + 3 > top:
-            raise InvalidArgument(
-                f"{op}: the direct transport takes tags up to {(top - TAG_P2P - 3) // 4}, got {tag}"
-            )
-        base = TAG_P2P + 4 * tag + (2 if pushed else 0)
+        if tags.DIRECT_P2P + 4 * tag + 3 > top:
+            most = (top - tags.DIRECT_P2P - 3) // 4
+            raise InvalidArgument(f"{op}: the direct transport takes tags up to {most}, got {tag}")
+        base = tags.DIRECT_P2P + 4 * tag + (2 if pushed else 0)
         return base, base + 1
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
-        DP.stamp("transport")
+        stamp("transport")
         self._self_check(dst, "send")
-        if S.copier(self.rank, dst, self._devices) == self.rank:
+        if schedule.copier(self.rank, dst, self._devices) == self.rank:
             return self._copier("send", seq, x, dst, self._tags(tag, "send", True))
         return self._lender("send", seq, x, dst, self._tags(tag, "send", False))
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
-        DP.stamp("transport")
+        stamp("transport")
         self._self_check(src, "recv")
-        if S.copier(src, self.rank, self._devices) == self.rank:
+        if schedule.copier(src, self.rank, self._devices) == self.rank:
             return self._copier("recv", seq, x, src, self._tags(tag, "recv", False))
         return self._lender("recv", seq, x, src, self._tags(tag, "recv", True))
 
@@ -546,9 +512,9 @@ class DirectTransport(Transport):
         tag issued before (_post_in_order), and it ends when the copier says done."""
         self._check(op, (x,))
         rec = self.peers.describe(x.ptr, x.nbytes, [peer], full=True)
-        DP.stamp("described")
+        stamp("described")
         entry = _Lent(self._ready(x), rec)
-        DP.stamp("ready")
+        stamp("ready")
         queue = self._lent.setdefault((peer, tags[0]), deque())
         queue.append(entry)
 
@@ -584,8 +550,8 @@ class DirectTransport(Transport):
         for a receive), and once the copy is done it says so with its size."""
         self._check(op, (x,))
         ready = self._ready(x)
-        DP.stamp("ready")
-        got = np.empty(1, P.RECORD)
+        stamp("ready")
+        got = np.empty(1, RECORD)
         req = self.svc.Irecv(got.view(np.uint8), peer, tags[0])  # posted in issue order
 
         def body() -> Step:
@@ -596,10 +562,10 @@ class DirectTransport(Transport):
                 if ready is not None:  # the caller's stream, on the GPU (one process's streams)
                     self._proxy.stream.wait_event(ready)
                 mapped, _ = self.peers.address(peer, got)
-                DP.stamp("resolved")
+                stamp("resolved")
                 dst, src = (mapped, x.ptr) if op == "send" else (x.ptr, mapped)
                 self._copy(dst, src, x.nbytes)
-                DP.stamp("copy queued")
+                stamp("copy queued")
                 yield from self._sync()
             else:
                 self.peers.learn(peer, got[0])  # its handle may come only this once
@@ -633,11 +599,11 @@ class DirectTransport(Transport):
         key = (dtype, op)
         if key in self._prepared:
             return
-        self.kd.kernel(_kernel_name(dtype, op))
+        self.device_kernels.kernel(_kernel_name(dtype, op))
         if dtype == "float32" and op in (ReduceOp.SUM, ReduceOp.AVG):
-            self.kd.kernel("reduce_peers_f32x4")
+            self.device_kernels.kernel("reduce_peers_f32x4")
         if op is ReduceOp.AVG:
-            self.kd.kernel(self.kd.divide_name(dtype))
+            self.device_kernels.kernel(self.device_kernels.divide_name(dtype))
         self._prepared.add(key)
 
     def stats(self) -> dict[str, int]:
@@ -672,8 +638,7 @@ class _Lent:
 
 
 def _kernel_name(dtype: str, op: ReduceOp) -> str:
-    """The peer-reduction kernel for `dtype` and `op` (kernels/reduce.cu)."""
-    if dtype in ("float16", "bfloat16"):
-        return f"reduce_peers_half<{int(dtype == 'bfloat16')}, {_OPS[op]}>"
-    ops = _BOOL_OPS if dtype == "bool" else _OPS
-    return f"reduce_peers<{_CTYPES[dtype]}, {ops[op]}>"
+    """The peer-reduction kernel for `dtype` and `op` (kernels/reduce.cu; AVG sums)."""
+    half = "_half" if dtype in HALVES else ""
+    name = "sum" if op is ReduceOp.AVG else op.value
+    return f"reduce_peers{half}{kernel_type(dtype)}, {kernel_op(dtype, name)}>"

@@ -3,38 +3,21 @@ which rank of a pair copies."""
 
 from __future__ import annotations
 
+from ..spans import ALIGN_BYTES, shards
+
+__all__ = ["ALIGN_BYTES", "algorithm", "batches", "copier", "shards"]
+
 # All-reduces up to this size read every peer's whole input in one kernel (one-shot); larger
 # ones reduce one shard per rank and gather the shards (two-shot). Measured on the H200:
 # docs/BENCHMARKS.md, "direct".
 ONE_SHOT_BYTES = 256 * 1024
 # a peer-reduction kernel reads at most this many sources; more are folded in batches
 MAX_SOURCES = 8
-# shard boundaries fall on this many bytes, so that 16-byte vector loads stay aligned
-ALIGN_BYTES = 16
 
 
 def algorithm(nbytes: int, size: int) -> str:
     """'one-shot' or 'two-shot' for an all-reduce of `nbytes` over `size` ranks."""
     return "one-shot" if size == 1 or nbytes <= ONE_SHOT_BYTES else "two-shot"
-
-
-def shards(count: int, itemsize: int, size: int, align: int = ALIGN_BYTES) -> list[tuple[int, int]]:
-    """[start, stop) element ranges, one per rank, covering `count` elements in order.
-
-    Boundaries are multiples of `align` bytes where the item size allows; the shards differ by
-    at most one alignment unit, and trailing shards may be empty when `count` is small.
-    """
-    if size < 1 or count < 0 or itemsize < 1:
-        raise ValueError(f"shards: bad arguments count={count} itemsize={itemsize} size={size}")
-    unit = align // itemsize if align % itemsize == 0 else 1
-    units = -(-count // unit)
-    base, extra = divmod(units, size)
-    spans, start = [], 0
-    for r in range(size):
-        stop = min(count, start + (base + (r < extra)) * unit)
-        spans.append((start, stop))
-        start = stop
-    return spans
 
 
 def batches(sources: list[int]) -> list[list[int]]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -11,22 +9,18 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import MismatchError, TransportUnavailable
-from ..ops import ReduceOp
-from ..work import Work
-from . import Job, Transport, mpi_chunks, mpi_node, mpi_persistent
+from ...dtypes import BOOL_AS_MINMAX, TABLE
+from ...errors import MismatchError, TransportUnavailable
+from ...ops import ReduceOp
+from ...work import Work
+from ..base import Context, Transport
+from ..worker import InOrderWorker
+from . import node, persistent, schedule
 
 if TYPE_CHECKING:
-    from ..arrays import Buffer
-    from ..topology import Topology
+    from ...arrays import Buffer
+    from ...topology import Topology
 
-# bool travels as uint8: MAX of 0/1 is "or", MIN is "and"
-_BOOL_OPS = {
-    ReduceOp.SUM: MPI.MAX,
-    ReduceOp.MAX: MPI.MAX,
-    ReduceOp.PROD: MPI.MIN,
-    ReduceOp.MIN: MPI.MIN,
-}
 _NATIVE_OPS = {
     ReduceOp.SUM: MPI.SUM,
     ReduceOp.AVG: MPI.SUM,
@@ -34,19 +28,14 @@ _NATIVE_OPS = {
     ReduceOp.MIN: MPI.MIN,
     ReduceOp.MAX: MPI.MAX,
 }
-_DATATYPES = {
-    "bool": MPI.UINT8_T,
-    "uint8": MPI.UINT8_T,
-    "int8": MPI.INT8_T,
-    "int16": MPI.INT16_T,
-    "int32": MPI.INT32_T,
-    "int64": MPI.INT64_T,
-    "float32": MPI.FLOAT,
-    "float64": MPI.DOUBLE,
-    "float16": MPI.UINT16_T,
-    "bfloat16": MPI.UINT16_T,
-}
-_INTS = ("int8", "int16", "int32", "int64", "uint8")
+# the MPI datatype each dtype travels as (dtypes.Dtype.mpi)
+_DATATYPES = {name: getattr(MPI, d.mpi) for name, d in TABLE.items()}
+_INTS = tuple(n for n, d in TABLE.items() if d.kind in ("int", "uint"))
+
+
+def _bool_as(op: ReduceOp) -> ReduceOp:
+    """The MAX or MIN that reduces bool's 0/1 as `op` (dtypes.BOOL_AS_MINMAX)."""
+    return ReduceOp(BOOL_AS_MINMAX[op.value])
 
 
 def _wrong_integer_ops() -> frozenset[tuple[str, str]]:
@@ -80,11 +69,11 @@ _IN_PLACE = MPI.IN_PLACE
 _AVG = ReduceOp.AVG
 
 
-def _persistent_kinds() -> dict[tuple[str, str], mpi_persistent.Kind]:
+def _persistent_kinds() -> dict[tuple[str, str], persistent.Kind]:
     """(dtype name, op) -> the kind of persistent all-reduce that serves it, for every pair MPI
     reduces with a predefined operation (bool as uint8; AVG reduces as SUM, then divides, and
     shares SUM's kind)."""
-    kinds: dict[tuple[str, str], mpi_persistent.Kind] = {}
+    kinds: dict[tuple[str, str], persistent.Kind] = {}
     made = 0
     for name, datatype in _DATATYPES.items():
         if name in ("float16", "bfloat16"):
@@ -95,8 +84,8 @@ def _persistent_kinds() -> dict[tuple[str, str], mpi_persistent.Kind]:
                 continue
             kind = kinds.get((name, reduce_as.value))
             if kind is None:
-                mop = _BOOL_OPS[reduce_as] if name == "bool" else _NATIVE_OPS[reduce_as]
-                kind = mpi_persistent.Kind(made, np.dtype(name), datatype, mop)
+                mop = _NATIVE_OPS[_bool_as(reduce_as)] if name == "bool" else _NATIVE_OPS[reduce_as]
+                kind = persistent.Kind(made, np.dtype(name), datatype, mop)
                 made += 1
             kinds[(name, op.value)] = kinds[(name, reduce_as.value)] = kind
     return kinds
@@ -126,7 +115,7 @@ def mpi_op(dtype: str, op: ReduceOp) -> MPI.Op:
     if found is not None:
         return found
     if dtype == "bool":
-        return _BOOL_OPS[op]
+        return _NATIVE_OPS[_bool_as(op)]
     key = (dtype, op)
     found = _OWN_OPS.get(key)
     if found is None:
@@ -135,10 +124,10 @@ def mpi_op(dtype: str, op: ReduceOp) -> MPI.Op:
 
 
 def _own_reducer(dtype: str, op: ReduceOp) -> Callable[[Any, Any, Any], None]:
-    from ..kernels import reduce as kr
+    from ...kernels import reduce
 
     kind = "sum" if op is ReduceOp.AVG else op.value
-    combine, storage = kr.combine, kr.storage_dtype(dtype)
+    combine, storage = reduce.combine, reduce.storage_dtype(dtype)
 
     def reducer(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
         combine(
@@ -163,52 +152,6 @@ LANE_BYTES = 256 * 1024
 _QUICK_TESTS = 32
 
 
-class _Lane:
-    """One thread running a communicator's large collectives in the order they were issued.
-
-    Collectives must start in the same order on every rank. A small one is started directly only
-    while the lane is idle (nothing queued, nothing running), so that a direct start can never
-    overtake a queued one: seen under the same lock that queues jobs, or, on the persistent
-    short path, without it, since only the issuing thread queues jobs and the lane thread only
-    ever lowers `pending`. The thread takes jobs from a SimpleQueue (one wake-up per job, no
-    lock of ours to win first) and counts each out before setting it, so that its waiter finds
-    the lane idle.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self._queue: queue.SimpleQueue[Job] = queue.SimpleQueue()
-        self.pending = 0  # jobs queued or running
-        self._thread: threading.Thread | None = None
-
-    def idle(self) -> bool:
-        """Call with `lock` held."""
-        return not self.pending
-
-    def drained(self) -> bool:
-        """Whether every job queued so far has run (takes `lock`)."""
-        with self.lock:
-            return not self.pending
-
-    def submit(self, call: Callable[[], Any]) -> Job:
-        """Call with `lock` held."""
-        job = Job(call)
-        self.pending += 1
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="hetcomm-mpi-lane", daemon=True)
-            self._thread.start()
-        self._queue.put(job)
-        return job
-
-    def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            job.call_only()
-            with self.lock:
-                self.pending -= 1
-            job.set()
-
-
 class MpiTransport(Transport):
     """Every operation as MPI calls on the communicator's own MPI communicator: small ones
     non-blocking from the calling thread, large collectives blocking on a lane thread, small
@@ -218,22 +161,22 @@ class MpiTransport(Transport):
     memory: ClassVar[tuple[str, ...]] = ("host", "device")
     any_source: ClassVar[bool] = True
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Context) -> None:
         super().__init__(comm)
         self._mpi: MPI.Intracomm = comm.mpi
-        self._lane = _Lane()
+        self._lane = InOrderWorker("hetcomm-mpi-lane")
         members = comm.topology.members()
         self._not_aware = [m.rank for m in members if not m.gpu_aware]
         # all-reduces up to this many bytes run as cached persistent requests (0: none); the
         # configuration and the MPI library are the same on every rank, so is this. Larger
         # ones than the lane's threshold stay blocking calls on the lane (see LANE_BYTES).
-        self.persistent_off = mpi_persistent.unavailable()
+        self.persistent_off = persistent.unavailable()
         limit = min(comm.config.persistent_max, LANE_BYTES)
         self._persistent_max = 0 if self.persistent_off else limit
-        self.requests = mpi_persistent.Requests(comm, self._mpi, _KINDS)
+        self.requests = persistent.Requests(comm, self._mpi, _KINDS)
         # fused host all-reduces through shared memory, where the group is one node's ranks
         self._one_node: bool | None = None  # known at the first fused all-reduce
-        self._node: mpi_node.NodeReduce | None = None
+        self._node: node.NodeReduce | None = None
 
     def drain(self, op: str, seq: int) -> None:
         """Wait (within the timeout) until the lane has run every job queued on it. Open MPI
@@ -257,20 +200,20 @@ class MpiTransport(Transport):
             # a simulated host of its own counts as another node
             ranks = list(self.comm.topology)
             self._one_node = len(ranks) > 1 and len({(r.host, r.node) for r in ranks}) == 1
-        return self._one_node and 0 < nbytes <= mpi_node.MAX_BYTES
+        return self._one_node and 0 < nbytes <= node.MAX_BYTES
 
     def node_off(self) -> None:
         """No shared segments for this group any more (they could not be had on some rank):
         its fused all-reduces go through MPI. Local: every rank learnt it in the same call."""
         self._one_node = False
 
-    def node_reduce(self, op: str, seq: int) -> mpi_node.NodeReduce:
-        """The shared segments of fused all-reduces (hetcomm.transports.mpi_node). Its first use
+    def node_reduce(self, op: str, seq: int) -> node.NodeReduce:
+        """The shared segments of fused all-reduces (hetcomm.transports.mpi.node). Its first use
         duplicates the communicator, a collective that waits until the lane has made the calls
         still queued on it (see drain)."""
         if self._node is None:
             self.drain(op, seq)
-            self._node = mpi_node.NodeReduce(self._mpi)
+            self._node = node.NodeReduce(self._mpi)
         return self._node
 
     def _mem(self, buf: Buffer) -> Any:
@@ -285,7 +228,7 @@ class MpiTransport(Transport):
                 f"{self._not_aware}; it cannot take {buf.describe()} (a device pointer would "
                 "crash it)"
             )
-        from ..kernels.device import caller_stream
+        from ...kernels.device import caller_stream
 
         caller_stream(buf).synchronize()
         return MPI.buffer.fromaddress(buf.ptr, buf.nbytes)
@@ -347,10 +290,10 @@ class MpiTransport(Transport):
             )
 
     def _average(self, buf: Buffer) -> list[Callable[[], None]]:
-        from ..kernels import reduce as kr
+        from ...kernels import reduce
 
         if buf.host is None:  # device memory of a GPU-aware MPI: divide on the GPU
-            from ..kernels.device import caller_stream, divide_on
+            from ...kernels.device import caller_stream, divide_on
 
             stream = caller_stream(buf)
             n = self._mpi.Get_size()
@@ -360,8 +303,12 @@ class MpiTransport(Transport):
                 stream.synchronize()
 
             return [divide]
-        host, dtype, n = buf.host.view(kr.storage_dtype(buf.dtype)), buf.dtype, self._mpi.Get_size()
-        return [lambda: kr.divide(host, n, dtype)]
+        host, dtype, n = (
+            buf.host.view(reduce.storage_dtype(buf.dtype)),
+            buf.dtype,
+            self._mpi.Get_size(),
+        )
+        return [lambda: reduce.divide(host, n, dtype)]
 
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
         self._reducible(x)
@@ -397,7 +344,7 @@ class MpiTransport(Transport):
         )
 
     def _all_reduce_persistent(
-        self, x: Buffer, out: Buffer, op: ReduceOp, seq: int, kind: mpi_persistent.Kind
+        self, x: Buffer, out: Buffer, op: ReduceOp, seq: int, kind: persistent.Kind
     ) -> Work:
         """A small all-reduce through the cached persistent request of (dtype, count, op):
         started from this thread while the lane is idle, else queued on the lane behind its
@@ -472,10 +419,10 @@ class MpiTransport(Transport):
         x[...] = view
         return True
 
-    def _in_place_nonblocking(self, x: np.ndarray, kind: mpi_persistent.Kind, seq: int) -> bool:
+    def _in_place_nonblocking(self, x: np.ndarray, kind: persistent.Kind, seq: int) -> bool:
         """all_reduce_in_place as an Iallreduce on the caller's array."""
         n = x.nbytes
-        if n > LANE_BYTES or n > mpi_chunks.MAX_CALL_BYTES:
+        if n > LANE_BYTES or n > schedule.MAX_CALL_BYTES:
             return False
         flags = x.flags
         if not (flags.c_contiguous and flags.writeable):
@@ -731,9 +678,9 @@ class _Receive:
 def _spans(buf: Buffer, blocks: int = 1, parts: int = 1) -> list[tuple[int, int]]:
     """The calls `buf` (of `parts` equal parts, moved `blocks` at a time) is cut into: one,
     unless an MPI count would pass 2^31 (see mpi_chunks). Device buffers are not cut."""
-    if buf.nbytes * blocks // parts <= mpi_chunks.MAX_CALL_BYTES or buf.host is None:
+    if buf.nbytes * blocks // parts <= schedule.MAX_CALL_BYTES or buf.host is None:
         return [(0, buf.count // parts)]
-    return mpi_chunks.element_spans(buf.count // parts, buf.itemsize, blocks)
+    return schedule.element_spans(buf.count // parts, buf.itemsize, blocks)
 
 
 def _to_the_end(start: Callable[[], MPI.Request]) -> None:

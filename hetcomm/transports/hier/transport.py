@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -11,13 +10,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from .. import plan as planning
-from ..arrays import Buffer, storage_dtype
-from ..errors import CommAborted, CommTimeout, HetcommError
-from ..ops import ReduceOp
-from ..work import Work, completed
-from . import Job, Transport
-from .hier_schedule import (
+from ... import plan as planning
+from ...arrays import Buffer, storage_dtype
+from ...errors import CommAborted, CommTimeout, HetcommError
+from ...ops import ReduceOp
+from ...work import Work, completed
+from .. import local, tags
+from ..base import Context, Transport
+from ..local import Region
+from ..worker import InOrderWorker
+from .schedule import (
     all_reduce_schedule,
     block_schedule,
     broadcast_entries,
@@ -25,62 +27,21 @@ from .hier_schedule import (
 )
 
 if TYPE_CHECKING:
-    from ..comm import Communicator
-    from ..config import Config
-    from ..topology import Topology
+    from ...comm import Communicator
+    from ...config import Config
+    from ...topology import Topology
 
 log = logging.getLogger("hetcomm")
 
 # the parts of a hier transport plan for themselves but may never choose hier again
 EXCLUDED = {"hier": "inside a hier transport"}
-# every message of one operation between two ranks is the only one between them in that
-# operation, and operations run one after another: one tag serves them all
-_TAG = 1
-# Pieces between two ranks in one operation travel with tags of their own (from the element
-# offset both ends know), so that no transport has to keep same-tag messages in order.
-_TAG_SPAN = 1 << 20
 
 
 def _tag(offset: int) -> int:
-    return _TAG + offset % _TAG_SPAN
+    return tags.HIER + offset % tags.HIER_SPAN
 
 
-_STOP = object()
 _MAX_SLEEP_S = 200e-6
-
-
-class _Worker:
-    """One thread running a transport's operations in the order they were issued: every rank
-    issues one communicator's collectives in the same order, so the parts see them in step."""
-
-    def __init__(self, name: str, stopping: threading.Event) -> None:
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._stopping = stopping
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, call: Callable[[], None]) -> Job:
-        job = Job(call)
-        self._queue.put(job)
-        return job
-
-    def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is _STOP:
-                return
-            if self._stopping.is_set():
-                # closed before it started: start nothing that could not be waited for
-                job.error = CommAborted("the hier transport was closed before this operation ran")
-                job.set()
-            else:
-                job.run()
-
-    def stop(self, wait_s: float) -> bool:
-        """Ask the thread to end; True when it has."""
-        self._queue.put(_STOP)
-        self._thread.join(wait_s)
-        return not self._thread.is_alive()
 
 
 class _Ctx:
@@ -93,8 +54,8 @@ class _Ctx:
 class _Parts:
     """The communicators a hier transport runs its collectives on (see docs/hier.md)."""
 
-    def __init__(self, comm: Communicator, islands: list[tuple[int, ...]], index: int) -> None:
-        from ..comm import Communicator
+    def __init__(self, comm: Context, islands: list[tuple[int, ...]], index: int) -> None:
+        from ...comm import Communicator
 
         svc = comm.service  # collectives on it are issued only in program order
         _all_arrived(comm, svc)
@@ -134,7 +95,7 @@ class HierTransport(Transport):
     name: ClassVar[str] = "hier"
     memory: ClassVar[tuple[str, ...]] = ("host", "device")
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Context) -> None:
         # nothing collective here: the first operation routed to hier may be a send, which
         # only two ranks make; the parts wait for the first collective
         super().__init__(comm)
@@ -144,11 +105,17 @@ class HierTransport(Transport):
         self.timeout = comm.config.timeout
         self._parts: _Parts | None = None
         self._stopping = threading.Event()
-        self._worker: _Worker | None = None
+        self._worker: InOrderWorker | None = None
         self._gpu: Any = None
         self._host = _HostMemory()
         self._closed = False
         self._abandoned = False  # an operation gave up with parts' operations still in flight
+
+    def _refusal(self) -> BaseException | None:
+        """Closed before a queued operation started: start nothing that could not be waited for."""
+        if self._stopping.is_set():
+            return CommAborted("the hier transport was closed before this operation ran")
+        return None
 
     def _setup(self) -> _Parts:
         """The parts, made by the first collective (on every rank, in program order)."""
@@ -205,8 +172,9 @@ class HierTransport(Transport):
             body(_Ctx(op, seq, deadline, mem))
 
         if self._worker is None:
-            self._worker = _Worker(f"hetcomm-hier-{self.rank}", self._stopping)
-        job = self._worker.submit(run)
+            self._worker = InOrderWorker(f"hetcomm-hier-{self.rank}", self._refusal)
+        with self._worker.lock:
+            job = self._worker.submit(run)
         work = Work(self.comm, op, seq, job.is_set, [job.check], waiter=job.wait)
         work.info = {
             "transport": self.name,
@@ -217,8 +185,8 @@ class HierTransport(Transport):
 
     def _device_memory(self, like: Buffer) -> _Memory:
         if self._gpu is None:
-            from ..errors import TransportUnavailable
-            from ..kernels import device
+            from ...errors import TransportUnavailable
+            from ...kernels import device
 
             why = device.unavailable()
             if why is not None:
@@ -276,11 +244,11 @@ class HierTransport(Transport):
             return self.island, members.index(peer)
         return self.cross, peer
 
-    def _send(self, buf: Buffer, peer: int, tag: int = _TAG) -> Work:
+    def _send(self, buf: Buffer, peer: int, tag: int = tags.HIER) -> Work:
         part, dst = self._route(peer)
         return self._part_op(part, "send", buf, lambda t, s: t.send(buf, dst, tag, s))
 
-    def _recv(self, buf: Buffer, peer: int, tag: int = _TAG) -> Work:
+    def _recv(self, buf: Buffer, peer: int, tag: int = tags.HIER) -> Work:
         part, src = self._route(peer)
         return self._part_op(part, "recv", buf, lambda t, s: t.recv(buf, src, tag, s))
 
@@ -524,7 +492,7 @@ class HierTransport(Transport):
             self._gpu.close()
 
 
-def _all_arrived(comm: Communicator, svc: Any) -> None:
+def _all_arrived(comm: Context, svc: Any) -> None:
     """Wait, bounded by the timeout, until every rank has come to make the parts: the blocking
     Split and Dup that follow then cannot hang on a rank that never comes."""
     req = svc.Ibarrier()
@@ -559,18 +527,29 @@ def _sub(buf: Buffer, start: int, count: int) -> Buffer:
     """Elements [start, start + count) of a contiguous buffer, as a buffer of its own."""
     if buf.host is not None:
         host = buf.host[start : start + count]
-        return Buffer(host, buf.kind, buf.dtype, (count,), "cpu", None, -1, True, False, host)
+        return Buffer(
+            obj=host,
+            kind=buf.kind,
+            dtype=buf.dtype,
+            shape=(count,),
+            device="cpu",
+            device_index=None,
+            ptr=-1,
+            contiguous=True,
+            readonly=False,
+            host=host,
+        )
     return Buffer(
-        buf.obj,
-        buf.kind,
-        buf.dtype,
-        (count,),
-        buf.device,
-        buf.device_index,
-        buf.ptr + start * buf.itemsize,
-        True,
-        False,
-        None,
+        obj=buf.obj,
+        kind=buf.kind,
+        dtype=buf.dtype,
+        shape=(count,),
+        device=buf.device,
+        device_index=buf.device_index,
+        ptr=buf.ptr + start * buf.itemsize,
+        contiguous=True,
+        readonly=False,
+        host=None,
     )
 
 
@@ -619,7 +598,18 @@ class _HostMemory(_Memory):
         if raw is None or raw.nbytes < nbytes:
             raw = self._slots[slot] = np.empty(nbytes, np.uint8)
         host = raw[:nbytes].view(sd)
-        return Buffer(host, "numpy", like.dtype, (count,), "cpu", None, -1, True, False, host)
+        return Buffer(
+            obj=host,
+            kind="numpy",
+            dtype=like.dtype,
+            shape=(count,),
+            device="cpu",
+            device_index=None,
+            ptr=-1,
+            contiguous=True,
+            readonly=False,
+            host=host,
+        )
 
     def clear(self) -> None:
         self._slots.clear()
@@ -628,27 +618,17 @@ class _HostMemory(_Memory):
         assert buf.host is not None
         buf.host.fill(0)
 
-    # host views come as the caller's numpy dtype (float16) or as storage (bfloat16 in uint16):
-    # copies move bytes, reductions see the storage the kernels expect
-
     def copy(self, dst: Buffer, src: Buffer) -> None:
         assert dst.host is not None and src.host is not None
-        np.copyto(dst.host.view(np.uint8), src.host.view(np.uint8))
+        local.copy_host(dst.host, src.host)
 
     def combine(self, dst: Buffer, src: Buffer, dtype: str, op: ReduceOp) -> None:
-        from ..kernels import reduce as kr
-
         assert dst.host is not None and src.host is not None
-        sd = kr.storage_dtype(dtype)
-        kr.combine(
-            dst.host.view(sd), src.host.view(sd), "sum" if op is ReduceOp.AVG else op.value, dtype
-        )
+        local.combine_host(dst.host, src.host, dtype, op)
 
     def divide(self, buf: Buffer, n: int, dtype: str) -> None:
-        from ..kernels import reduce as kr
-
         assert buf.host is not None
-        kr.divide(buf.host.view(kr.storage_dtype(dtype)), n, dtype)
+        local.divide_host(buf.host, n, dtype)
 
 
 class _DeviceMemory(_Memory):
@@ -675,16 +655,16 @@ class _DeviceMemory(_Memory):
 
         mem = cupy.empty(max(1, count * like.itemsize), dtype=cupy.uint8)
         return Buffer(
-            mem,
-            "cupy",
-            like.dtype,
-            (count,),
-            like.device,
-            like.device_index,
-            int(mem.data.ptr),
-            True,
-            False,
-            None,
+            obj=mem,
+            kind="cupy",
+            dtype=like.dtype,
+            shape=(count,),
+            device=like.device,
+            device_index=like.device_index,
+            ptr=int(mem.data.ptr),
+            contiguous=True,
+            readonly=False,
+            host=None,
         )
 
     def zero(self, buf: Buffer) -> None:
@@ -706,7 +686,5 @@ class _DeviceMemory(_Memory):
             self.gpu.divide(_region(buf), n, dtype, None)
 
 
-def _region(buf: Buffer) -> Any:
-    from .staged_ops import Region
-
+def _region(buf: Buffer) -> Region:
     return Region(buf.nbytes, None, buf.ptr)

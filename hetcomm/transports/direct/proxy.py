@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ..kernels import device as kd
-from ..trace import Stamps
+from ...kernels.device import on_device
+from ...trace import Stamps
+from .. import tags
 
 # a step of an operation waits for one of these: an MPI request, a GPU event, or nothing (None)
 Step = Generator[Any, None, None]
-TAG_WAKE = 63  # a message the proxy sends itself to leave MPI_Waitany
 
 
 class Task:
@@ -56,9 +56,6 @@ _POKE = np.zeros(1, np.int8)
 # handing it to the proxy (Proxy.wait)
 _INLINE_S = 2e-3
 _NEVER = 1 << 62
-# a blocking call that finds the proxy idle leaves it asleep (Proxy.submit); False wakes it
-# for every operation, as before (kept for comparison in bench_direct.py latency)
-LAZY_WAKE = True
 # the longest an idle proxy sleeps before it looks at its queue again unasked
 _IDLE_S = 0.05
 # from this size, queueing an operation behind others hands the interpreter to the proxy
@@ -113,7 +110,7 @@ class Proxy:
         self._stop = False
         self._pokes: list[MPI.Request] = []
         self._wake_buf = np.zeros(1, np.int8)
-        self._wake = svc.Irecv(self._wake_buf, self.rank, TAG_WAKE)
+        self._wake = svc.Irecv(self._wake_buf, self.rank, tags.DIRECT_WAKE)
         self.stream: Any = None
         self._thread = threading.Thread(target=self._loop, name="hetcomm-direct-proxy", daemon=True)
         self._started = threading.Event()
@@ -128,7 +125,7 @@ class Proxy:
         with self._lock:
             self._new.append((task, collective))
             busy = self._colls or self._p2p or len(self._new) > 1
-            if blocking and LAZY_WAKE and not busy and not self._inline:
+            if blocking and not busy and not self._inline:
                 self._unwoken = True
             else:
                 self._wake_up()
@@ -151,7 +148,7 @@ class Proxy:
     def _poke(self) -> None:
         """Wake the thread out of MPI_Waitany (call with the lock held)."""
         self._pokes = [r for r in self._pokes if not r.Test()]
-        self._pokes.append(self.svc.Isend(_POKE, self.rank, TAG_WAKE))
+        self._pokes.append(self.svc.Isend(_POKE, self.rank, tags.DIRECT_WAKE))
 
     def mark(self) -> Mark:
         """A new mark at the end of the proxy's stream (recorded by whichever thread runs the
@@ -236,7 +233,7 @@ class Proxy:
         ended = False
         stamp("inline")
         try:
-            ended = kd.on_device(
+            ended = on_device(
                 self.device, self._drive, task, time.monotonic() + min(seconds, _INLINE_S)
             )
         finally:
@@ -309,7 +306,7 @@ class Proxy:
             with self._lock:
                 self._in_mpi = False
             if woke == 0:
-                self._wake = self.svc.Irecv(self._wake_buf, self.rank, TAG_WAKE)
+                self._wake = self.svc.Irecv(self._wake_buf, self.rank, tags.DIRECT_WAKE)
 
     def stop(self) -> None:
         with self._lock:
@@ -320,6 +317,6 @@ class Proxy:
         if not self._thread.is_alive():
             # the last wake-up receive is still posted: a message of our own completes it
             if not self._wake.Test():
-                self.svc.Send(_POKE, self.rank, TAG_WAKE)
+                self.svc.Send(_POKE, self.rank, tags.DIRECT_WAKE)
                 self._wake.Wait()
             MPI.Request.Waitall(self._pokes)

@@ -10,12 +10,13 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import rails as R
-from .staged_ops import _STOP, _Op
-from .staged_schedule import rail_key, rail_windows
+from ..shm import SharedSlots
+from . import links
+from .ops import _STOP, _Op
+from .schedule import rail_key, rail_windows
 
 if TYPE_CHECKING:
-    from .staged import StagedTransport
+    from .transport import StagedTransport
 
 SHM_LANES = 2  # threads feeding one shm rail, so that one stages while the other signals
 
@@ -23,12 +24,12 @@ SHM_LANES = 2  # threads feeding one shm rail, so that one stages while the othe
 class Channel:
     """The rails to one peer, their threads and the shm rail's shared slots."""
 
-    def __init__(self, owner: StagedTransport, peer: int, specs: list[R.RailSpec]) -> None:
+    def __init__(self, owner: StagedTransport, peer: int, specs: list[links.RailSpec]) -> None:
         self.owner, self.peer, self.specs = owner, peer, specs
         self.queue: queue.Queue[Any] = queue.Queue()
-        self.links: list[R.Link] = []
-        self.shm_out: R.SharedSlots | None = None
-        self.shm_in: R.SharedSlots | None = None
+        self.links: list[links.Link] = []
+        self.shm_out: SharedSlots | None = None
+        self.shm_in: SharedSlots | None = None
         self.threads: list[threading.Thread] = []
         self.dead: list[str] = []
         self.uses_mpi = any(s.kind == "mpi" for s in specs)
@@ -43,42 +44,6 @@ class Channel:
         self._completions: queue.Queue[Any] | None = None
         self._lock = threading.Lock()  # the two queues' creation, and `early`
         self.early = 0  # shared slots held by sends still waiting for their clear-to-send
-        # device chunks over shm are ordered by the slots' flags, with no thread waiting on a
-        # copy, where both ranks can (set when the channel opens; staged_rails)
-        self.gpu_flags = False
-        self._uses: dict[int, int] = {}  # outgoing slot -> device copies into it so far
-        self._free_at: dict[int, int] = {}  # outgoing slot -> FREE flag value to wait for
-
-    # ---- flags of the outgoing shared slots --------------------------------------------------
-
-    def next_use(self, slot: int) -> tuple[int, int]:
-        """For a device copy into `slot`: (the READY value it sets, the FREE value it must wait
-        for first, 0 for none)."""
-        with self._lock:
-            self._uses[slot] = self._uses.get(slot, 0) + 1
-            return self._uses[slot], self._free_at.pop(slot, 0)
-
-    def freed_at(self, slot: int, value: int) -> None:
-        """The receiver hands `slot` back with FREE_GPU: writable once its FREE flag is `value`."""
-        with self._lock:
-            self._free_at[slot] = value
-
-    def settle(self, slot: int, deadline: float, alive: Callable[[], bool]) -> None:
-        """Before this thread writes into `slot` itself (host bytes): wait until the last device
-        copy into it and the receiver's last device copy out of it have ended."""
-        assert self.shm_out is not None
-        with self._lock:
-            ready = self._uses.get(slot, 0)
-            free = self._free_at.pop(slot, 0)
-        self.shm_out.wait_flag(R.SharedSlots.READY, slot, ready, deadline, alive)
-        self.shm_out.wait_flag(R.SharedSlots.FREE, slot, free, deadline, alive)
-
-    def release_waits(self) -> None:
-        """No stream of this rank waits on the channel's flags any longer (it fails or closes)."""
-        for seg in (self.shm_out, self.shm_in):
-            if seg is not None:
-                with contextlib.suppress(ValueError):
-                    seg.release_waits()
 
     def start(self) -> None:
         for link in self.links:
@@ -131,7 +96,7 @@ class Channel:
             self.early += len(slots)
         return slots
 
-    def take_early(self, op: _Op) -> list[tuple[int, Any, tuple[int, int], int]]:
+    def take_early(self, op: _Op) -> list[tuple[int, Any, tuple[int, int]]]:
         """The early chunks of `op`, taken (by whoever gets them first) and no longer counted
         against the channel's half of the slots."""
         with self._lock:
@@ -143,7 +108,7 @@ class Channel:
         """Give back the slots of a send's early chunks that never went (their copies end
         first)."""
         assert self.shm_out is not None
-        for slot, event, _, _ in self.take_early(op):
+        for slot, event, _ in self.take_early(op):
             if event is not None:
                 with contextlib.suppress(Exception):
                     event.synchronize()

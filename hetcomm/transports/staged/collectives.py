@@ -8,13 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..ops import ReduceOp
-from .staged import CTS_COLL, Region
-from .staged_schedule import block_spans, chunk_spans
+from ...ops import ReduceOp
+from .. import local
+from ..local import Region
+from .schedule import block_spans, chunk_spans
+from .transport import CTS_COLL
 
 if TYPE_CHECKING:
-    from ..arrays import Buffer
-    from .staged import StagedTransport
+    from ...arrays import Buffer
+    from .transport import StagedTransport
 
 Body = Callable[[float, Any], None]
 
@@ -43,22 +45,17 @@ class _Local:
     def combine(self, dst: Region, src: Region, dtype: str, op: ReduceOp) -> None:
         if dst.nbytes == 0:
             return
-        kind = "sum" if op is ReduceOp.AVG else op.value
         if dst.host is not None and src.host is not None:
-            from ..kernels import reduce as kr
-
-            sd = kr.storage_dtype(dtype)
-            kr.combine(dst.host.view(sd), src.host.view(sd), kind, dtype)
+            local.combine_host(dst.host, src.host, dtype, op)
         else:
+            kind = "sum" if op is ReduceOp.AVG else op.value
             self.gpu.combine(dst, src, dtype, kind, self.ready)
 
     def divide(self, region: Region, n: int, dtype: str) -> None:
         if region.nbytes == 0:
             return
         if region.host is not None:
-            from ..kernels import reduce as kr
-
-            kr.divide(region.host.view(kr.storage_dtype(dtype)), n, dtype)
+            local.divide_host(region.host, n, dtype)
         else:
             self.gpu.divide(region, n, dtype, self.ready)
 

@@ -16,24 +16,24 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import HetcommError, MismatchError
-from . import rails as R
-from .staged_cts import _CTS_POLL_MAX_S, _CTS_POLL_S, ClearToSend
-from .staged_ops import _STOP, Region, _Op, stamp
+from ...errors import HetcommError, MismatchError
+from .. import tags
+from ..local import Region
+from ..shm import SegmentError
+from . import links
+from .cts import _CTS_POLL_MAX_S, _CTS_POLL_S, ClearToSend
+from .ops import _STOP, _Op, stamp
 
 if TYPE_CHECKING:
-    from .staged_channel import Channel
+    from .channel import Channel
 
 log = logging.getLogger("hetcomm")
 
-# tags of the mpi rail's messages on the service communicator: a chunk's header, then its body
-TAG_HEAD, TAG_BODY = 13, 14
 # kinds of the mpi rail's headers
 DATA_MPI, ERROR_MPI, BYE_MPI = 1, 4, 5
 # a device chunk this small is copied and waited for by the rail thread itself (a few
 # microseconds), saving the hand-off to the thread that waits for longer copies
 INLINE_COPY_BYTES = 256 << 10
-_FINISH = object()  # on a signaller's or completer's queue: count an op's chunks queued on the GPU
 
 
 class RailThreads(ClearToSend):
@@ -50,7 +50,7 @@ class RailThreads(ClearToSend):
     _stats_lock: threading.Lock
     _mpi_rail: threading.Thread | None
 
-    def _send_loop(self, ch: Channel, link: R.Link | None) -> None:
+    def _send_loop(self, ch: Channel, link: links.Link | None) -> None:
         window = ch.windows.get(link.spec.index) if link is not None else None
         while True:
             if window is not None:
@@ -72,7 +72,7 @@ class RailThreads(ClearToSend):
                 if self._send_chunk(ch, link, op, idx, off, n):
                     op.count(idx)
                 self._count_bytes(link, n)
-            except R.RailError as exc:
+            except (links.RailError, SegmentError) as exc:
                 assert link is not None
                 with link.unacked_lock:
                     link.unacked.pop((op.remote, idx), None)
@@ -83,39 +83,24 @@ class RailThreads(ClearToSend):
                 op.fail(exc)
 
     def _send_chunk(
-        self, ch: Channel, link: R.Link | None, op: _Op, idx: int, off: int, n: int
+        self, ch: Channel, link: links.Link | None, op: _Op, idx: int, off: int, n: int
     ) -> bool:
         """Send one chunk; False when a signaller thread finishes (and counts) it later."""
         src = op.region.sub(off, n)
         if link is None:  # the MPI rail
             head = np.array([DATA_MPI, op.remote, idx, off, n], dtype=np.int64)
             with self._staged(src, op) as payload:
-                self.svc.Send(head, ch.peer, TAG_HEAD)
-                self.svc.Send(payload, ch.peer, TAG_BODY)
+                self.svc.Send(head, ch.peer, tags.STAGED_HEAD)
+                self.svc.Send(payload, ch.peer, tags.STAGED_BODY)
             return True
         if link.spec.kind == "shm":
             assert ch.shm_out is not None
-            deadline = time.monotonic() + self.timeout
-            slot = ch.shm_out.acquire(deadline, lambda: link.alive)
+            slot = ch.shm_out.acquire(time.monotonic() + self.timeout, lambda: link.alive)
             stamp("slot taken", idx)
             try:
                 target = ch.shm_out.view(slot, n)
                 if src.host is not None:
-                    if ch.gpu_flags:
-                        ch.settle(slot, deadline, lambda: link.alive)
                     np.copyto(target, src.host)
-                elif ch.gpu_flags:
-                    # queued behind the receiver's last copy out of the slot and announced at
-                    # once: the flags order the two ranks' copies, no thread waits on them
-                    # (an op of one short chunk is waited for here and announced as done)
-                    ch.shm_out.register_with_gpu(self._gpu.device)
-                    gen = self._copy_flagged(ch, slot, target, src, op, idx)
-                    if not _flagged(n, op):
-                        self._announce(self._gpu.mark(True), link, slot, op, idx, off, n)
-                    else:
-                        link.send(R.SLOT_GPU, slot, op.remote, idx | gen << 32, off, n)
-                        self._queued_on_gpu(ch, op, idx, outbound=True)
-                    return False
                 else:
                     # queue the copy and move on: the signaller announces it once it is done,
                     # so the copy engine always has the next chunk waiting
@@ -125,7 +110,7 @@ class RailThreads(ClearToSend):
                     stamp("d2h queued", idx)
                     self._announce_soon(ch, event, link, slot, op, idx, off, n)
                     return False
-                link.send(R.SLOT, slot, op.remote, idx, off, n)
+                link.send(links.SLOT, slot, op.remote, idx, off, n)
             except BaseException:
                 ch.shm_out.release(slot)
                 raise
@@ -133,55 +118,10 @@ class RailThreads(ClearToSend):
         with link.unacked_lock:
             link.unacked[(op.remote, idx)] = (op, idx, (off, n))
         with self._staged(src, op) as payload:
-            link.send(R.DATA, -1, op.remote, idx, off, n, memoryview(payload))
+            link.send(links.DATA, -1, op.remote, idx, off, n, memoryview(payload))
         return False  # counted when the receiver acknowledges it
 
-    def _copy_flagged(
-        self, ch: Channel, slot: int, target: np.ndarray, src: Region, op: _Op, idx: int
-    ) -> int:
-        """Queue a device copy of `src` into outgoing `slot`, ordered by the slot's flags (after
-        the receiver's last copy out of it); returns the READY value it sets."""
-        seg = ch.shm_out
-        assert seg is not None
-        gen, free = ch.next_use(slot)
-        stamp("d2h call", idx)
-        self._gpu.copy_to_slot_flagged(
-            target,
-            src,
-            op.ready,
-            seg.flag_address(seg.FREE, slot),
-            free,
-            seg.flag_address(seg.READY, slot),
-            gen,
-        )
-        stamp("d2h queued", idx)
-        return gen
-
-    def _queued_on_gpu(self, ch: Channel, op: _Op, idx: int, outbound: bool) -> None:
-        """Chunk `idx` of `op` is queued on the GPU, ordered by flags. Once every chunk of the
-        op is either counted or so queued, an event after them goes to the signaller (outbound)
-        or completer thread, which counts them when it has passed: the op's only wait."""
-        with op.lock:
-            op.on_gpu.append(idx)
-            last = len(op.seen) + len(op.on_gpu) >= len(op.spans)
-            idxs = list(op.on_gpu) if last else []
-            if last:
-                op.on_gpu.clear()
-        if last:
-            event = self._gpu.mark(outbound)
-            (ch.signals() if outbound else ch.completions()).put((_FINISH, event, op, idxs))
-
-    def _finish_on_gpu(self, event: Any, op: _Op, idxs: list[int]) -> None:
-        try:
-            event.synchronize()
-        except BaseException as exc:
-            op.fail(exc)
-            return
-        stamp("gpu done", idxs[-1])
-        for idx in idxs:
-            op.count(idx)
-
-    def _count_bytes(self, link: R.Link | None, n: int) -> None:
+    def _count_bytes(self, link: links.Link | None, n: int) -> None:
         """Add `n` bytes sent to the statistics of `link`'s rail (None: the mpi rail)."""
         name = _rail_name(link)
         with self._stats_lock:
@@ -194,13 +134,18 @@ class RailThreads(ClearToSend):
             item = items.get()
             if item is _STOP:
                 return
-            if item[0] is _FINISH:
-                self._finish_on_gpu(*item[1:])
-            else:
-                handle(*item)
+            handle(*item)
 
     def _announce_soon(
-        self, ch: Channel, event: Any, link: R.Link, slot: int, op: _Op, idx: int, off: int, n: int
+        self,
+        ch: Channel,
+        event: Any,
+        link: links.Link,
+        slot: int,
+        op: _Op,
+        idx: int,
+        off: int,
+        n: int,
     ) -> None:
         """Announce a chunk staged into a shared slot: from this thread where its copy is done
         (host bytes, `event` None, or a device copy that has ended already) or short, else by
@@ -216,20 +161,20 @@ class RailThreads(ClearToSend):
             ch.signals().put(item)
 
     def _announce(
-        self, event: Any, link: R.Link, slot: int, op: _Op, idx: int, off: int, n: int
+        self, event: Any, link: links.Link, slot: int, op: _Op, idx: int, off: int, n: int
     ) -> None:
         """Once a chunk's copy into its slot has finished, tell the receiver where it is."""
         try:
             if event is not None:  # None: host bytes, copied already
                 event.synchronize()
             stamp("d2h done", idx)
-            link.send(R.SLOT, slot, op.remote, idx, off, n)
+            link.send(links.SLOT, slot, op.remote, idx, off, n)
             op.count(idx)
         except BaseException as exc:
             op.fail(exc)
 
     def _hand_back(
-        self, event: Any, link: R.Link, slot: int, op: _Op, op_id: int, idx: int
+        self, event: Any, link: links.Link, slot: int, op: _Op, op_id: int, idx: int
     ) -> None:
         """Once a chunk's copy out of its slot has finished, count it and give the slot back."""
         try:
@@ -240,9 +185,9 @@ class RailThreads(ClearToSend):
             op.fail(exc)
             return
         op.count(idx)
-        self._reply(link, R.FREE, slot, op_id, idx)
+        self._reply(link, links.FREE, slot, op_id, idx)
 
-    def _reply(self, link: R.Link, kind: int, slot: int, op_id: int, idx: int) -> None:
+    def _reply(self, link: links.Link, kind: int, slot: int, op_id: int, idx: int) -> None:
         """Hand a slot back (FREE) or acknowledge a chunk (ACK). A sender that has closed its
         transport (its sends complete once their chunks have gone) needs neither, and its
         socket may be closed while this rank still lands what it sent: that failure is not
@@ -250,7 +195,7 @@ class RailThreads(ClearToSend):
         there)."""
         try:
             link.send(kind, slot, op_id, idx, 0, 0)
-        except R.RailError as exc:
+        except links.RailError as exc:
             log.debug(
                 "rank %d: no reply to rank %d over %s (%s)", self.rank, link.peer, link.spec, exc
             )
@@ -265,48 +210,39 @@ class RailThreads(ClearToSend):
             self._gpu.copy_to_host(staging, src, op.ready)
             yield staging
 
-    def _recv_loop(self, ch: Channel, link: R.Link) -> None:
+    def _recv_loop(self, ch: Channel, link: links.Link) -> None:
         # until the peer's BYE or a failed read: a failed send (a reply to a peer that has
         # closed) leaves the link dead for sending while what the peer sent is still to read
         while True:
             try:
                 kind, slot, op_id, idx, off, n = link.recv_header()
-                if kind == R.FREE:
+                if kind == links.FREE:
                     assert ch.shm_out is not None
                     ch.shm_out.release(slot)
                     continue
-                if kind == R.FREE_GPU:
-                    assert ch.shm_out is not None
-                    ch.freed_at(slot, off)
-                    ch.shm_out.release(slot)
-                    continue
-                if kind == R.ACK:
+                if kind == links.ACK:
                     with link.unacked_lock:
                         acked = link.unacked.pop((op_id, idx), None)
                         link.unacked_lock.notify_all()
                     if acked is not None:
                         acked[0].count(idx)
                     continue
-                if kind == R.BYE:
+                if kind == links.BYE:
                     link.alive = False
                     self._wake_senders()
                     return
-                if kind == R.CTS:  # slot: the kind; chunk, offset: its two keys
+                if kind == links.CTS:  # slot: the kind; chunk, offset: its two keys
                     self._file_cts(ch.peer, slot, idx, off, op_id, n)
                     continue
                 op = self._ops.get(op_id)
-                if kind == R.ERROR:
+                if kind == links.ERROR:
                     if op is not None:
                         op.fail(_size_mismatch(ch.peer, n, op.region.nbytes))
                     continue
-                if kind == R.DATA:
+                if kind == links.DATA:
                     self._land(link, op, idx, off, n)
-                    self._reply(link, R.ACK, -1, op_id, idx)
-                elif kind == R.SLOT_GPU:
-                    self._take_flagged(
-                        ch, link, op, slot, op_id, idx & 0xFFFFFFFF, idx >> 32, off, n
-                    )
-                elif kind == R.SLOT:
+                    self._reply(link, links.ACK, -1, op_id, idx)
+                elif kind == links.SLOT:
                     assert ch.shm_in is not None
                     if op is not None and not op.done.is_set() and op.region.host is None:
                         stamp("slot got", idx)
@@ -324,8 +260,8 @@ class RailThreads(ClearToSend):
                     if op is not None and not op.done.is_set():
                         self._deliver(op, off, ch.shm_in.view(slot, n))
                         op.count(idx)
-                    self._reply(link, R.FREE, slot, op_id, idx)
-            except R.RailError as exc:
+                    self._reply(link, links.FREE, slot, op_id, idx)
+            except (links.RailError, SegmentError) as exc:
                 if not self._closed:
                     self._rail_down(ch, link, exc)
                 link.alive = False
@@ -335,56 +271,7 @@ class RailThreads(ClearToSend):
                 self._rail_down(ch, link, exc)
                 return
 
-    def _take_flagged(
-        self,
-        ch: Channel,
-        link: R.Link,
-        op: _Op | None,
-        slot: int,
-        op_id: int,
-        idx: int,
-        gen: int,
-        off: int,
-        n: int,
-    ) -> None:
-        """A chunk announced with SLOT_GPU: in slot `slot` once its READY flag reaches `gen`.
-        Into device memory, the copy out is queued behind that flag and the slot handed back at
-        once (FREE_GPU: writable once this rank's copy has set its FREE flag); into host memory
-        (or for an op that is gone) this thread waits for the flag, then copies or drops it."""
-        seg = ch.shm_in
-        assert seg is not None
-        stamp("slot got", idx)
-        if op is not None and not op.done.is_set() and op.region.host is None:
-            seg.register_with_gpu(self._gpu.device)
-            self._gpu.copy_from_slot_flagged(
-                op.region.sub(off, n),
-                seg.view(slot, n),
-                op.ready,
-                seg.flag_address(seg.READY, slot),
-                gen,
-                seg.flag_address(seg.FREE, slot),
-                gen,
-            )
-            stamp("h2d queued", idx)
-            self._reply_freed(link, slot, op_id, idx, gen)
-            self._queued_on_gpu(ch, op, idx, outbound=False)
-            return
-        seg.wait_flag(seg.READY, slot, gen, time.monotonic() + self.timeout, lambda: link.alive)
-        if op is not None and not op.done.is_set():
-            self._deliver(op, off, seg.view(slot, n))
-            op.count(idx)
-        self._reply(link, R.FREE, slot, op_id, idx)
-
-    def _reply_freed(self, link: R.Link, slot: int, op_id: int, idx: int, gen: int) -> None:
-        """Hand a slot back whose copy out is queued: FREE_GPU, with the FREE value it sets."""
-        try:
-            link.send(R.FREE_GPU, slot, op_id, idx, gen, 0)
-        except R.RailError as exc:
-            log.debug(
-                "rank %d: no reply to rank %d over %s (%s)", self.rank, link.peer, link.spec, exc
-            )
-
-    def _rail_down(self, ch: Channel, link: R.Link, exc: BaseException) -> None:
+    def _rail_down(self, ch: Channel, link: links.Link, exc: BaseException) -> None:
         """A link broke: its unacknowledged chunks go back to the other rails, or, with no
         rail left, every operation with that peer fails naming each rail's error."""
         link.alive = False
@@ -413,7 +300,7 @@ class RailThreads(ClearToSend):
                 ch, HetcommError(f"every rail to rank {ch.peer} failed: " + "; ".join(ch.dead))
             )
 
-    def _land(self, link: R.Link, op: _Op | None, idx: int, off: int, n: int) -> None:
+    def _land(self, link: links.Link, op: _Op | None, idx: int, off: int, n: int) -> None:
         if op is None or op.done.is_set():
             link.recv_into(memoryview(bytearray(n)))  # drain a chunk nobody waits for
             return
@@ -441,7 +328,7 @@ class RailThreads(ClearToSend):
             # close() ends it with a BYE sent to this very rank, so no thread is left inside
             # MPI when the process finalizes it. Polled, not a blocking receive: that would
             # keep a core spinning for as long as the rail is idle
-            request = self.svc.Irecv(head, source=MPI.ANY_SOURCE, tag=TAG_HEAD)
+            request = self.svc.Irecv(head, source=MPI.ANY_SOURCE, tag=tags.STAGED_HEAD)
             pause = _CTS_POLL_S
             while not request.Test(status):
                 time.sleep(pause)
@@ -458,14 +345,14 @@ class RailThreads(ClearToSend):
                     op.fail(_size_mismatch(peer, n, op.region.nbytes))
                 continue
             if op is None or op.done.is_set():
-                self.svc.Recv(np.empty(n, np.uint8), source=peer, tag=TAG_BODY)
+                self.svc.Recv(np.empty(n, np.uint8), source=peer, tag=tags.STAGED_BODY)
                 continue
             dest = op.region.sub(off, n)
             if dest.host is not None:
-                self.svc.Recv(dest.host, source=peer, tag=TAG_BODY)
+                self.svc.Recv(dest.host, source=peer, tag=tags.STAGED_BODY)
             else:
                 with self._gpu.bounce(n) as staging:
-                    self.svc.Recv(staging, source=peer, tag=TAG_BODY)
+                    self.svc.Recv(staging, source=peer, tag=tags.STAGED_BODY)
                     self._gpu.copy_from_host(dest, staging, op.ready)
             op.count(idx)
 
@@ -478,7 +365,6 @@ class RailThreads(ClearToSend):
                 self._mpi_rail.start()
 
     def _fail_channel(self, ch: Channel, exc: BaseException) -> None:
-        ch.release_waits()  # no stream of this rank may wait on a failed peer's flags
         for op in list(self._ops.values()):
             if op.peer == ch.peer:
                 op.fail(exc)
@@ -497,18 +383,11 @@ def _short(n: int, op: _Op) -> bool:
     return n <= INLINE_COPY_BYTES and (op.ready is None or bool(op.ready.done))
 
 
-def _flagged(n: int, op: _Op) -> bool:
-    """Whether a device chunk over a channel with flags is announced before its copy ends
-    (SLOT_GPU): every chunk of an op, except where the op is one short chunk, which is waited
-    for on the spot and announced as done (a thread switch less for a small message)."""
-    return len(op.spans) > 1 or not _short(n, op)
-
-
 def _size_mismatch(peer: int, sent: int, expected: int) -> MismatchError:
     return MismatchError(
         f"receive from rank {peer}: the sender has {sent} bytes, this receive takes {expected}"
     )
 
 
-def _rail_name(link: R.Link | None) -> str:
+def _rail_name(link: links.Link | None) -> str:
     return "mpi" if link is None else str(link.spec)

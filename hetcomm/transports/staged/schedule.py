@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import rails as R
+from . import links
 
 
 def chunk_spans(nbytes: int, chunk_bytes: int, itemsize: int = 1) -> list[tuple[int, int]]:
@@ -16,34 +16,6 @@ def chunk_spans(nbytes: int, chunk_bytes: int, itemsize: int = 1) -> list[tuple[
         raise ValueError(f"chunk of {chunk_bytes} bytes is smaller than one element ({itemsize})")
     step = chunk_bytes - chunk_bytes % itemsize
     return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
-
-
-def message_spans(
-    nbytes: int, chunk_bytes: int, ramp: tuple[int, int] = (0, 0)
-) -> list[tuple[int, int]]:
-    """(offset, length) of a message's chunks: `ramp` = (up, down) halvings of the chunk at
-    either end of a message longer than two chunks, so chunk sizes grow chunk/2**up, ...,
-    chunk/2, chunk, ... and shrink ..., chunk/2, ..., chunk/2**down at the end.
-
-    A pipeline of copies out, signals and copies in waits for a whole first chunk before its
-    second stage starts, and for a whole last chunk after its first stage ends: small end
-    chunks shorten that fill and drain, full chunks in between keep the per-chunk cost low.
-    Sender and receiver compute the same spans from the byte count."""
-    up, down = ramp
-    if nbytes <= 2 * chunk_bytes or (up <= 0 and down <= 0):
-        return chunk_spans(nbytes, chunk_bytes)
-    head = [max(1, chunk_bytes >> k) for k in range(up, 0, -1)]
-    tail = [max(1, chunk_bytes >> k) for k in range(1, down + 1)]
-    middle = nbytes - sum(head) - sum(tail)
-    if middle < chunk_bytes:  # too short to ramp both ends: plain chunks
-        return chunk_spans(nbytes, chunk_bytes)
-    full, rest = divmod(middle, chunk_bytes)
-    sizes = head + ([rest] if rest else []) + [chunk_bytes] * full + tail
-    spans, off = [], 0
-    for n in sizes:
-        spans.append((off, n))
-        off += n
-    return spans
 
 
 def block_spans(count: int, parts: int) -> list[tuple[int, int]]:
@@ -57,12 +29,12 @@ def block_spans(count: int, parts: int) -> list[tuple[int, int]]:
     return spans
 
 
-def choose_rails(me: dict[str, Any], peer: dict[str, Any], mode: str) -> list[R.RailSpec]:
+def choose_rails(me: dict[str, Any], peer: dict[str, Any], mode: str) -> list[links.RailSpec]:
     """The rails joining two ranks, computed identically on both sides from their cards."""
     if mode == "mpi":
-        return [R.RailSpec("mpi", 0)]
+        return [links.RailSpec("mpi", 0)]
     if me["node"] == peer["node"] and me["host"] == peer["host"]:
-        return [R.RailSpec("shm", 0)]
+        return [links.RailSpec("shm", 0)]
     mine, theirs = me["addrs"], peer["addrs"]
     if mode == "auto":
         if me["node"] == peer["node"]:
@@ -74,9 +46,10 @@ def choose_rails(me: dict[str, Any], peer: dict[str, Any], mode: str) -> list[R.
             # address that both hosts happen to share)
             mine, theirs = _pair_by_subnet(me, peer)
     specs = [
-        R.RailSpec("tcp", i, a, b, peer["ports"][b]) for i, (a, b) in enumerate(zip(mine, theirs))
+        links.RailSpec("tcp", i, a, b, peer["ports"][b])
+        for i, (a, b) in enumerate(zip(mine, theirs))
     ]
-    return specs or [R.RailSpec("mpi", 0)]
+    return specs or [links.RailSpec("mpi", 0)]
 
 
 # Chunks the fastest tcp rail of a channel may have sent and not yet acknowledged when rail
@@ -84,7 +57,7 @@ def choose_rails(me: dict[str, Any], peer: dict[str, Any], mode: str) -> list[R.
 RAIL_DEPTH = 4
 
 
-def rail_key(spec: R.RailSpec) -> str:
+def rail_key(spec: links.RailSpec) -> str:
     """A rail's name without its port (ports change from run to run): 'shm', 'mpi',
     'tcp 10.0.0.5->10.0.0.6'."""
     if spec.kind == "tcp":
