@@ -84,10 +84,12 @@ class Buffer:
 
     @property
     def nbytes(self) -> int:
+        """Size in bytes (count times itemsize)."""
         return self.count * self.itemsize
 
     @property
     def on_device(self) -> bool:
+        """Whether the array lives in GPU memory."""
         return self.device != "cpu"
 
     def describe(self) -> str:

@@ -1,48 +1,54 @@
-"""Communicator: validate each call, let the plan pick a transport, start it, hand back a Work."""
+"""Communicator: each call resolved once to a route (validated, planned, checked across the
+group), then the transport; blocking calls are driven to completion on the calling thread."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from functools import partial
 from typing import Any, Literal, overload
 
 import numpy as np
 from mpi4py import MPI
 
-from . import ANY_SOURCE, fusion
+from . import ANY_SOURCE, agree, coalesced
 from . import plan as planning
+from . import trace as _trace  # noqa: F401 (importing it registers tracing's decision on Work)
 from . import work as _work
-from .arrays import Buffer, as_buffer, overlap, storage_dtype
+from .argcheck import (
+    check_timeout,
+    contiguous_in,
+    contiguous_out,
+    same,
+    then,
+    writable,
+)
+from .arrays import Buffer, as_buffer, overlap
 from .config import Config
-from .dtypes import CODES as DTYPE_CODES
-from .errors import CommAborted, InvalidArgument, MismatchError, TransportUnavailable
+from .deferred import Deferred, DeferredStarts
+from .errors import CommAborted, InvalidArgument, MismatchError, MpiError
+from .grouping import Group, Queued
 from .ops import ReduceOp, as_reduce_op, check_op_for_dtype
+from .routes import MAX_ROUTES, OP_TYPES, Route, host_view, key_of, no_general
 from .topology import Topology
 from .transports import registry
 from .transports.base import Transport
-from .transports.mpi.transport import MpiTransport
-from .work import Work, completed
+from .work import Work, all_of, completed
 
 log = logging.getLogger("hetcomm")
 
-_OP_CODES = {name: i for i, name in enumerate(planning.OPS)}
-
-
+_POINT_TO_POINT = frozenset(("send", "recv"))
 # the MPI communicators of closed Communicators, never freed (see Communicator.close)
 _CLOSED_MPI_COMMS: list[MPI.Intracomm] = []
-
-_AVG = ReduceOp.AVG
-_SMALL_BYTES = planning.SMALL_BYTES
-_POINT_TO_POINT = frozenset(("send", "recv"))
+# polls of a blocking check before it waits as a Work (bounded, with the stall warning)
+_QUICK_POLLS = 64
 
 
 class Communicator:
     """A group of ranks and the operations among them; every rank of the group calls each op.
 
     Made by `hetcomm.init()`, `ParallelGroups` or `split()`; owns its MPI communicator (a Dup or
-    a Split), which `close()` retires (kept unused until MPI_Finalize, so that no message of this
-    group reaches another). Collectives follow NCCL's layouts; see the README.
+    a Split) and frees it on `close()`. Collectives follow NCCL's layouts; see the README.
     """
 
     def __init__(
@@ -71,10 +77,21 @@ class Communicator:
         self._aborted: BaseException | None = None
         self._transports: dict[str, Transport] = {}
         self._choices: dict[tuple[str, str, str], planning.Choice] = {}
-        self._routes: dict[tuple[str, bool, bool], Transport] = {}
-        # the short path of small in-place host all-reduces: (transport, its in-place method)
-        # for small and for large messages, once their routes are known
-        self._short: dict[bool, tuple[Transport, Callable[..., bool]]] = {}
+        self._by_class: dict[tuple[str, bool, bool], Transport] = {}
+        self._routes: dict[Hashable, Route] = {}
+        # the signature check and the table of where each rank has got to (hetcomm.agree)
+        self._agree = agree.Agreement(mpi_comm, config.check or config.debug, config.debug)
+        self._checking = self._agree.enabled
+        self._arrived = self._agree.arrivals.table
+        self._last_entered = 0  # the sequence number _blocking_run entered
+        # the point-to-point calls queued by an open `with comm.group():` block, else None
+        self._group: list[Queued] | None = None
+        # asynchronous collectives whose check has not completed, in issue order: each starts
+        # once its check has, and none before the ones ahead of it
+        self._deferred = DeferredStarts(
+            lambda seq, mine: self._mismatch("check", seq, mine),
+            lambda seq, exc: self._mpi_error("check", seq, exc),
+        )
         # the ordering guard: the transport of the latest collective, and the asynchronous
         # collectives not yet seen complete (see _order)
         self._last: Transport | None = None
@@ -101,6 +118,7 @@ class Communicator:
         for transport in self._transports.values():
             transport.close()
         self._transports.clear()
+        self._routes.clear()
         # The MPI communicators are kept, not freed, until MPI_Finalize (about 10 KB each).
         # MPI gives a freed communicator's context id to the next one made, and Open MPI hands
         # that one the messages still addressed to the old: a message another rank sends on
@@ -108,6 +126,7 @@ class Communicator:
         # never matched: it is dropped, or its sender fails within its timeout (as gloo's and
         # NCCL's do). An aborted communicator may also have MPI operations in flight, which a
         # free would let write into released memory.
+        self._agree.close(False)  # the check's communicator is kept too
         if self.mpi != MPI.COMM_NULL:
             _CLOSED_MPI_COMMS.extend((self.service, self.mpi))
 
@@ -128,8 +147,34 @@ class Communicator:
         if self._closed:
             raise CommAborted(f"communicator '{self.name}' is closed")
 
+    def late(self, op: str, seq: int) -> tuple[list[int] | None, str]:
+        """For a wait that expired: the ranks not yet at collective `seq`, and what else there
+        is to say (ranks that could not be read, or that a point-to-point wait has one peer)."""
+        if op in _POINT_TO_POINT:
+            return None, "a point-to-point operation waits for its peer to post the matching call"
+        late, unknown = self._agree.arrivals.late(seq)
+        late = [r for r in late if r != self.rank]
+        if unknown:
+            return late, f"ranks {unknown} are on other hosts: their progress cannot be read here"
+        return late, ""
+
     def __repr__(self) -> str:
         return f"<hetcomm.Communicator '{self.name}' rank {self.rank} of {self.size}>"
+
+    def routes(self) -> list[dict[str, Any]]:
+        """The routes resolved so far, one dict each: op, transport, whether it has a
+        prepared blocking call, and how many calls each path served (for tests and tuning)."""
+        return [
+            {
+                "op": r.op,
+                "transport": r.transport.name,
+                "prepared": r.run is not None,
+                "runs": r.runs,
+                "uses": r.uses,
+                "key": key,
+            }
+            for key, r in self._routes.items()
+        ]
 
     # ---- sub-communicators ------------------------------------------------------------------
 
@@ -174,18 +219,14 @@ class Communicator:
         )
 
     def _transport(self, op: str, buf: Buffer | None) -> Transport:
-        # on the path of every call: one dict lookup once the route is known
+        """The transport of `op` on `buf`'s memory and size class (planned once per class)."""
         if buf is None:
-            route = (op, False, True)
+            cls = (op, False, True)
         else:
-            route = (op, buf.device != "cpu", buf.count * buf.itemsize <= planning.SMALL_BYTES)
-        found = self._routes.get(route)
-        if found is not None:
-            return found
-        found = self._routes[route] = self._resolve(op, buf)
-        fast = getattr(found, "all_reduce_in_place", None)
-        if op == "all_reduce" and not route[1] and fast is not None:
-            self._short[route[2]] = (found, fast)
+            cls = (op, buf.device != "cpu", buf.count * buf.itemsize <= planning.SMALL_BYTES)
+        found = self._by_class.get(cls)
+        if found is None:
+            found = self._by_class[cls] = self._resolve(op, buf)
         return found
 
     def _resolve(self, op: str, buf: Buffer | None) -> Transport:
@@ -219,6 +260,155 @@ class Communicator:
             transport = self._transports[choice.transport] = self._available[choice.transport](self)
         return transport
 
+    # ---- routes -----------------------------------------------------------------------------
+
+    def _route(
+        self,
+        key: Hashable | None,
+        op: str,
+        xb: Buffer | None,
+        general: Callable[..., Work | None],
+        rop: ReduceOp | None = None,
+        root: int = -1,
+        out: Buffer | None = None,
+    ) -> Route:
+        """A new route for a call whose signature was just validated (kept under `key` when
+        the arrays' types allow one: see _key)."""
+        transport = self._transport(op, xb)
+        dtype = xb.dtype if xb is not None else None
+        count = xb.count if xb is not None else 0
+        vec = agree.signature(op, dtype, count, rop, root)
+        run = None
+        prepare = getattr(transport, "prepare", None)
+        if prepare is not None and key is not None:
+            run = prepare(op, xb, out, rop, root)
+        route = Route(op, transport, vec, general, rop, root, run)
+        if key is not None:
+            if len(self._routes) >= MAX_ROUTES:
+                self._routes.clear()
+            self._routes[key] = route
+        return route
+
+    def _enter(self, route: Route, timeout: float | None = None) -> int:
+        """A blocking collective enters: the ordering guard, its sequence number, the arrivals
+        table, then the check, all on this thread. Returns the sequence number."""
+        if self._group is not None:
+            raise InvalidArgument(
+                f"{route.op}: only send and recv may be called inside comm.group()"
+            )
+        transport = route.transport
+        if transport is not self._last:
+            self._order(transport)
+        self._seq = seq = self._seq + 1
+        self._arrived[self.rank] = seq
+        if self._deferred:
+            # the asynchronous collectives before this one start first: their checks complete
+            # once every rank has entered them, and a rank waiting in this one's check may be
+            # waiting for them
+            self._flush_deferred(route.op, seq, timeout)
+        if self._checking:
+            self._check_blocking(route, seq, timeout)
+        return seq
+
+    def _check_slot(self, route: Route, seq: int, timeout: float | None) -> agree.Check:
+        """Collective `seq`'s check slot, free (an earlier asynchronous check on it read
+        first) and loaded with the route's signature; not started."""
+        check = self._agree.slot(seq)
+        if check.busy:
+            # the asynchronous collective RING places back has not been seen checked yet
+            self._flush_deferred(route.op, seq, timeout)
+        if self._debug:
+            vec = route.vec.copy()
+            vec[5], vec[11] = seq, -seq
+            check.load(vec)
+        else:
+            check.load(route.vec)
+        return check
+
+    def _check_blocking(self, route: Route, seq: int, timeout: float | None) -> None:
+        check = self._check_slot(route, seq, timeout)
+        request = check.request
+        try:
+            request.Start()
+            check.busy = True
+            test = request.Test
+            for _ in range(_QUICK_POLLS):
+                if test():
+                    break
+            else:
+                _work.wait_for(self, route.op, seq, test, timeout)
+        except MPI.Exception as exc:
+            raise self._mpi_error(route.op, seq, exc) from exc
+        if not check.agreed():
+            raise self._mismatch(route.op, seq, check.mine.copy())
+
+    def _admit(self, route: Route, start: Callable[[int], Work]) -> Work:
+        """An asynchronous collective: its sequence number and arrival at once, its check
+        started, and the operation itself started once the check has completed (and every
+        earlier deferred one has started). Returns the Work the caller gets."""
+        if self._group is not None:
+            raise InvalidArgument(
+                f"{route.op}: only send and recv may be called inside comm.group()"
+            )
+        transport = route.transport
+        if transport is not self._last:
+            self._order(transport)
+        self._seq = seq = self._seq + 1
+        self._arrived[self.rank] = seq
+        if not self._checking:
+            if self._deferred:
+                self._flush_deferred(route.op, seq)
+            return start(seq)
+        if self._deferred:
+            self._deferred.advance()  # start what can start now, without waiting
+        check = self._check_slot(route, seq, None)
+        try:
+            check.request.Start()
+        except MPI.Exception as exc:
+            raise self._mpi_error(route.op, seq, exc) from exc
+        check.busy = True
+        item = Deferred(check, seq, partial(start, seq))
+        self._deferred.add(item)
+
+        def poll() -> bool:
+            inner = item.inner
+            if inner is None:
+                self._deferred.advance()
+                if item.error is not None:
+                    raise item.error
+                inner = item.inner
+                if inner is None:
+                    return False
+                outer.info = inner.info
+                inner.observed = False  # the caller's Work is the one traced
+            return inner.test()
+
+        outer = Work(self, route.op, seq, poll)
+        return outer
+
+    def _flush_deferred(self, op: str, seq: int, timeout: float | None = None) -> None:
+        """Start every deferred collective before the one now entering (bounded wait)."""
+
+        def started() -> bool:
+            self._deferred.advance()
+            return not self._deferred
+
+        if not started():
+            what = f"{op} after the asynchronous collectives before it"
+            _work.wait_for(self, what, seq, started, timeout)
+
+    def _mismatch(self, op: str, seq: int, mine: np.ndarray) -> MismatchError:
+        def wait(request: MPI.Request) -> None:
+            what = f"{op} (gathering the mismatched signatures)"
+            _work.wait_for(self, what, seq, request.Test)
+
+        return self._agree.mismatch(self.name, seq, mine, wait)
+
+    def _mpi_error(self, op: str, seq: int, exc: BaseException) -> MpiError:
+        error = MpiError(self.name, op, seq, exc)
+        self._abort(error)
+        return error
+
     # ---- helpers shared by the operations ---------------------------------------------------
 
     def _start(
@@ -229,20 +419,22 @@ class Communicator:
         timeout: float | None = None,
         blocking: bool = False,
     ) -> tuple[Transport, int]:
+        """Enter `op` on `buf` outside the routes (fused groups, hier's parts): the transport
+        and the sequence number. Blocking: the check is made here."""
         if timeout is not None:
-            _check_timeout(timeout, op)
+            check_timeout(timeout, op)
         transport = self._transport(op, buf)
-        _work.set_blocking(blocking)
         if op in _POINT_TO_POINT:
-            # only two ranks take part: a count of their own keeps collective numbers in step
             self._p2p_seq += 1
             return transport, self._p2p_seq
-        if transport is not self._last:
-            self._order(transport)
-        self._seq += 1
-        if self._debug:
-            self._compare_fingerprints(op, buf, root)
-        return transport, self._seq
+        count = buf.count if buf is not None else 0
+        route = Route(
+            op,
+            transport,
+            agree.signature(op, buf.dtype if buf else None, count, None, root),
+            no_general,
+        )
+        return transport, self._enter(route)
 
     def _order(self, transport: Transport) -> None:
         """The ordering guard: a collective that goes through a different transport than the
@@ -263,7 +455,6 @@ class Communicator:
     def _finish(
         self, work: Work, async_op: bool, timeout: float | None, keep: tuple[Any, ...] = ()
     ) -> Work | None:
-        _work.set_blocking(False)
         if timeout is not None:
             work._timeout = float(timeout)
         if async_op:
@@ -280,6 +471,29 @@ class Communicator:
             work.wait()
         return None
 
+    def _collective(
+        self,
+        route: Route,
+        async_op: bool,
+        timeout: float | None,
+        seq: int | None,
+        start: Callable[[int], Work],
+        keep: tuple[Any, ...],
+    ) -> Work | None:
+        """Enter (unless the caller already did) and start a collective of the general path."""
+        route.uses += 1
+        if timeout is not None:
+            check_timeout(timeout, route.op)
+        if async_op:
+            work = self._admit(route, start)
+        else:
+            _work.set_blocking(True)
+            try:
+                work = start(self._enter(route, timeout) if seq is None else seq)
+            finally:
+                _work.set_blocking(False)
+        return self._finish(work, async_op, timeout, keep)
+
     def _root(self, root: Any, what: str) -> int:
         if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
             raise InvalidArgument(f"{what}: expected an int rank, got {root!r}")
@@ -290,39 +504,25 @@ class Communicator:
         return int(root)
 
     def _drain(self, op: str) -> None:
-        """Before `op`, a call on this MPI communicator outside the transports: let each
-        transport make the calls it still has queued there, so that `op` comes after them on
-        every rank (MPI matches collectives by the order they are called in)."""
+        """Before `op`, a call on this MPI communicator outside the transports: start the
+        deferred collectives and let each transport make the calls it still has queued there,
+        so that `op` comes after them on every rank (MPI matches collectives by the order they
+        are called in)."""
+        if self._deferred:
+            self._flush_deferred(op, self._seq)
         for transport in self._transports.values():
             transport.drain(op, self._seq)
 
-    def _compare_fingerprints(self, op: str, buf: Buffer | None, root: int) -> None:
-        self._drain(f"{op} fingerprint")
-        mine = np.array(
-            [
-                self._seq,
-                _OP_CODES[op],
-                DTYPE_CODES[buf.dtype] if buf else -1,
-                buf.count if buf else 0,
-                root,
-            ],
-            dtype=np.int64,
-        )
-        every = np.empty((self.size, 5), dtype=np.int64)
-        Work(self, f"{op} fingerprint", self._seq, self.mpi.Iallgather(mine, every).Test).wait()
-        if (every == mine).all():
-            return
-        fields = ("sequence", "operation", "dtype", "count", "root")
-        names = {"operation": planning.OPS, "dtype": tuple(DTYPE_CODES)}
-        diffs = []
-        for col, field in enumerate(fields):
-            values = every[:, col]
-            if (values != values[0]).any():
-                show = [names[field][v] if field in names and v >= 0 else int(v) for v in values]
-                diffs.append(
-                    f"{field} differs: " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(show))
-                )
-        raise MismatchError(f"group '{self.name}' op #{self._seq}: " + "; ".join(diffs))
+    def _blocking_run(self, route: Route, *arrays: np.ndarray) -> bool:
+        """The transport's prepared call of `route`, driven here; False where it declined
+        (the general path then runs the call with the sequence number entered here)."""
+        self._last_entered = seq = self._enter(route)
+        assert route.run is not None
+        route.runs += 1
+        try:
+            return route.run(*arrays, seq)
+        except MPI.Exception as exc:
+            raise self._mpi_error(route.op, seq, exc) from exc
 
     # ---- operations ---------------------------------------------------------------------------
 
@@ -338,39 +538,57 @@ class Communicator:
         """Reduce `x` over the group; the result lands in `x` (in place) or in `out`."""
         if self._aborted is not None or self._closed:
             self._check_open()
-        if (
-            out is None
-            and not async_op
-            and timeout is None
-            and op.__class__ is ReduceOp
-            and not self._debug
-            and _work._recorder is None
-        ):
-            # small in-place reductions (optimizer scalars, loss values) of numpy arrays and CPU
-            # tensors: every check below still holds, read straight off the array. Not while
-            # tracing is on (or not yet decided): the general path makes the Work it records
-            arr = x if type(x) is np.ndarray else _cpu_tensor_array(x)
-            if arr is not None:
-                short = self._short.get(arr.nbytes <= _SMALL_BYTES)
-                if (
-                    short is not None
-                    and short[0] is self._last
-                    and short[1](arr, op, self._seq + 1)
-                ):
-                    self._seq += 1
-                    return None
+        inplace = out is None or out is x
+        kx = key_of(x)
+        key = (
+            None
+            if kx is None or op.__class__ not in OP_TYPES
+            else ("all_reduce", kx, op, None if inplace else key_of(out))
+        )
+        route = self._routes.get(key) if key is not None else None
+        if route is None:
+            route = self._route_all_reduce(key, x, op, out, inplace)
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
+            xh = host_view(x, inplace)
+            if xh is not None:
+                oh = xh if inplace else host_view(out, True)
+                if oh is not None and (inplace or not np.may_share_memory(xh, oh)):
+                    if self._blocking_run(route, xh, oh):
+                        return None
+                    return self._all_reduce(route, x, out, inplace, False, None, self._last_entered)
+        return self._all_reduce(route, x, out, inplace, async_op, timeout, None)
+
+    def _route_all_reduce(
+        self, key: Hashable | None, x: Any, op: Any, out: Any, inplace: bool
+    ) -> Route:
         xb = as_buffer(x, "all_reduce: x")
         rop = op if op.__class__ is ReduceOp else as_reduce_op(op, "all_reduce: op")
-        if rop is _AVG:
-            check_op_for_dtype(rop, xb.dtype, "all_reduce")
-        if out is None or out is x:
-            if xb.readonly:
-                _writable(xb, "all_reduce: x (in place)")
+        check_op_for_dtype(rop, xb.dtype, "all_reduce")
+        ob = None
+        if not inplace:
+            ob = as_buffer(out, "all_reduce: out")
+            same(ob, xb, "all_reduce: out", ob.count == xb.count, f"{xb.count} elements")
+        return self._route(key, "all_reduce", xb, self._all_reduce, rop, -1, ob)
+
+    def _all_reduce(
+        self,
+        route: Route,
+        x: Any,
+        out: Any,
+        inplace: bool,
+        async_op: bool,
+        timeout: float | None,
+        seq: int | None,
+    ) -> Work | None:
+        xb = as_buffer(x, "all_reduce: x")
+        rop = route.rop
+        assert rop is not None
+        if inplace:
+            writable(xb, "all_reduce: x (in place)")
             ob = xb
         else:
             ob = as_buffer(out, "all_reduce: out")
-            _same(ob, xb, "all_reduce: out", ob.count == xb.count, f"{xb.count} elements")
-            _writable(ob, "all_reduce: out")
+            writable(ob, "all_reduce: out")
             kind = overlap(xb, ob)
             if kind == "partial":
                 raise InvalidArgument(
@@ -378,17 +596,28 @@ class Communicator:
                 )
             if kind == "same":
                 ob = xb
-        transport, seq = self._start("all_reduce", xb, timeout=timeout, blocking=not async_op)
+        transport = route.transport
         if xb.contiguous and ob.contiguous:
-            work = transport.all_reduce(xb, ob, rop, seq)
-        else:
-            steps: list[Callable[[], None]] = []
-            inplace = ob is xb
-            xc = _contiguous_out(xb, steps) if inplace else _contiguous_in(xb)
-            oc = xc if inplace else _contiguous_out(ob, steps)
-            work = _then(transport.all_reduce(xc, oc, rop, seq), steps)
-            return self._finish(work, async_op, timeout, (xb, ob, xc, oc))
-        return self._finish(work, async_op, timeout, (xb, ob))
+            return self._collective(
+                route,
+                async_op,
+                timeout,
+                seq,
+                lambda s: transport.all_reduce(xb, ob, rop, s),
+                (xb, ob),
+            )
+        steps: list[Callable[[], None]] = []
+        same = ob is xb
+        xc = contiguous_out(xb, steps) if same else contiguous_in(xb)
+        oc = xc if same else contiguous_out(ob, steps)
+        return self._collective(
+            route,
+            async_op,
+            timeout,
+            seq,
+            lambda s: then(transport.all_reduce(xc, oc, rop, s), steps),
+            (xb, ob, xc, oc),
+        )
 
     def all_reduce_coalesced(
         self,
@@ -406,97 +635,9 @@ class Communicator:
         appearance, so every rank must pass the same dtypes, shapes and memories in the same
         order. Host and device arrays may be mixed; device arrays on two devices may not. An
         empty list does nothing (None, or a completed Work). An array given twice, arrays that
-        overlap in memory and read-only arrays raise InvalidArgument before anything moves.
+        overlap, read-only arrays, unsupported dtypes and ops are refused before anything moves.
         """
-        self._check_open()
-        what = "all_reduce_coalesced"
-        rop = op if op.__class__ is ReduceOp else as_reduce_op(op, f"{what}: op")
-        if timeout is not None:
-            _check_timeout(timeout, what)
-        bufs, groups = fusion.prepare(arrays, rop, what)
-        if not groups:
-            return completed(self, "all_reduce", self._seq) if async_op else None
-        # every group's transport is chosen (and may refuse) before any array is read
-        chosen = []
-        for g in groups:
-            if g.on_device:
-                fusion.check_device(what)
-            chosen.append(self._transport("all_reduce", g.fused()))
-        if not async_op and all(
-            isinstance(t, MpiTransport) and not g.on_device for g, t in zip(groups, chosen)
-        ):
-            sizes = [g.total * storage_dtype(g.dtype).itemsize for g in groups]
-            mpi = chosen[0]  # the communicator's one mpi transport
-            assert isinstance(mpi, MpiTransport)
-            if all(map(mpi.fits_node, sizes)) and self._coalesced_on_node(
-                groups, sizes, mpi, rop, timeout
-            ):
-                return None
-        packed: list[tuple[Buffer, list[Callable[[], None]], Any]] = []
-        for g in groups:
-            if g.on_device:
-                dev = fusion.pack_device(g)
-                packed.append((g.fused(ptr=dev.ptr), [dev.unpack], dev))
-            else:
-                pool = fusion.host_buffers(self)
-                flat = pool.take(g.dtype, g.total)
-                fusion.pack_host(g, flat)
-                packed.append(
-                    (g.fused(flat[: g.total]), [_unpacker(g, flat), _giver(pool, flat)], flat)
-                )
-        works: list[Work] = []
-        for fb, steps, holder in packed:
-            # a group on another transport than the one before starts once the groups before it
-            # are done (the ordering guard of _start waits for the collectives in flight)
-            transport, seq = self._start("all_reduce", fb, timeout=timeout)
-            if fb.on_device and transport.name == "mpi":
-                holder.synchronize()  # MPI reads device memory without regard to streams
-            work = _then(transport.all_reduce(fb, fb, rop, seq), steps)
-            if timeout is not None:
-                work._timeout = float(timeout)
-            self._inflight.append(work)
-            works.append(work)
-        if async_op:
-            work = works[0] if len(works) == 1 else _all_of(self, works)
-            return self._finish(work, True, timeout, (bufs, packed))
-        for work in works:
-            self._finish(work, False, timeout)
-        # seen complete here: out of the ordering guard's list, which would otherwise keep
-        # every blocking call's arrays alive
-        self._inflight = [w for w in self._inflight if not w._done]
-        return None
-
-    def _coalesced_on_node(
-        self,
-        groups: list[fusion.Group],
-        sizes: list[int],
-        transport: MpiTransport,
-        rop: ReduceOp,
-        timeout: float | None,
-    ) -> bool:
-        """A blocking all_reduce_coalesced of host arrays among one node's ranks: each group
-        (of `sizes` bytes) packed into this rank's shared segment, reduced there, and unpacked,
-        on this thread (hetcomm.transports.mpi.node). False, with nothing moved, where the
-        segments cannot be had (every rank finds out alike): the call then takes the fused MPI
-        all-reduce."""
-
-        def wait(request: Any, what: str, seq: int) -> None:
-            Work(self, f"all_reduce_coalesced ({what})", seq, request.Test, timeout=timeout).wait()
-
-        node = transport.node_reduce("all_reduce_coalesced", self._seq + 1)
-        try:
-            node.segment(max(sizes), partial(wait, seq=self._seq + 1))
-        except TransportUnavailable as exc:
-            log.warning("group '%s': %s; fused all-reduces go through MPI", self.name, exc)
-            transport.node_off()
-            return False
-        for g, nbytes in zip(groups, sizes):
-            _, seq = self._start("all_reduce", g.fused(), timeout=timeout)
-            fused = node.segment(nbytes, partial(wait, seq=seq)).view(storage_dtype(g.dtype))
-            fusion.pack_host(g, fused)
-            node.all_reduce(nbytes, g.dtype, rop, partial(wait, seq=seq))
-            fusion.unpack_host(g, fused)
-        return True
+        return coalesced.all_reduce_coalesced(self, arrays, op, async_op, timeout)
 
     def reduce(
         self,
@@ -508,55 +649,98 @@ class Communicator:
         timeout: float | None = None,
     ) -> Work | None:
         """Reduce `x` over the group into `x` of `root`; the others' `x` is left as it was."""
-        self._check_open()
+        if self._aborted is not None or self._closed:
+            self._check_open()
+        kx = key_of(x)
+        key = (
+            None
+            if kx is None or root.__class__ is not int or op.__class__ not in OP_TYPES
+            else ("reduce", kx, root, op)
+        )
+        route = self._routes.get(key) if key is not None else None
+        if route is None:
+            xb = as_buffer(x, "reduce: x")
+            r = self._root(root, "reduce: root")
+            rop = as_reduce_op(op, "reduce: op")
+            check_op_for_dtype(rop, xb.dtype, "reduce")
+            route = self._route(key, "reduce", xb, self._reduce, rop, r)
+        at_root = self.rank == route.root
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
+            xh = host_view(x, at_root)
+            if xh is not None:
+                if self._blocking_run(route, xh):
+                    return None
+                return self._reduce(route, x, False, None, self._last_entered)
+        return self._reduce(route, x, async_op, timeout, None)
+
+    def _reduce(
+        self, route: Route, x: Any, async_op: bool, timeout: float | None, seq: int | None
+    ) -> Work | None:
         xb = as_buffer(x, "reduce: x")
-        root = self._root(root, "reduce: root")
-        rop = as_reduce_op(op, "reduce: op")
-        check_op_for_dtype(rop, xb.dtype, "reduce")
-        if self.rank == root:
-            _writable(xb, "reduce: x at the root")
-        transport, seq = self._start("reduce", xb, root, timeout, not async_op)
+        rop, root = route.rop, route.root
+        assert rop is not None
+        at_root = self.rank == root
+        if at_root:
+            writable(xb, "reduce: x at the root")
         steps: list[Callable[[], None]] = []
-        xc = _contiguous_out(xb, steps) if self.rank == root else _contiguous_in(xb)
-        work = transport.reduce(xc, rop, root, seq)
-        return self._finish(_then(work, steps), async_op, timeout, (xb, xc))
+        xc = contiguous_out(xb, steps) if at_root else contiguous_in(xb)
+        transport = route.transport
+        return self._collective(
+            route,
+            async_op,
+            timeout,
+            seq,
+            lambda s: then(transport.reduce(xc, rop, root, s), steps),
+            (xb, xc),
+        )
 
     def broadcast(
         self, x: Any, root: int, *, async_op: bool = False, timeout: float | None = None
     ) -> Work | None:
         """Copy `x` of `root` into `x` of every rank."""
-        self._check_open()
+        if self._aborted is not None or self._closed:
+            self._check_open()
+        kx = key_of(x)
+        key = None if kx is None or root.__class__ is not int else ("broadcast", kx, root)
+        route = self._routes.get(key) if key is not None else None
+        if route is None:
+            xb = as_buffer(x, "broadcast: x")
+            r = self._root(root, "broadcast: root")
+            route = self._route(key, "broadcast", xb, self._broadcast, None, r)
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
+            xh = host_view(x, self.rank != route.root)
+            if xh is not None:
+                if self._blocking_run(route, xh):
+                    return None
+                return self._broadcast(route, x, False, None, self._last_entered)
+        return self._broadcast(route, x, async_op, timeout, None)
+
+    def _broadcast(
+        self, route: Route, x: Any, async_op: bool, timeout: float | None, seq: int | None
+    ) -> Work | None:
         xb = as_buffer(x, "broadcast: x")
-        root = self._root(root, "broadcast: root")
+        root = route.root
         if self.rank != root:
-            _writable(xb, "broadcast: x")
-        transport, seq = self._start("broadcast", xb, root, timeout, not async_op)
+            writable(xb, "broadcast: x")
         steps: list[Callable[[], None]] = []
-        xc = _contiguous_in(xb) if self.rank == root else _contiguous_out(xb, steps)
-        work = transport.broadcast(xc, root, seq)
-        return self._finish(_then(work, steps), async_op, timeout, (xb, xc))
+        xc = contiguous_in(xb) if self.rank == root else contiguous_out(xb, steps)
+        transport = route.transport
+        return self._collective(
+            route,
+            async_op,
+            timeout,
+            seq,
+            lambda s: then(transport.broadcast(xc, root, s), steps),
+            (xb, xc),
+        )
 
     def all_gather(
         self, out: Any, x: Any, *, async_op: bool = False, timeout: float | None = None
     ) -> Work | None:
         """Block i of `out` (size blocks the size of `x`) receives `x` of rank i."""
-        self._check_open()
-        xb = as_buffer(x, "all_gather: x")
-        ob = as_buffer(out, "all_gather: out")
-        _same(
-            ob,
-            xb,
-            "all_gather: out",
-            ob.count == xb.count * self.size,
-            f"{self.size} x {xb.count} = {self.size * xb.count} elements",
+        return self._blocks(
+            "all_gather", out, x, None, async_op, timeout, lambda t: t.all_gather, self.size, 1
         )
-        _writable(ob, "all_gather: out")
-        transport, seq = self._start("all_gather", xb, timeout=timeout, blocking=not async_op)
-        steps: list[Callable[[], None]] = []
-        xc = _contiguous_in(xb, copy=overlap(xb, ob) != "none")
-        oc = _contiguous_out(ob, steps)
-        work = transport.all_gather(oc, xc, seq)
-        return self._finish(_then(work, steps), async_op, timeout, (xb, ob, xc, oc))
 
     def reduce_scatter(
         self,
@@ -568,47 +752,83 @@ class Communicator:
         timeout: float | None = None,
     ) -> Work | None:
         """Rank i's `out` receives the reduction of block i (of size blocks) of every `x`."""
-        self._check_open()
-        xb = as_buffer(x, "reduce_scatter: x")
-        ob = as_buffer(out, "reduce_scatter: out")
-        rop = as_reduce_op(op, "reduce_scatter: op")
-        check_op_for_dtype(rop, xb.dtype, "reduce_scatter")
-        _same(
-            ob,
-            xb,
-            "reduce_scatter: out",
-            ob.count * self.size == xb.count,
-            f"x's {xb.count} elements / {self.size} ranks"
-            + ("" if xb.count % self.size == 0 else " (x does not split evenly)"),
+        return self._blocks(
+            "reduce_scatter", out, x, op, async_op, timeout, _reduce_scatter, 1, self.size
         )
-        _writable(ob, "reduce_scatter: out")
-        transport, seq = self._start("reduce_scatter", xb, timeout=timeout, blocking=not async_op)
-        steps: list[Callable[[], None]] = []
-        xc = _contiguous_in(xb, copy=overlap(xb, ob) != "none")
-        oc = _contiguous_out(ob, steps)
-        work = transport.reduce_scatter(oc, xc, rop, seq)
-        return self._finish(_then(work, steps), async_op, timeout, (xb, ob, xc, oc))
 
     def all_to_all(
         self, out: Any, x: Any, *, async_op: bool = False, timeout: float | None = None
     ) -> Work | None:
         """Block j of `x` goes to rank j; block i of `out` comes from rank i."""
-        self._check_open()
-        xb = as_buffer(x, "all_to_all: x")
-        ob = as_buffer(out, "all_to_all: out")
-        if xb.count % self.size:
+        return self._blocks(
+            "all_to_all", out, x, None, async_op, timeout, lambda t: t.all_to_all, 1, 1
+        )
+
+    def _blocks(
+        self,
+        op: str,
+        out: Any,
+        x: Any,
+        rop: Any,
+        async_op: bool,
+        timeout: float | None,
+        method: Callable[[Transport], Callable[..., Work]],
+        out_blocks: int,
+        x_blocks: int,
+    ) -> Work | None:
+        """all_gather, reduce_scatter and all_to_all: an input and a separate output whose
+        element counts relate as out_blocks to x_blocks."""
+        if self._aborted is not None or self._closed:
+            self._check_open()
+        kx, ko = key_of(x), key_of(out)
+        key = (
+            None if kx is None or ko is None or rop.__class__ not in OP_TYPES else (op, kx, ko, rop)
+        )
+        route = self._routes.get(key) if key is not None else None
+        if route is None:
+            route = self._route_blocks(key, op, out, x, rop, out_blocks, x_blocks, method)
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
+            xh = host_view(x, False)
+            oh = host_view(out, True)
+            if xh is not None and oh is not None and not np.may_share_memory(xh, oh):
+                if self._blocking_run(route, xh, oh):
+                    return None
+                return route.general(route, out, x, False, None, self._last_entered)
+        return route.general(route, out, x, async_op, timeout, None)
+
+    def _route_blocks(
+        self,
+        key: Hashable | None,
+        op: str,
+        out: Any,
+        x: Any,
+        rop: Any,
+        out_blocks: int,
+        x_blocks: int,
+        method: Callable[[Transport], Callable[..., Work]],
+    ) -> Route:
+        xb = as_buffer(x, f"{op}: x")
+        ob = as_buffer(out, f"{op}: out")
+        r = None
+        if op == "reduce_scatter":
+            r = as_reduce_op(rop, f"{op}: op")
+            check_op_for_dtype(r, xb.dtype, op)
+        if op == "all_to_all" and xb.count % self.size:
             raise InvalidArgument(
                 f"all_to_all: x must hold {self.size} equal blocks (one per rank), got "
                 f"{xb.count} elements"
             )
-        _same(ob, xb, "all_to_all: out", ob.count == xb.count, f"{xb.count} elements")
-        _writable(ob, "all_to_all: out")
-        transport, seq = self._start("all_to_all", xb, timeout=timeout, blocking=not async_op)
-        steps: list[Callable[[], None]] = []
-        xc = _contiguous_in(xb, copy=overlap(xb, ob) != "none")
-        oc = _contiguous_out(ob, steps)
-        work = transport.all_to_all(oc, xc, seq)
-        return self._finish(_then(work, steps), async_op, timeout, (xb, ob, xc, oc))
+        if op == "all_gather":
+            expected = f"{self.size} x {xb.count} = {self.size * xb.count} elements"
+        elif op == "reduce_scatter":
+            expected = f"x's {xb.count} elements / {self.size} ranks" + (
+                "" if xb.count % self.size == 0 else " (x does not split evenly)"
+            )
+        else:
+            expected = f"{xb.count} elements"
+        same(ob, xb, f"{op}: out", ob.count * x_blocks == xb.count * out_blocks, expected)
+        general = partial(_blocks_general, self, method)
+        return self._route(key, op, xb, general, r, -1, ob)
 
     def send(
         self,
@@ -620,13 +840,56 @@ class Communicator:
         timeout: float | None = None,
     ) -> Work | None:
         """Send `x` to rank `dst`; pairs with the `recv` of the same tag there."""
-        self._check_open()
+        if self._aborted is not None or self._closed:
+            self._check_open()
+        dst = self._root(dst, "send: dst") if dst.__class__ is not int else dst
+        if not 0 <= dst < self.size:
+            self._root(dst, "send: dst")
+        if tag.__class__ is not int or not 0 <= tag <= self._tag_ub:
+            tag = self._tag(tag, "send")
+        if self._group is not None:
+            return self._queue("send", x, dst, tag, async_op, timeout)
+        kx = key_of(x)
+        key = None if kx is None else ("send", kx)
+        route = self._routes.get(key) if key is not None else None
+        if route is None:
+            xb = as_buffer(x, "send: x")
+            route = self._route(key, "send", xb, no_general)
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
+            xh = host_view(x, False)
+            if xh is not None:
+                self._p2p_seq = seq = self._p2p_seq + 1
+                route.runs += 1
+                try:
+                    if route.run(xh, dst, tag, seq):
+                        return None
+                except MPI.Exception as exc:
+                    raise self._mpi_error("send", seq, exc) from exc
+                return self._send(route, x, dst, tag, False, None, seq)
+        return self._send(route, x, dst, tag, async_op, timeout, None)
+
+    def _send(
+        self,
+        route: Route,
+        x: Any,
+        dst: int,
+        tag: int,
+        async_op: bool,
+        timeout: float | None,
+        seq: int | None,
+    ) -> Work | None:
+        if timeout is not None:
+            check_timeout(timeout, "send")
+        route.uses += 1
         xb = as_buffer(x, "send: x")
-        dst = self._root(dst, "send: dst")
-        tag = self._tag(tag, "send")
-        transport, seq = self._start("send", xb, timeout=timeout, blocking=not async_op)
-        xc = _contiguous_in(xb)
-        work = transport.send(xc, dst, tag, seq)
+        if seq is None:
+            self._p2p_seq = seq = self._p2p_seq + 1
+        xc = contiguous_in(xb)
+        _work.set_blocking(not async_op)
+        try:
+            work = route.transport.send(xc, dst, tag, seq)
+        finally:
+            _work.set_blocking(False)
         return self._finish(work, async_op, timeout, (xb, xc))
 
     @overload
@@ -667,36 +930,182 @@ class Communicator:
 
         `src=hetcomm.ANY_SOURCE` takes the next message with `tag` from any rank (on the mpi
         transport; the others refuse it with InvalidArgument)."""
-        self._check_open()
-        xb = as_buffer(x, "recv: x")
+        if self._aborted is not None or self._closed:
+            self._check_open()
         anywhere = src == ANY_SOURCE and isinstance(src, (int, np.integer))
-        src = ANY_SOURCE if anywhere else self._root(src, "recv: src")
-        tag = self._tag(tag, "recv")
-        _writable(xb, "recv: x")
         if anywhere:
-            chosen = self._transport("recv", xb)
-            if not chosen.any_source:
+            src = ANY_SOURCE
+        else:
+            src = self._root(src, "recv: src") if src.__class__ is not int else src
+            if not 0 <= src < self.size:
+                self._root(src, "recv: src")
+        if tag.__class__ is not int or not 0 <= tag <= self._tag_ub:
+            tag = self._tag(tag, "recv")
+        if self._group is not None:
+            queued = self._queue("recv", x, src, tag, async_op, timeout)
+            return queued if queued is not None else src
+        kx = key_of(x)
+        key = None if kx is None else ("recv", kx)
+        route = self._routes.get(key) if key is not None else None
+        if route is None:
+            xb = as_buffer(x, "recv: x")
+            route = self._route(key, "recv", xb, no_general)
+        if anywhere:
+            if not route.transport.any_source:
+                xb = as_buffer(x, "recv: x")
                 memory = "device" if xb.on_device else "host"
                 raise InvalidArgument(
                     f"recv from ANY_SOURCE: group '{self.name}' receives {memory} buffers of "
-                    f"{xb.nbytes} bytes over the '{chosen.name}' transport, which needs the "
-                    "sender's rank; name it (src=rank), or run the group on the mpi transport "
-                    "(HETCOMM_TRANSPORT=mpi), which receives from any source"
+                    f"{xb.nbytes} bytes over the '{route.transport.name}' transport, which "
+                    "needs the sender's rank; name it (src=rank), or run the group on the mpi "
+                    "transport (HETCOMM_TRANSPORT=mpi), which receives from any source"
                 )
-        transport, seq = self._start("recv", xb, timeout=timeout, blocking=not async_op)
+            return self._recv(route, x, src, tag, async_op, timeout, None)
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
+            xh = host_view(x, True)
+            if xh is not None:
+                self._p2p_seq = seq = self._p2p_seq + 1
+                route.runs += 1
+                try:
+                    if route.run(xh, src, tag, seq):
+                        return src
+                except MPI.Exception as exc:
+                    raise self._mpi_error("recv", seq, exc) from exc
+                return self._recv(route, x, src, tag, False, None, seq)
+        return self._recv(route, x, src, tag, async_op, timeout, None)
+
+    def _recv(
+        self,
+        route: Route,
+        x: Any,
+        src: int,
+        tag: int,
+        async_op: bool,
+        timeout: float | None,
+        seq: int | None,
+    ) -> Work | int:
+        if timeout is not None:
+            check_timeout(timeout, "recv")
+        route.uses += 1
+        xb = as_buffer(x, "recv: x")
+        writable(xb, "recv: x")
+        if seq is None:
+            self._p2p_seq = seq = self._p2p_seq + 1
         steps: list[Callable[[], None]] = []
-        xc = _contiguous_out(xb, steps)
-        work = _then(transport.recv(xc, src, tag, seq), steps)
+        xc = contiguous_out(xb, steps)
+        _work.set_blocking(not async_op)
+        try:
+            work = route.transport.recv(xc, src, tag, seq)
+        finally:
+            _work.set_blocking(False)
+        work = then(work, steps)
         self._finish(work, async_op, timeout, (xb, xc))
         if async_op:
             return work
         return work.source if work.source is not None else src
 
+    def group(self) -> Group:
+        """`with comm.group():` queues the sends and receives made inside the block and starts
+        them together when it ends (receives first), as ncclGroupStart/End and torch's
+        batch_isend_irecv do, so that rings and halo exchanges cannot deadlock. Each call is
+        validated where it is made; a blocking one returns at once and is complete when the
+        block ends, an asynchronous one returns a Work that completes after the block. Only
+        point-to-point calls may be made inside; an exception inside the block drops the queued
+        calls, none of which has moved a byte."""
+        return Group(self)
+
+    def sendrecv(
+        self,
+        x: Any,
+        dst: int,
+        out: Any,
+        src: int,
+        tag: int = 0,
+        *,
+        recv_tag: int | None = None,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ) -> Work | None:
+        """Send `x` to `dst` and receive `out` from `src` at once, as MPI_Sendrecv: the
+        classic ring step (each rank sends right and receives left) cannot deadlock.
+        `recv_tag` defaults to `tag`."""
+        with self.group():
+            sent = self.send(x, dst, tag, async_op=async_op, timeout=timeout)
+            got = self.recv(
+                out, src, tag if recv_tag is None else recv_tag, async_op=async_op, timeout=timeout
+            )
+        if not async_op:
+            return None
+        assert sent is not None and isinstance(got, Work)
+        return all_of(self, [got, sent], "sendrecv")
+
+    def _queue(
+        self,
+        op: str,
+        x: Any,
+        peer: int,
+        tag: int,
+        async_op: bool,
+        timeout: float | None,
+    ) -> Work | None:
+        """A send or recv inside `with comm.group():`, validated now and started at its end."""
+        assert self._group is not None
+        if timeout is not None:
+            check_timeout(timeout, op)
+        xb = as_buffer(x, f"{op}: x")
+        if op == "recv":
+            writable(xb, "recv: x")
+        item = Queued(op, x, peer, tag, timeout, not async_op)
+        self._group.append(item)
+        if not async_op:
+            return None
+
+        def poll() -> bool:
+            if item.work is None:
+                if item.dropped:
+                    raise InvalidArgument(f"{op}: its comm.group() block ended by an exception")
+                return False
+            return item.work.test()
+
+        return Work(self, op, self._p2p_seq, poll)
+
+    def _run_group(self, items: list[Queued]) -> None:
+        """Start the calls of a group block, receives first, then wait for the blocking ones."""
+        order = [i for i in items if i.op == "recv"] + [i for i in items if i.op == "send"]
+        for item in order:
+            call = self.recv if item.op == "recv" else self.send
+            item.work = call(item.x, item.peer, item.tag, async_op=True, timeout=item.timeout)
+        for item in items:
+            if item.blocking:
+                assert item.work is not None
+                item.work.wait()
+
     def barrier(self, *, async_op: bool = False, timeout: float | None = None) -> Work | None:
         """Complete once every rank of the group has called barrier."""
-        self._check_open()
-        transport, seq = self._start("barrier", None, timeout=timeout, blocking=not async_op)
-        return self._finish(transport.barrier(seq), async_op, timeout)
+        if self._aborted is not None or self._closed:
+            self._check_open()
+        route = self._routes.get("barrier")
+        if route is None:
+            route = self._route("barrier", "barrier", None, no_general)
+        if self._checking and not _work.observing:
+            # the check compares the barrier's signature across the group, so it completes
+            # once every rank has entered the barrier: it is the barrier
+            route.runs += 1
+            if not async_op:
+                if timeout is not None:
+                    check_timeout(timeout, "barrier")
+                self._enter(route, timeout)
+                return None
+            work = self._admit(route, partial(completed, self, "barrier"))
+            return self._finish(work, True, timeout)
+        if route.run is not None and not async_op and timeout is None and not _work.observing:
+            if self._blocking_run(route):
+                return None
+            seq: int | None = self._last_entered
+        else:
+            seq = None
+        transport = route.transport
+        return self._collective(route, async_op, timeout, seq, transport.barrier, ())
 
     def _tag(self, tag: Any, what: str) -> int:
         top = self._tag_ub
@@ -705,110 +1114,40 @@ class Communicator:
         return int(tag)
 
 
-def _cpu_tensor_array(x: Any) -> np.ndarray | None:
-    """The numpy view of a contiguous CPU torch tensor that needs no grad, else None."""
-    cls = type(x)
-    if cls.__name__ != "Tensor" or cls.__module__ != "torch":
-        return None
-    if not x.is_cpu or x.requires_grad or not x.is_contiguous():
-        return None
-    try:
-        arr: np.ndarray = x.numpy()  # bfloat16 and friends raise: the general path takes them
-    except (TypeError, RuntimeError):
-        return None
-    return arr
+def _reduce_scatter(t: Transport) -> Callable[..., Work]:
+    return t.reduce_scatter
 
 
-def _check_timeout(timeout: Any, op: str) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise InvalidArgument(
-            f"{op}: timeout must be a positive number of seconds, got {timeout!r}"
-        )
-    return float(timeout)
+def _blocks_general(
+    comm: Communicator,
+    method: Callable[[Transport], Callable[..., Work]],
+    route: Route,
+    out: Any,
+    x: Any,
+    async_op: bool,
+    timeout: float | None,
+    seq: int | None,
+) -> Work | None:
+    """The general path of all_gather, reduce_scatter and all_to_all."""
+    op = route.op
+    xb = as_buffer(x, f"{op}: x")
+    ob = as_buffer(out, f"{op}: out")
+    writable(ob, f"{op}: out")
+    steps: list[Callable[[], None]] = []
+    xc = contiguous_in(xb, copy=overlap(xb, ob) != "none")
+    oc = contiguous_out(ob, steps)
+    call = method(route.transport)
+    rop = route.rop
+    if rop is None:
+
+        def start(s: int) -> Work:
+            return then(call(oc, xc, s), steps)
+    else:
+
+        def start(s: int) -> Work:
+            return then(call(oc, xc, rop, s), steps)
+
+    return comm._collective(route, async_op, timeout, seq, start, (xb, ob, xc, oc))
 
 
-def _same(b: Buffer, ref: Buffer, what: str, count_ok: bool, expected: str) -> None:
-    if b.dtype != ref.dtype:
-        raise InvalidArgument(f"{what}: expected dtype {ref.dtype} like x, got {b.dtype}")
-    if b.on_device != ref.on_device or b.device_index != ref.device_index:
-        raise InvalidArgument(
-            f"{what}: expected memory where x lives ({ref.describe()}), got {b.describe()}"
-        )
-    if not count_ok:
-        raise InvalidArgument(f"{what}: expected {expected}, got {b.count} (shape {list(b.shape)})")
-
-
-def _writable(b: Buffer, what: str) -> None:
-    if b.readonly:
-        raise InvalidArgument(f"{what}: the array is read-only but this operation writes it")
-
-
-def _contiguous_in(b: Buffer, copy: bool = False) -> Buffer:
-    """`b` itself when contiguous, else (or when `copy`) a packed copy: inputs only."""
-    if b.contiguous and not copy:
-        return b
-    if b.host is None:
-        raise InvalidArgument(
-            f"{b.describe()}: non-contiguous device arrays are not packed yet; pass a "
-            "contiguous array (.contiguous() / cupy.ascontiguousarray)"
-        )
-    packed = np.array(b.host, order="C", copy=True).reshape(-1)
-    return _host_buffer(b, packed)
-
-
-def _contiguous_out(b: Buffer, steps: list[Callable[[], None]]) -> Buffer:
-    """`b` itself when contiguous; else a packed copy whose result is written back when done."""
-    if b.contiguous:
-        return b
-    if b.host is None:
-        raise InvalidArgument(
-            f"{b.describe()}: non-contiguous device arrays are not packed yet; pass a "
-            "contiguous array (.contiguous() / cupy.ascontiguousarray)"
-        )
-    target = b.host
-    packed = np.array(target, order="C", copy=True).reshape(-1)
-    steps.append(lambda: np.copyto(target, packed.reshape(target.shape)))
-    return _host_buffer(b, packed)
-
-
-def _host_buffer(like: Buffer, flat: np.ndarray) -> Buffer:
-    return Buffer(
-        obj=like.obj,
-        kind=like.kind,
-        dtype=like.dtype,
-        shape=like.shape,
-        device="cpu",
-        device_index=None,
-        ptr=flat.__array_interface__["data"][0],
-        contiguous=True,
-        readonly=False,
-        host=flat,
-    )
-
-
-def _then(work: Work, steps: list[Callable[[], None]]) -> Work:
-    if steps:
-        work._finish = [*work._finish, *steps]
-    return work
-
-
-def _unpacker(g: fusion.Group, flat: np.ndarray) -> Callable[[], None]:
-    return lambda: fusion.unpack_host(g, flat)
-
-
-def _giver(pool: fusion.HostBuffers, flat: np.ndarray) -> Callable[[], None]:
-    return lambda: pool.give(flat)
-
-
-def _all_of(comm: Communicator, works: list[Work]) -> Work:
-    """One Work over several, complete once each is (in order; the first failure is its own)."""
-    left = list(works)
-
-    def poll() -> bool:
-        while left:
-            if not left[0].test():
-                return False
-            left.pop(0)
-        return True
-
-    return Work(comm, "all_reduce", works[-1].seq, poll)
+__all__ = ["Communicator", "MismatchError", "Route"]

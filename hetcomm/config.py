@@ -24,7 +24,12 @@ OPTIONS: dict[str, tuple[str, str]] = {
         "HETCOMM_TRANSPORT",
         "'auto', one transport for every group ('mpi'), or per group ('dp:nccl,pp:staged')",
     ),
-    "debug": ("HETCOMM_DEBUG", "1 = compare every operation's fingerprint across the group first"),
+    "check": (
+        "HETCOMM_CHECK",
+        "1 (default) = compare each collective's operation, dtype, count, reduce op and root "
+        "across the group before any byte moves; 0 = off (set the same on every rank)",
+    ),
+    "debug": ("HETCOMM_DEBUG", "1 = the check also compares each collective's sequence number"),
     "vendor": ("HETCOMM_VENDOR", "this rank's vendor: nvidia, amd or cpu (simulation override)"),
     "host": ("HETCOMM_HOST", "this rank's host name (simulates several hosts on one machine)"),
     "rails": ("HETCOMM_RAILS", "'auto' or interface names / IPv4 addresses for staged rails"),
@@ -60,6 +65,7 @@ class Config:
 
     timeout: float = 300.0
     transport: str = "auto"
+    check: bool = True
     debug: bool = False
     vendor: str | None = None
     host: str | None = None
@@ -87,8 +93,9 @@ class Config:
         object.__setattr__(self, "stall", float(self.stall))
         if self.trace is not None and (not isinstance(self.trace, str) or not self.trace.strip()):
             raise ConfigError(f"trace: expected a directory name or None, got {self.trace!r}")
-        if not isinstance(self.debug, bool):
-            raise ConfigError(f"debug: expected a bool, got {self.debug!r}")
+        for name in ("check", "debug"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.vendor is not None and self.vendor not in VENDORS:
             raise ConfigError(f"vendor: expected one of {', '.join(VENDORS)}, got {self.vendor!r}")
         if self.host is not None and (not isinstance(self.host, str) or not self.host.strip()):
@@ -208,7 +215,7 @@ def _from_env(name: str, key: str, raw: str) -> Any:
             return float(raw)
         except ValueError:
             raise ConfigError(f"{key}: expected seconds as a number, got {raw!r}") from None
-    if name == "debug":
+    if name in ("check", "debug"):
         low = raw.lower()
         if low in ("1", "true", "yes", "on"):
             return True
@@ -236,6 +243,7 @@ def option_table() -> list[tuple[str, str, str]]:
     shown = {
         "vendor": "detected",
         "host": "host name",
+        "check": "1",
         "debug": "0",
         "trace": "off",
         "direct_min": "tuned, else 0",

@@ -35,6 +35,7 @@ class Dtype:
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element."""
         return self.numpy.itemsize
 
 

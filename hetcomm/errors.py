@@ -54,15 +54,20 @@ class CommTimeout(HetcommError, RuntimeError, TimeoutError):
     ) -> None:
         self.group, self.op, self.seq, self.waited = group, op, seq, waited
         self.missing = tuple(missing) if missing is not None else None
-        who = (
-            f"ranks not arrived: {list(self.missing)}"
-            if self.missing is not None
-            else "ranks not arrived: unknown (an MPI collective does not say which rank is late)"
-        )
-        msg = f"group '{group}': {op} #{seq} did not complete within {waited:.1f} s; {who}"
+        msg = f"group '{group}': {op} #{seq} timed out: it did not complete within {waited:.1f} s"
+        if self.missing is not None:
+            msg += f"; ranks not arrived: {list(self.missing)}"
         if detail:
             msg += f"; {detail}"
         super().__init__(msg)
+
+
+class MpiError(HetcommError, RuntimeError):
+    """The MPI library failed a call of an operation; `mpi_error` is mpi4py's exception."""
+
+    def __init__(self, group: str, op: str, seq: int, mpi_error: BaseException) -> None:
+        self.group, self.op, self.seq, self.mpi_error = group, op, seq, mpi_error
+        super().__init__(f"group '{group}': {op} #{seq}: the MPI library failed: {mpi_error}")
 
 
 class CommAborted(HetcommError, RuntimeError):

@@ -67,6 +67,7 @@ class Group:
         self.table: tuple[np.ndarray, np.ndarray] | None = None
 
     def add(self, b: Buffer, i: int) -> None:
+        """Add buffer `b`, argument number `i` of the call, to the group."""
         self.bufs.append(b)
         self.index.append(i)
         self.counts.append(b.count)
@@ -82,6 +83,7 @@ class Group:
 
     @property
     def on_device(self) -> bool:
+        """Whether the group's arrays live in GPU memory."""
         return self.device != "cpu"
 
     def fused(self, flat: np.ndarray | None = None, ptr: int = 0) -> Buffer:
@@ -434,6 +436,7 @@ class HostBuffers:
         return np.empty(max(count, 1), dtype=storage)
 
     def give(self, buf: np.ndarray) -> None:
+        """Give a fused buffer back for a later call (too large ones are dropped)."""
         if buf.nbytes > KEEP_BYTES:
             return
         with self._lock:

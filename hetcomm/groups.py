@@ -64,6 +64,7 @@ class ParallelGroups:
         return self.layout.coords(self.world.rank)
 
     def items(self) -> list[tuple[str, Communicator]]:
+        """(name, communicator) of every group, in the layout's order."""
         return list(self._comms.items())
 
     def close(self) -> None:

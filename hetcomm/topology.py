@@ -53,6 +53,7 @@ class RankInfo:
         return f"node{self.node}:{self.detected_vendor}:{self.device_index}"
 
     def member(self) -> Member:
+        """The facts the plan uses about this rank."""
         return Member(self.rank, self.host, self.vendor, self.device, self.gpu_aware)
 
 
@@ -72,12 +73,15 @@ class Topology:
         return iter(self.ranks)
 
     def members(self) -> list[Member]:
+        """The plan's facts of every rank, in rank order."""
         return [r.member() for r in self.ranks]
 
     def hosts(self) -> list[str]:
+        """The host names of the group, sorted."""
         return sorted({r.host for r in self.ranks})
 
     def vendors(self) -> list[str]:
+        """The vendors in the group, sorted."""
         return sorted({r.vendor for r in self.ranks})
 
     def islands(self) -> list[tuple[int, ...]]:
@@ -121,6 +125,7 @@ class Topology:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def table(self) -> str:
+        """One row per rank: host, vendor, device, local rank, GPU-aware MPI and NICs."""
         head = ("rank", "host", "vendor", "device", "local", "gpu-aware MPI", "NICs")
         rows = [head]
         for r in self.ranks:

@@ -15,9 +15,12 @@ is a complete JSON document. A rank killed with SIGKILL loses the events since i
 `scripts/merge-trace DIR OUT.json` (or `python -m hetcomm.trace merge DIR OUT.json`) merges the
 ranks' files into one trace.
 
-Tracing is decided once per process, by the config of the communicator whose operation completes
-first (`HETCOMM_TRACE` is read like every option, in hetcomm.config); `enable()` and `disable()`
-switch it by hand. While it is off, a completed operation costs one check of a module variable.
+Tracing is an observer registered on Work (`hetcomm.work.add_observer`). It is decided once per
+process, by the config of the communicator whose operation completes first (`HETCOMM_TRACE` is
+read like every option, in hetcomm.config): importing this module registers that decision as an
+observer, which removes itself and, when the config names a directory, registers the writer.
+`enable()` and `disable()` switch it by hand, and `reset()` makes the next completion decide
+again. While nobody observes, a completed operation costs one check of a module variable.
 
 Not traced: operations with nothing to move (already complete when made) and operations that
 fail. The communicator's short path for small in-place all_reduces makes no Work, so it is not
@@ -35,8 +38,10 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, BinaryIO
+
+from . import work as _work
 
 if TYPE_CHECKING:
     from .work import Work
@@ -152,9 +157,7 @@ class TraceWriter:
                 self._file.flush()
             except OSError as exc:  # a full disk must not fail the operations being traced
                 logging.getLogger("hetcomm").warning("trace %s: %s; tracing stops", self.path, exc)
-                from . import work
-
-                work._recorder = None
+                _work.remove_observer(self.record)
                 self._file = None
 
     def close(self) -> None:
@@ -180,8 +183,7 @@ def enable(directory: str, rank: int | None = None, flush_every: int = FLUSH_EVE
     """Trace every operation of this process into `directory` from now on (closing an earlier
     trace of this process first)."""
     global _writer
-    from . import work
-
+    _work.remove_observer(_decide)  # switched by hand: no completion decides any more
     with _lock:
         old, _writer = _writer, None
     if old is not None:
@@ -189,19 +191,18 @@ def enable(directory: str, rank: int | None = None, flush_every: int = FLUSH_EVE
     writer = TraceWriter(directory, _world_rank() if rank is None else rank, flush_every)
     with _lock:
         _writer = writer
-    work._recorder = writer.record
+    _work.add_observer(writer.record)
     return writer
 
 
 def disable() -> None:
     """Stop tracing in this process and write out what was recorded."""
     global _writer
-    from . import work
-
-    work._recorder = None
+    _work.remove_observer(_decide)
     with _lock:
         old, _writer = _writer, None
     if old is not None:
+        _work.remove_observer(old.record)
         old.close()
 
 
@@ -210,12 +211,26 @@ def current() -> TraceWriter | None:
     return _writer
 
 
-def recorder_for(directory: str | None) -> Callable[[Work], None] | None:
-    """The recorder for a config's `trace` option: None when it is None (tracing off)."""
+def reset() -> None:
+    """Stop tracing and leave it undecided, as in a fresh process: the next operation that
+    completes decides from its communicator's config."""
+    disable()
+    _work.add_observer(_decide)
+
+
+def _decide(work: Work) -> None:
+    """The first completed operation decides, from its communicator's config, whether this
+    process traces; the decision runs once (a second thread that raced it leaves it alone)."""
+    if not _work.remove_observer(_decide):
+        return
+    directory = work._comm.config.trace
     if directory is None:
-        return None
-    writer = _writer if _writer is not None else enable(directory)
-    return writer.record
+        return
+    enable(directory).record(work)
+
+
+# undecided until the first operation completes
+_work.add_observer(_decide)
 
 
 @atexit.register
@@ -278,6 +293,7 @@ def merge(directory: str, out: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m hetcomm.trace merge DIR OUT.json`: merge a directory of rank traces."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 3 or args[0] != "merge":
         print("usage: python -m hetcomm.trace merge DIR OUT.json", file=sys.stderr)

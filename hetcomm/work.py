@@ -10,7 +10,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .errors import CommTimeout, InvalidArgument
+from .errors import CommTimeout, InvalidArgument, MpiError
 
 if TYPE_CHECKING:
     from .transports.base import Context
@@ -22,17 +22,6 @@ log = logging.getLogger("hetcomm")
 # Spin this long before sleeping: short operations finish within it, and a spin costs no wake-up.
 _SPIN_S = 200e-6
 _MAX_SLEEP_S = 1e-3
-
-
-def _decide_tracing(work: Work) -> None:
-    """The first completed operation decides, from its communicator's config, whether this
-    process traces (hetcomm.trace); afterwards each completion costs one check of `_recorder`."""
-    global _recorder
-    from .trace import recorder_for
-
-    _recorder = recorder_for(work._comm.config.trace)
-    if _recorder is not None:
-        _recorder(work)
 
 
 # Whether the call this thread is issuing will wait for its operation at once (a blocking
@@ -64,8 +53,45 @@ def thread_stacks() -> str:
     return "\n".join(parts)
 
 
-# called with each Work that completes; None when tracing is off (see hetcomm.trace)
-_recorder: Callable[[Work], None] | None = _decide_tracing
+# ---- observers: callables told of every operation that completes (hetcomm.trace is one) -------
+
+Observer = Callable[["Work"], None]
+
+# Replaced whole, never changed in place: a completing Work iterates the tuple it read while
+# another thread registers or removes an observer.
+_observers: tuple[Observer, ...] = ()
+_observers_lock = threading.Lock()
+
+# True while any observer is registered. The communicator reads it once per call: its prepared
+# blocking calls make no Work, so it takes them only while nobody observes.
+observing = False
+
+
+def add_observer(fn: Observer) -> None:
+    """Call `fn(work)` with every Work that completes from now on, on the completing thread."""
+    global _observers, observing
+    if not callable(fn):
+        raise InvalidArgument(f"add_observer: expected a callable, got {type(fn).__name__}")
+    with _observers_lock:
+        if fn not in _observers:
+            _observers = (*_observers, fn)
+        observing = True
+
+
+def remove_observer(fn: Observer) -> bool:
+    """Stop calling `fn`; whether it was registered (a bound method matches an equal one)."""
+    global _observers, observing
+    with _observers_lock:
+        kept = tuple(o for o in _observers if o != fn)
+        removed = len(kept) != len(_observers)
+        _observers = kept
+        observing = bool(kept)
+    return removed
+
+
+def observers() -> tuple[Observer, ...]:
+    """The observers registered now, in the order they are called."""
+    return _observers
 
 
 class Work:
@@ -92,6 +118,7 @@ class Work:
         "_timeout",
         "_waiter",
         "info",
+        "observed",
         "op",
         "seq",
         "source",
@@ -120,6 +147,8 @@ class Work:
         self._t0 = time.perf_counter()  # the start of the operation, for the trace
         self.info: dict[str, Any] | None = None
         self.source: int | None = None  # a receive's sender, once complete
+        # whether observers are told of it (not of a wait inside another operation)
+        self.observed = True
 
     def test(self) -> bool:
         """True once the operation is complete (its result is in place); never blocks."""
@@ -133,14 +162,22 @@ class Work:
             for step in self._finish:
                 step()
         except BaseException as exc:
+            mpi = sys.modules.get("mpi4py.MPI")  # loaded wherever an MPI call could fail
+            if mpi is not None and isinstance(exc, mpi.Exception):
+                # the caller sees hetcomm's errors: which group, operation and sequence failed
+                wrapped = MpiError(self._comm.name, self.op, self.seq, exc)
+                self._fail(wrapped)
+                self._comm._abort(wrapped)
+                raise wrapped from exc
             self._fail(exc)
             if isinstance(exc, CommTimeout):
                 self._comm._abort(exc)
             raise
         self._done = True
         self._keep = ()
-        if _recorder is not None:
-            _recorder(self)
+        if observing and self.observed:
+            for fn in _observers:
+                fn(self)
         return True
 
     def is_completed(self) -> bool:
@@ -181,21 +218,24 @@ class Work:
             elif now >= spin_until:
                 time.sleep(min(sleep, deadline - now))
                 sleep = min(sleep * 2, _MAX_SLEEP_S)
-        exc = CommTimeout(self._comm.name, self.op, self.seq, limit)
+        missing, detail = self._comm.late(self.op, self.seq)
+        exc = CommTimeout(self._comm.name, self.op, self.seq, limit, missing, detail)
         self._fail(exc)
         self._comm._abort(exc)
         raise exc
 
     def _warn_stall(self, waited: float, left: float) -> None:
+        missing, detail = self._comm.late(self.op, self.seq)
+        who = f"ranks not arrived: {list(missing)}" if missing is not None else ""
         log.warning(
             "group '%s': %s #%d has waited %.1f s without completing (CommTimeout in %.1f s); "
-            "ranks being waited for: unknown (an MPI collective does not say which rank is "
-            "late)\nwhere each thread of this rank is:\n%s",
+            "%s\nwhere each thread of this rank is:\n%s",
             self._comm.name,
             self.op,
             self.seq,
             waited,
             left,
+            "; ".join(part for part in (who, detail) if part),
             thread_stacks(),
         )
 
@@ -212,6 +252,14 @@ class Work:
         return f"<Work {self._comm.name} {self.op} #{self.seq} {state}>"
 
 
+def wait_for(owner: Context, op: str, seq: int, poll: Poll, timeout: float | None = None) -> None:
+    """Wait (bounded, with the stall warning) for a step inside an operation: `poll` returns
+    True once it is done. Not traced as an operation of its own."""
+    work = Work(owner, op, seq, poll, timeout=timeout)
+    work.observed = False
+    work.wait()
+
+
 def completed(comm: Context, op: str, seq: int) -> Work:
     """A Work that is already complete (for operations with nothing to move)."""
     work = Work(comm, op, seq, _true)
@@ -221,3 +269,17 @@ def completed(comm: Context, op: str, seq: int) -> Work:
 
 def _true() -> bool:
     return True
+
+
+def all_of(comm: Context, works: list[Work], op: str = "all_reduce") -> Work:
+    """One Work over several, complete once each is (in order; the first failure is its own)."""
+    left = list(works)
+
+    def poll() -> bool:
+        while left:
+            if not left[0].test():
+                return False
+            left.pop(0)
+        return True
+
+    return Work(comm, op, works[-1].seq, poll)

@@ -3,7 +3,8 @@ array one memcpy, all of them in one compiled call (Numba)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import numba
 import numpy as np
@@ -18,8 +19,7 @@ __all__ = ["gather", "scatter"]
 _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
 
 
-@intrinsic
-def _copy_bytes(typingctx: Any, dst: types.Type, src: types.Type, nbytes: types.Type) -> Any:
+def _copy_bytes_typer(typingctx: Any, dst: types.Type, src: types.Type, nbytes: types.Type) -> Any:
     """memcpy(dst, src, nbytes), the addresses given as integers."""
     if not all(isinstance(t, types.Integer) for t in (dst, src, nbytes)):
         return None
@@ -33,6 +33,10 @@ def _copy_bytes(typingctx: Any, dst: types.Type, src: types.Type, nbytes: types.
         return context.get_dummy_value()
 
     return types.void(dst, src, nbytes), codegen
+
+
+# called from jitted code as _copy_bytes(dst, src, nbytes): numba supplies the typing context
+_copy_bytes = cast("Callable[[int, int, int], None]", intrinsic(_copy_bytes_typer))
 
 
 @_jit

@@ -44,6 +44,7 @@ def host_register(ptr: int, nbytes: int, device: int) -> None:
 
 
 def host_unregister(ptr: int) -> None:
+    """Undo host_register: the GPU runtime forgets the pages at `ptr`."""
     import cupy
 
     cupy.cuda.runtime.hostUnregister(ptr)
@@ -205,15 +206,19 @@ class StagingDevice:
         return self._copy_async(_addr(dst), src.dev, src.nbytes, 2, ready, self._outbound_stream())
 
     def copy_from_host_async(self, dst: Any, src: np.ndarray, ready: Any) -> Any:
+        """Queue a copy of host `src` into device region `dst` after `ready`; its event."""
         return self._copy_async(dst.dev, _addr(src), dst.nbytes, 1, ready)
 
     def copy_to_host(self, dst: np.ndarray, src: Any, ready: Any) -> None:
+        """Copy device region `src` into host `dst` after `ready`, and wait for it."""
         self._copy(_addr(dst), src.dev, src.nbytes, 2, ready)  # cudaMemcpyDeviceToHost
 
     def copy_from_host(self, dst: Any, src: np.ndarray, ready: Any) -> None:
+        """Copy host `src` into device region `dst` after `ready`, and wait for it."""
         self._copy(dst.dev, _addr(src), dst.nbytes, 1, ready)  # cudaMemcpyHostToDevice
 
     def copy_device(self, dst: Any, src: Any, ready: Any) -> None:
+        """Copy region `src` into region `dst`, whichever memory each is in."""
         if src.host is not None:
             self.copy_from_host(dst, src.host, ready)
         elif dst.host is not None:
@@ -229,6 +234,7 @@ class StagingDevice:
             stream.synchronize()
 
     def alloc(self, nbytes: int) -> tuple[Any, int]:
+        """Device memory of `nbytes` (at least one) on this device: (owner, address)."""
         self.cupy.cuda.runtime.setDevice(self.device)
         mem = self.cupy.cuda.alloc(max(nbytes, 1))
         return mem, int(mem.ptr)
@@ -258,11 +264,13 @@ class StagingDevice:
         self._launch(_combine_name(dtype, op), args, count, ready)
 
     def divide(self, region: Any, n: int, dtype: str, ready: Any) -> None:
+        """Divide the elements of device `region` by `n` in place (AVG), after `ready`."""
         count = region.nbytes // _itemsize(dtype)
         args = (np.uint64(region.dev), np.uint64(count), np.int64(n))
         self._launch(divide_name(dtype), args, count, ready)
 
     def close(self) -> None:
+        """Drop the pooled buffers."""
         with self._pool_cond:
             self._pool.clear()
 
@@ -337,6 +345,7 @@ def _combine_name(dtype: str, op: str) -> str:
 
 
 def divide_name(dtype: str) -> str:
+    """The name of the divide kernel for `dtype` in the compiled module."""
     half = "_half" if dtype in HALVES else ""
     return f"divide{half}{kernel_type(dtype)}>"
 

@@ -46,6 +46,11 @@ class Context(Protocol):
         """Abort the communicator with `exc`: later calls raise CommAborted at once."""
         ...
 
+    def late(self, op: str, seq: int) -> tuple[list[int] | None, str]:
+        """For a wait on `op` #`seq` that expired: the ranks not yet there (None: unknown),
+        and what else there is to say."""
+        ...
+
 
 @runtime_checkable
 class NodeReduce(Protocol):
@@ -174,6 +179,7 @@ class Job:
             self._lock.release()
 
     def is_set(self) -> bool:
+        """Whether the call has returned or raised."""
         return self._done
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -24,6 +24,7 @@ class Region:
     keep: Any = None  # keeps a temporary allocation alive
 
     def sub(self, offset: int, nbytes: int) -> Region:
+        """The `nbytes` bytes from `offset` on, as a Region of the same memory."""
         if self.host is not None:
             return Region(nbytes, self.host[offset : offset + nbytes])
         return Region(nbytes, None, self.dev + offset, self.keep)

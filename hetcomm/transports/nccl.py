@@ -175,6 +175,7 @@ class NcclTransport(Transport):
 
     @classmethod
     def unavailable(cls, topology: Topology) -> str | None:
+        """None when every member is one vendor's GPU, one per device, with NCCL importable."""
         members = topology.members()
         why = group_unavailable([(m.rank, m.device) for m in members], [m.vendor for m in members])
         if why is not None:
@@ -312,6 +313,7 @@ class NcclTransport(Transport):
     # ---- operations ----------------------------------------------------------------------------
 
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
+        """ncclAllReduce on the array's current stream (AVG divides after)."""
         self._bind(x, "all_reduce")
         nc = self._collective_comm()
 
@@ -330,6 +332,7 @@ class NcclTransport(Transport):
         return self._run("all_reduce", seq, x, x.nbytes, body)
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
+        """ncclReduce on the array's current stream (AVG divides after)."""
         self._bind(x, "reduce")
         nc = self._collective_comm()
 
@@ -347,6 +350,7 @@ class NcclTransport(Transport):
         return self._run("reduce", seq, x, x.nbytes, body)
 
     def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
+        """ncclBroadcast on the array's current stream."""
         self._bind(x, "broadcast")
         nc = self._collective_comm()
 
@@ -358,6 +362,7 @@ class NcclTransport(Transport):
         return self._run("broadcast", seq, x, x.nbytes, body)
 
     def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        """ncclAllGather on the array's current stream."""
         self._bind(x, "all_gather")
         nc = self._collective_comm()
 
@@ -369,6 +374,7 @@ class NcclTransport(Transport):
         return self._run("all_gather", seq, x, out.nbytes, body)
 
     def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
+        """ncclReduceScatter on the array's current stream (AVG divides after)."""
         self._bind(x, "reduce_scatter")
         nc = self._collective_comm()
 
@@ -389,6 +395,7 @@ class NcclTransport(Transport):
         return self._run("reduce_scatter", seq, x, x.nbytes, body)
 
     def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        """One ncclSend and ncclRecv per peer in one NCCL group call."""
         self._bind(x, "all_to_all")
         nc, nccl = self._collective_comm(), self.nccl
         block = x.nbytes // self.size
@@ -406,9 +413,11 @@ class NcclTransport(Transport):
         return self._run("all_to_all", seq, x, x.nbytes, body)
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
+        """ncclSend on the NCCL communicator of this pair of ranks."""
         return self._p2p("send", x, dst, seq)
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
+        """ncclRecv on the NCCL communicator of this pair of ranks."""
         return self._p2p("recv", x, src, seq)
 
     def _p2p(self, op: str, x: Buffer, peer: int, seq: int) -> Work:
@@ -430,6 +439,7 @@ class NcclTransport(Transport):
         return self._run(op, seq, x, x.nbytes, body)
 
     def barrier(self, seq: int) -> Work:
+        """A one-element ncclAllReduce on the current stream; complete once it has run."""
         cupy = self.cupy
         if self._device is None:
             self._device = cupy.cuda.Device().id
@@ -446,6 +456,7 @@ class NcclTransport(Transport):
         return Work(self.comm, "barrier", seq, lambda: bool(event.done))
 
     def close(self) -> None:
+        """Destroy the NCCL communicators (abort them when the group was aborted)."""
         aborted = self.comm._aborted is not None
         for c in [self._group, *self._pairs.values()]:
             if c is None:

@@ -56,6 +56,7 @@ class SharedSlots:
         self._cond = threading.Condition()
 
     def view(self, slot: int, nbytes: int) -> np.ndarray:
+        """The first `nbytes` of slot `slot`, as a uint8 array."""
         start = slot * self.slot_bytes
         return self.array[start : start + nbytes]
 
@@ -71,6 +72,7 @@ class SharedSlots:
             self._registered = True
 
     def acquire(self, deadline: float, alive: Callable[[], bool]) -> int:
+        """A free slot; waits until `deadline` while `alive()` says the peer still is."""
         with self._cond:
             while not self._free:
                 if time.monotonic() >= deadline or not alive():
@@ -84,15 +86,18 @@ class SharedSlots:
             return [self._free.pop() for _ in range(min(count, len(self._free)))]
 
     def release(self, slot: int) -> None:
+        """Hand slot `slot` back to the free list."""
         with self._cond:
             self._free.append(slot)
             self._cond.notify()
 
     def unlink(self) -> None:
+        """Remove the /dev/shm name; mappings stay (unlinked once both sides have mapped it)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
     def close(self) -> None:
+        """Unregister from the GPU runtime and unmap."""
         if self._registered:
             from ...kernels import device
 

@@ -18,7 +18,6 @@ from _data import CASES, REDUCE_OPS, Placed, compare, draw, reference
 
 from hetcomm import ReduceOp
 from hetcomm.transports.mpi import schedule as mpi_chunks
-from hetcomm.transports.mpi.transport import MpiTransport
 
 # bytes per MPI call: 1 float64, 4 bfloat16, 8 int8 elements (fewer in collectives that move
 # a block per rank), so that every dtype is cut, mostly at boundaries inside a block
@@ -161,18 +160,9 @@ def test_every_operation_cut_into_pieces(make_comm, rng, errors, cut, lib, dtype
 
 
 @pytest.mark.mpi(min_size=2)
-def test_small_in_place_all_reduce_steps_aside(make_comm, errors, cut, monkeypatch):
-    """The short path of small in-place all_reduces (one MPI call) takes arrays within the
-    limit and leaves larger ones to the general path, which cuts them."""
-    taken: list[tuple[int, bool]] = []
-    short = MpiTransport.all_reduce_in_place
-
-    def spy(self, x, op, seq):
-        done = short(self, x, op, seq)
-        taken.append((x.size, done))
-        return done
-
-    monkeypatch.setattr(MpiTransport, "all_reduce_in_place", spy)
+def test_small_in_place_all_reduce_steps_aside(make_comm, errors, cut):
+    """The prepared blocking call of small in-place all_reduces (one MPI call) takes arrays
+    within the limit and leaves larger ones to the general path, which cuts them."""
     # the short path's Iallreduce is what this covers: persistent requests off
     comm = make_comm(transport="mpi", name="cut-short", persistent_max=0)
     total = comm.size * (comm.size + 1) / 2
@@ -182,9 +172,10 @@ def test_small_in_place_all_reduce_steps_aside(make_comm, errors, cut, monkeypat
             errors.run(f"all_reduce of {n}", comm.all_reduce, x)
         want = total * comm.size**2
         errors.expect((x == want).all(), f"all_reduce of {n}: got {x[:4]}, want {want}")
-        tried = [done for size, done in taken if size == n]
+        (route,) = [r for r in comm.routes() if r["key"][1][2] == (n,)]
+        short = n * 8 <= LIMIT
         errors.expect(
-            len(tried) >= 2 and all(done == (n * 8 <= LIMIT) for done in tried),
-            f"all_reduce of {n} float64: short path taken {tried}",
+            route["prepared"] == short and route["runs"] == (3 if short else 0),
+            f"all_reduce of {n} float64: {route}",
         )
     errors.verify()

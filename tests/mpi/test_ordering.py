@@ -19,9 +19,9 @@ def test_switching_transport_finishes_the_earlier_collectives_first(comm, shared
     interleaved, each switch must find the other transport's collectives complete, and every
     result is right."""
     staged = comm._transports["staged"] = StagedTransport(comm)
-    comm._routes[("all_reduce", False, False)] = staged
+    comm._by_class[("all_reduce", False, False)] = staged
     # the small ones through mpi, whatever HETCOMM_TRANSPORT says for this run
-    comm._routes[("all_reduce", False, True)] = comm._transports["mpi"] = MpiTransport(comm)
+    comm._by_class[("all_reduce", False, True)] = comm._transports["mpi"] = MpiTransport(comm)
     rng = np.random.default_rng(shared_seed)
     n, r = comm.size, comm.rank
     big = [rng.standard_normal((n, 40_000)) for _ in range(3)]
@@ -72,8 +72,8 @@ def test_coalesced_groups_on_two_transports(comm, shared_seed, errors):
     staged, a small int64 group through mpi, routes set by hand): the second starts only once
     the first has completed, and both results are right."""
     staged = comm._transports["staged"] = StagedTransport(comm)
-    comm._routes[("all_reduce", False, False)] = staged
-    comm._routes[("all_reduce", False, True)] = comm._transports["mpi"] = MpiTransport(comm)
+    comm._by_class[("all_reduce", False, False)] = staged
+    comm._by_class[("all_reduce", False, True)] = comm._transports["mpi"] = MpiTransport(comm)
     rng = np.random.default_rng(shared_seed)
     n, r = comm.size, comm.rank
     big, small = rng.standard_normal((n, 30_000)), rng.integers(-9, 9, (n, 7))

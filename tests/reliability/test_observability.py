@@ -67,7 +67,7 @@ def test_stall_warning_in_a_job(job: Any) -> None:
     warnings = [line for line in result.stderr.splitlines() if "has waited" in line]
     assert len(warnings) == 1, result.explain()
     assert warnings[0].startswith("hetcomm WARNING: group 'stalled': all_reduce #1 has waited 0.")
-    assert "ranks being waited for: unknown" in warnings[0]
+    assert "ranks not arrived: [1]" in warnings[0]
     assert result.results[0]["waited"] > 2
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from hetcomm import trace, work
 from hetcomm.config import Config, option_table
-from hetcomm.errors import CommTimeout, ConfigError
+from hetcomm.errors import CommTimeout, ConfigError, InvalidArgument
 from hetcomm.work import Work
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -27,7 +27,11 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 def fake_comm(name: str = "g", **options: Any) -> Any:
     aborted: list[BaseException] = []
     return SimpleNamespace(
-        name=name, config=Config(**options), _abort=aborted.append, aborted=aborted
+        name=name,
+        config=Config(**options),
+        _abort=aborted.append,
+        aborted=aborted,
+        late=lambda op, seq: ([2], "ranks [3] are on other hosts"),
     )
 
 
@@ -47,12 +51,17 @@ def after(seconds: float) -> Any:
 
 @pytest.fixture(autouse=True)
 def untraced() -> Iterator[None]:
-    """Each test starts and ends with tracing undecided, as in a fresh process."""
-    trace.disable()
-    work._recorder = work._decide_tracing
+    """Each test starts and ends with tracing undecided and no other observer, as in a fresh
+    process."""
+
+    def fresh() -> None:
+        for fn in work.observers():
+            work.remove_observer(fn)
+        trace.reset()
+
+    fresh()
     yield
-    trace.disable()
-    work._recorder = work._decide_tracing
+    fresh()
 
 
 # ---- the options ---------------------------------------------------------------------------
@@ -107,7 +116,8 @@ def test_stall_warns_once_then_completes(caplog: pytest.LogCaptureFixture) -> No
     msg = warnings[0]
     assert msg.startswith("group 'dp': all_reduce #7 has waited 0.")
     assert "without completing (CommTimeout in 4." in msg
-    assert "ranks being waited for: unknown (an MPI collective does not say" in msg
+    # the communicator says who is late: the fake says rank 2, and that rank 3 cannot be read
+    assert "ranks not arrived: [2]; ranks [3] are on other hosts" in msg
     assert w.test() and not comm.aborted
 
 
@@ -172,9 +182,64 @@ def _complete(comm: Any, op: str, seq: int, info: dict[str, Any] | None = None) 
     return w
 
 
+def test_undecided_tracing_is_an_observer() -> None:
+    # the communicator takes its Work-less blocking calls only while nobody observes: before the
+    # first completion has decided, tracing's decision observes
+    assert work.observing and len(work.observers()) == 1
+    _complete(fake_comm(), "all_reduce", 1)
+    assert not work.observing
+
+
+def test_observers_see_each_completed_operation_once(tmp_path: Path) -> None:
+    _complete(fake_comm(), "barrier", 1)  # decide tracing: off
+    seen: list[tuple[str, int]] = []
+    also: list[int] = []
+
+    def note(w: Work) -> None:
+        seen.append((w.op, w.seq))
+
+    work.add_observer(note)
+    work.add_observer(note)  # registered once
+    work.add_observer(lambda w: also.append(w.seq))
+    assert work.observing and len(work.observers()) == 2
+    comm = fake_comm()
+    _complete(comm, "all_reduce", 2)
+    Work(comm, "broadcast", 3, after(0.002)).wait()
+    work.wait_for(comm, "all_gather", 4, lambda: True)  # a step inside an operation: not told
+    work.completed(comm, "reduce", 5)  # nothing to move: not told
+    with pytest.raises(RuntimeError):
+        Work(comm, "send", 6, lambda: (_ for _ in ()).throw(RuntimeError("x"))).test()
+    assert seen == [("all_reduce", 2), ("broadcast", 3)] and also == [2, 3]
+    assert work.remove_observer(note) and not work.remove_observer(note)
+    _complete(comm, "all_reduce", 7)
+    assert seen == [("all_reduce", 2), ("broadcast", 3)] and also == [2, 3, 7]
+    for fn in work.observers():
+        work.remove_observer(fn)
+    assert not work.observing and work.observers() == ()
+
+
+def test_an_observer_must_be_callable() -> None:
+    with pytest.raises(InvalidArgument, match="add_observer: expected a callable, got str"):
+        work.add_observer("trace")  # type: ignore[arg-type]
+
+
+def test_tracing_beside_another_observer(tmp_path: Path) -> None:
+    seen: list[int] = []
+    work.add_observer(lambda w: seen.append(w.seq))
+    comm = fake_comm("world", trace=str(tmp_path))
+    _complete(comm, "all_reduce", 1)  # decides: traced
+    _complete(comm, "all_reduce", 2)
+    writer = trace.current()
+    assert writer is not None and writer.count == 2 and seen == [1, 2]
+    trace.disable()
+    _complete(comm, "all_reduce", 3)
+    assert writer.count == 2 and seen == [1, 2, 3] and len(work.observers()) == 1
+
+
 def test_tracing_off_records_nothing(tmp_path: Path) -> None:
     _complete(fake_comm(), "all_reduce", 1)
-    assert work._recorder is None  # decided by the first completion: off
+    assert work.observers() == ()  # decided by the first completion: off
+    assert not work.observing
     assert trace.current() is None
     assert list(tmp_path.iterdir()) == []
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hetcomm.arrays import Buffer
+from hetcomm.arrays import Buffer, as_buffer
 from hetcomm.config import Config
 from hetcomm.ops import ReduceOp
 from hetcomm.plan import Member
@@ -105,9 +105,11 @@ def test_the_call_in_flight_is_delivered_before_its_request_is_reused(self_comm)
 
 def test_transport_copies_in_and_out(self_comm):
     t = MpiTransport(self_comm)
-    x = np.arange(6, dtype=np.float32).reshape(2, 3)[:, ::2]  # strided: the short path copies it
-    assert t.all_reduce_in_place(x, ReduceOp.SUM, 1)
-    assert x.tolist() == [[0, 2], [3, 5]]
+    x = np.arange(4, dtype=np.float32).reshape(2, 2)
+    xb = as_buffer(x)
+    run = t.prepare("all_reduce", xb, None, ReduceOp.SUM, -1)
+    assert run is not None and run(x, x, 1)  # the prepared blocking call, in place
+    assert x.tolist() == [[0, 1], [2, 3]]
     host = np.arange(4, dtype=np.int64)
     out = np.zeros(4, np.int64)
     xb = Buffer(
@@ -178,5 +180,8 @@ def test_off_when_the_limit_is_zero(self_comm):
     self_comm.config = Config(persistent_max=0)
     t = MpiTransport(self_comm)
     x = np.ones(3)
-    assert t.all_reduce_in_place(x, ReduceOp.SUM, 1)
+    xb = as_buffer(x)
+    run = t.prepare("all_reduce", xb, None, ReduceOp.SUM, -1)
+    assert run is not None and run(x, x, 1)
+    assert x.tolist() == [1, 1, 1]
     assert t.requests.uses == 0 and t.persistent_off is None

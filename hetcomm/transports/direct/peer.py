@@ -145,6 +145,7 @@ class PeerMap:
 
     @property
     def mapped(self) -> int:
+        """How many peer allocations this rank has mapped."""
         return len(self._mapped)
 
     def close(self) -> None:

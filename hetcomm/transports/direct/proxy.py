@@ -38,6 +38,7 @@ class Task:
         self.finished = threading.Event()
 
     def poll(self) -> bool:
+        """True once the operation is done; raises its error if it failed."""
         if self.error is not None:
             raise self.error
         return self.done
@@ -79,6 +80,7 @@ class Mark:
         self.event, self.n = event, n
 
     def synchronize(self) -> None:
+        """Block the host until the stream has passed this mark."""
         self.event.synchronize()
 
 
@@ -309,6 +311,7 @@ class Proxy:
                 self._wake = self.svc.Irecv(self._wake_buf, self.rank, tags.DIRECT_WAKE)
 
     def stop(self) -> None:
+        """Stop the proxy thread and join it (up to 5 s), then settle its wake-up messages."""
         with self._lock:
             self._stop = True
             self._poke()

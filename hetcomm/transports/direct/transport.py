@@ -103,6 +103,7 @@ class DirectTransport(Transport):
 
     @classmethod
     def unavailable(cls, topology: Topology) -> str | None:
+        """None for GPUs of one host that can map each other's memory, else the reason."""
         ranks = topology.ranks
         why = group_unavailable(
             [r.host for r in ranks], [r.detected_vendor for r in ranks], [r.device for r in ranks]
@@ -278,6 +279,7 @@ class DirectTransport(Transport):
     # ---- operations ------------------------------------------------------------------------
 
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
+        """One shared segment when the group shares one, else one-shot or two-shot by size."""
         self._prepare(x.dtype, op)
         if self.size == 1:
             return self._queue("all_reduce", seq, (x, out), x.nbytes, lambda: self._alone(x, out))
@@ -393,6 +395,7 @@ class DirectTransport(Transport):
         yield from self._barrier()  # nobody reads our buffers any more
 
     def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
+        """Each rank reduces its block straight from its peers' `x`."""
         self._prepare(x.dtype, op)
         if self.shared:
 
@@ -420,6 +423,7 @@ class DirectTransport(Transport):
         return self._queue("reduce_scatter", seq, (x, out), x.nbytes, body)
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
+        """The root reduces every peer's `x` into its own."""
         self._prepare(x.dtype, op)
 
         def body() -> Step:
@@ -435,6 +439,8 @@ class DirectTransport(Transport):
         return self._queue("reduce", seq, (x,), x.nbytes, body)
 
     def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
+        """Every rank copies the root's `x` into its own."""
+
         def body() -> Step:
             got: list[np.ndarray] = []
             yield from self._exchange(self._records([x]), got)
@@ -446,6 +452,8 @@ class DirectTransport(Transport):
         return self._queue("broadcast", seq, (x,), x.nbytes, body)
 
     def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        """Every rank copies each peer's `x` into that peer's block of `out`."""
+
         def body() -> Step:
             got: list[np.ndarray] = []
             yield from self._exchange(self._records([x]), got)
@@ -457,6 +465,7 @@ class DirectTransport(Transport):
         return self._queue("all_gather", seq, (x, out), out.nbytes, body)
 
     def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        """Every rank copies its block of each peer's `x` into `out`."""
         block = x.nbytes // self.size
 
         def body() -> Step:
@@ -470,6 +479,7 @@ class DirectTransport(Transport):
         return self._queue("all_to_all", seq, (x, out), x.nbytes, body)
 
     def barrier(self, seq: int) -> Work:
+        """A barrier on the proxy, in issue order with the collectives."""
         task = Task(self._barrier())
         proxy = self._proxy
         proxy.submit(task, True)
@@ -493,6 +503,7 @@ class DirectTransport(Transport):
         return base, base + 1
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
+        """A peer copy made by whichever of the pair the schedule names the copier."""
         stamp("transport")
         self._self_check(dst, "send")
         if schedule.copier(self.rank, dst, self._devices) == self.rank:
@@ -500,6 +511,7 @@ class DirectTransport(Transport):
         return self._lender("send", seq, x, dst, self._tags(tag, "send", False))
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
+        """A peer copy made by whichever of the pair the schedule names the copier."""
         stamp("transport")
         self._self_check(src, "recv")
         if schedule.copier(src, self.rank, self._devices) == self.rank:
@@ -611,6 +623,7 @@ class DirectTransport(Transport):
         return {"hits": self.peers.hits, "misses": self.peers.misses, "mapped": self.peers.mapped}
 
     def close(self) -> None:
+        """Stop the proxy, wait for its stream and unmap the peers' memory."""
         self._proxy.stop()
         if self._proxy.stream is not None:
             self._proxy.stream.synchronize()

@@ -156,6 +156,7 @@ class HierTransport(Transport):
 
     @classmethod
     def unavailable(cls, topology: Topology) -> str | None:
+        """Always None: the parts' plans decide what moves the bytes."""
         return None  # it composes the other transports: the parts' plans say what moves bytes
 
     # ---- running operations ------------------------------------------------------------------
@@ -255,6 +256,7 @@ class HierTransport(Transport):
     # ---- the collectives hier shapes itself ----------------------------------------------------
 
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
+        """Reduce-scatter inside islands, exchange shards between them, all-gather inside."""
         self._setup()
         if x.count == 0:
             return completed(self.comm, "all_reduce", seq)
@@ -320,6 +322,7 @@ class HierTransport(Transport):
                 mem.copy(out, _sub(dst, 0, count))
 
     def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
+        """Reduce-scatter inside islands, then the shards exchanged between islands."""
         self._setup()
         if out.count == 0:
             return completed(self.comm, "reduce_scatter", seq)
@@ -373,6 +376,7 @@ class HierTransport(Transport):
             mem.divide(out, self.size, x.dtype)
 
     def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        """Gather inside islands, then the islands' blocks exchanged between islands."""
         self._setup()
         if x.count == 0:
             return completed(self.comm, "all_gather", seq)
@@ -407,6 +411,7 @@ class HierTransport(Transport):
             mem.copy(_sub(out, pos, count), _sub(scratch, at, count))
 
     def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
+        """From the root to one member of each island, then inside each island."""
         self._setup()
         if x.count == 0:
             return completed(self.comm, "broadcast", seq)
@@ -439,12 +444,15 @@ class HierTransport(Transport):
         return Work(self.comm, op, seq, inner.test, waiter=inner._waiter)
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
+        """On the flat communicator of the same members."""
         return self._flat("reduce", seq, x, lambda t, s: t.reduce(x, op, root, s))
 
     def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        """On the flat communicator of the same members."""
         return self._flat("all_to_all", seq, x, lambda t, s: t.all_to_all(out, x, s))
 
     def barrier(self, seq: int) -> Work:
+        """On the flat communicator of the same members."""
         return self._flat("barrier", seq, None, lambda t, s: t.barrier(s))
 
     def _point_to_point(self, op: str, buf: Buffer) -> Transport:
@@ -467,12 +475,15 @@ class HierTransport(Transport):
         return found
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
+        """On the group's own point-to-point transport."""
         return self._point_to_point("send", x).send(x, dst, tag, seq)
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
+        """On the group's own point-to-point transport."""
         return self._point_to_point("recv", x).recv(x, src, tag, seq)
 
     def close(self) -> None:
+        """Stop the workers and close the parts (idempotent)."""
         if self._closed:
             return
         self._closed = True
@@ -517,10 +528,11 @@ def _all_arrived(comm: Context, svc: Any) -> None:
 
 def _part_config(config: Config, name: str) -> Config:
     """The parts plan for themselves: a forced 'hier' (which they cannot use) becomes 'auto';
-    any other setting for their names holds."""
+    any other setting for their names holds. They make no check of their own: the hier
+    collective they serve was checked on the whole group before it started them."""
     if config.transport_for(name) == "hier":
-        return config.with_options(transport="auto")
-    return config
+        return config.with_options(transport="auto", check=False, debug=False)
+    return config.with_options(check=False, debug=False)
 
 
 def _sub(buf: Buffer, start: int, count: int) -> Buffer:

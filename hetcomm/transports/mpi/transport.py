@@ -12,7 +12,7 @@ from mpi4py import MPI
 from ...dtypes import BOOL_AS_MINMAX, TABLE
 from ...errors import MismatchError, TransportUnavailable
 from ...ops import ReduceOp
-from ...work import Work
+from ...work import Work, wait_for
 from ..base import Context, Transport
 from ..worker import InOrderWorker
 from . import node, persistent, schedule
@@ -188,6 +188,7 @@ class MpiTransport(Transport):
             Work(self.comm, f"{op} after the mpi lane", seq, drained).wait()
 
     def close(self) -> None:
+        """Free the persistent requests and the node segments."""
         self.requests.close()
         if self._node is not None:
             self._node.close(free_comm=self.comm._aborted is None)
@@ -235,6 +236,7 @@ class MpiTransport(Transport):
 
     @classmethod
     def unavailable(cls, topology: Topology) -> str | None:
+        """Always None: the communicator is itself MPI."""
         return None  # the communicator itself is MPI, so MPI is always there
 
     def _start(
@@ -311,6 +313,7 @@ class MpiTransport(Transport):
         return [lambda: reduce.divide(host, n, dtype)]
 
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
+        """A cached persistent request when small, else MPI_Allreduce (AVG divides after)."""
         self._reducible(x)
         if 0 < out.nbytes <= self._persistent_max:
             kind = _PERSISTENT.get((x.dtype, op._value_))
@@ -372,36 +375,157 @@ class MpiTransport(Transport):
         work.info = {"transport": "mpi", "bytes": out.nbytes, "stages": 1, "persistent": True}
         return work
 
-    def all_reduce_in_place(self, x: np.ndarray, op: ReduceOp, seq: int) -> bool:
-        """A small in-place all-reduce of a numpy array, done and waited for; False (nothing
-        started) when the array or the lane calls for the general path.
+    # ---- prepared blocking calls (hetcomm.comm.Route) -----------------------------------
 
-        Up to the persistent limit it runs through the cached persistent request, inline here
-        since this path is all overhead. The general path goes through the same request, so
-        handing a call over to it (the lane is busy, the array is read-only) changes nothing
-        that the other ranks can see. Any layout will do: the copies in and out of the scratch
-        take strided arrays as they are.
-        """
-        kind = _FAST.get((x.dtype, op._value_))
-        if kind is None:
+    def prepare(
+        self,
+        op: str,
+        x: Buffer | None,
+        out: Buffer | None,
+        rop: ReduceOp | None,
+        root: int,
+    ) -> Callable[..., bool] | None:
+        """The blocking call of one signature on host arrays, made and waited for on the
+        calling thread, with no Work: the same MPI calls the general path makes for that
+        signature (which calls those are depends on the signature alone, so every rank's calls
+        match whichever path each rank takes). A prepared call returns False, having moved
+        nothing, when the lane has jobs queued (the general path then queues behind them).
+        None where the general path must run: device memory, counts cut into several calls,
+        collectives large enough to run blocking on the lane."""
+        if x is not None and (x.host is None or len(_spans(x)) > 1):
+            return None
+        if out is not None and (out.host is None or len(_spans(out)) > 1):
+            return None
+        if op == "send":
+            return partial(self._run_send, _DATATYPES[x.dtype]) if x is not None else None
+        if op == "recv":
+            return partial(self._run_recv, _DATATYPES[x.dtype]) if x is not None else None
+        if op == "barrier":
+            return self._run_barrier
+        assert x is not None
+        # the byte counts the general path sizes each collective by (see _start)
+        nbytes = {"all_gather": out.nbytes if out is not None else 0}.get(op, x.nbytes)
+        if op == "all_reduce":
+            nbytes = x.nbytes
+            assert rop is not None
+            self._reducible(x)
+            kind = _PERSISTENT.get((x.dtype, rop._value_))
+            if kind is not None and 0 < nbytes <= self._persistent_max:
+                return partial(
+                    self._run_all_reduce_persistent, kind, x.count, self._divisor(x, rop)
+                )
+        if nbytes > LANE_BYTES:
+            return None
+        dt = _DATATYPES[x.dtype]
+        mpi = self._mpi
+        if op == "all_reduce":
+            assert rop is not None
+            mop, div = mpi_op(x.dtype, rop), self._divisor(x, rop)
+
+            def run(xh: np.ndarray, oh: np.ndarray, seq: int) -> bool:
+                if self._lane.pending:
+                    return False
+                send = _IN_PLACE if xh is oh else (xh, dt)
+                self._drive(mpi.Iallreduce(send, (oh, dt), mop), "all_reduce", seq)
+                if div is not None:
+                    div(oh)
+                return True
+
+            return run
+        if op == "reduce":
+            assert rop is not None
+            mop, div = mpi_op(x.dtype, rop), self._divisor(x, rop)
+            at_root = mpi.Get_rank() == root
+
+            def run_reduce(xh: np.ndarray, seq: int) -> bool:
+                if self._lane.pending:
+                    return False
+                if at_root:
+                    self._drive(mpi.Ireduce(_IN_PLACE, (xh, dt), mop, root), "reduce", seq)
+                    if div is not None:
+                        div(xh)
+                else:
+                    self._drive(mpi.Ireduce((xh, dt), None, mop, root), "reduce", seq)
+                return True
+
+            return run_reduce
+        if op == "broadcast":
+
+            def run_broadcast(xh: np.ndarray, seq: int) -> bool:
+                if self._lane.pending:
+                    return False
+                self._drive(mpi.Ibcast((xh, dt), root), "broadcast", seq)
+                return True
+
+            return run_broadcast
+        if op == "reduce_scatter":
+            assert rop is not None
+            self._reducible(x)
+            mop, div = mpi_op(x.dtype, rop), self._divisor(x, rop)
+
+            def run_scatter(xh: np.ndarray, oh: np.ndarray, seq: int) -> bool:
+                if self._lane.pending:
+                    return False
+                request = mpi.Ireduce_scatter_block((xh, dt), (oh, dt), mop)
+                self._drive(request, "reduce_scatter", seq)
+                if div is not None:
+                    div(oh)
+                return True
+
+            return run_scatter
+        start = {"all_gather": mpi.Iallgather, "all_to_all": mpi.Ialltoall}.get(op)
+        if start is None:
+            return None
+
+        def run_blocks(xh: np.ndarray, oh: np.ndarray, seq: int) -> bool:
+            if self._lane.pending:
+                return False
+            self._drive(start((xh, dt), (oh, dt)), op, seq)
+            return True
+
+        return run_blocks
+
+    def _divisor(self, x: Buffer, rop: ReduceOp) -> Callable[[np.ndarray], None] | None:
+        """AVG's division of a result on the host (None for the other ops)."""
+        if rop is not _AVG:
+            return None
+        from ...kernels import reduce
+
+        storage, dtype, n = reduce.storage_dtype(x.dtype), x.dtype, self._mpi.Get_size()
+        return lambda a: reduce.divide(a.reshape(-1).view(storage), n, dtype)
+
+    def _drive(self, request: MPI.Request, op: str, seq: int) -> None:
+        """Wait here for a request started here: a few quick Tests, then the bounded wait."""
+        test = request.Test
+        for _ in range(_QUICK_TESTS):
+            if test():
+                return
+        wait_for(self.comm, op, seq, test)
+
+    def _run_all_reduce_persistent(
+        self,
+        kind: persistent.Kind,
+        count: int,
+        div: Callable[[np.ndarray], None] | None,
+        xh: np.ndarray,
+        oh: np.ndarray,
+        seq: int,
+    ) -> bool:
+        """A small all-reduce through its cached persistent request, inline: copied into the
+        request's scratch, started, polled, copied out. The general path goes through the same
+        request, so declining (the lane is busy) changes nothing the other ranks can see. Any
+        shape will do: the copies take the caller's shape as it is."""
+        # lane.idle(), inline and without the lock: only the issuing thread queues jobs, so a
+        # lane seen idle stays idle until it queues one, and a lane seen busy sends the call to
+        # the general path, which looks again under the lock
+        if self._lane.pending:
             return False
-        n = x.nbytes
-        if not (n <= self._persistent_max and n):
-            return self._in_place_nonblocking(x, kind, seq)
-        if not x.flags.writeable:
-            return False
-        slot = self.requests.take(kind, x.size)
+        slot = self.requests.take(kind, count)
         view = slot.view
         try:
-            view[...] = x
+            view[...] = xh
         except ValueError:  # another shape than the latest call's
-            view = slot.copy_in(x)
-        # lane.idle(), inline and without the lock (a tenth of this path): only the issuing
-        # thread queues jobs, so a lane seen idle stays idle until it queues one, and a lane
-        # seen busy sends the call to the general path, which looks again under the lock
-        lane = self._lane
-        if lane.pending:
-            return False
+            view = slot.copy_in(xh)
         request = slot.request
         if request is None:
             request = slot.make()
@@ -413,33 +537,36 @@ class MpiTransport(Transport):
         while not request.Test():
             polls -= 1
             if not polls:
-                Work(self.comm, "all_reduce", seq, slot.test).wait()  # the bounded wait
+                wait_for(self.comm, "all_reduce", seq, slot.test)  # the bounded wait
                 break
         slot.active = False
-        x[...] = view
+        oh[...] = view
+        if div is not None:
+            div(oh)
         return True
 
-    def _in_place_nonblocking(self, x: np.ndarray, kind: persistent.Kind, seq: int) -> bool:
-        """all_reduce_in_place as an Iallreduce on the caller's array."""
-        n = x.nbytes
-        if n > LANE_BYTES or n > schedule.MAX_CALL_BYTES:
+    def _run_barrier(self, seq: int) -> bool:
+        if self._lane.pending:
             return False
-        flags = x.flags
-        if not (flags.c_contiguous and flags.writeable):
-            return False
-        lane = self._lane
-        with lane.lock:
-            if lane.pending:  # lane.idle(), inline: this path is all overhead
-                return False
-            req = self._mpi.Iallreduce(_IN_PLACE, (x, kind.datatype), kind.op)
-        test = req.Test
-        for _ in range(_QUICK_TESTS):  # most small reductions end within a few polls
+        self._drive(self._mpi.Ibarrier(), "barrier", seq)
+        return True
+
+    def _run_send(self, dt: MPI.Datatype, xh: np.ndarray, dst: int, tag: int, seq: int) -> bool:
+        self._drive(self._mpi.Isend((xh, dt), dst, tag), "send", seq)
+        return True
+
+    def _run_recv(self, dt: MPI.Datatype, xh: np.ndarray, src: int, tag: int, seq: int) -> bool:
+        n = xh.nbytes
+        request = self._mpi.Irecv((xh, dt), src, tag)
+        test = _Receive(src, n, xh.itemsize, [request], [(0, xh.size)]).poll
+        for _ in range(_QUICK_TESTS):
             if test():
                 return True
-        Work(self.comm, "all_reduce", seq, test).wait()  # the bounded wait
+        wait_for(self.comm, "recv", seq, test)
         return True
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
+        """MPI_Reduce into the root's `x` (AVG divides after)."""
         self._reducible(x)
         dt, mpi = _DATATYPES[x.dtype], self._mpi
         mop = mpi_op(x.dtype, op)
@@ -471,6 +598,7 @@ class MpiTransport(Transport):
         )
 
     def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
+        """MPI_Bcast, in spans past MPI's count limit."""
         dt, mpi = _DATATYPES[x.dtype], self._mpi
         spans = _spans(x)
         if len(spans) > 1:
@@ -483,6 +611,7 @@ class MpiTransport(Transport):
         )
 
     def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        """MPI_Allgather, in spans past MPI's count limit."""
         dt, mpi = _DATATYPES[x.dtype], self._mpi
         spans = _spans(x, mpi.Get_size())
         if len(spans) > 1:
@@ -508,6 +637,7 @@ class MpiTransport(Transport):
         )
 
     def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
+        """MPI_Reduce_scatter_block (AVG divides after)."""
         self._reducible(x)
         dt, mpi = _DATATYPES[x.dtype], self._mpi
         mop = mpi_op(x.dtype, op)
@@ -542,6 +672,7 @@ class MpiTransport(Transport):
         )
 
     def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        """MPI_Alltoall, in spans past MPI's count limit."""
         dt, mpi = _DATATYPES[x.dtype], self._mpi
         size = mpi.Get_size()
         spans = _spans(out, size, size)
@@ -566,6 +697,7 @@ class MpiTransport(Transport):
         )
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
+        """MPI_Isend on the group's own communicator, with the caller's tag."""
         dt, spans = _DATATYPES[x.dtype], _spans(x)
         if len(spans) == 1:
             work = Work(self.comm, "send", seq, self._mpi.Isend((self._mem(x), dt), dst, tag).Test)
@@ -579,13 +711,32 @@ class MpiTransport(Transport):
         return work
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
+        """MPI_Irecv on the group's own communicator, with the caller's tag."""
         spans = _spans(x)
-        receive = _Receive(self._mpi, x, self._mem(x), src, tag, spans)
+        dt, mpi = _DATATYPES[x.dtype], self._mpi
+        source = MPI.ANY_SOURCE if src < 0 else src  # src < 0: hetcomm.ANY_SOURCE
+        rest: list[Any] = []
+        if len(spans) == 1:
+            reqs = [mpi.Irecv((self._mem(x), dt), source, tag)]
+        else:
+            # MPI keeps messages of one sender, tag and communicator in order: the receiver's
+            # pieces match the sender's one by one. From any source, the first piece is posted
+            # alone; the others follow from its sender once it has matched.
+            xs = _flat(x)
+            pieces = [xs[s : s + n] for s, n in spans]
+            if src < 0:
+                reqs, rest = [mpi.Irecv((pieces[0], dt), source, tag)], pieces[1:]
+            else:
+                reqs = [mpi.Irecv((piece, dt), src, tag) for piece in pieces]
+        receive = _Receive(src, x.nbytes, x.itemsize, reqs, spans)
+        if rest:
+            receive.then_from_sender(mpi, dt, tag, rest)
         work = receive.work = Work(self.comm, "recv", seq, receive.poll)
         work.info = {"transport": "mpi", "bytes": x.nbytes, "stages": len(spans)}
         return work
 
     def barrier(self, seq: int) -> Work:
+        """MPI_Ibarrier, or MPI_Barrier on the lane."""
         mpi = self._mpi
         return self._start("barrier", seq, 0, mpi.Ibarrier, mpi.Barrier)
 
@@ -597,40 +748,29 @@ class _Receive:
     mismatch it may hold the first part of the message; probing each message first would keep
     it untouched, at the price of posting every receive late (measured: slower).
 
-    `src` hetcomm.ANY_SOURCE (negative) receives from MPI.ANY_SOURCE; the status names the sender,
-    which the Work carries as `source`. A message cut into several calls (over 2^31 elements)
-    is then received piece by piece: the first from any source, the others from its sender,
-    posted once the first has matched (MPI keeps one sender's messages of a tag in order)."""
+    `src` < 0 (hetcomm.ANY_SOURCE): the requests were posted with MPI.ANY_SOURCE; the status
+    names the sender, which the Work (`work`, when set) carries as `source` on completion."""
 
     def __init__(
         self,
-        mpi: MPI.Intracomm,
-        x: Buffer,
-        mem: Any,
         src: int,
-        tag: int,
+        nbytes: int,
+        itemsize: int,
+        reqs: list[MPI.Request],
         spans: list[tuple[int, int]],
     ) -> None:
-        self.src, self.nbytes, self.itemsize = src, x.nbytes, x.itemsize
-        self.work: Work | None = None
-        self._mpi, self._tag = mpi, tag
-        dt = self._dt = _DATATYPES[x.dtype]
-        self._rest: list[Any] = []  # pieces posted once an any-source one matched
-        source = MPI.ANY_SOURCE if src < 0 else src
-        if len(spans) == 1:
-            self.reqs = [mpi.Irecv((mem, dt), source, tag)]
-        else:
-            # MPI keeps messages of one sender, tag and communicator in order: the receiver's
-            # pieces match the sender's one by one
-            xs = _flat(x)
-            pieces = [xs[s : s + n] for s, n in spans]
-            if src < 0:
-                self.reqs = [mpi.Irecv((pieces[0], dt), source, tag)]
-                self._rest = pieces[1:]
-            else:
-                self.reqs = [mpi.Irecv((piece, dt), src, tag) for piece in pieces]
+        self.src, self.nbytes, self.itemsize = src, nbytes, itemsize
+        self.reqs = reqs
         self.spans = spans
         self.statuses = [MPI.Status() for _ in spans]
+        self.work: Work | None = None
+        self._later: tuple[MPI.Intracomm, MPI.Datatype, int, list[Any]] | None = None
+
+    def then_from_sender(
+        self, mpi: MPI.Intracomm, dt: MPI.Datatype, tag: int, pieces: list[Any]
+    ) -> None:
+        """Post `pieces` from the sender of the first piece, once it has matched."""
+        self._later = (mpi, dt, tag, pieces)
 
     def _sender(self) -> str:
         return f"rank {self.src}" if self.src >= 0 else "any source"
@@ -642,12 +782,10 @@ class _Receive:
                 return False
             if self.src < 0:
                 self.src = statuses[0].Get_source()
-                if self._rest:
-                    self.reqs += [
-                        self._mpi.Irecv((piece, self._dt), self.src, self._tag)
-                        for piece in self._rest
-                    ]
-                    self._rest = []
+                if self._later is not None:
+                    mpi, dt, tag, pieces = self._later
+                    self._later = None
+                    self.reqs += [mpi.Irecv((piece, dt), self.src, tag) for piece in pieces]
                     return self.poll()
         except MPI.Exception as exc:
             # one request fails with ERR_TRUNCATE; Testall says ERR_IN_STATUS and the status

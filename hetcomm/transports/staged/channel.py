@@ -46,6 +46,7 @@ class Channel:
         self.early = 0  # shared slots held by sends still waiting for their clear-to-send
 
     def start(self) -> None:
+        """Start a sender thread per lane and a receiver per link (and the mpi rail's sender)."""
         for link in self.links:
             lanes = SHM_LANES if link.spec.kind == "shm" else 1
             for _ in range(lanes):
@@ -63,6 +64,7 @@ class Channel:
         self.threads.append(t)
 
     def alive(self) -> bool:
+        """Whether any rail to the peer still works."""
         return self.uses_mpi or any(link.alive for link in self.links)
 
     def signals(self) -> queue.Queue[Any]:
@@ -117,6 +119,7 @@ class Channel:
     # ---- the end ---------------------------------------------------------------------------
 
     def stop(self) -> None:
+        """Tell the channel's threads to end."""
         self.queue.put(_STOP)
         for q in (self._signals, self._completions):
             if q is not None:
@@ -133,4 +136,5 @@ class Channel:
                 seg.close()
 
     def describe(self) -> str:
+        """The channel's rails, for logs and errors."""
         return ", ".join(str(s) for s in self.specs)

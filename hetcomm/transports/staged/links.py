@@ -96,6 +96,7 @@ class Link:
             raise RailError(f"rail {self.spec} to rank {self.peer}: {exc}") from exc
 
     def recv_header(self) -> tuple[int, int, int, int, int, int]:
+        """Read one header: (kind, slot, op, chunk, offset, nbytes)."""
         buf = bytearray(HEADER.size)
         self.recv_into(memoryview(buf))
         kind, slot, op, chunk, offset, nbytes = HEADER.unpack(buf)
@@ -115,6 +116,7 @@ class Link:
             raise RailError(f"rail {self.spec} from rank {self.peer}: {exc}") from exc
 
     def close(self) -> None:
+        """Shut the socket down and close it; the link is dead from now on."""
         self.alive = False
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
@@ -203,6 +205,7 @@ class Listener:
             return self._arrived.pop((peer, rail))
 
     def close(self) -> None:
+        """Close every listening socket."""
         self._closed = True
         for s in self._socks:
             with contextlib.suppress(OSError):

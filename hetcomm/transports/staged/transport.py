@@ -109,6 +109,7 @@ class StagedTransport(RailThreads, Transport):
 
     @classmethod
     def unavailable(cls, topology: Topology) -> str | None:
+        """Always None: host memory always works; device memory needs cupy (checked per call)."""
         return None  # host memory always works; device memory needs cupy (checked per call)
 
     # ---- channels ----------------------------------------------------------------------------
@@ -368,6 +369,7 @@ class StagedTransport(RailThreads, Transport):
             )
 
     def finish_recv(self, op: _Op, deadline: float) -> None:
+        """Wait until `deadline` for the receive `op`, then forget it."""
         try:
             op.wait(deadline)
         finally:
@@ -523,6 +525,7 @@ class StagedTransport(RailThreads, Transport):
         return gpu.ready_event(bufs[0])
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
+        """Chunks over every rail to `dst` once its clear-to-send names this message."""
         stamp("send")
         region = self._region(x)
         k = self._p2p_number("send", dst, tag)
@@ -543,6 +546,7 @@ class StagedTransport(RailThreads, Transport):
         return self._run("send", seq, [x], body)
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
+        """Post a clear-to-send to `src`, then copy the chunks in as they land."""
         stamp("recv")
         region = self._region(x)
         k = self._p2p_number("recv", src, tag)
@@ -582,6 +586,7 @@ class StagedTransport(RailThreads, Transport):
             self.finish_recv(rop, deadline)
 
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
+        """A ring of staged messages (see collectives.py)."""
         from . import collectives
 
         return self._run(
@@ -589,16 +594,19 @@ class StagedTransport(RailThreads, Transport):
         )
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
+        """Staged messages to the root (see collectives.py)."""
         from . import collectives
 
         return self._run("reduce", seq, [x], collectives.reduce(self, x, op, root, seq), op)
 
     def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
+        """Staged messages from the root (see collectives.py)."""
         from . import collectives
 
         return self._run("broadcast", seq, [x], collectives.broadcast(self, x, root, seq))
 
     def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        """A ring of staged messages (see collectives.py)."""
         from . import collectives
 
         return self._run(
@@ -610,6 +618,7 @@ class StagedTransport(RailThreads, Transport):
         )
 
     def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
+        """A ring of staged messages (see collectives.py)."""
         from . import collectives
 
         return self._run(
@@ -622,6 +631,7 @@ class StagedTransport(RailThreads, Transport):
         )
 
     def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        """One staged message to and from every peer (see collectives.py)."""
         from . import collectives
 
         return self._run(
@@ -629,11 +639,13 @@ class StagedTransport(RailThreads, Transport):
         )
 
     def barrier(self, seq: int) -> Work:
+        """MPI_Ibarrier on the service communicator."""
         work = Work(self.comm, "barrier", seq, self.svc.Ibarrier().Test, ())
         work.info = {"transport": "staged", "bytes": 0, "stages": 0}
         return work
 
     def close(self) -> None:
+        """Stop the channels and rails, fail what still runs, end the driver (idempotent)."""
         if self._closed:
             return
         self._closed = True

@@ -1,0 +1,148 @@
+"""all_reduce_coalesced: arrays grouped by (dtype, memory), packed into one buffer per group,
+reduced by one collective each, and unpacked (hetcomm.fusion packs)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import fusion
+from .argcheck import check_timeout, then
+from .arrays import Buffer, storage_dtype
+from .errors import TransportUnavailable
+from .ops import ReduceOp, as_reduce_op
+from .routes import no_general
+from .transports.base import Transport
+from .transports.mpi.transport import MpiTransport
+from .work import Work, all_of, completed
+
+if TYPE_CHECKING:
+    from .comm import Communicator
+
+log = logging.getLogger("hetcomm")
+
+
+def all_reduce_coalesced(
+    comm: Communicator,
+    arrays: Sequence[Any],
+    op: ReduceOp | str,
+    async_op: bool,
+    timeout: float | None,
+) -> Work | None:
+    """Communicator.all_reduce_coalesced (see its docstring)."""
+
+    comm._check_open()
+    what = "all_reduce_coalesced"
+    rop = op if op.__class__ is ReduceOp else as_reduce_op(op, f"{what}: op")
+    if timeout is not None:
+        check_timeout(timeout, what)
+    bufs, groups = fusion.prepare(arrays, rop, what)
+    if not groups:
+        return completed(comm, "all_reduce", comm._seq) if async_op else None
+    # every group's transport is chosen (and may refuse) before any array is read
+    chosen = []
+    for g in groups:
+        if g.on_device:
+            fusion.check_device(what)
+        chosen.append(comm._transport("all_reduce", g.fused()))
+    if not async_op and all(
+        isinstance(t, MpiTransport) and not g.on_device for g, t in zip(groups, chosen)
+    ):
+        sizes = [g.total * storage_dtype(g.dtype).itemsize for g in groups]
+        mpi = chosen[0]  # the communicator's one mpi transport
+        assert isinstance(mpi, MpiTransport)
+        if all(map(mpi.fits_node, sizes)) and _on_node(comm, groups, sizes, mpi, rop, timeout):
+            return None
+    packed: list[tuple[Buffer, list[Callable[[], None]], Any]] = []
+    for g in groups:
+        if g.on_device:
+            dev = fusion.pack_device(g)
+            packed.append((g.fused(ptr=dev.ptr), [dev.unpack], dev))
+        else:
+            pool = fusion.host_buffers(comm)
+            flat = pool.take(g.dtype, g.total)
+            fusion.pack_host(g, flat)
+            packed.append(
+                (g.fused(flat[: g.total]), [_unpacker(g, flat), _giver(pool, flat)], flat)
+            )
+    works: list[Work] = []
+    for fb, steps, holder in packed:
+        # a group on another transport than the one before starts once the groups before it
+        # are done (the ordering guard waits for the collectives in flight)
+        route = comm._route(None, "all_reduce", fb, no_general, rop)
+        transport = route.transport
+
+        def start(
+            s: int,
+            fb: Buffer = fb,
+            steps: list[Callable[[], None]] = steps,
+            transport: Transport = transport,
+        ) -> Work:
+            return then(transport.all_reduce(fb, fb, rop, s), steps)
+
+        if fb.on_device and transport.name == "mpi":
+            holder.synchronize()  # MPI reads device memory without regard to streams
+        work = comm._admit(route, start) if async_op else start(comm._enter(route, timeout))
+        if timeout is not None:
+            work._timeout = float(timeout)
+        comm._inflight.append(work)
+        works.append(work)
+    if async_op:
+        work = works[0] if len(works) == 1 else all_of(comm, works)
+        return comm._finish(work, True, timeout, (bufs, packed))
+    for work in works:
+        comm._finish(work, False, timeout)
+    # seen complete here: out of the ordering guard's list, which would otherwise keep
+    # every blocking call's arrays alive
+    comm._inflight = [w for w in comm._inflight if not w._done]
+    return None
+
+
+def _on_node(
+    comm: Communicator,
+    groups: list[fusion.Group],
+    sizes: list[int],
+    transport: MpiTransport,
+    rop: ReduceOp,
+    timeout: float | None,
+) -> bool:
+    """A blocking all_reduce_coalesced of host arrays among one node's ranks: each group
+    (of `sizes` bytes) packed into this rank's shared segment, reduced there, and unpacked,
+    on this thread (hetcomm.transports.mpi.node). False, with nothing moved, where the
+    segments cannot be had (every rank finds out alike): the call then takes the fused MPI
+    all-reduce."""
+
+    def wait(request: Any, what: str, seq: int) -> None:
+        Work(comm, f"all_reduce_coalesced ({what})", seq, request.Test, timeout=timeout).wait()
+
+    if comm._deferred:
+        # the segments' first use duplicates the transport's communicator: a collective, which
+        # must come after the asynchronous collectives issued before it on every rank
+        comm._flush_deferred("all_reduce_coalesced", comm._seq + 1, timeout)
+    node = transport.node_reduce("all_reduce_coalesced", comm._seq + 1)
+    try:
+        node.segment(max(sizes), partial(wait, seq=comm._seq + 1))
+    except TransportUnavailable as exc:
+        log.warning("group '%s': %s; fused all-reduces go through MPI", comm.name, exc)
+        transport.node_off()
+        return False
+    for g, nbytes in zip(groups, sizes):
+        route = comm._route(None, "all_reduce", g.fused(), no_general, rop)
+        seq = comm._enter(route, timeout)
+        fused = node.segment(nbytes, partial(wait, seq=seq)).view(storage_dtype(g.dtype))
+        fusion.pack_host(g, fused)
+        node.all_reduce(nbytes, g.dtype, rop, partial(wait, seq=seq))
+        fusion.unpack_host(g, fused)
+    return True
+
+
+def _unpacker(g: fusion.Group, flat: np.ndarray) -> Callable[[], None]:
+    return lambda: fusion.unpack_host(g, flat)
+
+
+def _giver(pool: fusion.HostBuffers, flat: np.ndarray) -> Callable[[], None]:
+    return lambda: pool.give(flat)

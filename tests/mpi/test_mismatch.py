@@ -1,0 +1,200 @@
+"""The default check: ranks that call different collectives, or the same one with different
+arguments, get MismatchError on every rank before any byte moves, with their buffers as they
+were; the communicator stays usable. And a wait that times out names the ranks it waits for.
+
+Runs on whichever transport the run's HETCOMM_TRANSPORT picks (scripts/test runs this folder
+on mpi and on staged's rails)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hetcomm
+from hetcomm import ReduceOp
+
+
+def _each_rank_sees_mismatch(comm, errors, what, call, *arrays, fields=()):
+    """`call()` must raise MismatchError naming every field in `fields`, and leave `arrays`
+    (this rank's buffers) as they were."""
+    before = [a.copy() for a in arrays]
+    try:
+        call()
+    except hetcomm.MismatchError as exc:
+        for field in fields:
+            errors.expect(f"{field} differs" in str(exc), f"{what}: {field} not named: {exc}")
+        errors.expect(f"group '{comm.name}'" in str(exc), f"{what}: group not named: {exc}")
+    except Exception as exc:
+        errors.append(f"{what}: {type(exc).__name__} instead of MismatchError: {exc}")
+    else:
+        errors.append(f"{what}: no MismatchError")
+    for a, b in zip(arrays, before):
+        errors.expect(np.array_equal(a, b), f"{what}: a buffer was written")
+
+
+def _still_works(comm, errors, what):
+    x = np.full(5, comm.rank + 1, np.int64)
+    if errors.run(f"{what}: all_reduce afterwards", comm.all_reduce, x):
+        want = comm.size * (comm.size + 1) // 2
+        errors.expect((x == want).all(), f"{what}: all_reduce afterwards gave {x}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
+def test_mismatched_collectives_raise_on_every_rank(make_comm, errors, async_op):
+    comm = make_comm(name="mismatch", timeout=30)
+    odd = comm.rank == 1
+
+    def run(call):
+        work = call()
+        if async_op:
+            work.wait()
+
+    # count: 2048 elements on rank 1, 1024 elsewhere (MPI alone truncates or corrupts)
+    x = np.random.default_rng(comm.rank).standard_normal(2048 if odd else 1024)
+    _each_rank_sees_mismatch(
+        comm,
+        errors,
+        "count",
+        lambda: run(lambda: comm.all_reduce(x, async_op=async_op)),
+        x,
+        fields=("count",),
+    )
+    # dtype: float32 on rank 1
+    y = np.ones(64, np.float32 if odd else np.float64)
+    _each_rank_sees_mismatch(
+        comm,
+        errors,
+        "dtype",
+        lambda: run(lambda: comm.all_reduce(y, async_op=async_op)),
+        y,
+        fields=("dtype",),
+    )
+    # reduce op
+    z = np.arange(16, dtype=np.int32) + comm.rank
+    _each_rank_sees_mismatch(
+        comm,
+        errors,
+        "reduce op",
+        lambda: run(
+            lambda: comm.all_reduce(z, ReduceOp.MAX if odd else ReduceOp.SUM, async_op=async_op)
+        ),
+        z,
+        fields=("reduce op",),
+    )
+    # kind of operation: broadcast on rank 1, all_reduce elsewhere
+    w = np.full(32, comm.rank, np.int64)
+    _each_rank_sees_mismatch(
+        comm,
+        errors,
+        "operation",
+        lambda: run(
+            lambda: (
+                comm.broadcast(w, 0, async_op=async_op)
+                if odd
+                else comm.all_reduce(w, async_op=async_op)
+            )
+        ),
+        w,
+        fields=("operation",),
+    )
+    # root of a broadcast
+    v = np.full(8, comm.rank, np.int16)
+    _each_rank_sees_mismatch(
+        comm,
+        errors,
+        "root",
+        lambda: run(lambda: comm.broadcast(v, 1 if odd else 0, async_op=async_op)),
+        v,
+        fields=("root",),
+    )
+    # out-of-place forms: all_gather with another count on rank 1
+    n = 3 if odd else 2
+    xg = np.full(n, comm.rank, np.float64)
+    out = np.full(n * comm.size, -1.0)
+    _each_rank_sees_mismatch(
+        comm,
+        errors,
+        "all_gather count",
+        lambda: run(lambda: comm.all_gather(out, xg, async_op=async_op)),
+        xg,
+        out,
+        fields=("count",),
+    )
+    _still_works(comm, errors, "after the mismatches")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_same_signature_repeated_is_checked_every_time(make_comm, errors):
+    """A route is resolved once per signature, but the check runs on every call: ranks that
+    agree for a while and then diverge are caught at the first call that differs."""
+    comm = make_comm(name="diverge", timeout=30)
+    x = np.ones(8, np.float32)
+    for i in range(5):
+        errors.run(f"round {i}", comm.all_reduce, x)
+    errors.expect((x == comm.size**5).all(), f"agreeing rounds gave {x}")
+    y = np.ones(8 if comm.rank else 4, np.float32)
+    _each_rank_sees_mismatch(comm, errors, "divergent round", lambda: comm.all_reduce(y), y)
+    _still_works(comm, errors, "after divergence")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_check_can_be_switched_off(make_comm, errors):
+    """With check=False (the same on every rank) agreeing calls still give right results."""
+    comm = make_comm(name="unchecked", check=False)
+    for form in ("in place", "out of place"):
+        x = np.full(16, comm.rank + 1.0)
+        out = np.empty_like(x) if form == "out of place" else None
+        errors.run(form, comm.all_reduce, x, out=out)
+        got = x if out is None else out
+        errors.expect((got == comm.size * (comm.size + 1) / 2).all(), f"{form}: {got}")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_timeout_names_the_ranks_that_have_not_arrived(make_comm, errors):
+    """Rank 1 never calls: every other rank's CommTimeout names it (and only it)."""
+    comm = make_comm(name="late", timeout=3)
+    x = np.ones(4)
+    if comm.rank != 1:
+        try:
+            comm.all_reduce(x)
+        except hetcomm.CommTimeout as exc:
+            errors.expect(exc.missing == (1,), f"missing ranks {exc.missing}: {exc}")
+            errors.expect("ranks not arrived: [1]" in str(exc), f"message: {exc}")
+            errors.expect("timed out" in str(exc), f"message: {exc}")
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__} instead of CommTimeout: {exc}")
+        else:
+            errors.append("no CommTimeout")
+        errors.expect(np.array_equal(x, np.ones(4)), "x was written")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_asynchronous_collective_starts_while_its_caller_blocks_elsewhere(make_comm, errors):
+    """Rank 0 issues an asynchronous all_reduce, then blocks in a large send to rank 1, which
+    first runs the all_reduce (blocking) and only then receives: the all_reduce, held back
+    until its check completes, must start without rank 0 polling it (legal MPI, and it ran
+    before the check existed)."""
+    comm = make_comm(name="deferred", timeout=30)
+    x = np.full(16, comm.rank + 1.0)
+    big = np.zeros(1 << 20)  # 8 MiB: past the eager limit, the send waits for its receive
+    want = comm.size * (comm.size + 1) / 2
+    if comm.rank == 0:
+
+        def go():
+            work = comm.all_reduce(x, async_op=True)
+            comm.send(np.ones_like(big), 1, tag=9)
+            work.wait()
+
+        errors.run("rank 0", go)
+    else:
+        errors.run("all_reduce", comm.all_reduce, x)
+        if comm.rank == 1:
+            errors.run("recv", comm.recv, big, 0, tag=9)
+            errors.expect((big == 1).all(), "the large message")
+    errors.expect((x == want).all(), f"all_reduce gave {x[:3]}")
+    errors.verify()
