@@ -201,16 +201,21 @@ class TestProfiler:
         errors.expect(not made, f"events made without a profiler: {made}")
         errors.verify()
 
-    def test_the_hetcomm_trace_keeps_recording_beside_the_profiler(self, errors, pg, monkeypatch):
+    def test_the_hetcomm_trace_keeps_recording_beside_the_profiler(self, errors, pg) -> None:
+        """hetcomm's trace is an observer of every completed Work: it still sees the operation
+        that the torch profiler records."""
         import hetcomm.work as hw
 
-        traced = []
-        monkeypatch.setattr(hw, "_recorder", traced.append)
-        with torch.autograd.profiler.profile() as prof:
-            dist.all_reduce(torch.ones(4))
+        traced: list = []
+        hw.add_observer(traced.append)
+        try:
+            with torch.autograd.profiler.profile() as prof:
+                dist.all_reduce(torch.ones(4))
+        finally:
+            hw.remove_observer(traced.append)
         names = [e.name for e in prof.function_events]
         errors.expect("hetcomm:all_reduce" in names, f"profiler events: {names}")
-        errors.expect([w.op for w in traced] == ["all_reduce"], f"traced: {traced}")
+        errors.expect("all_reduce" in [w.op for w in traced], f"traced: {traced}")
         errors.verify()
 
 
