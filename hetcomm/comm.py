@@ -368,7 +368,6 @@ class Communicator:
             raise self._mpi_error(route.op, seq, exc) from exc
         check.busy = True
         item = Deferred(check, seq, partial(start, seq))
-        self._deferred.add(item)
 
         def poll() -> bool:
             inner = item.inner
@@ -379,12 +378,11 @@ class Communicator:
                 inner = item.inner
                 if inner is None:
                     return False
-                outer.info = inner.info
-                inner.observed = False  # the caller's Work is the one traced
             return inner.test()
 
-        outer = Work(self, route.op, seq, poll)
-        return outer
+        item.outer = Work(self, route.op, seq, poll)
+        self._deferred.add(item)
+        return item.outer
 
     def _flush_deferred(self, op: str, seq: int, timeout: float | None = None) -> None:
         """Start every deferred collective before the one now entering (bounded wait)."""

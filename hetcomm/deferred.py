@@ -33,13 +33,15 @@ _POLL_S = 200e-6
 
 class Deferred:
     """One asynchronous collective waiting for its check: once it has agreed, `start()`
-    starts it and `inner` is its Work; `error` is what it failed with instead."""
+    starts it and `inner` is its Work (polled by `outer`, the caller's); `error` is what it
+    failed with instead."""
 
-    __slots__ = ("check", "error", "inner", "seq", "start")
+    __slots__ = ("check", "error", "inner", "outer", "seq", "start")
 
     def __init__(self, check: Check, seq: int, start: Callable[[], Work]) -> None:
         self.check, self.seq, self.start = check, seq, start
         self.inner: Work | None = None
+        self.outer: Work | None = None  # the caller's Work, which polls `inner`
         self.error: BaseException | None = None
 
 
@@ -95,9 +97,13 @@ class DeferredStarts:
                     item.error = exc
                 continue
             try:
-                item.inner = item.start()
+                inner = item.inner = item.start()
             except BaseException as exc:
                 item.error = exc
+                continue
+            inner.observed = False  # the caller's Work is the one traced, with these facts
+            if item.outer is not None:
+                item.outer.info = inner.info
 
 
 class _Starter:

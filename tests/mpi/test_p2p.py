@@ -154,7 +154,7 @@ def test_staged_send_recv_start_on_the_calling_thread(make_comm, rng, errors):
             works.append(comm.recv(got[i], 0, tag=8, async_op=True))
     for w in reversed(works):
         w.wait()
-    want = 0 if staged._doorbell(1 - comm.rank) is not None else 5
+    want = 0 if staged.cts.doorbell(1 - comm.rank) is not None else 5
     errors.expect(
         staged._driver.submitted - before == want,
         f"{staged._driver.submitted - before} sends/recvs went to a driver thread, expected {want}",
@@ -185,7 +185,7 @@ def test_staged_send_without_a_receive_times_out_naming_it(make_comm, errors, op
         except hetcomm.CommTimeout as exc:
             errors.expect("never posted the matching receive" in str(exc), f"said: {exc}")
         staged = comm._transports["staged"]
-        errors.expect(not staged._waiting_sends, f"left behind: {staged._waiting_sends}")
+        errors.expect(not staged.cts.waiting, f"left behind: {staged.cts.waiting}")
     elif comm.rank == 1 and not opened:
         try:
             comm.recv(np.empty(4), 0, tag=6, timeout=10)

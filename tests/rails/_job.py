@@ -211,7 +211,7 @@ def fail(params: dict[str, Any]) -> dict[str, Any]:
             ops: list[Any] = []
 
             def landed() -> bool:
-                ops[:] = [op for op in list(t._ops.values()) if op.region.nbytes == n]
+                ops[:] = [op for op in list(t.receives.values()) if op.region.nbytes == n]
                 # after params["landed"] chunks (default 1)
                 return bool(ops) and ops[0].left <= len(ops[0].spans) - landed_before_cut
 
@@ -396,7 +396,7 @@ def early(params: dict[str, Any]) -> dict[str, Any]:
         comm.recv(got[:1], 1)  # opens the channel; rank 1 sends one byte first
         work = comm.send(data, 1, tag=1, async_op=True)
         result["early_chunks_late"] = len(
-            t._waiting_sends and next(iter(t._waiting_sends.values()))[1].early
+            t.cts.waiting and next(iter(t.cts.waiting.values()))[1].early
         )
         work.wait()
     else:
@@ -486,7 +486,7 @@ def close_waiting(params: dict[str, Any]) -> dict[str, Any]:
     if comm.rank == 0:
         comm.send(data[:1], 1)  # opens the channel
         work = comm.send(data, 1, tag=5, async_op=True)
-        waiting = list(t._waiting_sends.values())
+        waiting = list(t.cts.waiting.values())
         result["early_chunks"] = len(waiting[0][1].early) if waiting else 0
         close(comm, result)
         result["held_after_close"] = t._channels[1].early  # slots still held by waiting sends
@@ -516,13 +516,14 @@ def sender_closes_first(params: dict[str, Any]) -> dict[str, Any]:
         close(comm, result)
     else:
         comm.recv(got[:1], 0)
-        deliver = t._deliver
+        ch = t._channels[0]
+        deliver = ch._deliver
 
         def slow(op: Any, off: int, chunk: np.ndarray) -> None:
             time.sleep(0.8)
             deliver(op, off, chunk)
 
-        t._deliver = slow
+        ch._deliver = slow
         timed(lambda: comm.recv(got, 0, tag=2), result, "error", "recv_s")
         if d := first_difference(got, data):
             result["errors"].append(d)

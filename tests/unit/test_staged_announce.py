@@ -1,4 +1,4 @@
-"""Who announces a chunk staged into a shared slot (RailThreads._announce_soon): the thread at
+"""Who announces a chunk staged into a shared slot (Channel.announce_soon): the thread at
 hand when the chunk's copy has ended or is short, else the channel's signaller thread. Driven on
 the CPU with stand-in events and links."""
 
@@ -10,8 +10,9 @@ import pytest
 
 from hetcomm.transports.local import Region
 from hetcomm.transports.staged import links
+from hetcomm.transports.staged.channel import Channel
 from hetcomm.transports.staged.ops import _Op
-from hetcomm.transports.staged.rails import INLINE_COPY_BYTES, RailThreads
+from hetcomm.transports.staged.rails import INLINE_COPY_BYTES
 
 CHUNK = 8 << 20  # longer than INLINE_COPY_BYTES: never waited for inline for its size alone
 
@@ -33,7 +34,9 @@ class Link:
         self.sent.append(fields)
 
 
-class Channel:
+class FakeChannel(Channel):
+    """A channel with no rails: only its signaller's queue, which nothing serves."""
+
     def __init__(self) -> None:
         self.signaller: queue.Queue = queue.Queue()
 
@@ -41,8 +44,8 @@ class Channel:
         return self.signaller
 
 
-def _setup(nbytes: int, ready: object = None) -> tuple[RailThreads, Channel, Link, _Op]:
-    rails = object.__new__(RailThreads)
+def _setup(nbytes: int, ready: object = None) -> tuple[FakeChannel, FakeChannel, Link, _Op]:
+    ch = FakeChannel()
     op = _Op(
         1,
         Region(2 * nbytes, None, 0x1000),
@@ -51,13 +54,13 @@ def _setup(nbytes: int, ready: object = None) -> tuple[RailThreads, Channel, Lin
         ready=ready,
         left=2,
     )
-    return rails, Channel(), Link(), op
+    return ch, ch, Link(), op
 
 
 def test_ended_copy_is_announced_at_once() -> None:
     rails, ch, link, op = _setup(CHUNK)
     event = Event(done=True)
-    rails._announce_soon(ch, event, link, 3, op, 1, CHUNK, CHUNK)
+    rails.announce_soon(event, link, 3, op, 1, CHUNK, CHUNK)
     assert link.sent == [(links.SLOT, 3, 7, 1, CHUNK, CHUNK)]
     assert ch.signaller.empty()
     assert op.left == 1 and op.seen == {1}
@@ -66,14 +69,14 @@ def test_ended_copy_is_announced_at_once() -> None:
 def test_running_long_copy_goes_to_the_signaller() -> None:
     rails, ch, link, op = _setup(CHUNK)
     event = Event(done=False)
-    rails._announce_soon(ch, event, link, 3, op, 0, 0, CHUNK)
+    rails.announce_soon(event, link, 3, op, 0, 0, CHUNK)
     assert link.sent == [] and op.left == 2
     assert ch.signaller.get_nowait() == (event, link, 3, op, 0, 0, CHUNK)
 
 
 def test_host_bytes_are_announced_at_once() -> None:
     rails, ch, link, op = _setup(CHUNK)
-    rails._announce_soon(ch, None, link, 0, op, 0, 0, CHUNK)
+    rails.announce_soon(None, link, 0, op, 0, 0, CHUNK)
     assert link.sent == [(links.SLOT, 0, 7, 0, 0, CHUNK)] and ch.signaller.empty()
 
 
@@ -92,7 +95,7 @@ def test_short_copy_waits_here_only_when_the_callers_work_is_done(caller_done: b
     n = INLINE_COPY_BYTES
     rails, ch, link, op = _setup(n, ready=Event(done=caller_done))
     event = ShortCopy(done=False)
-    rails._announce_soon(ch, event, link, 2, op, 0, 0, n)
+    rails.announce_soon(event, link, 2, op, 0, 0, n)
     if caller_done:
         assert link.sent == [(links.SLOT, 2, 7, 0, 0, n)] and event.waits == 1
     else:

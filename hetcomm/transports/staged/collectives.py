@@ -11,8 +11,8 @@ import numpy as np
 from ...ops import ReduceOp
 from .. import local
 from ..local import Region
+from .cts import CTS_COLL
 from .schedule import block_spans, chunk_spans
-from .transport import CTS_COLL
 
 if TYPE_CHECKING:
     from ...arrays import Buffer
@@ -25,7 +25,7 @@ class _Local:
     """Copies, reductions and scratch space on whichever side the data lives."""
 
     def __init__(self, t: StagedTransport, ready: Any) -> None:
-        self.gpu = t._gpu
+        self.gpu = t.gpu
         self.ready = ready
 
     def temp(self, nbytes: int, like: Region) -> Region:

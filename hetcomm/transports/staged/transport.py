@@ -25,13 +25,9 @@ from ..local import Region
 from ..shm import SharedSlots
 from . import links
 from .channel import Channel
+from .cts import CTS_COLL, CTS_P2P, ClearToSend
 from .ops import _STOP, PeerTimeout, _Drivers, _Op, stamp
-from .rails import (
-    BYE_MPI,
-    ERROR_MPI,
-    RailThreads,
-    _size_mismatch,
-)
+from .rails import ERROR_MPI, MpiRail, size_mismatch
 from .schedule import choose_rails, chunk_spans, rail_key, slots_that_fit
 
 if TYPE_CHECKING:
@@ -50,16 +46,23 @@ SLOTS = 8
 # half its slots, so the sends already cleared always have slots to go on with. On the H200 a
 # 256 MiB send/recv took 1-3% less time so (docs/BENCHMARKS.md).
 EARLY_CHUNKS = 4
-CTS_P2P, CTS_COLL = 1, 2
 
 
-class StagedTransport(RailThreads, Transport):
+class StagedTransport(Transport):
     """CPU-forwarding: device -> pinned host -> rails -> pinned host -> device, chunk by chunk.
 
     A receive posts a clear-to-send (over the shm rail's socket, else MPI) naming its op id;
     the sender then streams its chunks over every rail to that peer at once, each rail taking
     the next chunk when it is free, so that faster rails carry more. Collectives are rings of
     these messages.
+
+    What it holds, and which thread owns it: `_channels` (opened by the calling or a driver
+    thread under the peer's lock, then read by all), `receives` (receives in flight by op id:
+    added and removed by the thread that runs the receive, read by the channels' readers and
+    the mpi rail), `cts` (the clear-to-send bookkeeping, shared with the channels, its own
+    lock), `mpi_rail` (its own thread), `gpu` (made by the first operation on device memory,
+    before any thread uses it), `stats` (bytes per rail, added by the sender threads under
+    `_stats_lock`).
     """
 
     name: ClassVar[str] = "staged"
@@ -90,18 +93,16 @@ class StagedTransport(RailThreads, Transport):
             "token": self.token,
         }
         self._channels: dict[int, Channel] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the peer locks' creation and the p2p message counts
         self._peer_locks: dict[int, threading.Lock] = {}
-        self._mpi_rail: threading.Thread | None = None
-        self._ops: dict[int, _Op] = {}
+        self.receives: dict[int, _Op] = {}
         self._op_ids = itertools.count(1)
-        self._inbox: dict[tuple[int, int, int, int], list[tuple[int, int]]] = {}
-        self._inbox_cond = threading.Condition()
-        self._waiting_sends: dict[tuple[int, int, int, int], tuple[Channel, _Op]] = {}
+        self.cts = ClearToSend(self.rank, self.svc, self._channels, self._queue_send)
+        self.mpi_rail = MpiRail(self)
         self._p2p_counts: dict[tuple[str, int, int], int] = {}
         self._driver = _Drivers(4, f"hetcomm-staged-{self.rank}")
-        self._closed = False
-        self._gpu: Any = None
+        self.closed = False
+        self.gpu: Any = None
         self.stats: dict[str, int] = {}
         self._stats_lock = threading.Lock()
         self._counting = threading.local()  # .info: the trace facts of the op a driver runs
@@ -153,7 +154,7 @@ class StagedTransport(RailThreads, Transport):
                     if done:
                         got[p] = msg
             if len(got) < len(recvs):
-                if self._closed:
+                if self.closed:
                     raise HetcommError("the staged transport was closed while opening channels")
                 if time.monotonic() > deadline:
                     late = sorted(set(recvs) - set(got))
@@ -187,7 +188,8 @@ class StagedTransport(RailThreads, Transport):
         # takes from lower ones, which never wait on it, so the connections cannot deadlock
         for peer in peers:
             theirs = cards[peer]
-            ch = opened[peer] = Channel(self, peer, choose_rails(self.card, theirs, self.mode))
+            specs = choose_rails(self.card, theirs, self.mode)
+            ch = opened[peer] = Channel(self, self.cts, peer, specs)
             for spec in ch.specs:
                 if spec.kind == "mpi":
                     continue
@@ -237,10 +239,10 @@ class StagedTransport(RailThreads, Transport):
         if peer != self.rank:
             self._count(len(spans))
         op_id = next(self._op_ids)
-        self._ops[op_id] = op
+        self.receives[op_id] = op
         if not spans:
             op.done.set()
-        self._send_cts(peer, kind, k1, k2, op_id, region.nbytes)
+        self.cts.send(peer, kind, k1, k2, op_id, region.nbytes)
         stamp("cts sent")
         return op
 
@@ -264,7 +266,7 @@ class StagedTransport(RailThreads, Transport):
         op = _Op(peer, region, spans, ready=ready, left=len(spans))
         self._count(len(spans))
         self._stage_early(ch, op)
-        entry = self._cts_or_register(ch, op, (peer, kind, k1, k2), deadline)
+        entry = self.cts.take_or_register(ch, op, (peer, kind, k1, k2), deadline)
         if entry is not None:
             self._queue_send(ch, op, *entry)
         return op
@@ -275,7 +277,7 @@ class StagedTransport(RailThreads, Transport):
         try:
             op.wait(deadline)
         except PeerTimeout:
-            self._unwait(op)
+            self.cts.unwait(op)
             raise
 
     def _stage_early(self, ch: Channel, op: _Op) -> None:
@@ -284,7 +286,7 @@ class StagedTransport(RailThreads, Transport):
         (device data: up to early_chunks, the copy engine busy meanwhile; host data: the first
         chunk, copied here). Only where slots are free at once, and while the channel's sends
         that wait for their clear-to-send hold fewer than half of them."""
-        link = self._doorbell(op.peer)
+        link = ch.doorbell()
         if link is None or ch.shm_out is None or self.early_chunks <= 0 or not op.spans:
             return
         host = op.region.host
@@ -294,7 +296,7 @@ class StagedTransport(RailThreads, Transport):
         if not slots:
             return
         if host is None:
-            ch.shm_out.register_with_gpu(self._gpu.device)
+            ch.shm_out.register_with_gpu(self.gpu.device)
         for idx, slot in enumerate(slots):
             off, n = op.spans[idx]
             target = ch.shm_out.view(slot, n)
@@ -303,7 +305,7 @@ class StagedTransport(RailThreads, Transport):
                 event = None
             else:
                 stamp("d2h call early", idx)
-                event = self._gpu.copy_to_host_async(target, op.region.sub(off, n), op.ready)
+                event = self.gpu.copy_to_host_async(target, op.region.sub(off, n), op.ready)
             op.early.append((slot, event, (off, n)))
             stamp("d2h queued early", idx)
 
@@ -326,11 +328,11 @@ class StagedTransport(RailThreads, Transport):
             op.done.set()
         early = ch.take_early(op) if op.early else []
         if early:
-            link = self._doorbell(op.peer)
+            link = ch.doorbell()
             assert link is not None  # early chunks are staged only where the shm rail rings
-            self._count_bytes(link, sum(n for _, _, (_, n) in early))
+            self.count_bytes(link, sum(n for _, _, (_, n) in early))
             for idx, (slot, event, (off, n)) in enumerate(early):
-                self._announce_soon(ch, event, link, slot, op, idx, off, n)
+                ch.announce_soon(event, link, slot, op, idx, off, n)
         for idx in range(len(early), len(op.spans)):
             ch.queue.put((op, idx, op.spans[idx]))
 
@@ -338,11 +340,11 @@ class StagedTransport(RailThreads, Transport):
         self, region: Region, kind: int, k1: int, k2: int, deadline: float, ready: Any
     ) -> _Op:
         """A message to this very rank: one local copy into the matching receive."""
-        remote, expected = self._await_cts(self.rank, kind, k1, k2, deadline)
+        remote, expected = self.cts.wait_for(self.rank, kind, k1, k2, deadline)
         op = _Op(self.rank, region, [], ready=ready)
-        target = self._ops.get(remote)
+        target = self.receives.get(remote)
         if expected != region.nbytes or target is None:
-            exc = _size_mismatch(self.rank, region.nbytes, expected)
+            exc = size_mismatch(self.rank, region.nbytes, expected)
             if target is not None:
                 target.fail(exc)
             op.fail(exc)
@@ -351,7 +353,7 @@ class StagedTransport(RailThreads, Transport):
             if region.host is not None and target.region.host is not None:
                 np.copyto(target.region.host, region.host)
             else:
-                self._gpu.copy_device(target.region, region, ready)
+                self.gpu.copy_device(target.region, region, ready)
         for idx in range(len(target.spans)):
             target.count(idx)
         op.done.set()
@@ -377,11 +379,17 @@ class StagedTransport(RailThreads, Transport):
 
     def _forget(self, op: _Op) -> None:
         """Drop a finished receive from the ops that arriving chunks look up."""
-        for key, value in list(self._ops.items()):
+        for key, value in list(self.receives.items()):
             if value is op:
-                del self._ops[key]
+                del self.receives[key]
 
     # ---- operations --------------------------------------------------------------------------
+
+    def count_bytes(self, link: links.Link | None, n: int) -> None:
+        """Add `n` bytes sent to the statistics of `link`'s rail (None: the mpi rail)."""
+        name = "mpi" if link is None else str(link.spec)
+        with self._stats_lock:
+            self.stats[name] = self.stats.get(name, 0) + n
 
     def bytes_per_rail(self) -> dict[str, int]:
         """Bytes sent so far per rail (`stats`), keyed by rail_key: the same names on every run."""
@@ -454,14 +462,14 @@ class StagedTransport(RailThreads, Transport):
     def _device(self, bufs: list[Buffer]) -> Any:
         if not any(b.on_device for b in bufs):
             return None
-        if self._gpu is None:
+        if self.gpu is None:
             from ...kernels import device
 
             why = device.unavailable()
             if why is not None:
                 raise TransportUnavailable(f"staged transport on device buffers: {why}")
-            self._gpu = device.StagingDevice(self.chunk_bytes, self.slots)
-        return self._gpu
+            self.gpu = device.StagingDevice(self.chunk_bytes, self.slots)
+        return self.gpu
 
     def _p2p_number(self, direction: str, peer: int, tag: int) -> int:
         """The how-many-th message to or from `peer` with `tag` this is, counted when the call
@@ -477,9 +485,9 @@ class StagedTransport(RailThreads, Transport):
         """Whether a send to or receive from `peer` can start on the calling thread: their
         channel is open and rings the shm doorbell, so nothing there blocks (else a driver
         runs it; the first message opens the channel, which both ranks do together)."""
-        if peer not in self._channels or self._closed:
+        if peer not in self._channels or self.closed:
             return False
-        doorbell = self._doorbell(peer)
+        doorbell = self._channels[peer].doorbell()
         return doorbell is not None and doorbell.alive
 
     def _op_work(
@@ -536,7 +544,7 @@ class StagedTransport(RailThreads, Transport):
             ready = self._ready([x])
             stamp("ready")
             op = self.start_send(dst, region, CTS_P2P, tag, k, deadline, ready)
-            return self._op_work("send", seq, x, op, deadline, lambda: self._unwait(op))
+            return self._op_work("send", seq, x, op, deadline, lambda: self.cts.unwait(op))
 
         def body(deadline: float, ready: Any) -> None:
             self.finish_send(
@@ -646,41 +654,36 @@ class StagedTransport(RailThreads, Transport):
 
     def close(self) -> None:
         """Stop the channels and rails, fail what still runs, end the driver (idempotent)."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = self.cts.closed = True
         for ch in self._channels.values():
             ch.stop()
             for link in ch.links:
                 with contextlib.suppress(links.RailError):
                     link.send(links.BYE, -1, 0, 0, 0, 0)
-        if self._mpi_rail is not None:
-            self.svc.Send(np.array([BYE_MPI, 0, 0, 0, 0], np.int64), self.rank, tags.STAGED_HEAD)
-            self._mpi_rail.join(timeout=5)
+        self.mpi_rail.stop()
         # operations still running (a peer that never came) end now: their threads must be out
         # of MPI before the process finalizes it
         closed = HetcommError("the staged transport was closed")
-        for op in list(self._ops.values()):
+        for op in list(self.receives.values()):
             op.fail(closed)
-        with self._inbox_cond:
-            waiting, self._waiting_sends = self._waiting_sends, {}
-        for ch, op in waiting.values():
+        for ch, op in self.cts.take_waiting():
             if op.early:
                 ch.drop_early(op)  # their copies end before the segment goes
             op.fail(HetcommError("the staged transport was closed while waiting to send"))
         for ch in self._channels.values():
-            self._fail_channel(ch, closed)
+            ch.fail(closed)
             ch.queue.put(_STOP)  # draining took the stop signal out too
-        with self._inbox_cond:
-            self._inbox_cond.notify_all()
+        self.cts.wake()
         self._driver.shutdown(wait_s=2.0)
         for ch in self._channels.values():
             for t in ch.threads:
                 t.join(timeout=2)
             ch.release()
         self.listener.close()
-        if self._gpu is not None:
-            self._gpu.close()
+        if self.gpu is not None:
+            self.gpu.close()
 
 
 # Transports not closed by their communicator are closed when the interpreter exits, before
