@@ -32,11 +32,17 @@ try:
 except _metadata.PackageNotFoundError:  # imported from a checkout that was never installed
     __version__ = "0+unknown"
 
+#: `Communicator.recv(x, src=ANY_SOURCE)` takes the next matching message from any rank and
+#: returns (or its Work carries, `work.source`) the rank it came from. Not -1: a rank computed
+#: as -1 by mistake stays an error instead of receiving from whoever sends first.
+ANY_SOURCE = -(2**31)
+
 # kernels/ and launch/ sit beside hetcomm/ in the repository and install as hetcomm.kernels and
 # hetcomm.launch by pyproject's package mapping; a checkout imports them through its editable
 # install (pip install -e .), never by widening this package's __path__.
 
 __all__ = [
+    "ANY_SOURCE",
     "CommAborted",
     "CommTimeout",
     "Communicator",

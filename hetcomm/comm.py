@@ -6,12 +6,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 from mpi4py import MPI
 
-from . import agree, coalesced
+from . import ANY_SOURCE, agree, coalesced
 from . import plan as planning
 from . import trace as _trace  # noqa: F401 (importing it registers tracing's decision on Work)
 from . import work as _work
@@ -38,6 +38,8 @@ from .work import Work, all_of, completed
 log = logging.getLogger("hetcomm")
 
 _POINT_TO_POINT = frozenset(("send", "recv"))
+# the MPI communicators of closed Communicators, never freed (see Communicator.close)
+_CLOSED_MPI_COMMS: list[MPI.Intracomm] = []
 # polls of a blocking check before it waits as a Work (bounded, with the stall warning)
 _QUICK_POLLS = 64
 
@@ -117,13 +119,16 @@ class Communicator:
             transport.close()
         self._transports.clear()
         self._routes.clear()
-        # an aborted communicator may still have MPI operations in flight: freeing it then
-        # would let MPI write into released memory, so it is left to MPI_Finalize
-        free = self._aborted is None and self.mpi != MPI.COMM_NULL
-        self._agree.close(free)
-        if free:
-            self.service.Free()
-            self.mpi.Free()
+        # The MPI communicators are kept, not freed, until MPI_Finalize (about 10 KB each).
+        # MPI gives a freed communicator's context id to the next one made, and Open MPI hands
+        # that one the messages still addressed to the old: a message another rank sends on
+        # this group after it closed here would reach a later group. Kept, such a message is
+        # never matched: it is dropped, or its sender fails within its timeout (as gloo's and
+        # NCCL's do). An aborted communicator may also have MPI operations in flight, which a
+        # free would let write into released memory.
+        self._agree.close(False)  # the check's communicator is kept too
+        if self.mpi != MPI.COMM_NULL:
+            _CLOSED_MPI_COMMS.extend((self.service, self.mpi))
 
     @property
     def closed(self) -> bool:
@@ -887,6 +892,30 @@ class Communicator:
             _work.set_blocking(False)
         return self._finish(work, async_op, timeout, (xb, xc))
 
+    @overload
+    def recv(
+        self,
+        x: Any,
+        src: int,
+        tag: int = 0,
+        *,
+        async_op: Literal[False] = False,
+        timeout: float | None = None,
+    ) -> int: ...
+    @overload
+    def recv(
+        self,
+        x: Any,
+        src: int,
+        tag: int = 0,
+        *,
+        async_op: Literal[True],
+        timeout: float | None = None,
+    ) -> Work: ...
+    @overload
+    def recv(
+        self, x: Any, src: int, tag: int = 0, *, async_op: bool, timeout: float | None = None
+    ) -> Work | int: ...
     def recv(
         self,
         x: Any,
@@ -895,23 +924,43 @@ class Communicator:
         *,
         async_op: bool = False,
         timeout: float | None = None,
-    ) -> Work | None:
-        """Receive into `x` from rank `src` (a message of exactly x's size and dtype)."""
+    ) -> Work | int:
+        """Receive into `x` from rank `src` (a message of exactly x's size and dtype); returns
+        the sender's rank, or with `async_op` a Work whose `source` is it once complete.
+
+        `src=hetcomm.ANY_SOURCE` takes the next message with `tag` from any rank (on the mpi
+        transport; the others refuse it with InvalidArgument)."""
         if self._aborted is not None or self._closed:
             self._check_open()
-        src = self._root(src, "recv: src") if src.__class__ is not int else src
-        if not 0 <= src < self.size:
-            self._root(src, "recv: src")
+        anywhere = src == ANY_SOURCE and isinstance(src, (int, np.integer))
+        if anywhere:
+            src = ANY_SOURCE
+        else:
+            src = self._root(src, "recv: src") if src.__class__ is not int else src
+            if not 0 <= src < self.size:
+                self._root(src, "recv: src")
         if tag.__class__ is not int or not 0 <= tag <= self._tag_ub:
             tag = self._tag(tag, "recv")
         if self._group is not None:
-            return self._queue("recv", x, src, tag, async_op, timeout)
+            queued = self._queue("recv", x, src, tag, async_op, timeout)
+            return queued if queued is not None else src
         kx = key_of(x)
         key = None if kx is None else ("recv", kx)
         route = self._routes.get(key) if key is not None else None
         if route is None:
             xb = as_buffer(x, "recv: x")
             route = self._route(key, "recv", xb, no_general)
+        if anywhere:
+            if not route.transport.any_source:
+                xb = as_buffer(x, "recv: x")
+                memory = "device" if xb.on_device else "host"
+                raise InvalidArgument(
+                    f"recv from ANY_SOURCE: group '{self.name}' receives {memory} buffers of "
+                    f"{xb.nbytes} bytes over the '{route.transport.name}' transport, which "
+                    "needs the sender's rank; name it (src=rank), or run the group on the mpi "
+                    "transport (HETCOMM_TRANSPORT=mpi), which receives from any source"
+                )
+            return self._recv(route, x, src, tag, async_op, timeout, None)
         if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, True)
             if xh is not None:
@@ -919,7 +968,7 @@ class Communicator:
                 route.runs += 1
                 try:
                     if route.run(xh, src, tag, seq):
-                        return None
+                        return src
                 except MPI.Exception as exc:
                     raise self._mpi_error("recv", seq, exc) from exc
                 return self._recv(route, x, src, tag, False, None, seq)
@@ -934,7 +983,7 @@ class Communicator:
         async_op: bool,
         timeout: float | None,
         seq: int | None,
-    ) -> Work | None:
+    ) -> Work | int:
         if timeout is not None:
             check_timeout(timeout, "recv")
         route.uses += 1
@@ -949,7 +998,11 @@ class Communicator:
             work = route.transport.recv(xc, src, tag, seq)
         finally:
             _work.set_blocking(False)
-        return self._finish(then(work, steps), async_op, timeout, (xb, xc))
+        work = then(work, steps)
+        self._finish(work, async_op, timeout, (xb, xc))
+        if async_op:
+            return work
+        return work.source if work.source is not None else src
 
     def group(self) -> Group:
         """`with comm.group():` queues the sends and receives made inside the block and starts
@@ -983,7 +1036,7 @@ class Communicator:
             )
         if not async_op:
             return None
-        assert sent is not None and got is not None
+        assert sent is not None and isinstance(got, Work)
         return all_of(self, [got, sent], "sendrecv")
 
     def _queue(

@@ -1,4 +1,11 @@
-"""The exceptions hetcomm raises, one class per way a call can fail."""
+"""The exceptions hetcomm raises, one class per way a call can fail.
+
+Every class derives from HetcommError. Bad input is also a ValueError (or TypeError), as Python
+callers expect; a failure of the communication itself (a mismatch, a timeout, an abort, a
+missing transport or topology) is also a RuntimeError, as mpi4py's MPI.Exception and torch's
+DistBackendError are, so that code written for those (`except RuntimeError`) catches hetcomm's
+too. A timeout is besides a TimeoutError.
+"""
 
 from __future__ import annotations
 
@@ -21,19 +28,19 @@ class DtypeError(InvalidArgument, TypeError):
     """An array has a dtype the operation does not accept."""
 
 
-class TopologyError(HetcommError):
+class TopologyError(HetcommError, RuntimeError):
     """The ranks' facts do not allow what was asked (a layout, a binding, a group)."""
 
 
-class TransportUnavailable(HetcommError):
+class TransportUnavailable(HetcommError, RuntimeError):
     """A transport was asked for (or is the only option) but cannot run here; the reason says."""
 
 
-class MismatchError(HetcommError):
+class MismatchError(HetcommError, RuntimeError):
     """Ranks of one group called different operations, or the same one with different arguments."""
 
 
-class CommTimeout(HetcommError, TimeoutError):
+class CommTimeout(HetcommError, RuntimeError, TimeoutError):
     """An operation did not complete within its time limit; the communicator is aborted."""
 
     def __init__(
@@ -55,7 +62,7 @@ class CommTimeout(HetcommError, TimeoutError):
         super().__init__(msg)
 
 
-class MpiError(HetcommError):
+class MpiError(HetcommError, RuntimeError):
     """The MPI library failed a call of an operation; `mpi_error` is mpi4py's exception."""
 
     def __init__(self, group: str, op: str, seq: int, mpi_error: BaseException) -> None:
@@ -63,7 +70,7 @@ class MpiError(HetcommError):
         super().__init__(f"group '{group}': {op} #{seq}: the MPI library failed: {mpi_error}")
 
 
-class CommAborted(HetcommError):
+class CommAborted(HetcommError, RuntimeError):
     """The communicator was aborted by an earlier failure; every later call fails at once."""
 
 

@@ -103,7 +103,8 @@ class Work:
 
     `info` is None or a dict a transport fills with facts for the trace (HETCOMM_TRACE):
     "transport" (its name), "bytes" (the operation's size on this rank), "stages" (the pieces
-    it moved in), or anything JSON can hold.
+    it moved in), or anything JSON can hold. `source`: for a receive, the rank the message
+    came from (set on completion; what a receive from ANY_SOURCE learns).
     """
 
     __slots__ = (
@@ -120,6 +121,7 @@ class Work:
         "observed",
         "op",
         "seq",
+        "source",
     )
 
     def __init__(
@@ -144,6 +146,7 @@ class Work:
         self._waiter = waiter
         self._t0 = time.perf_counter()  # the start of the operation, for the trace
         self.info: dict[str, Any] | None = None
+        self.source: int | None = None  # a receive's sender, once complete
         # whether observers are told of it (not of a wait inside another operation)
         self.observed = True
 

@@ -10,6 +10,7 @@ from ..torch_hint import wrap as _hinted
 from .compat import _FULLY_SHARD_MODULES as _FULLY_SHARD_MODULES
 from .compat import API_NAMES, BACKEND, METHOD_NAMES, dist_function, fully_shard, reduce_op
 from .compat import rendezvous_handlers as rendezvous_handlers
+from .errors import ArgumentError
 from .group import ProcessGroupHetcomm, _create_group
 from .store import _LAUNCHER_VARS as _LAUNCHER_VARS
 from .store import MpiStore, _env_or_mpi, _mpi_rendezvous
@@ -26,6 +27,7 @@ from .work import _Work as _Work
 
 __all__ = [
     "API_NAMES",
+    "ArgumentError",
     "BACKEND",
     "METHOD_NAMES",
     "MpiStore",

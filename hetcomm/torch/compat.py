@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops import ReduceOp
+from .errors import ArgumentError
 
 BACKEND = "hetcomm"  # the name torch knows this backend by
 
@@ -115,7 +116,7 @@ def reduce_op(op: Any, what: str = "reduce") -> ReduceOp:
     name = getattr(kind, "name", None) or str(kind).rpartition(".")[2]
     found = _OPS.get(name)
     if found is None:
-        raise ValueError(
+        raise ArgumentError(
             f"hetcomm {what}: ReduceOp.{name} is not supported; use SUM, AVG, PRODUCT, MIN or MAX"
         )
     return found

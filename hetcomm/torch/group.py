@@ -17,8 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..errors import HetcommError
 from ..ops import ReduceOp
+from . import profile
 from .compat import BACKEND, METHOD_NAMES, reduce_op
+from .errors import ArgumentError, DistBackendError, torch_error
 from .tensors import (
     _copier,
     _copy_rows,
@@ -144,20 +147,38 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else -1.0
         return seconds if seconds > 0 else self.timeout_s
 
-    def _run(self, name: str, ops: Sequence[_Op], opts: Any = None, timeout: Any = None) -> _Work:
-        """Start prepared operations (in order, as one torch call) and hand back their Work."""
+    def _run(
+        self,
+        name: str,
+        ops: Sequence[_Op],
+        opts: Any = None,
+        timeout: Any = None,
+        *,
+        inputs: Sequence[torch.Tensor] = (),
+    ) -> _Work:
+        """Start prepared operations (in order, as one torch call) and hand back their Work;
+        `inputs`: the call's input tensors, whose shapes a torch profiler event records."""
         if self._closed:
-            raise RuntimeError(f"hetcomm {name}: process group '{self.comm.name}' was destroyed")
+            raise DistBackendError(
+                f"hetcomm {name}: process group '{self.comm.name}' is closed (destroyed)"
+            )
         limit = self._limit(timeout if isinstance(timeout, timedelta) else opts)
+        record = profile.Record(name, inputs) if profile.active() else None
         with self._issue:
             works = []
-            for op in ops:
-                work = op.start(self._aux_comm() if op.aux else self.comm)
-                if work is not None:
-                    works.append(work)
+            try:
+                for op in ops:
+                    work = op.start(self._aux_comm() if op.aux else self.comm)
+                    if work is not None:
+                        works.append(work)
+            except HetcommError as exc:
+                if record is not None:
+                    record.end()
+                raise torch_error(exc, f"{self.comm.name}: {name}") from exc
         result = [t for op in ops for t in op.result]
         after = [step for op in ops for step in op.after]
         pending = _Pending(f"{self.comm.name}: {name}", works, after, result, limit)
+        pending.record = record
         if _synchronous():
             pending.wait()
         else:
@@ -182,7 +203,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         op = reduce_op(_opt(opts, "reduceOp"), "allreduce")
         t = _one(_listed(tensors), "allreduce")
         x = _reducible(t, op, "allreduce")
-        return self._run("allreduce", [_Op("all_reduce", (x, op), [t])], opts, timeout)
+        return self._run("allreduce", [_Op("all_reduce", (x, op), [t])], opts, timeout, inputs=[t])
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
         op = reduce_op(_opt(opts, "reduceOp"), "allreduce_coalesced")
@@ -190,30 +211,35 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         xs = [_reducible(t, op, "allreduce_coalesced") for t in tensors]
         # one fused all_reduce per (dtype, device), packed and unpacked by hetcomm
         return self._run(
-            "allreduce_coalesced", [_Op("all_reduce_coalesced", (xs, op), list(tensors))], opts
+            "allreduce_coalesced",
+            [_Op("all_reduce_coalesced", (xs, op), list(tensors))],
+            opts,
+            inputs=tensors,
         )
 
     def broadcast(self, tensors: Any, opts: Any = None, timeout: Any = None) -> _Work:
         root = self._rank_arg(_opt(opts, "rootRank", 0), "broadcast: root")
         if _opt(opts, "rootTensor", 0) != 0:
-            raise ValueError("hetcomm broadcast: rootTensor must be 0 (one tensor per process)")
+            raise ArgumentError("hetcomm broadcast: rootTensor must be 0 (one tensor per process)")
         t = _one(_listed(tensors), "broadcast")
         x, after = _movable(t, write=self.comm.rank != root)
-        return self._run("broadcast", [_Op("broadcast", (x, root), [t], after)], opts, timeout)
+        return self._run(
+            "broadcast", [_Op("broadcast", (x, root), [t], after)], opts, timeout, inputs=[t]
+        )
 
     def reduce(self, tensors: Any, opts: Any = None, op: Any = None, timeout: Any = None) -> _Work:
         rop = reduce_op(op if op is not None else _opt(opts, "reduceOp"), "reduce")
         root = self._rank_arg(_opt(opts, "rootRank", 0), "reduce: root")
         t = _one(_listed(tensors), "reduce")
         x = _reducible(t, rop, "reduce")
-        return self._run("reduce", [_Op("reduce", (x, root, rop), [t])], opts, timeout)
+        return self._run("reduce", [_Op("reduce", (x, root, rop), [t])], opts, timeout, inputs=[t])
 
     def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> _Work:
         if isinstance(input_tensors, torch.Tensor):  # the (outputs, input, timeout) form
             output_tensors, input_tensors = [output_tensors], [input_tensors]
         t = _one(input_tensors, "allgather: input")
         outs = _one(output_tensors, "allgather: output")
-        return self._run("allgather", [self._allgather_op(outs, t, "allgather")], opts)
+        return self._run("allgather", [self._allgather_op(outs, t, "allgather")], opts, inputs=[t])
 
     def allgather_coalesced(
         self,
@@ -223,13 +249,13 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
     ) -> _Work:
         _nonempty(input_list, "allgather_coalesced: input")
         if len(output_lists) != self.comm.size:
-            raise ValueError(
+            raise ArgumentError(
                 f"hetcomm allgather_coalesced: expected {self.comm.size} output "
                 f"lists (one per rank), got {len(output_lists)}"
             )
         for r, outs in enumerate(output_lists):
             if len(outs) != len(input_list):
-                raise ValueError(
+                raise ArgumentError(
                     f"hetcomm allgather_coalesced: output list {r} holds "
                     f"{len(outs)} tensors for {len(input_list)} inputs"
                 )
@@ -237,19 +263,21 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             self._allgather_op([outs[i] for outs in output_lists], t, "allgather_coalesced")
             for i, t in enumerate(input_list)
         ]
-        return self._run("allgather_coalesced", ops, opts)
+        return self._run("allgather_coalesced", ops, opts, inputs=input_list)
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> _Work:
-        return self._run("all_gather_into_tensor", [self._gather_single_op(output, input)], opts)
+        return self._run(
+            "all_gather_into_tensor", [self._gather_single_op(output, input)], opts, inputs=[input]
+        )
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> _Work:
         _pairs(outputs, inputs, "all_gather_into_tensor_coalesced")
         ops = [self._gather_single_op(o, i) for o, i in zip(outputs, inputs)]
-        return self._run("all_gather_into_tensor_coalesced", ops, opts)
+        return self._run("all_gather_into_tensor_coalesced", ops, opts, inputs=inputs)
 
     def reduce_scatter(
         self, output_tensors: Any, input_tensors: Any, opts: Any = None, timeout: Any = None
@@ -263,7 +291,11 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         o = _reducible(t, op, "reduce_scatter")
         flat = torch.stack([_reducible(i, op, "reduce_scatter").reshape(o.shape) for i in ins])
         return self._run(
-            "reduce_scatter", [_Op("reduce_scatter", (o, flat, op), [t])], opts, timeout
+            "reduce_scatter",
+            [_Op("reduce_scatter", (o, flat, op), [t])],
+            opts,
+            timeout,
+            inputs=ins,
         )
 
     def reduce_scatter_single(
@@ -271,7 +303,10 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
     ) -> _Work:
         op = reduce_op(_opt(opts, "reduceOp"), "reduce_scatter_tensor")
         return self._run(
-            "reduce_scatter_tensor", [self._scatter_single_op(output, input, op)], opts
+            "reduce_scatter_tensor",
+            [self._scatter_single_op(output, input, op)],
+            opts,
+            inputs=[input],
         )
 
     def reduce_scatter_single_coalesced(
@@ -280,7 +315,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         op = reduce_op(_opt(opts, "reduceOp"), "reduce_scatter_tensor_coalesced")
         _pairs(outputs, inputs, "reduce_scatter_tensor_coalesced")
         ops = [self._scatter_single_op(o, i, op) for o, i in zip(outputs, inputs)]
-        return self._run("reduce_scatter_tensor_coalesced", ops, opts)
+        return self._run("reduce_scatter_tensor_coalesced", ops, opts, inputs=inputs)
 
     def all_to_all_single(
         self,
@@ -294,7 +329,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         _same_dtype(output, input, "all_to_all_single: output")
         if not output_split_sizes and not input_split_sizes:
             if input.numel() % n or output.numel() != input.numel():
-                raise ValueError(
+                raise ArgumentError(
                     f"hetcomm all_to_all_single: input and output must hold the "
                     f"same multiple of {n} elements, got {input.numel()} and "
                     f"{output.numel()}"
@@ -302,11 +337,14 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             x, _ = _movable(input, write=False)
             o, after = _movable(output, write=True)
             return self._run(
-                "all_to_all_single", [_Op("all_to_all", (o, x), [output], after)], opts
+                "all_to_all_single",
+                [_Op("all_to_all", (o, x), [output], after)],
+                opts,
+                inputs=[input],
             )
         sends = split_rows(input, input_split_sizes, n, "all_to_all_single: input")
         recvs = split_rows(output, output_split_sizes, n, "all_to_all_single: output")
-        return self._exchange("all_to_all_single", sends, recvs, [output], opts)
+        return self._exchange("all_to_all_single", sends, recvs, [output], opts, inputs=[input])
 
     def alltoall(
         self,
@@ -317,13 +355,18 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         n = self.comm.size
         for what, ts in (("output", output_tensors), ("input", input_tensors)):
             if len(ts) != n:
-                raise ValueError(
+                raise ArgumentError(
                     f"hetcomm alltoall: expected {n} {what} tensors (one per rank), got {len(ts)}"
                 )
         for i, t in enumerate([*output_tensors, *input_tensors]):
             _same_dtype(t, input_tensors[0], f"alltoall: tensor {i}")
         return self._exchange(
-            "alltoall", list(input_tensors), list(output_tensors), list(output_tensors), opts
+            "alltoall",
+            list(input_tensors),
+            list(output_tensors),
+            list(output_tensors),
+            opts,
+            inputs=input_tensors,
         )
 
     def gather(
@@ -343,12 +386,12 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             result = list(outs)
         else:
             if any(output_tensors):
-                raise ValueError(
+                raise ArgumentError(
                     f"hetcomm gather: only the root (rank {root}) passes output tensors"
                 )
             sends = [t if r == root else None for r in range(n)]
             recvs, result = [None] * n, []
-        return self._exchange("gather", sends, recvs, result, opts, timeout)
+        return self._exchange("gather", sends, recvs, result, opts, timeout, inputs=[t])
 
     def scatter(
         self, output_tensors: Any, input_tensors: Any, opts: Any = None, timeout: Any = None
@@ -366,12 +409,12 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             recvs: list[torch.Tensor | None] = [t if r == me else None for r in range(n)]
         else:
             if any(input_tensors):
-                raise ValueError(
+                raise ArgumentError(
                     f"hetcomm scatter: only the root (rank {root}) passes input tensors"
                 )
             sends = [None] * n
             recvs = [t if r == root else None for r in range(n)]
-        return self._exchange("scatter", sends, recvs, [t], opts, timeout)
+        return self._exchange("scatter", sends, recvs, [t], opts, timeout, inputs=input_tensors)
 
     def barrier(self, opts: Any = None) -> _Work:
         return self._run("barrier", [_Op("barrier", (), [])], opts)
@@ -382,17 +425,22 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         t = _one(tensors, "send")
         dst = self._rank_arg(dstRank, "send: dst")
         x, _ = _movable(t, write=False)
-        return self._run("send", [_Op("send", (x, dst, tag), [t])])
+        return self._run("send", [_Op("send", (x, dst, tag), [t])], inputs=[t])
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> _Work:
         t = _one(tensors, "recv")
         src = self._rank_arg(srcRank, "recv: src")
         x, after = _movable(t, write=True)
-        return self._run("recv", [_Op("recv", (x, src, tag), [t], after)])
+        return self._run("recv", [_Op("recv", (x, src, tag), [t], after)], inputs=[t])
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> _Work:
-        raise RuntimeError(
-            "hetcomm recv: a source rank is required (receiving from any source is not supported)"
+        from .. import ANY_SOURCE
+
+        t = _one(tensors, "recv")
+        x, after = _movable(t, write=True)
+        # the Work's _source_rank() is the sender's rank in this group, once complete
+        return self._run(
+            "recv_anysource", [_Op("recv", (x, ANY_SOURCE, tag), [t], after)], inputs=[t]
         )
 
     # ---- coalescing (batch_isend_irecv, _coalescing_manager) ----------------------------------
@@ -419,7 +467,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
     def _gather_single_op(self, output: torch.Tensor, input: torch.Tensor) -> _Op:
         _same_dtype(output, input, "all_gather_into_tensor: output")
         if output.numel() != input.numel() * self.comm.size:
-            raise ValueError(
+            raise ArgumentError(
                 f"hetcomm all_gather_into_tensor: output must hold {self.comm.size} "
                 f"x {input.numel()} elements, got {output.numel()}"
             )
@@ -430,7 +478,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
     def _scatter_single_op(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> _Op:
         _same_dtype(output, input, "reduce_scatter_tensor: output")
         if output.numel() * self.comm.size != input.numel():
-            raise ValueError(
+            raise ArgumentError(
                 f"hetcomm reduce_scatter_tensor: input must hold {self.comm.size} x "
                 f"{output.numel()} elements, got {input.numel()}"
             )
@@ -446,12 +494,14 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         result: list[torch.Tensor],
         opts: Any,
         timeout: Any = None,
+        *,
+        inputs: Sequence[torch.Tensor] = (),
     ) -> _Work:
         """Block j of `sends` goes to rank j, block i of `recvs` comes from rank i (p2p)."""
         me = self.comm.rank
         mine_in, mine_out = sends[me], recvs[me]
         if (mine_in is None) != (mine_out is None):
-            raise ValueError(f"hetcomm {name}: this rank's own block is missing on one side")
+            raise ArgumentError(f"hetcomm {name}: this rank's own block is missing on one side")
         ops: list[_Op] = []
         for peer, t in enumerate(recvs):
             if t is not None and peer != me and t.numel():
@@ -463,7 +513,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
                 ops.append(_Op("send", (x, peer), [], aux=True))
         if mine_in is not None and mine_out is not None:
             if mine_in.numel() != mine_out.numel():
-                raise ValueError(
+                raise ArgumentError(
                     f"hetcomm {name}: this rank sends itself {mine_in.numel()} "
                     f"elements but expects {mine_out.numel()}"
                 )
@@ -471,25 +521,25 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             ops.append(_Op(None, (), [], [_copier(target, own)]))
         if ops:
             ops[0].result = result
-        return self._run(name, ops or [_Op(None, (), result)], opts, timeout)
+        return self._run(name, ops or [_Op(None, (), result)], opts, timeout, inputs=inputs)
 
     def _rank_arg(self, rank: Any, what: str) -> int:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.comm.size:
-            raise ValueError(
+            raise ArgumentError(
                 f"hetcomm {what}: expected a rank in [0, {self.comm.size}), got {rank!r}"
             )
         return rank
 
     def _check_blocks(self, blocks: Sequence[torch.Tensor], like: torch.Tensor, what: str) -> None:
         if len(blocks) != self.comm.size:
-            raise ValueError(
+            raise ArgumentError(
                 f"hetcomm {what}: expected {self.comm.size} tensors (one per rank), "
                 f"got {len(blocks)}"
             )
         for i, t in enumerate(blocks):
             _same_dtype(t, like, f"{what}[{i}]")
             if t.numel() != like.numel():
-                raise ValueError(
+                raise ArgumentError(
                     f"hetcomm {what}[{i}]: expected {like.numel()} elements like "
                     f"the input, got {t.numel()} (shape {list(t.shape)})"
                 )
@@ -589,7 +639,7 @@ def _create_group(opts: Any, backend_options: Any = None) -> ProcessGroupHetcomm
     rank, size, group_id = int(opts.group_rank), int(opts.group_size), str(opts.group_id)
     if not ranks:  # the default group
         if (rank, size) != (world_rank, world_size):
-            raise ValueError(
+            raise ArgumentError(
                 f"hetcomm: init_process_group was given rank {rank} of world_size {size}, but MPI "
                 f"makes this process rank {world_rank} of {world_size}. hetcomm takes ranks from "
                 "MPI: drop rank/world_size (and RANK/WORLD_SIZE) or make them match mpirun's"
@@ -600,7 +650,7 @@ def _create_group(opts: Any, backend_options: Any = None) -> ProcessGroupHetcomm
         return _bound(ProcessGroupHetcomm(world, _timeout_s(opts.timeout, world.config.timeout)))
     torch_rank = dist.get_rank()
     if torch_rank != world_rank or ranks[rank] != world_rank:
-        raise ValueError(
+        raise ArgumentError(
             f"hetcomm: torch's global rank {torch_rank} is not MPI's rank {world_rank}; hetcomm "
             "groups need the default group's ranks to be MPI.COMM_WORLD's (launch with mpirun)"
         )

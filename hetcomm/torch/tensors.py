@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ..errors import DtypeError
 from ..ops import ReduceOp
+from .errors import ArgumentError
 
 # the dtypes hetcomm knows: it reduces these (and complex ones as real views) and moves the rest
 # as bytes
@@ -53,13 +54,13 @@ def _listed(tensors: Any) -> Any:
 
 def _nonempty(ts: Sequence[Any], what: str) -> None:
     if not ts:
-        raise ValueError(f"hetcomm {what}: expected at least one tensor, got an empty list")
+        raise ArgumentError(f"hetcomm {what}: expected at least one tensor, got an empty list")
 
 
 def _one(ts: Sequence[Any], what: str) -> Any:
     _nonempty(ts, what)
     if len(ts) != 1:
-        raise ValueError(
+        raise ArgumentError(
             f"hetcomm {what}: expected one tensor (or list) per process, got "
             f"{len(ts)}; several per process is the multi-device API torch has "
             "deprecated"
@@ -70,14 +71,14 @@ def _one(ts: Sequence[Any], what: str) -> Any:
 def _pairs(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], what: str) -> None:
     _nonempty(ins, what)
     if len(outs) != len(ins):
-        raise ValueError(f"hetcomm {what}: {len(outs)} outputs for {len(ins)} inputs")
+        raise ArgumentError(f"hetcomm {what}: {len(outs)} outputs for {len(ins)} inputs")
 
 
 def _same_dtype(t: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     if t.dtype != ref.dtype:
         raise TypeError(f"hetcomm {what}: expected dtype {ref.dtype} like the input, got {t.dtype}")
     if t.device != ref.device:
-        raise ValueError(
+        raise ArgumentError(
             f"hetcomm {what}: expected a tensor on {ref.device} like the input, got {t.device}"
         )
 
@@ -93,7 +94,7 @@ def _reducible(t: torch.Tensor, op: ReduceOp, what: str) -> torch.Tensor:
     """`t` as hetcomm reduces it: itself, or the real view of a complex tensor (SUM/AVG)."""
     if t.is_complex():
         if op not in (ReduceOp.SUM, ReduceOp.AVG):
-            raise ValueError(
+            raise ArgumentError(
                 f"hetcomm {what}: complex tensors reduce with SUM or AVG only, got {op.name}"
             )
         return torch.view_as_real(t)
@@ -129,10 +130,10 @@ def split_rows(
     rows = t.shape[0] if t.dim() else 1
     if not splits:
         if rows % n:
-            raise ValueError(f"hetcomm {what}: {rows} rows do not split evenly over {n} ranks")
+            raise ArgumentError(f"hetcomm {what}: {rows} rows do not split evenly over {n} ranks")
         splits = [rows // n] * n
     if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
-        raise ValueError(
+        raise ArgumentError(
             f"hetcomm {what}: expected {n} non-negative split sizes adding up to "
             f"{rows} rows, got {list(splits)}"
         )

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CommTimeout
+from .errors import torch_error
+from .profile import Record
 
 log = logging.getLogger("hetcomm")
 
@@ -40,7 +42,9 @@ class _Pending:
         "future",
         "limit",
         "name",
+        "record",
         "result",
+        "source",
     )
 
     def __init__(
@@ -56,6 +60,8 @@ class _Pending:
         self.deadline = time.monotonic() + limit
         self.done = False
         self.error: BaseException | None = None
+        self.source: int | None = None  # a receive's sender, once complete
+        self.record: Record | None = None  # its torch profiler event, while a profiler records
         self._lock = threading.RLock()
         devices = sorted({t.device for t in result if t.device.type != "cpu"}, key=str)
         self.future: torch.futures.Future = torch.futures.Future(
@@ -106,7 +112,9 @@ class _Pending:
                     if time.monotonic() > deadline:
                         self._expire(self._works[0], limit)
                     return False
-                self._works.pop(0)
+                source = getattr(self._works.pop(0), "source", None)
+                if source is not None:
+                    self.source = source
             for step in self._after:
                 step()
         except BaseException as exc:
@@ -124,10 +132,15 @@ class _Pending:
 
     def _complete(self) -> None:
         self.done = True
+        if self.record is not None:
+            _PROGRESS.end_record(self.record)
         self.future.set_result(self.result)
 
     def _fail(self, exc: BaseException) -> None:
+        exc = torch_error(exc, self.name)  # what torch callers catch; hetcomm's as __cause__
         self.done, self.error = True, exc
+        if self.record is not None:
+            _PROGRESS.end_record(self.record)
         self.future.set_exception(exc)
 
 
@@ -139,6 +152,7 @@ class _Progress:
         self._queues: dict[int, collections.deque[_Pending]] = {}
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._records: list[Record] = []
 
     def add(self, key: int, pending: _Pending) -> None:
         with self._cond:
@@ -161,6 +175,17 @@ class _Progress:
             except BaseException as exc:
                 log.warning("hetcomm: %s did not end cleanly at shutdown: %s", pending.name, exc)
 
+    def end_record(self, record: Record) -> None:
+        """End a profiler event. One that would end on the thread that started it is ended by
+        this thread instead: torch's profiler calls an event asynchronous (as gloo's are) when
+        it ends on another thread, and an operation's event spans issue to completion."""
+        if record.thread != threading.get_ident() or self._thread is None:
+            record.end()
+            return
+        with self._cond:
+            self._records.append(record)
+            self._cond.notify()
+
     def stop(self) -> None:
         with self._cond:
             self._stop = True
@@ -172,12 +197,15 @@ class _Progress:
         sleep = _POLL_MIN_S
         while True:
             with self._cond:
-                while not self._stop and not any(self._queues.values()):
+                while not self._stop and not self._records and not any(self._queues.values()):
                     self._cond.wait()
                     sleep = _POLL_MIN_S
                 if self._stop:
                     return
                 queues = [q for q in self._queues.values() if q]
+                records, self._records = self._records, []
+            for record in records:
+                record.end()
             progressed = False
             for queue in queues:
                 while queue and queue[0].poll():
@@ -230,6 +258,15 @@ class _Work(dist.Work):
 
     def synchronize(self) -> None:
         self._pending.wait()
+
+    def _source_rank(self) -> int:
+        """The sender's rank in the group, for a receive (torch's `dist.recv` without src)."""
+        self._pending.wait()
+        if self._pending.source is None:
+            raise ValueError(
+                f"hetcomm: _source_rank() of {self._pending.name}: only a receive has a source"
+            )
+        return self._pending.source
 
     def __repr__(self) -> str:
         state = "failed" if self._pending.error else "done" if self._pending.done else "pending"

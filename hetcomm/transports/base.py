@@ -84,6 +84,9 @@ class Transport:
     name: ClassVar[str] = "base"
     #: which memory it can move: "host", "device" (both for most)
     memory: ClassVar[tuple[str, ...]] = ()
+    #: whether recv takes src=hetcomm.ANY_SOURCE: the mpi transport only, whose receives MPI
+    #: matches; the others set up each transfer with a known peer before the first byte moves
+    any_source: ClassVar[bool] = False
 
     def __init__(self, comm: Context) -> None:
         self.comm = comm
@@ -122,7 +125,8 @@ class Transport:
         raise NotImplementedError
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
-        """Receive into `x` from rank `src` with `tag`."""
+        """Receive into `x` from rank `src` (ANY_SOURCE where `any_source`) with `tag`; the
+        Work's `source` is the sender's rank once it completes."""
         raise NotImplementedError
 
     def barrier(self, seq: int) -> Work:

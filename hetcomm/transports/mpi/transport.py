@@ -159,6 +159,7 @@ class MpiTransport(Transport):
 
     name: ClassVar[str] = "mpi"
     memory: ClassVar[tuple[str, ...]] = ("host", "device")
+    any_source: ClassVar[bool] = True
 
     def __init__(self, comm: Context) -> None:
         super().__init__(comm)
@@ -713,14 +714,24 @@ class MpiTransport(Transport):
         """MPI_Irecv on the group's own communicator, with the caller's tag."""
         spans = _spans(x)
         dt, mpi = _DATATYPES[x.dtype], self._mpi
+        source = MPI.ANY_SOURCE if src < 0 else src  # src < 0: hetcomm.ANY_SOURCE
+        rest: list[Any] = []
         if len(spans) == 1:
-            reqs = [mpi.Irecv((self._mem(x), dt), src, tag)]
+            reqs = [mpi.Irecv((self._mem(x), dt), source, tag)]
         else:
             # MPI keeps messages of one sender, tag and communicator in order: the receiver's
-            # pieces match the sender's one by one
+            # pieces match the sender's one by one. From any source, the first piece is posted
+            # alone; the others follow from its sender once it has matched.
             xs = _flat(x)
-            reqs = [mpi.Irecv((xs[s : s + n], dt), src, tag) for s, n in spans]
-        work = Work(self.comm, "recv", seq, _Receive(src, x.nbytes, x.itemsize, reqs, spans).poll)
+            pieces = [xs[s : s + n] for s, n in spans]
+            if src < 0:
+                reqs, rest = [mpi.Irecv((pieces[0], dt), source, tag)], pieces[1:]
+            else:
+                reqs = [mpi.Irecv((piece, dt), src, tag) for piece in pieces]
+        receive = _Receive(src, x.nbytes, x.itemsize, reqs, spans)
+        if rest:
+            receive.then_from_sender(mpi, dt, tag, rest)
+        work = receive.work = Work(self.comm, "recv", seq, receive.poll)
         work.info = {"transport": "mpi", "bytes": x.nbytes, "stages": len(spans)}
         return work
 
@@ -735,7 +746,10 @@ class _Receive:
     MismatchError naming both sizes (MPI itself accepts a shorter message silently and fails a
     longer one with MPI_ERR_TRUNCATE). The data goes straight into the caller's array, so on a
     mismatch it may hold the first part of the message; probing each message first would keep
-    it untouched, at the price of posting every receive late (measured: slower)."""
+    it untouched, at the price of posting every receive late (measured: slower).
+
+    `src` < 0 (hetcomm.ANY_SOURCE): the requests were posted with MPI.ANY_SOURCE; the status
+    names the sender, which the Work (`work`, when set) carries as `source` on completion."""
 
     def __init__(
         self,
@@ -749,11 +763,30 @@ class _Receive:
         self.reqs = reqs
         self.spans = spans
         self.statuses = [MPI.Status() for _ in spans]
+        self.work: Work | None = None
+        self._later: tuple[MPI.Intracomm, MPI.Datatype, int, list[Any]] | None = None
+
+    def then_from_sender(
+        self, mpi: MPI.Intracomm, dt: MPI.Datatype, tag: int, pieces: list[Any]
+    ) -> None:
+        """Post `pieces` from the sender of the first piece, once it has matched."""
+        self._later = (mpi, dt, tag, pieces)
+
+    def _sender(self) -> str:
+        return f"rank {self.src}" if self.src >= 0 else "any source"
 
     def poll(self) -> bool:
         try:
-            if not MPI.Request.Testall(self.reqs, self.statuses):
+            statuses = self.statuses[: len(self.reqs)]
+            if not MPI.Request.Testall(self.reqs, statuses):
                 return False
+            if self.src < 0:
+                self.src = statuses[0].Get_source()
+                if self._later is not None:
+                    mpi, dt, tag, pieces = self._later
+                    self._later = None
+                    self.reqs += [mpi.Irecv((piece, dt), self.src, tag) for piece in pieces]
+                    return self.poll()
         except MPI.Exception as exc:
             # one request fails with ERR_TRUNCATE; Testall says ERR_IN_STATUS and the status
             # holds the reason
@@ -764,7 +797,7 @@ class _Receive:
             if MPI.ERR_TRUNCATE not in errors:
                 raise
             raise MismatchError(
-                f"receive from rank {self.src}: the sender has more than "
+                f"receive from {self._sender()}: the sender has more than "
                 f"{self.nbytes} bytes, this receive takes {self.nbytes}"
             ) from None
         for (_, n), status in zip(self.spans, self.statuses):
@@ -772,9 +805,11 @@ class _Receive:
             if got != n * self.itemsize:
                 sent = got if len(self.spans) == 1 else f"a piece of {got}"
                 raise MismatchError(
-                    f"receive from rank {self.src}: the sender has {sent} "
+                    f"receive from {self._sender()}: the sender has {sent} "
                     f"bytes, this receive takes {n * self.itemsize}"
                 )
+        if self.work is not None:
+            self.work.source = self.src
         return True
 
 
