@@ -17,11 +17,12 @@ def _recv_transport(comm: hetcomm.Communicator, y: np.ndarray) -> str:
     return comm._transport("recv", as_buffer(y, "y")).name
 
 
-def test_recv_from_any_source_returns_the_sender(comm, errors, rng):
+def test_recv_from_any_source_returns_the_sender(hetcomm_comm, errors, rng):
     """Every other rank sends rank 0 two messages; rank 0 takes them from any source, half
     blocking and half with a Work, in whatever order they come. Each message holds its sender's
     rank, its number and a random payload drawn on every rank, so the returned rank and the data
     are both checked against what that rank sent, and one sender's two arrive in order."""
+    comm = hetcomm_comm
     n = 64
     payload = rng.standard_normal((comm.size, 2, n))  # the same draw on every rank
     y = np.empty(n + 2, np.float64)
@@ -52,7 +53,8 @@ def test_recv_from_any_source_returns_the_sender(comm, errors, rng):
     errors.verify()
 
 
-def test_recv_with_a_named_source_returns_it(comm, errors):
+def test_recv_with_a_named_source_returns_it(hetcomm_comm, errors):
+    comm = hetcomm_comm
     y = np.zeros(3, np.int32)
     if comm.rank == 0:
         errors.run("send", comm.send, np.arange(3, dtype=np.int32), 1)
@@ -63,9 +65,10 @@ def test_recv_with_a_named_source_returns_it(comm, errors):
     errors.verify()
 
 
-def test_any_source_is_refused_by_name_where_the_transport_needs_the_sender(comm, errors):
+def test_any_source_is_refused_by_name_where_the_transport_needs_the_sender(hetcomm_comm, errors):
     """On every transport but mpi, ANY_SOURCE raises InvalidArgument naming the transport and
     the ways out, before anything moves (y untouched); bad sources are still refused."""
+    comm = hetcomm_comm
     y = np.full(8, 5.0)
     transport = _recv_transport(comm, y)
     if transport != "mpi":

@@ -19,7 +19,8 @@ import hetcomm
 pytestmark = pytest.mark.mpi(min_size=2)
 
 
-def test_message_on_a_closed_communicator_is_not_delivered_to_the_next(comm, errors, rng):
+def test_message_on_a_closed_communicator_is_not_delivered_to_the_next(hetcomm_comm, errors, rng):
+    comm = hetcomm_comm
     a, b = rng.standard_normal(16).astype(np.float32), rng.standard_normal(16).astype(np.float32)
     old = comm.dup(name="isolation-old")
     # no message on `old` before: Open MPI then hands A to the next communicator that takes

@@ -423,8 +423,10 @@ CHECKS = {
 
 @pytest.mark.parametrize("fault", list(CHECKS))
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
-def test_fault(mpirun: tuple[list[str], dict[str, str]], transport: str, fault: str) -> None:
-    job, left = _run_cell(mpirun, transport, fault)
+def test_fault(
+    hetcomm_mpirun: tuple[list[str], dict[str, str]], transport: str, fault: str
+) -> None:
+    job, left = _run_cell(hetcomm_mpirun, transport, fault)
     assert job.returncode != 124 and job.seconds < DEADLINE_S, job.explain()
     CHECKS[fault](job, transport)
     assert not left, f"hetcomm segments left in /dev/shm: {sorted(left)}\n{job.explain()}"
