@@ -84,16 +84,20 @@ def _show(field: str, v: int) -> str:
 
 
 class Check:
-    """One persistent all-reduce (MAX) of a signature vector and its result: a slot of the
-    ring that every collective's check takes its turn on (see Agreement)."""
+    """One all-reduce (MAX) of a signature vector and its result: a slot of the ring that every
+    collective's check takes its turn on (see Agreement). A persistent request where the MPI
+    library has them (MPI-4), else a non-blocking all-reduce started afresh at each use."""
 
-    __slots__ = ("busy", "held", "mine", "request", "result")
+    __slots__ = ("_mpi", "busy", "held", "mine", "request", "result")
 
-    def __init__(self, mpi: MPI.Intracomm) -> None:
+    def __init__(self, mpi: MPI.Intracomm, persistent: bool) -> None:
         width = 2 * len(FIELDS)
         self.mine = np.zeros(width, np.int64)
         self.result = np.zeros(width, np.int64)
-        self.request: MPI.Prequest = mpi.Allreduce_init(self.mine, self.result, MPI.MAX)
+        self._mpi = None if persistent else mpi
+        self.request: MPI.Request = (
+            mpi.Allreduce_init(self.mine, self.result, MPI.MAX) if persistent else MPI.REQUEST_NULL
+        )
         self.held: np.ndarray | None = None  # the signature `mine` holds a copy of
         self.busy = False  # started, and its result not yet read
 
@@ -103,10 +107,25 @@ class Check:
             self.mine[:] = vec
             self.held = vec
 
+    def start(self) -> MPI.Request:
+        """Start the check; returns its request (to Test)."""
+        mpi = self._mpi
+        if mpi is None:
+            self.request.Start()  # type: ignore[attr-defined]
+        else:
+            self.request = mpi.Iallreduce(self.mine, self.result, MPI.MAX)
+        self.busy = True
+        return self.request
+
     def agreed(self) -> bool:
         """After completion: whether every rank sent the vector this rank sent."""
         self.busy = False
         return bool(self.result.tobytes() == self.mine.tobytes())
+
+    def free(self) -> None:
+        """Free a persistent request that is not in flight."""
+        if self._mpi is None and not self.busy:
+            self.request.Free()
 
 
 class Agreement:
@@ -123,7 +142,11 @@ class Agreement:
     RING = 256
 
     def __init__(self, mpi_comm: MPI.Intracomm, enabled: bool, with_sequence: bool) -> None:
+        from .transports.mpi.persistent import unavailable
+
         self.enabled = enabled
+        # the MPI library is the same on every rank, so is this
+        self._persistent = unavailable() is None
         self.with_sequence = with_sequence
         self.mpi: MPI.Intracomm = mpi_comm.Dup()  # its own message space
         self.rank, self.size = self.mpi.Get_rank(), self.mpi.Get_size()
@@ -136,7 +159,7 @@ class Agreement:
         i = seq % self.RING
         check = self._ring[i]
         if check is None:
-            check = self._ring[i] = Check(self.mpi)
+            check = self._ring[i] = Check(self.mpi, self._persistent)
         return check
 
     def mismatch(
@@ -158,8 +181,8 @@ class Agreement:
         self.arrivals.close()
         if free:
             for check in self._ring:
-                if check is not None and not check.busy:
-                    check.request.Free()
+                if check is not None:
+                    check.free()
             self.mpi.Free()
         self._ring = [None] * self.RING
 

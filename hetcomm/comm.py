@@ -329,11 +329,8 @@ class Communicator:
 
     def _check_blocking(self, route: Route, seq: int, timeout: float | None) -> None:
         check = self._check_slot(route, seq, timeout)
-        request = check.request
         try:
-            request.Start()
-            check.busy = True
-            test = request.Test
+            test = check.start().Test
             for _ in range(_QUICK_POLLS):
                 if test():
                     break
@@ -365,10 +362,9 @@ class Communicator:
             self._deferred.advance()  # start what can start now, without waiting
         check = self._check_slot(route, seq, None)
         try:
-            check.request.Start()
+            check.start()
         except MPI.Exception as exc:
             raise self._mpi_error(route.op, seq, exc) from exc
-        check.busy = True
         item = Deferred(check, seq, partial(start, seq))
 
         def poll() -> bool:

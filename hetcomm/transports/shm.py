@@ -66,7 +66,7 @@ class SharedSlots:
         with self._register_lock:
             if self._registered:
                 return
-            from ...kernels import device
+            from ..kernels import device
 
             device.host_register(self.ptr, self.slots * self.slot_bytes, device_index)
             self._registered = True
@@ -99,7 +99,7 @@ class SharedSlots:
     def close(self) -> None:
         """Unregister from the GPU runtime and unmap."""
         if self._registered:
-            from ...kernels import device
+            from ..kernels import device
 
             with contextlib.suppress(Exception):
                 device.host_unregister(self.ptr)

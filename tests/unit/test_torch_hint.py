@@ -65,6 +65,10 @@ def test_the_wrapped_handler(not_imported: None, monkeypatch: pytest.MonkeyPatch
 
 
 def test_torch_finds_it_at_import() -> None:
+    try:
+        importlib.metadata.distribution("hetcomm")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("hetcomm is not installed here: no entry points to find (a bare checkout)")
     points = importlib.metadata.entry_points(group="torch.backends")
     assert "hetcomm.torch_hint:autoload" in [p.value for p in points]
     torch = pytest.importorskip("torch")
