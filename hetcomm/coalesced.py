@@ -86,7 +86,11 @@ def all_reduce_coalesced(
 
         if fb.on_device and transport.name == "mpi":
             holder.synchronize()  # MPI reads device memory without regard to streams
-        work = comm._admit(route, start) if async_op else start(comm._enter(route, timeout))
+        work = (
+            comm._admit(route, start, fb if fb.on_device else None)
+            if async_op
+            else start(comm._enter(route, timeout))
+        )
         if timeout is not None:
             work._timeout = float(timeout)
         comm._inflight.append(work)

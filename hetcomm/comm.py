@@ -341,7 +341,9 @@ class Communicator:
         if not check.agreed():
             raise self._mismatch(route.op, seq, check.mine.copy())
 
-    def _admit(self, route: Route, start: Callable[[int], Work]) -> Work:
+    def _admit(
+        self, route: Route, start: Callable[[int], Work], device: Buffer | None = None
+    ) -> Work:
         """An asynchronous collective: its sequence number and arrival at once, its check
         started, and the operation itself started once the check has completed (and every
         earlier deferred one has started). Returns the Work the caller gets."""
@@ -362,10 +364,24 @@ class Communicator:
             self._deferred.advance()  # start what can start now, without waiting
         check = self._check_slot(route, seq, None)
         try:
-            check.start()
+            test = check.start().Test
+            if not self._deferred:
+                # ranks in step: the check completes within a few polls, and the operation
+                # starts here at once; else it is deferred, and this call does not wait
+                for _ in range(_QUICK_POLLS):
+                    if test():
+                        if not check.agreed():
+                            raise self._mismatch(route.op, seq, check.mine.copy())
+                        return start(seq)
         except MPI.Exception as exc:
             raise self._mpi_error(route.op, seq, exc) from exc
-        item = Deferred(check, seq, partial(start, seq))
+        begin: Callable[[], Work] = partial(start, seq)
+        if device is not None:
+            # it may start on another thread: with the caller's stream and device there
+            from .kernels.device import on_behalf_of
+
+            begin = on_behalf_of(device, begin)
+        item = Deferred(check, seq, begin)
 
         def poll() -> bool:
             inner = item.inner
@@ -481,7 +497,8 @@ class Communicator:
         if timeout is not None:
             check_timeout(timeout, route.op)
         if async_op:
-            work = self._admit(route, start)
+            device = next((b for b in keep if isinstance(b, Buffer) and b.on_device), None)
+            work = self._admit(route, start, device)
         else:
             _work.set_blocking(True)
             try:

@@ -61,8 +61,17 @@ def on_device(device: int, fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
 
 
+# the caller's stream and device, where another thread makes a call on the caller's behalf
+# (an asynchronous collective started once its check has completed: hetcomm.deferred)
+_CALLER = threading.local()
+
+
 def current_stream(buf: Any) -> int:
-    """The stream the caller's array is used on (torch's / cupy's current stream)."""
+    """The stream the caller's array is used on (torch's / cupy's current stream), or the
+    caller's, where this thread acts for it (on_behalf_of)."""
+    pinned = getattr(_CALLER, "stream", None)
+    if pinned is not None:
+        return int(pinned)
     kind = getattr(buf, "kind", "")
     if kind == "torch":
         import torch
@@ -74,6 +83,28 @@ def current_stream(buf: Any) -> int:
     import cupy
 
     return int(cupy.cuda.get_current_stream().ptr)
+
+
+def on_behalf_of(buf: Any, call: Callable[[], Any]) -> Callable[[], Any]:
+    """`call`, to run on another thread as if on this one: with this thread's current stream
+    for `buf` (cupy's and torch's are per thread) and `buf`'s device current there."""
+    stream = current_stream(buf)
+    index = buf.device_index
+
+    def run() -> Any:
+        import cupy
+
+        before = getattr(_CALLER, "stream", None)
+        _CALLER.stream = stream
+        try:
+            if index is None:
+                return call()
+            with cupy.cuda.Device(index):
+                return call()
+        finally:
+            _CALLER.stream = before
+
+    return run
 
 
 _EXTERNAL: dict[tuple[int, int], Any] = {}

@@ -181,7 +181,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         pending.record = record
         if _synchronous():
             pending.wait()
-        else:
+        elif not pending.settle():
             _PROGRESS.add(id(self), pending)
         if self._coalesced is not None:
             self._coalesced.append(pending)

@@ -79,6 +79,16 @@ class _Pending:
         finally:
             self._lock.release()
 
+    def settle(self) -> bool:
+        """Drive the operation on the calling thread for a moment (up to _SETTLE_S): whether
+        it completed. Small operations among ranks in step do, and their Work and future are
+        complete before torch sees them, with no hand-off to the progress thread."""
+        until = time.monotonic() + _SETTLE_S
+        while not self.poll():
+            if time.monotonic() >= until:
+                return False
+        return True
+
     def test(self) -> bool:
         """poll(), raising what the operation failed with (so a _Pending can be a part)."""
         if self.poll() and self.error is not None:
@@ -225,6 +235,10 @@ class _Progress:
 # do not stall between their rounds.
 _POLL_MIN_S, _POLL_MAX_S, _WAIT_MAX_S = 20e-6, 500e-6, 50e-6
 _SPIN_S = 100e-6  # a waiting thread first polls without sleeping: small operations end within it
+# how long the issuing thread drives an operation before the progress thread takes it over:
+# long enough for a small collective among ranks in step, short enough not to hold back a
+# caller that overlaps communication with compute
+_SETTLE_S = 50e-6
 _PROGRESS = _Progress()
 
 
