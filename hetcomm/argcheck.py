@@ -45,12 +45,40 @@ def contiguous_in(b: Buffer, copy: bool = False) -> Buffer:
     if b.contiguous and not copy:
         return b
     if b.host is None:
+        if b.contiguous:
+            return _device_copy(b)
         raise InvalidArgument(
             f"{b.describe()}: non-contiguous device arrays are not packed yet; pass a "
             "contiguous array (.contiguous() / cupy.ascontiguousarray)"
         )
     packed = np.array(b.host, order="C", copy=True).reshape(-1)
     return host_buffer(b, packed)
+
+
+def _device_copy(b: Buffer) -> Buffer:
+    """A copy of contiguous device input `b` (an input the output overlaps: in-place
+    all_gather, reduce_scatter, all_to_all), made on the caller's stream, so that work queued
+    there before the call comes first and the operation, ordered after that stream, reads it."""
+    import cupy
+
+    from .kernels.device import caller_stream
+
+    with cupy.cuda.Device(b.device_index):
+        stream = caller_stream(b)
+        copy = cupy.empty(b.nbytes, dtype=cupy.uint8)
+        cupy.cuda.runtime.memcpyAsync(copy.data.ptr, b.ptr, b.nbytes, 3, stream.ptr)  # D2D
+    return Buffer(
+        obj=copy,
+        kind=b.kind,
+        dtype=b.dtype,
+        shape=b.shape,
+        device=b.device,
+        device_index=b.device_index,
+        ptr=copy.data.ptr,
+        contiguous=True,
+        readonly=False,
+        host=None,
+    )
 
 
 def contiguous_out(b: Buffer, steps: list[Callable[[], None]]) -> Buffer:
