@@ -72,14 +72,15 @@ def test_collectives_on_islands(hier_job, layout: str) -> None:
 
 
 def test_timeouts_abort_and_close(hier_job) -> None:
-    """Rank 0 alone calls: the transport's setup, an operation with a per-op timeout, and an
+    """Rank 0 alone calls: the first collective (whose default check, made before the hier
+    transport's setup, catches the missing rank), an operation with a per-op timeout, and an
     async operation under the configured timeout each raise CommTimeout naming the group; the
     communicator then refuses calls with CommAborted and closes promptly."""
     ranks = [(1, "nvidia", "ha"), (1, "amd", "ha")]
     job = hier_job(ranks, "timeouts", {}, limit=60)
     lone = job.ranks(2)[0]
     for case, group, op in (
-        ("setup", "lonely-setup", "hier setup"),
+        ("setup", "lonely-setup", "all_reduce"),
         ("op", "lonely-op", "all_reduce"),
         ("async", "lonely-async", "all_reduce"),
     ):

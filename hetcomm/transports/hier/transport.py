@@ -210,13 +210,16 @@ class HierTransport(Transport):
                 left = ctx.deadline - time.monotonic()
                 if left <= 0:
                     self._abandoned = True
+                    # the group's arrivals table: the hier collective entered it on every rank
+                    late, detail = self.comm.late(ctx.name, ctx.seq)
+                    where = f"waiting for {w.op} on group '{w._comm.name}'"
                     raise CommTimeout(
                         self.comm.name,
                         ctx.name,
                         ctx.seq,
                         self.timeout,
-                        None,
-                        f"waiting for {w.op} on group '{w._comm.name}'",
+                        late,
+                        f"{where}; {detail}" if detail else where,
                     )
                 if w._waiter is not None:
                     w._waiter(min(left, 0.05))
