@@ -862,24 +862,37 @@ class Communicator:
             tag = self._tag(tag, "send")
         if self._group is not None:
             return self._queue("send", x, dst, tag, async_op, timeout)
-        kx = key_of(x)
-        key = None if kx is None else ("send", kx)
-        route = self._routes.get(key) if key is not None else None
-        if route is None:
-            xb = as_buffer(x, "send: x")
-            route = self._route(key, "send", xb, no_general)
+        route = self._p2p_route("send", x)
         if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, False)
             if xh is not None:
-                self._p2p_seq = seq = self._p2p_seq + 1
-                route.runs += 1
-                try:
-                    if route.run(xh, dst, tag, seq):
-                        return None
-                except MPI.Exception as exc:
-                    raise self._mpi_error("send", seq, exc) from exc
+                seq = self._run_p2p(route, xh, dst, tag)
+                if seq is None:
+                    return None
                 return self._send(route, x, dst, tag, False, None, seq)
         return self._send(route, x, dst, tag, async_op, timeout, None)
+
+    def _p2p_route(self, op: str, x: Any) -> Route:
+        """The route of a send or receive of `x` (kept per array signature)."""
+        kx = key_of(x)
+        key = None if kx is None else (op, kx)
+        route = self._routes.get(key) if key is not None else None
+        if route is None:
+            route = self._route(key, op, as_buffer(x, f"{op}: x"), no_general)
+        return route
+
+    def _run_p2p(self, route: Route, xh: np.ndarray, peer: int, tag: int) -> int | None:
+        """A send's or receive's prepared blocking call: None once it ran, else (it declined)
+        the sequence number it took, which the general path then uses."""
+        assert route.run is not None
+        self._p2p_seq = seq = self._p2p_seq + 1
+        route.runs += 1
+        try:
+            if route.run(xh, peer, tag, seq):
+                return None
+        except MPI.Exception as exc:
+            raise self._mpi_error(route.op, seq, exc) from exc
+        return seq
 
     def _send(
         self,
@@ -957,12 +970,7 @@ class Communicator:
         if self._group is not None:
             queued = self._queue("recv", x, src, tag, async_op, timeout)
             return queued if queued is not None else src
-        kx = key_of(x)
-        key = None if kx is None else ("recv", kx)
-        route = self._routes.get(key) if key is not None else None
-        if route is None:
-            xb = as_buffer(x, "recv: x")
-            route = self._route(key, "recv", xb, no_general)
+        route = self._p2p_route("recv", x)
         if anywhere:
             if not route.transport.any_source:
                 xb = as_buffer(x, "recv: x")
@@ -977,13 +985,9 @@ class Communicator:
         if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, True)
             if xh is not None:
-                self._p2p_seq = seq = self._p2p_seq + 1
-                route.runs += 1
-                try:
-                    if route.run(xh, src, tag, seq):
-                        return src
-                except MPI.Exception as exc:
-                    raise self._mpi_error("recv", seq, exc) from exc
+                seq = self._run_p2p(route, xh, src, tag)
+                if seq is None:
+                    return src
                 return self._recv(route, x, src, tag, False, None, seq)
         return self._recv(route, x, src, tag, async_op, timeout, None)
 
