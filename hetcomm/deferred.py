@@ -77,6 +77,9 @@ class DeferredStarts:
             self._lock.release()
 
     def _advance(self) -> None:
+        # an item leaves the queue only once its start has returned: a thread that finds the
+        # queue empty (and so starts its own collective at once) never overtakes a start
+        # another thread is still making
         queue = self._queue
         while queue:
             item = queue[0]
@@ -86,21 +89,23 @@ class DeferredStarts:
                     return
             except BaseException as exc:
                 check.busy = False
-                queue.popleft()
                 item.error = self._mpi_error(item.seq, exc)
+                queue.popleft()
                 continue
-            queue.popleft()
             if not check.agreed():
                 try:
                     item.error = self._mismatch(item.seq, check.mine.copy())
                 except BaseException as exc:  # the gather of the signatures failed
                     item.error = exc
+                queue.popleft()
                 continue
             try:
                 inner = item.inner = item.start()
             except BaseException as exc:
                 item.error = exc
+                queue.popleft()
                 continue
+            queue.popleft()
             inner.observed = False  # the caller's Work is the one traced, with these facts
             if item.outer is not None:
                 item.outer.info = inner.info
