@@ -291,18 +291,23 @@ class Communicator:
             self._routes[key] = route
         return route
 
-    def _enter(self, route: Route, timeout: float | None = None) -> int:
-        """A blocking collective enters: the ordering guard, its sequence number, the arrivals
-        table, then the check, all on this thread. Returns the sequence number."""
+    def _arrive(self, route: Route) -> int:
+        """A collective's first steps, blocking or not: refused inside a group block, the
+        ordering guard, its sequence number, this rank's entry in the arrivals table."""
         if self._group is not None:
             raise InvalidArgument(
                 f"{route.op}: only send and recv may be called inside comm.group()"
             )
-        transport = route.transport
-        if transport is not self._last:
-            self._order(transport)
+        if route.transport is not self._last:
+            self._order(route.transport)
         self._seq = seq = self._seq + 1
         self._arrived[self.rank] = seq
+        return seq
+
+    def _enter(self, route: Route, timeout: float | None = None) -> int:
+        """A blocking collective enters: the ordering guard, its sequence number, the arrivals
+        table, then the check, all on this thread. Returns the sequence number."""
+        seq = self._arrive(route)
         if self._deferred:
             # the asynchronous collectives before this one start first: their checks complete
             # once every rank has entered them, and a rank waiting in this one's check may be
@@ -347,15 +352,7 @@ class Communicator:
         """An asynchronous collective: its sequence number and arrival at once, its check
         started, and the operation itself started once the check has completed (and every
         earlier deferred one has started). Returns the Work the caller gets."""
-        if self._group is not None:
-            raise InvalidArgument(
-                f"{route.op}: only send and recv may be called inside comm.group()"
-            )
-        transport = route.transport
-        if transport is not self._last:
-            self._order(transport)
-        self._seq = seq = self._seq + 1
-        self._arrived[self.rank] = seq
+        seq = self._arrive(route)
         if not self._checking:
             if self._deferred:
                 self._flush_deferred(route.op, seq)
