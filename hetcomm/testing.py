@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .comm import Communicator
 
 __all__ = [
+    "hetcomm_transport",
     "hetcomm_world",
     "hetcomm_comm",
     "hetcomm_make_comm",
@@ -59,12 +60,39 @@ def simulated_config(
     return Config.load(**options)
 
 
+def _forced(config: pytest.Config, transport: str) -> dict[str, str]:
+    """The Config fields that --hetcomm-transport / --hetcomm-rails force for a test on
+    `transport` (none when the run did not ask: then the environment and defaults decide, as
+    in any program)."""
+    if not config.getoption("hetcomm_transport", None):
+        return {}
+    rails = config.getoption("hetcomm_rails", None)
+    return {"transport": transport, **({"rails": rails} if rails else {})}
+
+
 @pytest.fixture(scope="session")
-def hetcomm_world() -> Iterator[Communicator]:
-    """One Communicator over COMM_WORLD for the whole session (tests use `hetcomm_comm`)."""
+def hetcomm_transport(request: pytest.FixtureRequest) -> str:
+    """The transport this test runs on: the --hetcomm-transport value it was parametrised with
+    (the test id names it, `test_x[staged]`), else what the configuration says ('auto' unless
+    HETCOMM_TRANSPORT is set)."""
+    param = getattr(request, "param", None)
+    if param is not None:
+        return str(param)
+    from .config import Config
+
+    return Config.load().transport
+
+
+@pytest.fixture(scope="session")
+def hetcomm_world(hetcomm_transport: str, request: pytest.FixtureRequest) -> Iterator[Communicator]:
+    """One Communicator over COMM_WORLD for the whole session (tests use `hetcomm_comm`), on
+    the run's transport."""
     import hetcomm
 
-    world = hetcomm.init(name="tests")
+    from .config import Config
+
+    forced = _forced(request.config, hetcomm_transport)
+    world = hetcomm.init(config=Config.load(None, **forced), name="tests")
     yield world
     world.close()
 
@@ -80,20 +108,25 @@ def hetcomm_comm(
 
 
 @pytest.fixture
-def hetcomm_make_comm() -> Iterator[Callable[..., Communicator]]:
+def hetcomm_make_comm(
+    hetcomm_transport: str, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., Communicator]]:
     """Factory: hetcomm_make_comm(vendors=("nvidia","amd"), hosts=("a","b"), timeout=5, ...) gives a
     Communicator over COMM_WORLD whose ranks pretend to be those vendors and hosts (rank i
-    gets vendors[i % len(vendors)]); each is closed after the test."""
+    gets vendors[i % len(vendors)]); each is closed after the test. The run's
+    --hetcomm-transport applies unless the call names a transport itself."""
     from mpi4py import MPI
 
     import hetcomm
 
+    forced = _forced(request.config, hetcomm_transport)
     made: list[Communicator] = []
 
     def factory(
         vendors: Sequence[str] | None = None, hosts: Sequence[str] | None = None, **options: Any
     ) -> Communicator:
         name = options.pop("name", None)
+        options = {**forced, **options}
         config = simulated_config(MPI.COMM_WORLD.Get_rank(), vendors, hosts, **options)
         c = hetcomm.init(config=config, name=name)
         made.append(c)
@@ -215,6 +248,58 @@ def hetcomm_mpirun() -> tuple[list[str], dict[str, str]]:
     return found
 
 
+# ---- the transport as a test parameter -----------------------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """--hetcomm-transport (repeatable) and --hetcomm-rails."""
+    group = parser.getgroup("hetcomm")
+    group.addoption(
+        "--hetcomm-transport",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="run every test that takes a hetcomm communicator fixture on this transport "
+        "('auto', 'mpi', 'staged', 'hier', ... or 'group:name,...', as HETCOMM_TRANSPORT); "
+        "the test id names it (test_x[staged]); repeat to run each test on several",
+    )
+    group.addoption(
+        "--hetcomm-rails",
+        default=None,
+        metavar="SPEC",
+        help="the rails of those communicators (as HETCOMM_RAILS); the test id names them",
+    )
+
+
+def _transport_id(spec: str, rails: str | None) -> str:
+    return f"{spec}-rails={rails}" if rails else spec
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrise `hetcomm_transport` (and so every communicator fixture) by the run's
+    --hetcomm-transport values, so that a test's id says which transport it ran on."""
+    specs = metafunc.config.getoption("hetcomm_transport", None)
+    if not specs or "hetcomm_transport" not in metafunc.fixturenames:
+        return
+    rails = metafunc.config.getoption("hetcomm_rails", None)
+    ids = [_transport_id(s, rails) for s in specs]
+    metafunc.parametrize("hetcomm_transport", specs, ids=ids, indirect=True, scope="session")
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the `gpu` marker."""
+    """Register the `gpu` marker; refuse a --hetcomm-transport/--hetcomm-rails that Config
+    would refuse, before any test runs."""
     config.addinivalue_line("markers", "gpu: needs a CUDA or ROCm device (skipped without one)")
+    specs = config.getoption("hetcomm_transport", None) or []
+    rails = config.getoption("hetcomm_rails", None)
+    if rails and not specs:
+        raise pytest.UsageError("--hetcomm-rails needs --hetcomm-transport (staged, say)")
+    if len(set(specs)) != len(specs):
+        raise pytest.UsageError(f"--hetcomm-transport: a transport is given twice in {specs}")
+    from .config import Config, ConfigError
+
+    for spec in specs:
+        try:
+            Config(transport=spec, **({"rails": rails} if rails else {}))
+        except ConfigError as exc:
+            raise pytest.UsageError(f"--hetcomm-transport={spec}: {exc}") from None

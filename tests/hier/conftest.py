@@ -84,9 +84,10 @@ def hier_pytest(hetcomm_mpirun: tuple[list[str], dict[str, str]]) -> Any:
             "-q",
             "-p",
             "no:cacheprovider",
+            "--hetcomm-transport=hier",
             *(str(MPI_TESTS / f) for f in files),
         ]
-        argv = mpmd_argv(prefix, ranks, program, {"HETCOMM_TRANSPORT": "hier"})
+        argv = mpmd_argv(prefix, ranks, program, {})
         return run_mpi_job(argv, clean_environ(**mpi_env), limit)
 
     return start

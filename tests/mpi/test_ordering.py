@@ -22,7 +22,7 @@ def test_switching_transport_finishes_the_earlier_collectives_first(
     result is right."""
     staged = hetcomm_comm._transports["staged"] = StagedTransport(hetcomm_comm)
     hetcomm_comm._by_class[("all_reduce", False, False)] = staged
-    # the small ones through mpi, whatever HETCOMM_TRANSPORT says for this run
+    # the small ones through mpi, whatever --hetcomm-transport says for this run
     hetcomm_comm._by_class[("all_reduce", False, True)] = hetcomm_comm._transports["mpi"] = (
         MpiTransport(hetcomm_comm)
     )
