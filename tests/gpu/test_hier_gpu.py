@@ -15,7 +15,7 @@ import pytest
 from _refs import reference as _reduce
 from _refs import small_values as _values
 
-from hetcomm import ReduceOp
+from hetcomm import ReduceOp, introspect
 from hetcomm.testing import assert_all_ranks
 
 cupy = pytest.importorskip("cupy")
@@ -73,7 +73,7 @@ def test_islands_of_own_gpus_reduce_through_nccl(hetcomm_make_comm, hetcomm_shar
     x = torch.from_numpy(data[r]).cuda()
     comm.all_reduce(x)
     ok = np.array_equal(x.cpu().numpy().astype(np.float64), data.astype(np.float64).sum(0))
-    hier = comm._transports["hier"]
+    hier = introspect.transports(comm)["hier"]
     own = _own_devices(comm, hier.islands[hier.index])
     inside = hier.island.plan.lookup("all_reduce", "device", "large")[0]
     assert_all_ranks(

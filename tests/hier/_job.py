@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 import hetcomm
-from hetcomm import CommAborted, CommTimeout, ReduceOp
+from hetcomm import CommAborted, CommTimeout, ReduceOp, introspect
 
 RANK = MPI.COMM_WORLD.Get_rank()
 OPS = tuple(ReduceOp)
@@ -177,12 +177,12 @@ def collectives(params: dict[str, Any]) -> None:
     world.barrier()
     seconds = time.monotonic() - start
     plan = world.plan.lookup("all_reduce", "host", "large")
-    transport = world._transports.get("hier")
+    transport = introspect.transports(world).get("hier")
     parts = {}
     if transport is not None:
         for part in (transport.island, transport.cross, transport.flat):  # type: ignore[attr-defined]
             parts[part.name] = {
-                "hier": part._unavailable.get("hier"),
+                "hier": introspect.unavailable(part).get("hier"),
                 "device": part.plan.lookup("all_reduce", "device", "large")[0],
                 "host": part.plan.lookup("all_reduce", "host", "large")[0],
             }
@@ -206,7 +206,7 @@ def collectives(params: dict[str, Any]) -> None:
         parts=parts,
         auto=planned,
         device_plan=list(world.plan.lookup("all_reduce", "device", "large")),
-        routed=sorted(world._transports),
+        routed=sorted(introspect.transports(world)),
     )
     world.close()
 

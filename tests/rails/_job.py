@@ -22,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 import hetcomm
-from hetcomm.arrays import as_buffer
+from hetcomm import introspect
 from hetcomm.testing import simulated_config
 
 WORLD = MPI.COMM_WORLD
@@ -39,8 +39,8 @@ def open_comm(params: dict[str, Any], **options: Any) -> Any:
 def staged(comm: Any, chunk_bytes: int | None = None) -> Any:
     """The communicator's staged transport, made now (before any operation) so that its chunk
     size can still be changed."""
-    comm._transport("send", as_buffer(np.zeros(1, np.uint8)))
-    t = comm._transports["staged"]
+    introspect.transport_of(comm, "send", np.zeros(1, np.uint8))
+    t = introspect.transports(comm)["staged"]
     if chunk_bytes is not None:
         t.chunk_bytes = chunk_bytes
     return t
@@ -102,7 +102,9 @@ def roundtrip(params: dict[str, Any]) -> dict[str, Any]:
         out["errors"] += [f"{chunking['name']}: {e}" for e in errors]
         out["cases"][chunking["name"]] = {
             "rails": rail_bytes(t),
-            "specs": [str(s) for s in t._channels[peer].specs] if peer in t._channels else [],
+            "specs": [str(s) for s in introspect.channels(t)[peer].specs]
+            if peer in introspect.channels(t)
+            else [],
             "chunk_bytes": t.chunk_bytes,
         }
         close(comm, out)
@@ -195,7 +197,7 @@ def fail(params: dict[str, Any]) -> dict[str, Any]:
     else:
         comm.recv(warm, 0)
     t.stats.clear()
-    ch = t._channels[peer]
+    ch = introspect.channels(t)[peer]
     which = ch.links if params.get("links") == "all" else ch.links[:1]
     shut: dict[str, Any] = {}
     landed_before_cut = int(params.get("landed", 1))
@@ -275,7 +277,7 @@ def token(params: dict[str, Any]) -> dict[str, Any]:
         comm.recv(got, 0)
     closed_by_peer, detail = None, ""
     if comm.rank == 0:
-        spec = t._channels[1].specs[0]
+        spec = introspect.channels(t)[1].specs[0]
         with socket.create_connection((spec.remote, spec.port), timeout=10) as s:
             s.sendall(b"\x5a" * links.HELLO.size)  # 24 bytes that are not rank 1's token
             s.settimeout(10)
@@ -329,7 +331,7 @@ def hello(params: dict[str, Any]) -> dict[str, Any]:
     result = {
         "hosts": [r.host for r in comm.topology],
         "rails_config": comm.config.rails,
-        "specs": [str(s) for s in t._channels[1 - comm.rank].specs],
+        "specs": [str(s) for s in introspect.channels(t)[1 - comm.rank].specs],
         "mismatch": first_difference(got, data) if comm.rank == 1 else "",
         "rails": rail_bytes(t),
     }
@@ -383,11 +385,11 @@ def early(params: dict[str, Any]) -> dict[str, Any]:
         # the receiver hands each slot back by a message: wait until all of them are back
         if comm.rank != 0:
             return
-        ch = t._channels[1]
-        _wait_until(lambda: len(ch.shm_out._free) == ch.shm_out.slots, 10)
+        ch = introspect.channels(t)[1]
+        _wait_until(lambda: introspect.free_slots(ch.shm_out) == ch.shm_out.slots, 10)
         result["slots"] = ch.shm_out.slots
         result["early_slots"][case] = ch.early
-        result["free_slots"][case] = len(ch.shm_out._free)
+        result["free_slots"][case] = introspect.free_slots(ch.shm_out)
 
     # "late"
     data = pattern(nbytes, 11)
@@ -489,7 +491,8 @@ def close_waiting(params: dict[str, Any]) -> dict[str, Any]:
         waiting = list(t.cts.waiting.values())
         result["early_chunks"] = len(waiting[0][1].early) if waiting else 0
         close(comm, result)
-        result["held_after_close"] = t._channels[1].early  # slots still held by waiting sends
+        # slots still held by waiting sends
+        result["held_after_close"] = introspect.channels(t)[1].early
         timed(work.wait, result, "error", "failed_after_s")
         WORLD.Barrier()
     else:
@@ -516,7 +519,7 @@ def sender_closes_first(params: dict[str, Any]) -> dict[str, Any]:
         close(comm, result)
     else:
         comm.recv(got[:1], 0)
-        ch = t._channels[0]
+        ch = introspect.channels(t)[0]
         deliver = ch._deliver
 
         def slow(op: Any, off: int, chunk: np.ndarray) -> None:

@@ -2,7 +2,7 @@
 
 The job opens the channel with a small message, then rank 0 sends 64 MiB (1 MiB chunks) over
 two loopback rails while a thread of one rank shuts down a link's socket
-(`transport._channels[peer].links[i].sock.shutdown(SHUT_RDWR)`) once chunks are moving.
+(`introspect.channels(transport)[peer].links[i].sock.shutdown(SHUT_RDWR)`) once chunks are moving.
 """
 
 from __future__ import annotations
