@@ -11,6 +11,7 @@ for the next one. docs/testing.md shows how to write such tests.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -40,6 +41,8 @@ __all__ = [
     "clean_environ",
     "mpirun_command",
     "run_mpi_job",
+    "scenario_command",
+    "run_scenario",
 ]
 
 
@@ -239,6 +242,88 @@ def run_mpi_job(argv: list[str], env: dict[str, str], limit: float) -> MpiJob:
     )
 
 
+# ---- scenarios: the rank side of a job, written in the test module beside its assertions ---
+
+Scenario = Callable[[dict[str, Any]], "dict[str, Any] | None"]
+
+
+def scenario_command(scenario: Scenario, params: dict[str, Any] | None = None) -> list[str]:
+    """What every rank of a job runs to call `scenario(params)`: `python -m mpi4py -m
+    hetcomm.testing FILE NAME JSON`. `scenario` is a module-level function of a file (the test
+    module, say); each rank imports that file by path (its folder first on sys.path, so its
+    helper modules import) and prints what the function returns as its `RESULT {json}` line
+    (with "rank" added; nothing when it returns None, having reported itself). A scenario that
+    raises prints no RESULT: mpi4py's -m prints the traceback and aborts the job, so no rank is
+    left waiting for it."""
+    name = getattr(scenario, "__name__", "")
+    if not callable(scenario) or getattr(scenario, "__qualname__", None) != name:
+        raise TypeError(
+            "a scenario must be a module-level function (ranks import it by name), "
+            f"got {scenario!r}"
+        )
+    path = Path(scenario.__code__.co_filename).resolve()
+    if not path.is_file():
+        raise TypeError(f"scenario {name}: its module {path} is not a file ranks can import")
+    return [
+        sys.executable,
+        "-m",
+        "mpi4py",
+        "-m",
+        "hetcomm.testing",
+        str(path),
+        name,
+        json.dumps(params or {}),
+    ]
+
+
+def run_scenario(
+    mpirun: tuple[list[str], dict[str, str]],
+    scenario: Scenario,
+    params: dict[str, Any] | None = None,
+    *,
+    n: int = 2,
+    variables: dict[str, str] | None = None,
+    groups: Sequence[tuple[int, dict[str, str]]] | None = None,
+    limit: float = 60,
+    drop: Sequence[str] = (),
+) -> MpiJob:
+    """Run `scenario(params)` on every rank of a job under timeout(1) (`limit` seconds) and
+    collect their results. `mpirun` is what `hetcomm_mpirun` gives; the job has `n` ranks with
+    `variables` set, or, with `groups`, one block of ranks per (count, variables) in rank order
+    (MPMD: `mpirun -n 2 env A=1 ... : -n 1 env A=2 ...`). The environment is this process's
+    without launcher and hetcomm variables nor those starting with a prefix in `drop`."""
+    prefix, mpi_env = mpirun
+    blocks = list(groups) if groups is not None else [(n, dict(variables or {}))]
+    command = scenario_command(scenario, params)
+    argv = list(prefix)
+    for i, (count, block_vars) in enumerate(blocks):
+        settings = {**(variables or {}), **block_vars} if groups is not None else block_vars
+        if i:
+            argv.append(":")
+        argv += ["-n", str(count), "env", *(f"{k}={v}" for k, v in settings.items()), *command]
+    return run_mpi_job(argv, clean_environ(*drop, **mpi_env), limit)
+
+
+def _run_scenario(path: str, name: str, params: str) -> None:
+    """The rank side of `scenario_command`."""
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    folder = str(Path(path).parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(f"_scenario_{Path(path).stem}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import the scenario module {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    # an exception propagates: mpi4py's -m prints it and aborts the job (no RESULT line)
+    result = getattr(module, name)(json.loads(params))
+    if result is not None:
+        print("RESULT " + json.dumps({**result, "rank": rank}), flush=True)
+
+
 @pytest.fixture(scope="session")
 def hetcomm_mpirun() -> tuple[list[str], dict[str, str]]:
     """(mpirun argv prefix, variables it needs); skips the test when there is no mpirun."""
@@ -303,3 +388,10 @@ def pytest_configure(config: pytest.Config) -> None:
             Config(transport=spec, **({"rails": rails} if rails else {}))
         except ConfigError as exc:
             raise pytest.UsageError(f"--hetcomm-transport={spec}: {exc}") from None
+
+
+if __name__ == "__main__":
+    # python -m mpi4py -m hetcomm.testing FILE NAME JSON (scenario_command)
+    if len(sys.argv) != 4:
+        sys.exit("usage: python -m mpi4py -m hetcomm.testing FILE FUNCTION JSON_PARAMS")
+    _run_scenario(*sys.argv[1:])
