@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from . import ANY_SOURCE, agree, coalesced
 from . import plan as planning
-from . import trace as _trace  # noqa: F401 (importing it registers tracing's decision on Work)
+from . import trace as _trace
 from . import work as _work
 from .argcheck import (
     check_timeout,
@@ -66,6 +66,7 @@ class Communicator:
         # can never match the caller's point-to-point traffic
         self.service: MPI.Intracomm = mpi_comm.Dup()
         self.config = config
+        _trace.decide(config)
         self.topology = topology
         self.name = name
         self.rank: int = mpi_comm.Get_rank()
@@ -165,12 +166,14 @@ class Communicator:
 
     def routes(self) -> list[dict[str, Any]]:
         """The routes resolved so far, one dict each: op, transport, whether it has a
-        prepared blocking call, and how many calls each path served (for tests and tuning)."""
+        prepared blocking call or asynchronous start, and how many calls each path served (for
+        tests and tuning)."""
         return [
             {
                 "op": r.op,
                 "transport": r.transport.name,
                 "prepared": r.run is not None,
+                "prepared_async": r.start is not None,
                 "runs": r.runs,
                 "uses": r.uses,
                 "key": key,
@@ -285,6 +288,9 @@ class Communicator:
         if prepare is not None and key is not None:
             run = prepare(op, xb, out, rop, root)
         route = Route(op, transport, vec, general, rop, root, run)
+        prepare_async = getattr(transport, "prepare_async", None)
+        if prepare_async is not None and key is not None:
+            route.start = prepare_async(op, xb, out, rop, root)
         if key is not None:
             if len(self._routes) >= MAX_ROUTES:
                 self._routes.clear()
@@ -800,7 +806,12 @@ class Communicator:
         if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, False)
             oh = host_view(out, True)
-            if xh is not None and oh is not None and not np.may_share_memory(xh, oh):
+            # a prepared call that serves in-place forms tells overlaps apart itself
+            if (
+                xh is not None
+                and oh is not None
+                and (getattr(route.run, "in_place", False) or not np.may_share_memory(xh, oh))
+            ):
                 if self._blocking_run(route, xh, oh):
                     return None
                 return route.general(route, out, x, False, None, self._last_entered)
@@ -860,6 +871,10 @@ class Communicator:
         if self._group is not None:
             return self._queue("send", x, dst, tag, async_op, timeout)
         route = self._p2p_route("send", x)
+        if async_op and route.start is not None:
+            xh = host_view(x, False)
+            if xh is not None:
+                return self._start_p2p(route, x, xh, dst, tag, timeout)
         if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, False)
             if xh is not None:
@@ -890,6 +905,24 @@ class Communicator:
         except MPI.Exception as exc:
             raise self._mpi_error(route.op, seq, exc) from exc
         return seq
+
+    def _start_p2p(
+        self, route: Route, x: Any, xh: np.ndarray, peer: int, tag: int, timeout: float | None
+    ) -> Work:
+        """An asynchronous send or receive through the transport's prepared start."""
+        assert route.start is not None
+        if timeout is not None:
+            check_timeout(timeout, route.op)
+        self._p2p_seq = seq = self._p2p_seq + 1
+        route.runs += 1
+        try:
+            work = route.start(xh, peer, tag, seq)
+        except MPI.Exception as exc:
+            raise self._mpi_error(route.op, seq, exc) from exc
+        if timeout is not None:
+            work._timeout = float(timeout)
+        work._keep = (x,)  # the transport reads or writes it until completion
+        return work
 
     def _send(
         self,
@@ -979,6 +1012,10 @@ class Communicator:
                     "transport (HETCOMM_TRANSPORT=mpi), which receives from any source"
                 )
             return self._recv(route, x, src, tag, async_op, timeout, None)
+        if async_op and route.start is not None:
+            xh = host_view(x, True)
+            if xh is not None:
+                return self._start_p2p(route, x, xh, src, tag, timeout)
         if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, True)
             if xh is not None:

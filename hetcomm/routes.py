@@ -34,7 +34,18 @@ class Route:
     every call.
     """
 
-    __slots__ = ("general", "op", "root", "rop", "run", "runs", "transport", "uses", "vec")
+    __slots__ = (
+        "general",
+        "op",
+        "root",
+        "rop",
+        "run",
+        "runs",
+        "start",
+        "transport",
+        "uses",
+        "vec",
+    )
 
     def __init__(
         self,
@@ -48,6 +59,8 @@ class Route:
     ) -> None:
         self.op, self.transport, self.vec, self.general = op, transport, vec, general
         self.rop, self.root, self.run = rop, root, run
+        # the transport's prepared asynchronous start for host arrays (sends and receives)
+        self.start: Callable[..., Work] | None = None
         # calls served by the prepared call, and by the general path (for tests and stats)
         self.runs = 0
         self.uses = 0
