@@ -119,7 +119,7 @@ def reduce_op(op: Any, what: str = "reduce") -> ReduceOp:
     """hetcomm's ReduceOp for a torch ReduceOp (or its RedOpType); ValueError naming the rest."""
     kind = getattr(op, "op", op)  # ReduceOp objects carry a RedOpType in .op
     if kind.__class__ is _KIND:
-        found = _BY_VALUE.get(int(kind))
+        found = _BY_VALUE.get(int(kind))  # type: ignore[call-overload]
         if found is not None:
             return found
     name = getattr(kind, "name", None) or str(kind).rpartition(".")[2]

@@ -276,3 +276,37 @@ def test_cached_routes_refuse_after_an_abort(hetcomm_comm, errors):
     finally:
         lonely.close()
     errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_small_collectives_in_different_forms_on_different_ranks(hetcomm_comm, rng, errors):
+    """One collective called blocking with a contiguous array on some ranks and asynchronous
+    with a strided view on the others (the check carries small ones on one path, which every
+    form must take): every rank gets the reference, bit for bit the same as every other."""
+    comm = hetcomm_comm
+    size, rank = comm.size, comm.rank
+    odd = rank % 2 == 1
+    for count in (1, 7, 32, 33):  # 33 float64: past the check's payload, the transport's path
+        stack = rng.standard_normal((size, count))
+        backing = np.full(2 * count, np.nan)
+        x = backing[::2] if odd else stack[rank].copy()
+        x[...] = stack[rank]
+        if odd:
+            comm.all_reduce(x, async_op=True).wait()
+        else:
+            comm.all_reduce(x)
+        want = stack[0].copy()
+        for r in range(1, size):
+            want += stack[r]
+        errors.expect(np.allclose(x, want, rtol=1e-12), f"all_reduce {count}: {x} != {want}")
+        every = comm.mpi.allgather(np.ascontiguousarray(x).tobytes())
+        errors.expect(len(set(every)) == 1, f"all_reduce {count}: ranks' bits differ")
+        errors.expect(np.isnan(backing[1::2]).all() if odd else True, "wrote between elements")
+        y = np.zeros(count)
+        y[...] = stack[rank] if rank == 0 else 0.0
+        if odd:
+            comm.broadcast(y, 0, async_op=True).wait()
+        else:
+            comm.broadcast(y, 0)
+        errors.expect(np.array_equal(y, stack[0]), f"broadcast {count}: {y}")
+    errors.verify()

@@ -773,10 +773,6 @@ class MpiTransport(Transport):
         return self._start("barrier", seq, 0, mpi.Ibarrier, mpi.Barrier)
 
 
-def _address(a: np.ndarray) -> int:
-    return int(a.__array_interface__["data"][0])
-
-
 class _Receive:
     """A receive that checks the size of what arrived: a sender of another size raises
     MismatchError naming both sizes (MPI itself accepts a shorter message silently and fails a
