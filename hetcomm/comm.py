@@ -431,29 +431,48 @@ class Communicator:
         return item.outer
 
     def _small(
-        self, route: Route, x: Any, y: Any, async_op: bool, timeout: float | None
+        self,
+        route: Route,
+        x: Any,
+        y: Any,
+        async_op: bool,
+        timeout: float | None,
+        what: str,
+        apart: bool = False,
     ) -> Work | None:
         """A collective that travels in its own check (route.fused: hetcomm.fused). Every call
         of such a signature takes this path, blocking or not, whatever its arrays' layout,
         since the other ranks' calls of it do: `x`'s bytes go into the check, and the result
-        into `y` once every rank's signature has agreed."""
+        into `y` once every rank's signature has agreed. `what` names y in errors (the general
+        path's words); `apart`: y must not partly overlap x (out-of-place all_reduce)."""
         small = route.fused
         assert small is not None
         op = route.op
         if timeout is not None:
             check_timeout(timeout, op)
-        xh = host_view(x, False)
-        if xh is None:
-            xh = np.ascontiguousarray(as_buffer(x, f"{op}: x").host)
-        yh = back = None
+        xv = host_view(x, False)
+        if xv is None:
+            xv = as_buffer(x, f"{op}: x").host
+            assert xv is not None
+        xh = xv if xv.flags.c_contiguous else np.ascontiguousarray(xv)
+        yh = back = yv = None
         if small.writes:
-            yh = host_view(y, True)
+            yv = yh = host_view(y, True)
             if yh is None:
-                yb = as_buffer(y, f"{op}: out")
-                writable(yb, f"{op}: out")
-                assert yb.host is not None
-                yh = np.empty(yb.host.shape, yb.host.dtype)
-                back = partial(np.copyto, yb.host, yh)
+                yb = as_buffer(y, what)
+                writable(yb, what)
+                yv = yb.host
+                assert yv is not None
+                yh = np.empty(yv.shape, yv.dtype)
+                back = partial(np.copyto, yv, yh)
+        if (
+            apart
+            and y is not x
+            and yv is not None
+            and np.may_share_memory(xv, yv)
+            and overlap(as_buffer(x, f"{op}: x"), as_buffer(y, what)) == "partial"
+        ):
+            raise InvalidArgument(f"{op}: out partly overlaps x; use x itself or a separate array")
         route.runs += 1
         if async_op:
             carried: list[agree.Check] = []
@@ -652,7 +671,8 @@ class Communicator:
         if route is None:
             route = self._route_all_reduce(key, x, op, out, inplace)
         if route.fused is not None and self._checking:
-            return self._small(route, x, x if inplace else out, async_op, timeout)
+            what = "all_reduce: x (in place)" if inplace else "all_reduce: out"
+            return self._small(route, x, x if inplace else out, async_op, timeout, what, True)
         if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, inplace)
             if xh is not None:
@@ -770,7 +790,7 @@ class Communicator:
             check_op_for_dtype(rop, xb.dtype, "reduce")
             route = self._route(key, "reduce", xb, self._reduce, rop, r)
         if route.fused is not None and self._checking:
-            return self._small(route, x, x, async_op, timeout)
+            return self._small(route, x, x, async_op, timeout, "reduce: x at the root")
         at_root = self.rank == route.root
         if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, at_root)
@@ -815,7 +835,7 @@ class Communicator:
             r = self._root(root, "broadcast: root")
             route = self._route(key, "broadcast", xb, self._broadcast, None, r)
         if route.fused is not None and self._checking:
-            return self._small(route, x, x, async_op, timeout)
+            return self._small(route, x, x, async_op, timeout, "broadcast: x")
         if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, self.rank != route.root)
             if xh is not None:
@@ -897,7 +917,7 @@ class Communicator:
         if route is None:
             route = self._route_blocks(key, op, out, x, rop, out_blocks, x_blocks, method)
         if route.fused is not None and self._checking:
-            return self._small(route, x, out, async_op, timeout)
+            return self._small(route, x, out, async_op, timeout, f"{op}: out")
         if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, False)
             oh = host_view(out, True)
