@@ -160,7 +160,8 @@ def all_reduce(t: StagedTransport, x: Buffer, out: Buffer, op: ReduceOp, seq: in
             with _output(t, orr, ready) as res:
                 group.all_reduce(src, res, xr.nbytes, x.dtype, op, deadline)
 
-        return _on_segment(group, xr.nbytes, in_segment, _all_reduce_ring(t, x, out, op, seq))
+        ring = _all_reduce_ring(t, x, out, op, seq)
+        return _on_segment(t, f"all_reduce #{seq}", group, xr.nbytes, in_segment, ring)
     return _all_reduce_ring(t, x, out, op, seq)
 
 
@@ -206,7 +207,7 @@ def reduce_scatter(t: StagedTransport, out: Buffer, x: Buffer, op: ReduceOp, seq
         with _output(t, orr, ready) as res:
             group.reduce_scatter(src, res, xr.nbytes, x.dtype, op, deadline)
 
-    return _on_segment(group, xr.nbytes, in_segment, ring)
+    return _on_segment(t, f"reduce_scatter #{seq}", group, xr.nbytes, in_segment, ring)
 
 
 def _reduce_scatter_ring(
@@ -248,7 +249,7 @@ def reduce(t: StagedTransport, x: Buffer, op: ReduceOp, root: int, seq: int) -> 
         with _output(t, xr, ready) as res:
             group.reduce(src, res, xr.nbytes, x.dtype, op, root, deadline)
 
-    return _on_segment(group, xr.nbytes, in_segment, ring)
+    return _on_segment(t, f"reduce #{seq}", group, xr.nbytes, in_segment, ring)
 
 
 def _reduce_ring(t: StagedTransport, x: Buffer, op: ReduceOp, root: int, seq: int) -> Body:
@@ -295,7 +296,7 @@ def broadcast(t: StagedTransport, x: Buffer, root: int, seq: int) -> Body:
         with _output(t, xr, ready) as res:
             group.broadcast(None, res, xr.nbytes, root, deadline)
 
-    return _on_segment(group, xr.nbytes, in_segment, ring)
+    return _on_segment(t, f"broadcast #{seq}", group, xr.nbytes, in_segment, ring)
 
 
 def _broadcast_chain(t: StagedTransport, x: Buffer, root: int, seq: int) -> Body:
@@ -339,7 +340,7 @@ def all_gather(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Body:
         with _output(t, orr, ready) as res:
             group.all_gather(src, res, xr.nbytes, deadline)
 
-    return _on_segment(group, xr.nbytes, in_segment, ring)
+    return _on_segment(t, f"all_gather #{seq}", group, xr.nbytes, in_segment, ring)
 
 
 def _all_gather_ring(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Body:
@@ -370,7 +371,7 @@ def all_to_all(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Body:
         with _output(t, orr, ready) as res:
             group.all_to_all(src, res, xr.nbytes, deadline)
 
-    return _on_segment(group, xr.nbytes, in_segment, ring)
+    return _on_segment(t, f"all_to_all #{seq}", group, xr.nbytes, in_segment, ring)
 
 
 def _all_to_all_pairs(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Body:
@@ -427,9 +428,12 @@ def _segment(t: StagedTransport, nbytes: int) -> hostcoll.HostGroup | None:
         return group
 
 
-def _on_segment(group: hostcoll.HostGroup, nbytes: int, body: Body, ring: Body) -> Body:
+def _on_segment(
+    t: StagedTransport, what: str, group: hostcoll.HostGroup, nbytes: int, body: Body, ring: Body
+) -> Body:
     """`body` in the segment at this operation's turn (drawn now, in the group's order of
-    operations); `ring` where the segment cannot take it (every rank finds so together)."""
+    operations); `ring` where the segment cannot take it (every rank finds so together).
+    `what`: the operation and its sequence number, for errors."""
     ticket = group.ticket()
 
     def run(deadline: float, ready: Any) -> None:
@@ -439,7 +443,7 @@ def _on_segment(group: hostcoll.HostGroup, nbytes: int, body: Body, ring: Body) 
         except hostcoll.Late as exc:
             raise PeerTimeout(exc.ranks, str(exc)) from None
         except hostcoll.Dead as exc:
-            raise PeerLost(str(exc), exc.ranks) from None
+            raise PeerLost(f"group '{t.comm.name}': {what}: {exc}", exc.ranks) from None
         ring(deadline, ready)
 
     return run
