@@ -334,7 +334,7 @@ def test_staged_large_and_small_sizes(staged, rng, errors):
     """Sizes over the segment's limit take the rings; sizes under it the segment (which
     grows on the way), all right, every rank with the same bits."""
     n, r = staged.size, staged.rank
-    for count in (3, 70_000, collectives.SEGMENT_MAX_BYTES // 4 + 1):
+    for count in (3, 70_000, collectives.SEGMENT_MAX_BYTES // 4 + 1, 1 << 16):
         stack = draw(rng, "float32", (count,), n)
         x = stack[r].astype(np.float32)
         staged.all_reduce(x)

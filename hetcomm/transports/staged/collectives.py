@@ -395,13 +395,19 @@ def _all_to_all_pairs(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> B
 
 # Collectives whose input is at most this many bytes per rank go through the group's shared
 # segment where every rank of the group is on this host (and HETCOMM_RAILS is not `mpi`, which
-# asks for MPI messages): measured on the 2-core CPU machine, 4 ranks, the segment beat the
-# rings at every size up to it (docs/staged.md, "Collectives").
+# asks for MPI messages). In a group of CPU ranks: measured on the 2-core CPU machine, 4 ranks,
+# the segment beat the rings at every size up to it (docs/staged.md, "Collectives"). In a group
+# with GPUs, device data crosses to the host and is reduced there, where the rings reduce on
+# the GPU: up to DEVICE_SEGMENT_MAX_BYTES only (the sizes of the H200 goals, 1 and 64 KiB, are
+# well inside; where the two cross on a GPU machine has not been measured). The limit depends on
+# the group alone, not on the memory of one rank's call: ranks of one collective may pass host
+# and device arrays, and must all take the same way.
 SEGMENT_MAX_BYTES = hostcoll.MAX_BYTES
+DEVICE_SEGMENT_MAX_BYTES = 1 << 20
 
-# the segment of each staged transport (None: its group cannot have one); weak, so that a
-# transport's segment goes with it
-_GROUPS: weakref.WeakKeyDictionary[StagedTransport, hostcoll.HostGroup | None] = (
+# the segment of each staged transport and the largest operation it takes (None: its group
+# cannot have one); weak, so that a transport's segment goes with it
+_GROUPS: weakref.WeakKeyDictionary[StagedTransport, tuple[hostcoll.HostGroup, int] | None] = (
     weakref.WeakKeyDictionary()
 )
 _GROUPS_LOCK = threading.Lock()
@@ -410,22 +416,31 @@ _GROUPS_LOCK = threading.Lock()
 def _segment(t: StagedTransport, nbytes: int) -> hostcoll.HostGroup | None:
     """The shared segment an operation of `nbytes` per rank takes, or None (the rings): a
     choice of the signature and the group alone, so every rank makes the same one."""
-    if not 0 < nbytes <= SEGMENT_MAX_BYTES:
+    if nbytes <= 0:
         return None
     with _GROUPS_LOCK:
         if t in _GROUPS:
-            return _GROUPS[t]
-        group = None
-        if t.mode != "mpi" and hostcoll.unavailable(t.comm.topology) is None:
-            ref = weakref.ref(t)
+            found = _GROUPS[t]
+        else:
+            found = _GROUPS[t] = _new_segment(t)
+    if found is None or nbytes > found[1]:
+        return None
+    return found[0]
 
-            def closed() -> bool:
-                transport = ref()
-                return transport is None or transport.closed
 
-            group = hostcoll.HostGroup(t.rank, t.size, t.svc, tags.HOSTCOLL, closed)
-        _GROUPS[t] = group
-        return group
+def _new_segment(t: StagedTransport) -> tuple[hostcoll.HostGroup, int] | None:
+    topology = t.comm.topology
+    if t.mode == "mpi" or hostcoll.unavailable(topology) is not None:
+        return None
+    ref = weakref.ref(t)
+
+    def closed() -> bool:
+        transport = ref()
+        return transport is None or transport.closed
+
+    gpus = any(r.vendor != "cpu" or r.detected_vendor != "cpu" for r in topology.ranks)
+    limit = DEVICE_SEGMENT_MAX_BYTES if gpus else SEGMENT_MAX_BYTES
+    return hostcoll.HostGroup(t.rank, t.size, t.svc, tags.HOSTCOLL, closed), limit
 
 
 def _on_segment(
