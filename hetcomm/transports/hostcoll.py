@@ -16,8 +16,8 @@ arrive at the operation in between, which each did only once done with this one.
 Reductions give every rank the same bits: every element is reduced in rank order (rank 0's
 value, then rank 1's, ...). Small ones are reduced whole by every rank (the same computation,
 so the same bits, with one barrier); larger ones (`REDUNDANT_MAX`) by shards, each reduced by
-one rank and written into that shard of every block's half, then a second barrier, after
-which each rank copies the result out of its own block.
+one rank and written into that shard of its own half, then a second barrier, after which each
+rank copies the other shards out of their reducers' halves.
 
 Waits spin, yield, then nap (`flags.wait`), bounded by the operation's deadline; while
 napping they look at the late ranks' processes (/proc), so that a rank that died is named
@@ -160,6 +160,7 @@ class HostGroup:
         self._issued = 0  # tickets drawn
         self._ended = 0  # the last ticket whose turn has ended
         self._broken: BaseException | None = None
+        self._spare = np.empty(0, np.uint8)  # _scratch's buffer
 
     # ---- turns ----------------------------------------------------------------------------
 
@@ -409,14 +410,15 @@ class HostGroup:
         if nbytes <= REDUNDANT_MAX:
             self._reduce_into(out, 0, nbytes, dtype, op)
         else:
-            lo, hi = self._shard(nbytes, dtype)
+            # this rank's shard, reduced into its own output and published in its own half
+            # (nobody else reads that shard of it); the others' shards read from their halves
+            spans = self._shards(nbytes, dtype)
+            lo, hi = spans[self.rank]
             if hi > lo:
-                acc = np.empty(hi - lo, np.uint8)
-                self._reduce_into(acc, lo, hi, dtype, op)
-                for q in range(self.size):
-                    self._half(q)[lo:hi] = acc
+                self._reduce_into(out[lo:hi], lo, hi, dtype, op)
+                self._half(self.rank)[lo:hi] = out[lo:hi]
             self._barrier(deadline)
-            np.copyto(out[:nbytes], self._half(self.rank)[:nbytes])
+            self._collect(out, spans)
         self._ops += 1
 
     def reduce(
@@ -438,17 +440,22 @@ class HostGroup:
                 assert out is not None
                 self._reduce_into(out, 0, nbytes, dtype, op)
         else:
-            lo, hi = self._shard(nbytes, dtype)
+            spans = self._shards(nbytes, dtype)
+            lo, hi = spans[self.rank]
             if hi > lo:
-                acc = np.empty(hi - lo, np.uint8)
-                self._reduce_into(acc, lo, hi, dtype, op)
-                self._half(root)[lo:hi] = acc
+                if at_root:
+                    assert out is not None
+                    self._reduce_into(out[lo:hi], lo, hi, dtype, op)
+                else:
+                    acc = self._scratch(hi - lo)
+                    self._reduce_into(acc, lo, hi, dtype, op)
+                    self._half(self.rank)[lo:hi] = acc
             k = self._arrive()
             if at_root:
-                # only the root reads what the others wrote: they go on without waiting
+                # only the root reads the others' shards: they go on without waiting
                 self._wait(k, deadline)
                 assert out is not None
-                np.copyto(out[:nbytes], self._half(root)[:nbytes])
+                self._collect(out, spans)
         self._ops += 1
 
     def broadcast(
@@ -503,13 +510,25 @@ class HostGroup:
 
     # ---- pieces -----------------------------------------------------------------------
 
-    def _shard(self, nbytes: int, dtype: str) -> tuple[int, int]:
-        """This rank's [lo, hi) bytes of an operation's `nbytes`: whole items, on lines."""
+    def _shards(self, nbytes: int, dtype: str) -> list[tuple[int, int]]:
+        """Every rank's [lo, hi) bytes of an operation's `nbytes`: whole items, on lines."""
         from ..dtypes import TABLE
 
         itemsize = TABLE[dtype].itemsize
-        a, b = shards(nbytes // itemsize, itemsize, self.size, align=LINE)[self.rank]
-        return a * itemsize, b * itemsize
+        spans = shards(nbytes // itemsize, itemsize, self.size, align=LINE)
+        return [(a * itemsize, b * itemsize) for a, b in spans]
+
+    def _collect(self, out: np.ndarray, spans: list[tuple[int, int]]) -> None:
+        """The other ranks' reduced shards, from their halves into `out`."""
+        for q, (lo, hi) in enumerate(spans):
+            if q != self.rank and hi > lo:
+                np.copyto(out[lo:hi], self._half(q)[lo:hi])
+
+    def _scratch(self, nbytes: int) -> np.ndarray:
+        """A private buffer of `nbytes`, kept for the next operation (no page faults each time)."""
+        if self._spare.nbytes < nbytes:
+            self._spare = np.empty(nbytes, np.uint8)
+        return self._spare[:nbytes]
 
     def _reduce_into(self, dst: np.ndarray, lo: int, hi: int, dtype: str, op: ReduceOp) -> None:
         """dst = bytes [lo, hi) of every rank's half reduced in rank order (AVG divided)."""
