@@ -12,6 +12,8 @@ Skipped where the ranks are not on one host (simulated hosts).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import subprocess
 import sys
@@ -23,6 +25,7 @@ import torch
 from _data import compare, draw, reference
 
 from hetcomm import CommTimeout, ReduceOp
+from hetcomm.arrays import Buffer, as_buffer
 from hetcomm.transports import hostcoll, tags
 from hetcomm.transports.staged import collectives
 from hetcomm.transports.staged.transport import StagedTransport
@@ -368,4 +371,113 @@ def test_staged_timeout_names_the_missing_rank(staged, errors):
     staged.mpi.Barrier()
     left = [f for f in os.listdir("/dev/shm") if f.startswith(f"hetcomm-hc-{creator}-")]
     errors.expect(not left, f"segments left in /dev/shm: {left}")
+    errors.verify()
+
+
+class HostMemoryGpu:
+    """A stand-in for the staging device whose "device memory" is host memory: its copies are
+    memmoves, counted, so that the staged bodies' device plumbing (copy into this rank's half,
+    a pinned result buffer copied back) runs without a GPU."""
+
+    device = 0
+
+    def __init__(self) -> None:
+        self.d2h = self.h2d = 0
+
+    def copy_to_host(self, dst, src, ready) -> None:
+        ctypes.memmove(dst.ctypes.data, src.dev, src.nbytes)
+        self.d2h += 1
+
+    def copy_from_host(self, dst, src, ready) -> None:
+        ctypes.memmove(dst.dev, src.ctypes.data, dst.nbytes)
+        self.h2d += 1
+
+    @contextlib.contextmanager
+    def bounce(self, nbytes):
+        yield np.full(nbytes, _SENTINEL, np.uint8)
+
+
+def _device(a: np.ndarray) -> Buffer:
+    """`a` described as device memory (no host view): the staged bodies see a pointer only."""
+    b = as_buffer(a)
+    return Buffer(
+        obj=a,
+        kind="cuda",
+        dtype=b.dtype,
+        shape=b.shape,
+        device="cuda",
+        device_index=0,
+        ptr=a.ctypes.data,
+        contiguous=True,
+        readonly=False,
+        host=None,
+    )
+
+
+@pytest.mark.mpi(min_size=2)
+def test_staged_device_bodies_copy_through_the_segment(staged, rng, errors, monkeypatch):
+    """The staged bodies of device collectives: the input copied into this rank's half, the
+    segment registered with the device, the result copied back; every op right."""
+    n, r = staged.size, staged.rank
+    staged.all_reduce(np.ones(3))  # the transport made
+    t = staged._transports["staged"]
+    gpu = HostMemoryGpu()
+    registered = []
+    monkeypatch.setattr(t, "gpu", gpu)
+    monkeypatch.setattr(hostcoll.HostGroup, "register_with_gpu", lambda g, d: registered.append(d))
+    seq = 1000
+
+    def run(body) -> None:
+        body(time.monotonic() + 60, None)
+
+    count = 37
+    stack = draw(rng, "float32", (n * count,), n).astype(np.float32)
+    x = stack[r].copy()
+    out = np.zeros_like(x)
+    run(collectives.all_reduce(t, _device(x), _device(out), ReduceOp.SUM, seq))
+    errors += compare(
+        out.astype(float),
+        stack.astype(float).sum(0),
+        "all_reduce",
+        stack=stack.astype(float),
+        op=ReduceOp.SUM,
+        dtype="float32",
+    )
+    errors.expect(np.array_equal(x, stack[r]), "all_reduce changed x")
+
+    y = stack[r].copy()
+    run(collectives.reduce(t, _device(y), ReduceOp.MAX, n - 1, seq + 1))
+    want = stack.max(0) if r == n - 1 else stack[r]
+    errors.expect(np.array_equal(y, want), "reduce")
+
+    b = stack[r].copy()
+    run(collectives.broadcast(t, _device(b), 0, seq + 2))
+    errors.expect(np.array_equal(b, stack[0]), "broadcast")
+
+    mine = stack[r].copy()  # kept alive while the bodies read it through its pointer
+    g = np.zeros(n * n * count, np.float32)
+    run(collectives.all_gather(t, _device(g), _device(mine), seq + 3))
+    errors.expect(np.array_equal(g, stack.reshape(-1)), "all_gather")
+
+    part = np.zeros(count, np.float32)
+    run(collectives.reduce_scatter(t, _device(part), _device(mine), ReduceOp.SUM, seq + 4))
+    sums = stack.astype(float).sum(0)[r * count : (r + 1) * count]
+    errors += compare(
+        part.astype(float),
+        sums,
+        "reduce_scatter",
+        stack=stack[:, r * count : (r + 1) * count].astype(float),
+        op=ReduceOp.SUM,
+        dtype="float32",
+    )
+
+    a2a = np.zeros(n * count, np.float32)
+    run(collectives.all_to_all(t, _device(a2a), _device(mine), seq + 5))
+    want = np.concatenate([stack[q][r * count : (r + 1) * count] for q in range(n)])
+    errors.expect(np.array_equal(a2a, want), "all_to_all")
+
+    # one copy in per op (the broadcast's at its root only), one back where a result lands here
+    errors.expect(gpu.d2h == 5 + (r == 0), f"{gpu.d2h} copies into the segment")
+    errors.expect(gpu.h2d == 5 + (r == n - 1) - (r == 0), f"{gpu.h2d} copies back")
+    errors.expect(registered and set(registered) == {0}, f"registered with {registered}")
     errors.verify()
