@@ -357,13 +357,13 @@ def test_staged_large_and_small_sizes(staged, rng, errors):
 def test_staged_timeout_names_the_missing_rank(staged, errors):
     """A rank that never comes: the others' blocking all_reduce (check off, so the segment is
     what waits) raises CommTimeout naming it, and the communicator is aborted."""
-    staged.all_reduce(np.ones(4))  # the segment made
+    staged.all_reduce(np.ones(1000))  # the segment made (too large to travel in the check)
     creator = staged.mpi.bcast(os.getpid(), root=0)
     staged._checking = False
     staged._transports["staged"].timeout = 1.0  # read when a signature's call is prepared
     if staged.rank != 0:
         try:
-            staged.all_reduce(np.ones(5))
+            staged.all_reduce(np.ones(1001))
             errors.append("all_reduce completed without rank 0")
         except CommTimeout as exc:
             errors.expect(exc.missing == (0,), f"CommTimeout names {exc.missing}")
