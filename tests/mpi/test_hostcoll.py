@@ -266,17 +266,6 @@ def test_a_dead_rank_is_named_before_the_deadline(hetcomm_comm, group, errors):
     errors.verify()
 
 
-def test_start_time_sees_ended_and_zombie_processes():
-    assert hostcoll.start_time(os.getpid())
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    deadline = time.monotonic() + 30
-    while hostcoll.start_time(child.pid) is not None and time.monotonic() < deadline:
-        time.sleep(0.01)  # exited, not reaped: a zombie
-    assert hostcoll.start_time(child.pid) is None
-    child.wait()
-    assert hostcoll.start_time(child.pid) is None
-
-
 # ---- the staged transport -----------------------------------------------------------------------
 
 
