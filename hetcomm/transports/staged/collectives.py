@@ -395,8 +395,10 @@ def _all_to_all_pairs(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> B
 
 # Collectives whose input is at most this many bytes per rank go through the group's shared
 # segment where every rank of the group is on this host (and HETCOMM_RAILS is not `mpi`, which
-# asks for MPI messages). In a group of CPU ranks: measured on the 2-core CPU machine, 4 ranks,
-# the segment beat the rings at every size up to it (docs/staged.md, "Collectives"). In a group
+# asks for MPI messages). In a group of CPU ranks: on the 2-core CPU machine, 4 ranks, host
+# all_reduce, the segment took 1.1-6x less time than the rings at every size from 8 B to 16 MiB
+# (measured in interleaved rounds on a loaded machine; docs/staged.md, "Collectives"). Above
+# it the segment would hold 2 x 16 MiB per rank of /dev/shm. In a group
 # with GPUs, device data crosses to the host and is reduced there, where the rings reduce on
 # the GPU: up to DEVICE_SEGMENT_MAX_BYTES only (the sizes of the H200 goals, 1 and 64 KiB, are
 # well inside; where the two cross on a GPU machine has not been measured). The limit depends on
