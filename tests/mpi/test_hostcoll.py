@@ -282,6 +282,10 @@ def staged(hetcomm_make_comm, monkeypatch):
         )
     comm = hetcomm_make_comm(transport="staged", timeout=60)
     _one_host(comm)
+    if comm.config.rails.strip().lower() == "mpi":
+        pytest.skip(
+            "HETCOMM_RAILS=mpi asks staged for MPI messages: its collectives take no segment"
+        )
     return comm
 
 
