@@ -29,11 +29,11 @@ more (every rank reaches both at the same operation: they take the segment in on
 an operation's size is the same on every rank, which the default check guarantees; ranks that
 call with different sizes unchecked time out in the growth, naming the ranks that did not
 map). Grown rather than made at its limit at once: halves of MAX_BYTES would reserve
-2 x 16 MiB of /dev/shm per rank for every group, most of which only ever reduce a few bytes. Rank 0 creates the file and sends its name
-over the group's service communicator; once every rank has mapped it, each unlinks it, so
-nothing is left in /dev/shm when a process is killed afterwards. Where rank 0 cannot reserve
-the memory, every rank learns so from the same message, and operations of that size or more
-take the transport's other path from then on.
+2 x 16 MiB of /dev/shm per rank for every group, most of which only ever reduce a few bytes.
+Rank 0 creates the file and sends its name over the group's service communicator; once every
+rank has mapped it, each unlinks it, so nothing is left in /dev/shm when a process is killed
+afterwards. Where rank 0 cannot reserve the memory, every rank learns so from the same
+message, and operations of that size or more take the transport's other path from then on.
 """
 
 from __future__ import annotations
