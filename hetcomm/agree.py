@@ -122,7 +122,19 @@ class Check:
     request where the MPI library has them (MPI-4), else a non-blocking call made afresh at
     each use."""
 
-    __slots__ = ("_block", "_mpi", "_sig", "busy", "gather", "held", "mine", "request", "result")
+    __slots__ = (
+        "_block",
+        "_mpi",
+        "_payload",
+        "_payloads",
+        "_sig",
+        "busy",
+        "gather",
+        "held",
+        "mine",
+        "request",
+        "result",
+    )
 
     def __init__(self, mpi: MPI.Intracomm, persistent: bool, gather: bool) -> None:
         self.gather = gather
@@ -134,6 +146,8 @@ class Check:
             self.mine = np.zeros(_WIDTH, np.int64)
             self.result = np.zeros(_WIDTH, np.int64)
         self._block = self.mine.nbytes
+        self._payload = self.mine[_WIDTH:].view(np.uint8)
+        self._payloads = self.result[:, _WIDTH:].view(np.uint8) if gather else self._payload
         self._sig = b""  # the signature's bytes, as the gathered blocks must each begin
         self._mpi = None if persistent else mpi
         self.request: MPI.Request = MPI.REQUEST_NULL
@@ -155,11 +169,11 @@ class Check:
 
     def payload(self) -> np.ndarray:
         """This rank's PAYLOAD bytes of the block it sends (a gathering check only)."""
-        return self.mine[_WIDTH:].view(np.uint8)
+        return self._payload
 
     def payloads(self) -> np.ndarray:
         """After completion: every rank's payload, one row of PAYLOAD bytes per rank."""
-        return self.result[:, _WIDTH:].view(np.uint8)
+        return self._payloads
 
     def start(self) -> MPI.Request:
         """Start the check; returns its request (to Test)."""
@@ -179,8 +193,8 @@ class Check:
         got = self.result.tobytes()
         if not self.gather:
             return got == self._sig
-        sig, block, n = self._sig, self._block, len(self._sig)
-        return all(got[i : i + n] == sig for i in range(0, len(got), block))
+        sig, n = self._sig, len(self._sig)
+        return all(got[i : i + n] == sig for i in range(0, len(got), self._block))
 
     def free(self) -> None:
         """Free a persistent request that is not in flight."""

@@ -46,7 +46,7 @@ class Fused:
 
 
 def _bytes(a: np.ndarray) -> np.ndarray:
-    return a.reshape(-1).view(np.uint8)
+    return a.view(np.uint8) if a.ndim == 1 else a.reshape(-1).view(np.uint8)
 
 
 def _pack_x(payload: np.ndarray, x: np.ndarray) -> None:
@@ -58,16 +58,38 @@ def _nothing(payload: np.ndarray, x: np.ndarray) -> None:
     pass
 
 
+# numpy's own elementwise ufunc where it computes what the transports' kernels do (for bool:
+# SUM/MAX are "or", PROD/MIN "and"; integers wrap); halves take the kernels (transports/local)
+_UFUNCS = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+}
+_NUMPY_DTYPES = frozenset(
+    ("bool", "int8", "int16", "int32", "int64", "uint8", "float32", "float64")
+)
+
+
 def _reducer(
     dtype: str, op: ReduceOp, size: int
 ) -> Callable[[np.ndarray, int, int, np.ndarray], None]:
     """reduce(payloads, start, stop, dst): dst's bytes = bytes [start, stop) of every rank's
     payload combined in rank order (AVG divided by the group's size)."""
+    ufunc = _UFUNCS[op] if dtype in _NUMPY_DTYPES else None
+    storage = np.dtype(dtype) if ufunc is not None else np.dtype(np.uint8)
 
     def reduce(payloads: np.ndarray, start: int, stop: int, dst: np.ndarray) -> None:
-        acc = payloads[0, start:stop].copy()
-        for r in range(1, size):
-            combine_host(acc, payloads[r, start:stop], dtype, op)
+        rows = payloads[:, start:stop]
+        acc = rows[0].copy()
+        if ufunc is not None:
+            values, typed = acc.view(storage), rows.view(storage)
+            for r in range(1, size):
+                ufunc(values, typed[r], out=values)
+        else:
+            for r in range(1, size):
+                combine_host(acc, rows[r], dtype, op)
         if op is ReduceOp.AVG:
             divide_host(acc, size, dtype)
         dst[...] = acc
