@@ -15,6 +15,8 @@ STAGED_CTS = 11
 STAGED_HELLO = 12
 #: staged, the mpi rail: a chunk's header, then its body
 STAGED_HEAD, STAGED_BODY = 13, 14
+#: hostcoll: the name of a group's shared segment, from rank 0 to the others
+HOSTCOLL = 15
 #: nccl: the unique id rank 0 of a pair or group hands to the others
 NCCL_UID = 21
 #: direct: a message the proxy sends itself to leave MPI_Waitany
@@ -59,6 +61,7 @@ def service_ranges(tag_ub: int = MIN_TAG_UB) -> dict[str, range]:
         "staged hello": STAGED_HELLO,
         "staged mpi-rail header": STAGED_HEAD,
         "staged mpi-rail body": STAGED_BODY,
+        "hostcoll segment name": HOSTCOLL,
         "nccl unique id": NCCL_UID,
         "direct proxy wake": DIRECT_WAKE,
     }

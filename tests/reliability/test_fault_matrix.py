@@ -4,6 +4,9 @@ Transports: `mpi`; `staged` over shm (one host), over tcp (two simulated hosts) 
 rail; `hier` on simulated vendor islands. Faults, each injected into rank 2 of 3:
 
 - kill:      SIGKILL in the middle of a large all_reduce (a loop of them, killed on a timer);
+             `kill-unchecked` the same with HETCOMM_CHECK=0 on staged over shm, so that the
+             survivors wait for the dead rank in the shared segment of one host's collectives
+             (hetcomm.transports.hostcoll), not in the agreement check;
 - raise:     an exception in user code before a collective (mpi4py's -m aborts the job);
 - never:     the rank never calls the collective (sleeps past the others' timeout, then ends
              cleanly); `never-unchecked` the same with HETCOMM_CHECK=0 and no warm-up, so the
@@ -226,6 +229,7 @@ def mismatch(params: dict[str, Any]) -> None:
 
 SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "kill": kill,
+    "kill-unchecked": kill,
     "raise": raises,
     "never": never,
     "never-unchecked": never,
@@ -277,13 +281,15 @@ def _run_cell(
     variables = {**variables, "HETCOMM_TIMEOUT": str(TIMEOUT_S)}
     params: dict[str, Any] = dict(simulation)
     flags: list[str] = []
-    if fault == "kill":
+    if fault.startswith("kill"):
         if "--oversubscribe" not in prefix:
             pytest.skip("--enable-recovery (survivors outlive a dead rank) is Open MPI's option")
         flags = ["--enable-recovery"]
     if fault == "never-unchecked":
         variables["HETCOMM_CHECK"] = "0"
         params["warm"] = False
+    if fault == "kill-unchecked":
+        variables["HETCOMM_CHECK"] = "0"
     argv = [
         *prefix,
         *flags,
@@ -405,6 +411,7 @@ def check_mismatch(job: Any, transport: str) -> None:
 
 CHECKS = {
     "kill": check_kill,
+    "kill-unchecked": check_kill,
     "raise": check_raise,
     "never": check_never,
     "never-unchecked": lambda job, transport: check_never(job, transport, checked=False),
@@ -417,6 +424,8 @@ CHECKS = {
 def test_fault(
     hetcomm_mpirun: tuple[list[str], dict[str, str]], transport: str, fault: str
 ) -> None:
+    if fault == "kill-unchecked" and transport != "staged-shm":
+        pytest.skip("the unchecked kill is the shared segment's cell (staged over shm)")
     job, left = _run_cell(hetcomm_mpirun, transport, fault)
     assert job.returncode != 124 and job.seconds < DEADLINE_S, job.explain()
     CHECKS[fault](job, transport)

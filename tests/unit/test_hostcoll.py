@@ -1,0 +1,93 @@
+"""The shared segment of one host's collectives (hetcomm.transports.hostcoll), on one process:
+which groups may have one, how a dead process is told from a live one, turns in ticket order,
+and a segment that cannot be had (a full /dev/shm)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+from test_topology import rank_info
+
+from hetcomm.ops import ReduceOp
+from hetcomm.topology import Topology
+from hetcomm.transports import flags, hostcoll, shm
+
+
+def test_only_groups_of_one_host_and_node_have_a_segment():
+    if flags.unsupported() is not None:
+        assert hostcoll.unavailable(Topology([rank_info(0, "a", "cpu")])) == flags.unsupported()
+        return
+    one = Topology([rank_info(0, "a", "cpu"), rank_info(1, "a", "cpu")])
+    assert hostcoll.unavailable(one) is None
+    two_hosts = Topology([rank_info(0, "a", "cpu"), rank_info(1, "b", "cpu")])
+    assert "more than one host" in (hostcoll.unavailable(two_hosts) or "")
+    two_nodes = Topology([rank_info(0, "a", "cpu"), rank_info(1, "a", "cpu", node=1)])
+    assert "more than one host" in (hostcoll.unavailable(two_nodes) or "")
+    assert "one rank" in (hostcoll.unavailable(Topology([rank_info(0, "a", "cpu")])) or "")
+
+
+def test_start_time_sees_ended_and_zombie_processes():
+    assert hostcoll.start_time(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while hostcoll.start_time(child.pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.01)  # exited, not yet reaped: a zombie, which counts as gone
+    assert hostcoll.start_time(child.pid) is None
+    child.wait()
+    assert hostcoll.start_time(child.pid) is None
+
+
+def _solo() -> hostcoll.HostGroup:
+    from mpi4py import MPI
+
+    return hostcoll.HostGroup(0, 1, MPI.COMM_SELF, 15)
+
+
+def test_turns_run_in_ticket_order_whatever_thread_comes_first():
+    group = _solo()
+    first, second = group.ticket(), group.ticket()
+    ran: list[int] = []
+    deadline = time.monotonic() + 30
+    late = threading.Thread(target=group.run, args=(second, deadline, 64, ran.append, 2))
+    late.start()
+    time.sleep(0.05)
+    assert ran == []  # the second turn waits for the first
+    assert group.run(first, deadline, 64, ran.append, 1)
+    late.join(10)
+    assert ran == [1, 2]
+    group.close()
+
+
+def test_a_segment_that_cannot_be_had_sends_larger_operations_elsewhere(monkeypatch):
+    """Rank 0 cannot reserve the memory: the operation is declined with nothing moved, and
+    operations larger than the segment it has are declined from then on, without asking."""
+    group = _solo()
+    x = np.arange(16, dtype=np.float32).view(np.uint8)
+    out = np.zeros_like(x)
+
+    def run(nbytes: int) -> bool:
+        deadline = time.monotonic() + 30
+        fn = group.all_reduce
+        return group.run(
+            group.ticket(), deadline, nbytes, fn, x, out, 64, "float32", ReduceOp.SUM, deadline
+        )
+
+    assert run(64) and np.array_equal(out, x)  # a first segment
+    made = group.capacity
+
+    def full(*args, **kwargs):
+        raise shm.SegmentError("cannot reserve 4 MiB in /dev/shm (No space left on device)")
+
+    monkeypatch.setattr(hostcoll, "SharedSlots", full)
+    out[:] = 0
+    assert not run(made + 1) and not out.any()
+    assert group.limit == made
+    monkeypatch.undo()
+    assert not run(made + 1)  # not retried: every rank declines alike
+    assert run(64) and np.array_equal(out, x)  # the segment it has still serves
+    group.close()
