@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import itertools
 import logging
@@ -16,16 +17,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 from mpi4py import MPI
 
-from ...errors import CommTimeout, HetcommError, MismatchError, TransportUnavailable
+from ...errors import CommTimeout, HetcommError, MismatchError, PeerLost, TransportUnavailable
 from ...ops import ReduceOp
-from ...work import Work
-from .. import tags
+from ...work import Work, take_blocking
+from .. import flags, tags
 from ..base import Context, Transport
 from ..local import Region
-from ..shm import SharedSlots
+from ..shm import SegmentError, SharedSlots
 from . import links
 from .channel import Channel
 from .cts import CTS_COLL, CTS_P2P, ClearToSend
+from .eager import DATA, EAGER_BYTES, EAGER_SLOTS, RAILS, EagerIn, EagerOut, Found, segment_bytes
 from .ops import _STOP, PeerTimeout, _Drivers, _Op, stamp
 from .rails import ERROR_MPI, MpiRail, size_mismatch
 from .schedule import choose_rails, chunk_spans, rail_key, slots_that_fit
@@ -76,6 +78,8 @@ class StagedTransport(Transport):
         self.chunk_bytes = CHUNK_BYTES if tuned is None else tuned.chunk_bytes
         self.slots = SLOTS if tuned is None else tuned.slots
         self.early_chunks = EARLY_CHUNKS
+        # eager messages between ranks of one host (eager.py); set before a channel opens
+        self.eager_bytes, self.eager_slots = EAGER_BYTES, EAGER_SLOTS
         self.rail_weights: dict[str, float] = {} if tuned is None else dict(tuned.rail_weights)
         self.timeout = comm.config.timeout
         self.mode, addrs = _rail_addresses(comm)
@@ -106,6 +110,9 @@ class StagedTransport(Transport):
         self.stats: dict[str, int] = {}
         self._stats_lock = threading.Lock()
         self._counting = threading.local()  # .info: the trace facts of the op a driver runs
+        # which path served each message and operation body (for tests and the benchmark);
+        # added to by whichever thread runs it, so an approximate count under contention
+        self.paths: collections.Counter[str] = collections.Counter()
         _LIVE.add(self)
 
     @classmethod
@@ -208,16 +215,40 @@ class StagedTransport(Transport):
                 opened[p].shm_out = SharedSlots(
                     f"{base}-{self.rank}-{p}", slots, self.chunk_bytes, create=True
                 )
+            rings = {p: self._eager_ring(opened[p], f"{base}-e{self.rank}-{p}") for p in shm}
             names = self._swap(
-                {p: (f"{base}-{self.rank}-{p}", slots, self.chunk_bytes) for p in shm}, deadline
+                {p: (f"{base}-{self.rank}-{p}", slots, self.chunk_bytes, rings[p]) for p in shm},
+                deadline,
             )
             for p in shm:
-                name, count, slot_bytes = names[p]
+                name, count, slot_bytes, ring = names[p]
                 opened[p].shm_in = SharedSlots(name, count, slot_bytes, create=False)
+                if ring is not None:
+                    ename, eslots, ebytes = ring
+                    seg = SharedSlots(ename, 1, segment_bytes(eslots, ebytes), create=False)
+                    opened[p].eager_in = EagerIn(seg, eslots, ebytes)
             # both sides have mapped both segments: the names can go
             self._swap({p: None for p in shm}, deadline)
             for p in shm:
                 opened[p].shm_out.unlink()  # type: ignore[union-attr]
+                out = opened[p].eager_out
+                if out is not None:
+                    out.seg.unlink()
+
+    def _eager_ring(self, ch: Channel, name: str) -> tuple[str, int, int] | None:
+        """Make the eager ring of messages to `ch`'s peer (its name, slots and slot bytes for
+        the peer to map), or None where this host cannot order messages through shared words,
+        eager messages are off, or /dev/shm has no room (the pair then uses the rails only)."""
+        if self.eager_bytes <= 0 or self.eager_slots <= 0 or flags.unsupported() is not None:
+            return None
+        size = segment_bytes(self.eager_slots, self.eager_bytes)
+        try:
+            seg = SharedSlots(name, 1, size, create=True)
+        except SegmentError as exc:
+            log.warning("staged: no eager messages to rank %d (%s)", ch.peer, exc)
+            return None
+        ch.eager_out = EagerOut(seg, self.eager_slots, self.eager_bytes)
+        return name, self.eager_slots, self.eager_bytes
 
     # ---- messages: the building block of every operation -----------------------------------
 
@@ -415,12 +446,18 @@ class StagedTransport(Transport):
         reduce_op: ReduceOp | None = None,
         nbytes: int | None = None,
     ) -> Work:
-        """Start `body(deadline, ready)` on a driver thread; the Work completes with it.
+        """Start `body(deadline, ready)` on a driver thread, the Work completing with it; a
+        blocking call's (hetcomm.work.take_blocking) runs here instead, to its end.
 
         Its `info` (for the trace) counts as stages the chunks this rank sends and receives
         over rails; `nbytes` is the operation's size (default: the first buffer's).
         """
+        blocking = take_blocking()
         ready = self._ready(bufs, reduce_op)
+        if blocking:
+            size = bufs[0].nbytes if nbytes is None else nbytes
+            return self._inline(op, seq, size, lambda deadline: body(deadline, ready))
+        self.paths["driver"] += 1
         deadline = time.monotonic() + self.timeout
         info = {
             "transport": "staged",
@@ -491,13 +528,23 @@ class StagedTransport(Transport):
         return doorbell is not None and doorbell.alive
 
     def _op_work(
-        self, name: str, seq: int, x: Buffer, op: _Op, deadline: float, cleanup: Callable[[], None]
+        self,
+        name: str,
+        seq: int,
+        x: Buffer | Region,
+        op: _Op,
+        deadline: float,
+        cleanup: Callable[[], None],
+        watch: Callable[[], None] | None = None,
     ) -> Work:
         """The Work of a message started on the calling thread: done when `op` is, failing
         with CommTimeout (naming the peer and why) when `deadline` passes first; `cleanup`
-        runs once it ends either way."""
+        runs once it ends either way; `watch`, where given, at every poll before then (and
+        the waiter then blocks for at most 50 ms between polls)."""
 
         def poll() -> bool:
+            if not op.done.is_set() and watch is not None:
+                watch()
             if not op.done.is_set() and time.monotonic() < deadline:
                 return False
             try:
@@ -515,7 +562,9 @@ class StagedTransport(Transport):
             name,
             seq,
             poll,
-            waiter=lambda seconds: op.done.wait(min(seconds, deadline - time.monotonic())),
+            waiter=lambda seconds: op.done.wait(
+                min(seconds, deadline - time.monotonic(), 0.05 if watch else seconds)
+            ),
         )
         work.info = {"transport": "staged", "bytes": x.nbytes, "stages": len(op.spans)}
         return work
@@ -533,43 +582,456 @@ class StagedTransport(Transport):
         return gpu.ready_event(bufs[0])
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
-        """Chunks over every rail to `dst` once its clear-to-send names this message."""
+        """Eagerly through a shared slot (a small message to a rank of this host), else chunks
+        over every rail to `dst` once its clear-to-send names this message. A blocking send
+        runs here to its end; an asynchronous one starts here where nothing must wait."""
+        blocking = take_blocking()
         stamp("send")
         region = self._region(x)
         k = self._p2p_number("send", dst, tag)
-        if self._on_calling_thread(dst):
+        ready = self._ready([x])
+        stamp("ready")
+        if blocking:
+            return self._inline(
+                "send", seq, x.nbytes, lambda d: self._send_here(region, dst, tag, k, d, ready)
+            )
+        deadline = time.monotonic() + self.timeout
+        ch = self._channels.get(dst) if dst != self.rank and not self.closed else None
+        marked = False
+        if ch is not None and ch.eager_out is not None:
+            if region.nbytes <= ch.eager_out.slot_bytes:
+                if self._send_eager(ch, region, tag, k, deadline, ready, wait=False):
+                    work = Work(self.comm, "send", seq, _true)
+                    work.info = {"transport": "staged", "bytes": x.nbytes, "stages": 1}
+                    return work
+            else:
+                marked = self._mark(ch, tag, k, region.nbytes, deadline, wait=False)
+        if (ch is None or ch.eager_out is None or marked) and self._on_calling_thread(dst):
             # no driver: the chunks are queued here if the receive is posted already, else by
             # the thread that files its clear-to-send
-            deadline = time.monotonic() + self.timeout
-            ready = self._ready([x])
-            stamp("ready")
             op = self.start_send(dst, region, CTS_P2P, tag, k, deadline, ready)
             return self._op_work("send", seq, x, op, deadline, lambda: self.cts.unwait(op))
 
         def body(deadline: float, ready: Any) -> None:
-            self.finish_send(
-                self.start_send(dst, region, CTS_P2P, tag, k, deadline, ready), deadline
-            )
+            self._send_here(region, dst, tag, k, deadline, ready, marked)
 
         return self._run("send", seq, [x], body)
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
-        """Post a clear-to-send to `src`, then copy the chunks in as they land."""
+        """Take the eager message of this number from its shared slot, else post a
+        clear-to-send to `src` and copy the chunks in as they land. A blocking receive runs
+        here to its end; an asynchronous one is polled by its Work where it can be."""
+        blocking = take_blocking()
         stamp("recv")
         region = self._region(x)
         k = self._p2p_number("recv", src, tag)
-        if self._on_calling_thread(src):
+        ready = self._ready([x])
+        if blocking:
+            return self._inline(
+                "recv", seq, x.nbytes, lambda d: self._recv_here(region, src, tag, k, d, ready)
+            )
+        deadline = time.monotonic() + self.timeout
+        ch = self._channels.get(src) if src != self.rank and not self.closed else None
+        inbox = ch.eager_in if ch is not None else None
+        if ch is not None and inbox is not None:
+            if region.nbytes <= inbox.slot_bytes:
+                return self._eager_work(ch, inbox, region, tag, k, seq, deadline, ready)
+            if self._on_calling_thread(src):
+                return self._rails_work(ch, inbox, region, tag, k, seq, deadline, ready)
+        elif self._on_calling_thread(src):
             # no driver: the clear-to-send goes out from here, and the Work completes when
             # the thread that lands the last chunk says so
-            deadline = time.monotonic() + self.timeout
-            op = self.post_recv(src, region, CTS_P2P, tag, k, deadline, self._ready([x]))
+            op = self.post_recv(src, region, CTS_P2P, tag, k, deadline, ready)
             return self._op_work("recv", seq, x, op, deadline, lambda: self._forget(op))
 
         def body(deadline: float, ready: Any) -> None:
-            op = self.post_recv(src, region, CTS_P2P, tag, k, deadline, ready)
-            self.finish_recv(op, deadline)
+            self._recv_here(region, src, tag, k, deadline, ready)
 
         return self._run("recv", seq, [x], body)
+
+    # ---- prepared blocking calls and eager messages (eager.py) -------------------------------
+
+    def prepare(
+        self,
+        op: str,
+        x: Buffer | None,
+        out: Buffer | None,
+        rop: ReduceOp | None,
+        root: int,
+    ) -> Callable[..., bool] | None:
+        """The blocking call of one signature on host arrays, made on the calling thread with
+        no Work (hetcomm.routes.Route): send and recv (eager where the peer shares this host
+        and the message fits a slot, else over the rails, still on this thread); collectives
+        where staged/collectives.py prepares them. Prepared sends and receives never decline:
+        they number their message as the general path would and run it to its end."""
+        if op in ("send", "recv"):
+            if x is None or x.host is None:
+                return None
+            return self._run_send if op == "send" else self._run_recv
+        if op == "barrier":
+            return None
+        from . import collectives
+
+        prepare = getattr(collectives, "prepare", None)
+        return None if prepare is None else prepare(self, op, x, out, rop, root)
+
+    def _run_send(self, xh: np.ndarray, dst: int, tag: int, seq: int) -> bool:
+        """The prepared blocking send of a host array."""
+        k = self._p2p_number("send", dst, tag)
+        region = Region(xh.nbytes, xh.reshape(-1).view(np.uint8))
+        try:
+            self._send_here(region, dst, tag, k, time.monotonic() + self.timeout, None)
+        except (PeerTimeout, PeerLost) as exc:
+            raise self._fatal("send", seq, exc) from None
+        return True
+
+    def _run_recv(self, xh: np.ndarray, src: int, tag: int, seq: int) -> bool:
+        """The prepared blocking receive into a host array."""
+        k = self._p2p_number("recv", src, tag)
+        region = Region(xh.nbytes, xh.reshape(-1).view(np.uint8))
+        try:
+            self._recv_here(region, src, tag, k, time.monotonic() + self.timeout, None)
+        except (PeerTimeout, PeerLost) as exc:
+            raise self._fatal("recv", seq, exc) from None
+        return True
+
+    def _fatal(self, name: str, seq: int, exc: PeerTimeout | PeerLost) -> BaseException:
+        """The error a prepared call ends with when its peer is late or gone (CommTimeout
+        naming the peer, or PeerLost), the communicator aborted with it as a Work would."""
+        err: BaseException = exc
+        if isinstance(exc, PeerTimeout):
+            err = CommTimeout(self.comm.name, name, seq, self.timeout, exc.ranks, str(exc))
+        self.comm._abort(err)
+        return err
+
+    def _inline(self, name: str, seq: int, nbytes: int, fn: Callable[[float], None]) -> Work:
+        """Run a blocking operation's body `fn(deadline)` on the calling thread, the driver
+        threads being for asynchronous operations only; its Work is complete (or failed, with
+        the body's error, CommTimeout where a peer was late) when this returns."""
+        self.paths["calling thread"] += 1
+        info = {"transport": "staged", "bytes": nbytes, "stages": 0}
+        before = getattr(self._counting, "info", None)
+        self._counting.info = info
+        error: BaseException | None = None
+        try:
+            fn(time.monotonic() + self.timeout)
+        except PeerTimeout as exc:
+            error = CommTimeout(self.comm.name, name, seq, self.timeout, exc.ranks, str(exc))
+        except BaseException as exc:
+            error = exc
+        finally:
+            self._counting.info = before
+
+        def poll() -> bool:
+            if error is not None:
+                raise error
+            return True
+
+        work = Work(self.comm, name, seq, poll)
+        work.info = info
+        return work
+
+    def _send_here(
+        self,
+        region: Region,
+        dst: int,
+        tag: int,
+        k: int,
+        deadline: float,
+        ready: Any,
+        marked: bool = False,
+    ) -> None:
+        """Send message `k` of (`dst`, `tag`) to its end on this thread: eagerly where the
+        pair has a ring and it fits a slot, else over the rails (a marker in the ring first,
+        unless `marked` says it is there already)."""
+        if self.closed:
+            raise HetcommError("the staged transport was closed")
+        ch = None
+        if dst != self.rank:
+            ch = self._channels.get(dst) or self.channel(dst, deadline)
+        if ch is not None and ch.eager_out is not None:
+            if region.nbytes <= ch.eager_out.slot_bytes:
+                self._send_eager(ch, region, tag, k, deadline, ready, wait=True)
+                return
+            if not marked:
+                self._mark(ch, tag, k, region.nbytes, deadline, wait=True)
+        self.paths["send rails"] += 1
+        self.finish_send(self.start_send(dst, region, CTS_P2P, tag, k, deadline, ready), deadline)
+
+    def _claim(self, ch: Channel, out: EagerOut, deadline: float, wait: bool) -> int | None:
+        """A free slot of the ring to `ch`'s peer; without `wait`, None if none is free now;
+        with it, waits for one (PeerTimeout when the peer takes none in time)."""
+        slot = out.claim()
+        if slot is not None or not wait:
+            return slot
+        got: list[int] = []
+
+        def ready() -> bool:
+            s = out.claim()
+            if s is not None:
+                got.append(s)
+            return s is not None
+
+        if not flags.wait(ready, deadline, lambda: self._check_peer(ch)):
+            raise PeerTimeout(
+                [ch.peer], f"rank {ch.peer} took none of the {out.slots} messages waiting for it"
+            )
+        return got[0]
+
+    def _send_eager(
+        self,
+        ch: Channel,
+        region: Region,
+        tag: int,
+        k: int,
+        deadline: float,
+        ready: Any,
+        wait: bool,
+    ) -> bool:
+        """Copy a message into a free slot of the ring and publish it; False (nothing done)
+        where no slot is free and `wait` is False. Device bytes: a copy after `ready` into the
+        slot, waited for before the slot is published."""
+        out = ch.eager_out
+        assert out is not None
+        slot = self._claim(ch, out, deadline, wait)
+        if slot is None:
+            return False
+        n = region.nbytes
+        try:
+            if n:
+                target = out.target(slot, n)
+                if region.host is not None:
+                    np.copyto(target, region.host)
+                else:
+                    out.seg.register_with_gpu(self.gpu.device)
+                    self.gpu.copy_to_host_async(target, region, ready).synchronize()
+        except BaseException:
+            out.unclaim(slot)
+            raise
+        out.publish(slot, tag, k, n, DATA)
+        self.paths["send eager"] += 1
+        return True
+
+    def _mark(
+        self, ch: Channel, tag: int, k: int, nbytes: int, deadline: float, wait: bool
+    ) -> bool:
+        """Publish the marker of a message that goes over the rails (False: no slot free and
+        not `wait`), so that a receive expecting it eager learns that the sizes differ."""
+        out = ch.eager_out
+        assert out is not None
+        slot = self._claim(ch, out, deadline, wait)
+        if slot is None:
+            return False
+        out.publish(slot, tag, k, nbytes, RAILS)
+        return True
+
+    def _check_peer(self, ch: Channel) -> None:
+        """Raise if the transport has closed or `ch`'s peer is gone (its shm rail closed)."""
+        if self.closed:
+            raise HetcommError("the staged transport was closed")
+        link = ch.doorbell()
+        if link is not None and not link.alive:
+            why = "; ".join(ch.dead) or "the peer closed it"
+            raise PeerLost(f"rank {ch.peer}: its shm rail is gone ({why})", [ch.peer])
+
+    def _recv_here(
+        self, region: Region, src: int, tag: int, k: int, deadline: float, ready: Any
+    ) -> None:
+        """Receive message `k` of (`src`, `tag`) to its end on this thread: from the ring
+        where the pair has one and it fits a slot, else over the rails (watching the ring
+        for an eager message of this number, whose size cannot be this one's)."""
+        if self.closed:
+            raise HetcommError("the staged transport was closed")
+        ch = None
+        if src != self.rank:
+            ch = self._channels.get(src) or self.channel(src, deadline)
+        inbox = ch.eager_in if ch is not None else None
+        if ch is None or inbox is None:
+            self.paths["recv rails"] += 1
+            op = self.post_recv(src, region, CTS_P2P, tag, k, deadline, ready)
+            self.finish_recv(op, deadline)
+            return
+        if region.nbytes <= inbox.slot_bytes:
+            found = inbox.take(tag, k) or self._wait_message(ch, inbox, tag, k, deadline)
+            self._land(ch, inbox, found, region, tag, k, ready)
+            return
+        self.paths["recv rails"] += 1
+        marked = self._rails_first(ch, inbox, region, tag, k)
+        op = self.post_recv(src, region, CTS_P2P, tag, k, deadline, ready)
+        poll = inbox.poller(tag, k)
+        try:
+            while not op.done.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
+                if not marked:
+                    marked = self._rails_watch(ch, poll(), region)
+                if time.monotonic() >= deadline:
+                    break
+            self.finish_recv(op, deadline)
+        except MismatchError:
+            self._rails_last(inbox, marked, tag, k)
+            raise
+        finally:
+            self._forget(op)
+        self._rails_last(inbox, marked, tag, k)
+
+    def _wait_message(
+        self, ch: Channel, inbox: EagerIn, tag: int, k: int, deadline: float
+    ) -> Found:
+        """Wait on this thread for message `k` of `tag` in the ring from `ch`'s peer."""
+        poll = inbox.poller(tag, k)
+        got: list[Found] = []
+
+        def ready() -> bool:
+            found = poll()
+            if found is not None:
+                got.append(found)
+            return found is not None
+
+        if not flags.wait(ready, deadline, lambda: self._check_peer(ch)):
+            raise PeerTimeout(
+                [ch.peer],
+                f"rank {ch.peer} never sent the matching message (tag {tag}, its #{k})",
+            )
+        return got[0]
+
+    def _land(
+        self,
+        ch: Channel,
+        inbox: EagerIn,
+        found: Found,
+        region: Region,
+        tag: int,
+        k: int,
+        ready: Any,
+    ) -> None:
+        """Copy a message taken from the ring into `region` and free its slot; a message of
+        another size fails with the rails' size-mismatch error, and a marker (the message
+        comes over the rails, so it is larger than any slot) fails its sender too."""
+        try:
+            if found.kind == RAILS:
+                # the sender waits for a clear-to-send: one naming this size fails it too
+                self.cts.send(ch.peer, CTS_P2P, tag, k, 0, region.nbytes)
+                raise size_mismatch(ch.peer, found.nbytes, region.nbytes)
+            if found.nbytes != region.nbytes:
+                raise size_mismatch(ch.peer, found.nbytes, region.nbytes)
+            if found.nbytes:
+                data = inbox.view(found)
+                if region.host is not None:
+                    np.copyto(region.host, data)
+                else:
+                    inbox.seg.register_with_gpu(self.gpu.device)
+                    self.gpu.copy_from_host(region, data, ready)
+        finally:
+            inbox.free(found)
+        self.paths["recv eager"] += 1
+
+    def _rails_first(self, ch: Channel, inbox: EagerIn, region: Region, tag: int, k: int) -> bool:
+        """Before a receive over the rails posts its clear-to-send: an eager message of its
+        number fails it at once (its size cannot be this one's); a marker is freed. Whether the
+        marker has been seen."""
+        return self._rails_watch(ch, inbox.take(tag, k), region)
+
+    def _rails_watch(self, ch: Channel, found: Found | None, region: Region) -> bool:
+        """What a receive over the rails does with what it found in the ring for its number:
+        frees a marker (True), fails on an eager message, ignores None (False)."""
+        if found is None:
+            return False
+        assert ch.eager_in is not None
+        ch.eager_in.free(found)
+        if found.kind == DATA:
+            raise size_mismatch(ch.peer, found.nbytes, region.nbytes)
+        return True
+
+    def _rails_last(self, inbox: EagerIn, marked: bool, tag: int, k: int) -> None:
+        """A receive over the rails has ended: free its marker, published before the sender's
+        first chunk or error, if it was not seen yet."""
+        if not marked:
+            found = inbox.take(tag, k)
+            if found is not None:
+                inbox.free(found)
+
+    def _eager_work(
+        self,
+        ch: Channel,
+        inbox: EagerIn,
+        region: Region,
+        tag: int,
+        k: int,
+        seq: int,
+        deadline: float,
+        ready: Any,
+    ) -> Work:
+        """The Work of an asynchronous eager receive: whoever polls it takes the message from
+        the ring once it is there (no thread); its waiter waits on the ring's words."""
+        poll_ring = inbox.poller(tag, k)
+        got: list[Found] = []
+
+        def look() -> bool:
+            if not got:
+                found = poll_ring()
+                if found is not None:
+                    got.append(found)
+            return bool(got)
+
+        def poll() -> bool:
+            if not look():
+                if time.monotonic() < deadline:
+                    self._check_peer(ch)
+                    return False
+                raise CommTimeout(
+                    self.comm.name,
+                    "recv",
+                    seq,
+                    self.timeout,
+                    [ch.peer],
+                    f"rank {ch.peer} never sent the matching message (tag {tag}, its #{k})",
+                )
+            self._land(ch, inbox, got[0], region, tag, k, ready)
+            return True
+
+        work = Work(
+            self.comm,
+            "recv",
+            seq,
+            poll,
+            waiter=lambda seconds: flags.wait(look, time.monotonic() + seconds),
+        )
+        work.info = {"transport": "staged", "bytes": region.nbytes, "stages": 1}
+        return work
+
+    def _rails_work(
+        self,
+        ch: Channel,
+        inbox: EagerIn,
+        region: Region,
+        tag: int,
+        k: int,
+        seq: int,
+        deadline: float,
+        ready: Any,
+    ) -> Work:
+        """The Work of an asynchronous receive over the rails from a rank with a ring: posted
+        here, completed by the thread that lands its last chunk; its polls watch the ring for
+        an eager message of its number (which fails it: the sizes differ) and free the
+        marker."""
+        self.paths["recv rails"] += 1
+        marked = [self._rails_first(ch, inbox, region, tag, k)]
+        op = self.post_recv(ch.peer, region, CTS_P2P, tag, k, deadline, ready)
+        poll_ring = inbox.poller(tag, k)
+
+        def watch() -> None:
+            if not marked[0]:
+                try:
+                    marked[0] = self._rails_watch(ch, poll_ring(), region)
+                except MismatchError as exc:
+                    op.fail(exc)
+                    marked[0] = True
+
+        def cleanup() -> None:
+            self._forget(op)
+            self._rails_last(inbox, marked[0], tag, k)
+
+        work = self._op_work("recv", seq, region, op, deadline, cleanup, watch)
+        return work
 
     def exchange(
         self,
@@ -684,6 +1146,10 @@ class StagedTransport(Transport):
         self.listener.close()
         if self.gpu is not None:
             self.gpu.close()
+
+
+def _true() -> bool:
+    return True
 
 
 # Transports not closed by their communicator are closed when the interpreter exits, before

@@ -1,0 +1,163 @@
+"""Eager messages between two staged ranks of one host: a ring of slots in shared memory.
+
+Per ordered pair of ranks on one host the sender makes one segment (`shm.SharedSlots`, mapped
+by the receiver when their channel opens, unlinked once both have mapped it): a control row,
+then `slots` header rows, then `slots` data areas of `slot_bytes` each. A send of at most
+`slot_bytes` copies its bytes into a free slot and publishes it; the receive of that (tag,
+number) finds the slot, copies the bytes out and frees it. No clear-to-send, no thread.
+
+Each word has one writer. The sender writes a slot's TAG, NUMBER, NBYTES, KIND and data, then
+its PUB (the slot's publish count) and last the control row's TOTAL (publishes so far); the
+receiver writes the slot's FREED (the PUB it consumed). A slot is free while PUB == FREED. The
+order of those stores is what a reader relies on (`flags`: x86-64 keeps stores in order).
+
+A send above `slot_bytes` on such a channel publishes a *marker* (KIND RAILS, no data) before
+it waits for its clear-to-send, so that a receive expecting an eager message of that (tag,
+number) learns the sizes disagree instead of waiting for ever; the receive that takes the
+message over the rails frees the marker.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from ..shm import SharedSlots
+
+# The largest message sent eagerly and the slots of one ring. Measured on the 2-core CPU VM,
+# 4 ranks, host arrays, `hetcomm bench --latency --op sendrecv` (docs/staged.md, "Eager
+# messages"): eager beats the rails at every size up to 1 MiB; the ring's memory (slots x
+# slot bytes per ordered pair of a host's ranks) bounds it.
+EAGER_BYTES = 1 << 20
+EAGER_SLOTS = 8
+
+_ROW = 8  # int64 words per header row
+PUB, TAG, NUMBER, NBYTES, KIND, FREED = 0, 1, 2, 3, 4, 5
+TOTAL = 0  # word of the control row
+DATA, RAILS = 1, 2  # KIND: bytes in the slot; a marker of a message sent over the rails
+_ALIGN = 4096
+
+
+def segment_bytes(slots: int, slot_bytes: int) -> int:
+    """The size of a ring's segment: the header rows, page-aligned, then the data areas."""
+    return _data_offset(slots) + slots * slot_bytes
+
+
+def _data_offset(slots: int) -> int:
+    head = (slots + 1) * _ROW * 8
+    return (head + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class _Ring:
+    """The views of one ring's segment that both ends use."""
+
+    def __init__(self, seg: SharedSlots, slots: int, slot_bytes: int) -> None:
+        self.seg, self.slots, self.slot_bytes = seg, slots, slot_bytes
+        words = seg.array[: (slots + 1) * _ROW * 8].view(np.int64).reshape(slots + 1, _ROW)
+        self.control = words[0]
+        self.head = words[1:]
+        off = _data_offset(slots)
+        self.data = seg.array[off : off + slots * slot_bytes].reshape(slots, slot_bytes)
+        self.lock = threading.Lock()  # this rank's threads that take slots of the ring
+
+    def close(self) -> None:
+        self.seg.close()
+
+
+class EagerOut(_Ring):
+    """The sending end: this rank made the segment and writes the messages."""
+
+    def __init__(self, seg: SharedSlots, slots: int, slot_bytes: int) -> None:
+        super().__init__(seg, slots, slot_bytes)
+        self._filling: set[int] = set()  # slots taken by a thread of this rank, not published
+
+    def claim(self) -> int | None:
+        """A free slot, taken for this thread to fill; None when every slot is in use."""
+        head = self.head
+        with self.lock:
+            free = np.flatnonzero(head[:, PUB] == head[:, FREED])
+            for s in free.tolist():
+                if s not in self._filling:
+                    self._filling.add(s)
+                    return int(s)
+        return None
+
+    def target(self, slot: int, nbytes: int) -> np.ndarray:
+        """Where a message of `nbytes` goes in `slot`."""
+        return self.data[slot, :nbytes]
+
+    def publish(self, slot: int, tag: int, number: int, nbytes: int, kind: int) -> None:
+        """Announce the claimed `slot` (its bytes written already) to the receiver."""
+        row = self.head[slot]
+        row[TAG], row[NUMBER], row[NBYTES], row[KIND] = tag, number, nbytes, kind
+        row[PUB] += 1  # after the header and the data
+        self.control[TOTAL] += 1  # last: receivers look again when it moves
+        with self.lock:
+            self._filling.discard(slot)
+
+    def unclaim(self, slot: int) -> None:
+        """Give back a claimed slot that was not published (its copy failed)."""
+        with self.lock:
+            self._filling.discard(slot)
+
+
+class Found:
+    """A message taken from the ring by a receive: its slot, kind and size."""
+
+    __slots__ = ("kind", "nbytes", "pub", "slot")
+
+    def __init__(self, slot: int, kind: int, nbytes: int, pub: int) -> None:
+        self.slot, self.kind, self.nbytes, self.pub = slot, kind, nbytes, pub
+
+
+class EagerIn(_Ring):
+    """The receiving end: the peer made the segment; this rank reads and frees its slots."""
+
+    def __init__(self, seg: SharedSlots, slots: int, slot_bytes: int) -> None:
+        super().__init__(seg, slots, slot_bytes)
+        self._taken: set[int] = set()  # slots a thread of this rank is reading
+
+    def poller(self, tag: int, number: int) -> Callable[[], Found | None]:
+        """A cheap check for message (tag, number): it reads one word until the sender has
+        published something since its last look, then searches the ring."""
+        seen = -1
+
+        def poll() -> Found | None:
+            nonlocal seen
+            total = int(self.control[TOTAL])
+            if total == seen:
+                return None
+            seen = total
+            return self.take(tag, number)
+
+        return poll
+
+    def take(self, tag: int, number: int) -> Found | None:
+        """Message (tag, number), taken for this thread to read, if it has been published."""
+        head = self.head
+        with self.lock:
+            # a slot whose PUB differs from FREED holds a message whose header the sender no
+            # longer writes; only this rank frees slots, under this lock
+            hit = np.flatnonzero(
+                (head[:, PUB] != head[:, FREED])
+                & (head[:, TAG] == tag)
+                & (head[:, NUMBER] == number)
+            )
+            for s in hit.tolist():
+                if s not in self._taken:
+                    self._taken.add(s)
+                    row = head[s]
+                    return Found(int(s), int(row[KIND]), int(row[NBYTES]), int(row[PUB]))
+        return None
+
+    def view(self, found: Found) -> np.ndarray:
+        """The bytes of a taken message."""
+        return self.data[found.slot, : found.nbytes]
+
+    def free(self, found: Found) -> None:
+        """Hand a taken slot back to the sender."""
+        self.head[found.slot, FREED] = found.pub
+        with self.lock:
+            self._taken.discard(found.slot)
