@@ -20,10 +20,11 @@ message over the rails frees the marker.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
+from ..local import Region
 from ..shm import SharedSlots
 
 # The largest message sent eagerly and the slots of one ring. Measured on the 2-core CPU VM,
@@ -112,44 +113,86 @@ class Found:
         self.slot, self.kind, self.nbytes, self.pub = slot, kind, nbytes, pub
 
 
+class Posted:
+    """An eager receive waiting for its message: where it goes, and how it ended (set by the
+    thread that lands it)."""
+
+    __slots__ = ("done", "error", "number", "ready", "region", "tag")
+
+    def __init__(self, region: Region, tag: int, number: int, ready: Any) -> None:
+        self.region, self.tag, self.number, self.ready = region, tag, number, ready
+        self.done = False
+        self.error: BaseException | None = None
+
+
 class EagerIn(_Ring):
-    """The receiving end: the peer made the segment; this rank reads and frees its slots."""
+    """The receiving end: the peer made the segment; this rank reads and frees its slots.
+
+    Receives that wait for their message are `posted` by (tag, number): whichever thread of
+    this rank looks at the ring (`progress`) takes every message a posted receive waits for,
+    as MPI's progress does for its posted receives, so that a ring full of messages for
+    receives nobody waits on yet still drains. `posted`, `_taken` and `_scanned` are guarded
+    by `lock`."""
 
     def __init__(self, seg: SharedSlots, slots: int, slot_bytes: int) -> None:
         super().__init__(seg, slots, slot_bytes)
         self._taken: set[int] = set()  # slots a thread of this rank is reading
+        self.posted: dict[tuple[int, int], Posted] = {}
+        self._scanned = -1  # TOTAL at the last progress
 
-    def poller(self, tag: int, number: int) -> Callable[[], Found | None]:
-        """A cheap check for message (tag, number): it reads one word until the sender has
-        published something since its last look, then searches the ring."""
-        seen = -1
+    def post(self, rec: Posted) -> Found | None:
+        """The message of `rec`, taken, if it is here; else `rec` is posted for `progress`."""
+        with self.lock:
+            found = self._take(rec.tag, rec.number)
+            if found is None:
+                self.posted[(rec.tag, rec.number)] = rec
+            return found
 
-        def poll() -> Found | None:
-            nonlocal seen
-            total = int(self.control[TOTAL])
-            if total == seen:
-                return None
-            seen = total
-            return self.take(tag, number)
+    def unpost(self, rec: Posted) -> bool:
+        """Withdraw a posted receive (it timed out); False when a thread has taken its message
+        already (it is being landed)."""
+        with self.lock:
+            return self.posted.pop((rec.tag, rec.number), None) is not None
 
-        return poll
+    def progress(self) -> list[tuple[Found, Posted]]:
+        """The messages that posted receives wait for, taken (each with its receive) for the
+        caller to land; reads one word unless the sender has published since the last look."""
+        total = int(self.control[TOTAL])
+        if total == self._scanned:
+            return []
+        head = self.head
+        hits: list[tuple[Found, Posted]] = []
+        with self.lock:
+            self._scanned = total
+            if not self.posted:
+                return hits
+            for s in np.flatnonzero(head[:, PUB] != head[:, FREED]).tolist():
+                if s in self._taken:
+                    continue
+                row = head[s]
+                rec = self.posted.pop((int(row[TAG]), int(row[NUMBER])), None)
+                if rec is not None:
+                    self._taken.add(s)
+                    hits.append((Found(s, int(row[KIND]), int(row[NBYTES]), int(row[PUB])), rec))
+        return hits
 
     def take(self, tag: int, number: int) -> Found | None:
         """Message (tag, number), taken for this thread to read, if it has been published."""
-        head = self.head
         with self.lock:
-            # a slot whose PUB differs from FREED holds a message whose header the sender no
-            # longer writes; only this rank frees slots, under this lock
-            hit = np.flatnonzero(
-                (head[:, PUB] != head[:, FREED])
-                & (head[:, TAG] == tag)
-                & (head[:, NUMBER] == number)
-            )
-            for s in hit.tolist():
-                if s not in self._taken:
-                    self._taken.add(s)
-                    row = head[s]
-                    return Found(int(s), int(row[KIND]), int(row[NBYTES]), int(row[PUB]))
+            return self._take(tag, number)
+
+    def _take(self, tag: int, number: int) -> Found | None:
+        head = self.head
+        # a slot whose PUB differs from FREED holds a message whose header the sender no
+        # longer writes; only this rank frees slots, under `lock`
+        hit = np.flatnonzero(
+            (head[:, PUB] != head[:, FREED]) & (head[:, TAG] == tag) & (head[:, NUMBER] == number)
+        )
+        for s in hit.tolist():
+            if s not in self._taken:
+                self._taken.add(s)
+                row = head[s]
+                return Found(int(s), int(row[KIND]), int(row[NBYTES]), int(row[PUB]))
         return None
 
     def view(self, found: Found) -> np.ndarray:

@@ -24,10 +24,10 @@ from .. import flags, tags
 from ..base import Context, Transport
 from ..local import Region
 from ..shm import SegmentError, SharedSlots
-from . import links
+from . import links, p2p
 from .channel import Channel
 from .cts import CTS_COLL, CTS_P2P, ClearToSend
-from .eager import DATA, EAGER_BYTES, EAGER_SLOTS, RAILS, EagerIn, EagerOut, Found, segment_bytes
+from .eager import EAGER_BYTES, EAGER_SLOTS, EagerIn, EagerOut, segment_bytes
 from .ops import _STOP, PeerTimeout, _Drivers, _Op, stamp
 from .rails import ERROR_MPI, MpiRail, size_mismatch
 from .schedule import choose_rails, chunk_spans, rail_key, slots_that_fit
@@ -593,19 +593,19 @@ class StagedTransport(Transport):
         stamp("ready")
         if blocking:
             return self._inline(
-                "send", seq, x.nbytes, lambda d: self._send_here(region, dst, tag, k, d, ready)
+                "send", seq, x.nbytes, lambda d: p2p.send(self, region, dst, tag, k, d, ready)
             )
         deadline = time.monotonic() + self.timeout
         ch = self._channels.get(dst) if dst != self.rank and not self.closed else None
         marked = False
         if ch is not None and ch.eager_out is not None:
             if region.nbytes <= ch.eager_out.slot_bytes:
-                if self._send_eager(ch, region, tag, k, deadline, ready, wait=False):
+                if p2p.send_eager(self, ch, region, tag, k, deadline, ready, wait=False):
                     work = Work(self.comm, "send", seq, _true)
                     work.info = {"transport": "staged", "bytes": x.nbytes, "stages": 1}
                     return work
             else:
-                marked = self._mark(ch, tag, k, region.nbytes, deadline, wait=False)
+                marked = p2p.mark(self, ch, tag, k, region.nbytes, deadline, wait=False)
         if (ch is None or ch.eager_out is None or marked) and self._on_calling_thread(dst):
             # no driver: the chunks are queued here if the receive is posted already, else by
             # the thread that files its clear-to-send
@@ -613,7 +613,7 @@ class StagedTransport(Transport):
             return self._op_work("send", seq, x, op, deadline, lambda: self.cts.unwait(op))
 
         def body(deadline: float, ready: Any) -> None:
-            self._send_here(region, dst, tag, k, deadline, ready, marked)
+            p2p.send(self, region, dst, tag, k, deadline, ready, marked)
 
         return self._run("send", seq, [x], body)
 
@@ -628,26 +628,85 @@ class StagedTransport(Transport):
         ready = self._ready([x])
         if blocking:
             return self._inline(
-                "recv", seq, x.nbytes, lambda d: self._recv_here(region, src, tag, k, d, ready)
+                "recv", seq, x.nbytes, lambda d: p2p.recv(self, region, src, tag, k, d, ready)
             )
         deadline = time.monotonic() + self.timeout
-        ch = self._channels.get(src) if src != self.rank and not self.closed else None
-        inbox = ch.eager_in if ch is not None else None
-        if ch is not None and inbox is not None:
-            if region.nbytes <= inbox.slot_bytes:
-                return self._eager_work(ch, inbox, region, tag, k, seq, deadline, ready)
-            if self._on_calling_thread(src):
-                return self._rails_work(ch, inbox, region, tag, k, seq, deadline, ready)
-        elif self._on_calling_thread(src):
-            # no driver: the clear-to-send goes out from here, and the Work completes when
-            # the thread that lands the last chunk says so
-            op = self.post_recv(src, region, CTS_P2P, tag, k, deadline, ready)
-            return self._op_work("recv", seq, x, op, deadline, lambda: self._forget(op))
 
         def body(deadline: float, ready: Any) -> None:
-            self._recv_here(region, src, tag, k, deadline, ready)
+            p2p.recv(self, region, src, tag, k, deadline, ready)
 
+        if src != self.rank and not self.closed:
+            ch = self._channels.get(src)
+            if ch is None:
+                return self._when_open(
+                    src,
+                    seq,
+                    deadline,
+                    lambda ch: (
+                        self._recv_async(ch, region, tag, k, seq, deadline, ready)
+                        or self._run("recv", seq, [x], body)
+                    ),
+                )
+            work = self._recv_async(ch, region, tag, k, seq, deadline, ready)
+            if work is not None:
+                return work
         return self._run("recv", seq, [x], body)
+
+    def _recv_async(
+        self, ch: Channel, region: Region, tag: int, k: int, seq: int, deadline: float, ready: Any
+    ) -> Work | None:
+        """The Work of an asynchronous receive over an open channel, polled by its waiter
+        with no thread where it can be; None where a driver must run it."""
+        inbox = ch.eager_in
+        if inbox is not None:
+            if region.nbytes <= inbox.slot_bytes:
+                return p2p.eager_work(self, ch, inbox, region, tag, k, seq, deadline, ready)
+            if self._on_calling_thread(ch.peer):
+                return p2p.rails_work(self, ch, inbox, region, tag, k, seq, deadline, ready)
+        elif self._on_calling_thread(ch.peer):
+            # no driver: the clear-to-send goes out from here, and the Work completes when
+            # the thread that lands the last chunk says so
+            op = self.post_recv(ch.peer, region, CTS_P2P, tag, k, deadline, ready)
+            return self._op_work("recv", seq, region, op, deadline, lambda: self._forget(op))
+        return None
+
+    def _when_open(
+        self, peer: int, seq: int, deadline: float, then: Callable[[Channel], Work]
+    ) -> Work:
+        """The Work of an asynchronous receive whose channel is not open yet: a driver opens
+        it (both ranks do, together) and `then(channel)` makes the receive's own Work there,
+        which this one polls. The driver is free again once the channel is open, so receives that
+        wait do not hold the drivers (which a ring of messages waiting for them would need)."""
+
+        inner: list[Work] = []
+
+        def open_it() -> None:
+            # the receive is posted here, as soon as the channel is open: a ring of messages
+            # for receives that nobody polls yet drains all the same
+            inner.append(then(self.channel(peer, deadline)))
+
+        opened = self._driver.submit(open_it)
+
+        def poll() -> bool:
+            if not opened.done():
+                return False
+            if not inner:
+                try:
+                    opened.result()
+                except PeerTimeout as exc:
+                    raise CommTimeout(
+                        self.comm.name, "recv", seq, self.timeout, exc.ranks, str(exc)
+                    ) from None
+            return inner[0].test()
+
+        def waiter(seconds: float) -> bool:
+            if not opened.done():
+                return bool(futures.wait((opened,), seconds).done)
+            time.sleep(min(seconds, 50e-6))  # the receive's own Work is polled meanwhile
+            return False
+
+        work = Work(self.comm, "recv", seq, poll, waiter=waiter)
+        return work
 
     # ---- prepared blocking calls and eager messages (eager.py) -------------------------------
 
@@ -680,7 +739,7 @@ class StagedTransport(Transport):
         k = self._p2p_number("send", dst, tag)
         region = Region(xh.nbytes, xh.reshape(-1).view(np.uint8))
         try:
-            self._send_here(region, dst, tag, k, time.monotonic() + self.timeout, None)
+            p2p.send(self, region, dst, tag, k, time.monotonic() + self.timeout, None)
         except (PeerTimeout, PeerLost) as exc:
             raise self._fatal("send", seq, exc) from None
         return True
@@ -690,7 +749,7 @@ class StagedTransport(Transport):
         k = self._p2p_number("recv", src, tag)
         region = Region(xh.nbytes, xh.reshape(-1).view(np.uint8))
         try:
-            self._recv_here(region, src, tag, k, time.monotonic() + self.timeout, None)
+            p2p.recv(self, region, src, tag, k, time.monotonic() + self.timeout, None)
         except (PeerTimeout, PeerLost) as exc:
             raise self._fatal("recv", seq, exc) from None
         return True
@@ -729,308 +788,6 @@ class StagedTransport(Transport):
 
         work = Work(self.comm, name, seq, poll)
         work.info = info
-        return work
-
-    def _send_here(
-        self,
-        region: Region,
-        dst: int,
-        tag: int,
-        k: int,
-        deadline: float,
-        ready: Any,
-        marked: bool = False,
-    ) -> None:
-        """Send message `k` of (`dst`, `tag`) to its end on this thread: eagerly where the
-        pair has a ring and it fits a slot, else over the rails (a marker in the ring first,
-        unless `marked` says it is there already)."""
-        if self.closed:
-            raise HetcommError("the staged transport was closed")
-        ch = None
-        if dst != self.rank:
-            ch = self._channels.get(dst) or self.channel(dst, deadline)
-        if ch is not None and ch.eager_out is not None:
-            if region.nbytes <= ch.eager_out.slot_bytes:
-                self._send_eager(ch, region, tag, k, deadline, ready, wait=True)
-                return
-            if not marked:
-                self._mark(ch, tag, k, region.nbytes, deadline, wait=True)
-        self.paths["send rails"] += 1
-        self.finish_send(self.start_send(dst, region, CTS_P2P, tag, k, deadline, ready), deadline)
-
-    def _claim(self, ch: Channel, out: EagerOut, deadline: float, wait: bool) -> int | None:
-        """A free slot of the ring to `ch`'s peer; without `wait`, None if none is free now;
-        with it, waits for one (PeerTimeout when the peer takes none in time)."""
-        slot = out.claim()
-        if slot is not None or not wait:
-            return slot
-        got: list[int] = []
-
-        def ready() -> bool:
-            s = out.claim()
-            if s is not None:
-                got.append(s)
-            return s is not None
-
-        if not flags.wait(ready, deadline, lambda: self._check_peer(ch)):
-            raise PeerTimeout(
-                [ch.peer], f"rank {ch.peer} took none of the {out.slots} messages waiting for it"
-            )
-        return got[0]
-
-    def _send_eager(
-        self,
-        ch: Channel,
-        region: Region,
-        tag: int,
-        k: int,
-        deadline: float,
-        ready: Any,
-        wait: bool,
-    ) -> bool:
-        """Copy a message into a free slot of the ring and publish it; False (nothing done)
-        where no slot is free and `wait` is False. Device bytes: a copy after `ready` into the
-        slot, waited for before the slot is published."""
-        out = ch.eager_out
-        assert out is not None
-        slot = self._claim(ch, out, deadline, wait)
-        if slot is None:
-            return False
-        n = region.nbytes
-        try:
-            if n:
-                target = out.target(slot, n)
-                if region.host is not None:
-                    np.copyto(target, region.host)
-                else:
-                    out.seg.register_with_gpu(self.gpu.device)
-                    self.gpu.copy_to_host_async(target, region, ready).synchronize()
-        except BaseException:
-            out.unclaim(slot)
-            raise
-        out.publish(slot, tag, k, n, DATA)
-        self.paths["send eager"] += 1
-        return True
-
-    def _mark(
-        self, ch: Channel, tag: int, k: int, nbytes: int, deadline: float, wait: bool
-    ) -> bool:
-        """Publish the marker of a message that goes over the rails (False: no slot free and
-        not `wait`), so that a receive expecting it eager learns that the sizes differ."""
-        out = ch.eager_out
-        assert out is not None
-        slot = self._claim(ch, out, deadline, wait)
-        if slot is None:
-            return False
-        out.publish(slot, tag, k, nbytes, RAILS)
-        return True
-
-    def _check_peer(self, ch: Channel) -> None:
-        """Raise if the transport has closed or `ch`'s peer is gone (its shm rail closed)."""
-        if self.closed:
-            raise HetcommError("the staged transport was closed")
-        link = ch.doorbell()
-        if link is not None and not link.alive:
-            why = "; ".join(ch.dead) or "the peer closed it"
-            raise PeerLost(f"rank {ch.peer}: its shm rail is gone ({why})", [ch.peer])
-
-    def _recv_here(
-        self, region: Region, src: int, tag: int, k: int, deadline: float, ready: Any
-    ) -> None:
-        """Receive message `k` of (`src`, `tag`) to its end on this thread: from the ring
-        where the pair has one and it fits a slot, else over the rails (watching the ring
-        for an eager message of this number, whose size cannot be this one's)."""
-        if self.closed:
-            raise HetcommError("the staged transport was closed")
-        ch = None
-        if src != self.rank:
-            ch = self._channels.get(src) or self.channel(src, deadline)
-        inbox = ch.eager_in if ch is not None else None
-        if ch is None or inbox is None:
-            self.paths["recv rails"] += 1
-            op = self.post_recv(src, region, CTS_P2P, tag, k, deadline, ready)
-            self.finish_recv(op, deadline)
-            return
-        if region.nbytes <= inbox.slot_bytes:
-            found = inbox.take(tag, k) or self._wait_message(ch, inbox, tag, k, deadline)
-            self._land(ch, inbox, found, region, tag, k, ready)
-            return
-        self.paths["recv rails"] += 1
-        marked = self._rails_first(ch, inbox, region, tag, k)
-        op = self.post_recv(src, region, CTS_P2P, tag, k, deadline, ready)
-        poll = inbox.poller(tag, k)
-        try:
-            while not op.done.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
-                if not marked:
-                    marked = self._rails_watch(ch, poll(), region)
-                if time.monotonic() >= deadline:
-                    break
-            self.finish_recv(op, deadline)
-        except MismatchError:
-            self._rails_last(inbox, marked, tag, k)
-            raise
-        finally:
-            self._forget(op)
-        self._rails_last(inbox, marked, tag, k)
-
-    def _wait_message(
-        self, ch: Channel, inbox: EagerIn, tag: int, k: int, deadline: float
-    ) -> Found:
-        """Wait on this thread for message `k` of `tag` in the ring from `ch`'s peer."""
-        poll = inbox.poller(tag, k)
-        got: list[Found] = []
-
-        def ready() -> bool:
-            found = poll()
-            if found is not None:
-                got.append(found)
-            return found is not None
-
-        if not flags.wait(ready, deadline, lambda: self._check_peer(ch)):
-            raise PeerTimeout(
-                [ch.peer],
-                f"rank {ch.peer} never sent the matching message (tag {tag}, its #{k})",
-            )
-        return got[0]
-
-    def _land(
-        self,
-        ch: Channel,
-        inbox: EagerIn,
-        found: Found,
-        region: Region,
-        tag: int,
-        k: int,
-        ready: Any,
-    ) -> None:
-        """Copy a message taken from the ring into `region` and free its slot; a message of
-        another size fails with the rails' size-mismatch error, and a marker (the message
-        comes over the rails, so it is larger than any slot) fails its sender too."""
-        try:
-            if found.kind == RAILS:
-                # the sender waits for a clear-to-send: one naming this size fails it too
-                self.cts.send(ch.peer, CTS_P2P, tag, k, 0, region.nbytes)
-                raise size_mismatch(ch.peer, found.nbytes, region.nbytes)
-            if found.nbytes != region.nbytes:
-                raise size_mismatch(ch.peer, found.nbytes, region.nbytes)
-            if found.nbytes:
-                data = inbox.view(found)
-                if region.host is not None:
-                    np.copyto(region.host, data)
-                else:
-                    inbox.seg.register_with_gpu(self.gpu.device)
-                    self.gpu.copy_from_host(region, data, ready)
-        finally:
-            inbox.free(found)
-        self.paths["recv eager"] += 1
-
-    def _rails_first(self, ch: Channel, inbox: EagerIn, region: Region, tag: int, k: int) -> bool:
-        """Before a receive over the rails posts its clear-to-send: an eager message of its
-        number fails it at once (its size cannot be this one's); a marker is freed. Whether the
-        marker has been seen."""
-        return self._rails_watch(ch, inbox.take(tag, k), region)
-
-    def _rails_watch(self, ch: Channel, found: Found | None, region: Region) -> bool:
-        """What a receive over the rails does with what it found in the ring for its number:
-        frees a marker (True), fails on an eager message, ignores None (False)."""
-        if found is None:
-            return False
-        assert ch.eager_in is not None
-        ch.eager_in.free(found)
-        if found.kind == DATA:
-            raise size_mismatch(ch.peer, found.nbytes, region.nbytes)
-        return True
-
-    def _rails_last(self, inbox: EagerIn, marked: bool, tag: int, k: int) -> None:
-        """A receive over the rails has ended: free its marker, published before the sender's
-        first chunk or error, if it was not seen yet."""
-        if not marked:
-            found = inbox.take(tag, k)
-            if found is not None:
-                inbox.free(found)
-
-    def _eager_work(
-        self,
-        ch: Channel,
-        inbox: EagerIn,
-        region: Region,
-        tag: int,
-        k: int,
-        seq: int,
-        deadline: float,
-        ready: Any,
-    ) -> Work:
-        """The Work of an asynchronous eager receive: whoever polls it takes the message from
-        the ring once it is there (no thread); its waiter waits on the ring's words."""
-        poll_ring = inbox.poller(tag, k)
-        got: list[Found] = []
-
-        def look() -> bool:
-            if not got:
-                found = poll_ring()
-                if found is not None:
-                    got.append(found)
-            return bool(got)
-
-        def poll() -> bool:
-            if not look():
-                if time.monotonic() < deadline:
-                    self._check_peer(ch)
-                    return False
-                raise CommTimeout(
-                    self.comm.name,
-                    "recv",
-                    seq,
-                    self.timeout,
-                    [ch.peer],
-                    f"rank {ch.peer} never sent the matching message (tag {tag}, its #{k})",
-                )
-            self._land(ch, inbox, got[0], region, tag, k, ready)
-            return True
-
-        work = Work(
-            self.comm,
-            "recv",
-            seq,
-            poll,
-            waiter=lambda seconds: flags.wait(look, time.monotonic() + seconds),
-        )
-        work.info = {"transport": "staged", "bytes": region.nbytes, "stages": 1}
-        return work
-
-    def _rails_work(
-        self,
-        ch: Channel,
-        inbox: EagerIn,
-        region: Region,
-        tag: int,
-        k: int,
-        seq: int,
-        deadline: float,
-        ready: Any,
-    ) -> Work:
-        """The Work of an asynchronous receive over the rails from a rank with a ring: posted
-        here, completed by the thread that lands its last chunk; its polls watch the ring for
-        an eager message of its number (which fails it: the sizes differ) and free the
-        marker."""
-        self.paths["recv rails"] += 1
-        marked = [self._rails_first(ch, inbox, region, tag, k)]
-        op = self.post_recv(ch.peer, region, CTS_P2P, tag, k, deadline, ready)
-        poll_ring = inbox.poller(tag, k)
-
-        def watch() -> None:
-            if not marked[0]:
-                try:
-                    marked[0] = self._rails_watch(ch, poll_ring(), region)
-                except MismatchError as exc:
-                    op.fail(exc)
-                    marked[0] = True
-
-        def cleanup() -> None:
-            self._forget(op)
-            self._rails_last(inbox, marked[0], tag, k)
-
-        work = self._op_work("recv", seq, region, op, deadline, cleanup, watch)
         return work
 
     def exchange(
