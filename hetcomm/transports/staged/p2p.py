@@ -133,7 +133,7 @@ def send_eager(
                 np.copyto(target, region.host)
             else:
                 out.seg.register_with_gpu(t.gpu.device)
-                t.gpu.copy_to_host_async(target, region, ready).synchronize()
+                t.gpu.copy_to_host(target, region, ready)
     except BaseException:
         out.unclaim(slot)
         raise
