@@ -161,7 +161,9 @@ def test_staged_send_recv_start_on_the_calling_thread(hetcomm_make_comm, rng, er
             works.append(comm.recv(got[i], 0, tag=8, async_op=True))
     for w in reversed(works):
         w.wait()
-    want = 0 if staged.cts.doorbell(1 - comm.rank) is not None else 5
+    # without a doorbell (between hosts) the four asynchronous calls of each rank need a
+    # driver; its blocking call runs on the calling thread either way
+    want = 0 if staged.cts.doorbell(1 - comm.rank) is not None else 4
     errors.expect(
         staged._driver.submitted - before == want,
         f"{staged._driver.submitted - before} sends/recvs went to a driver thread, expected {want}",

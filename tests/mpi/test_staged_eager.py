@@ -35,6 +35,18 @@ def _eager_with(staged: object, peer: int) -> bool:
     return ch is not None and ch.eager_out is not None and ch.eager_in is not None
 
 
+def _opened(comm: hetcomm.Communicator) -> int | None:
+    """This rank's partner once their channel is open, if the pair has eager rings (ranks of
+    one host); else None (the rails need their receives posted in step: these tests do not
+    apply)."""
+    peer = _pair(comm)
+    staged = _staged(comm)
+    if peer is None:
+        return None
+    _exchange(comm, peer, np.zeros(1), np.zeros(1), tag=99)
+    return peer if _eager_with(staged, peer) else None
+
+
 def _data(rng: np.random.Generator, n: int, dtype: str) -> np.ndarray:
     return rng.integers(0, 100, n).astype(dtype)
 
@@ -85,22 +97,19 @@ def test_sizes_around_the_threshold(hetcomm_make_comm, errors, rng):
 
 @pytest.mark.mpi(min_size=2)
 def test_tags_received_out_of_order(hetcomm_make_comm, errors, rng):
-    """A ring's worth of messages, two per tag, sent in one order and received with the tags
-    in reverse: each tag's messages arrive in the order sent, whatever the other tags do
-    (blocking sends that go eager complete before their receives are posted, while the ring
-    has a free slot)."""
+    """Between ranks of one host, a ring's worth of messages, two per tag, sent in one order
+    and received with the tags in reverse: each tag's messages arrive in the order sent,
+    whatever the other tags do (blocking sends that go eager complete before their receives
+    are posted, while the ring has a free slot)."""
     comm = hetcomm_make_comm(transport="staged", timeout=60)
-    peer = _pair(comm)
-    _staged(comm)
+    peer = _opened(comm)
     if peer is not None:
         tags = EAGER_SLOTS // 2
         msgs = {(t, i): _data(rng, 3 + t, "float64") for t in range(tags) for i in range(2)}
         if comm.rank % 2 == 0:
-            comm.send(np.zeros(1), peer, tag=9)  # opens the channel
             for (t, _), x in msgs.items():
                 comm.send(x, peer, tag=t)
         else:
-            comm.recv(np.zeros(1), peer, tag=9)
             for t in reversed(range(tags)):
                 for i in range(2):
                     got = np.full(3 + t + 1, -1.0)
@@ -111,13 +120,24 @@ def test_tags_received_out_of_order(hetcomm_make_comm, errors, rng):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_many_in_flight_async(hetcomm_make_comm, errors, rng):
-    """Three rings' worth of asynchronous small sends and a few large ones, over three tags,
-    received asynchronously in another order and waited for in reverse: all arrive (sends
-    that find the ring full wait on a driver thread for the receiver to free slots)."""
+@pytest.mark.parametrize("opened", [False, True], ids=["first messages", "open channel"])
+def test_many_in_flight_async(hetcomm_make_comm, errors, rng, opened):
+    """Between ranks of one host, three rings' worth of asynchronous small sends and a few
+    large ones, over three tags, received asynchronously in another order and waited for in
+    reverse: all arrive (sends that find the ring full wait on a driver thread for the
+    receiver to free slots). The first messages open the channel: a driver opens it, and
+    each receive is posted on the ring as soon as it is open."""
     comm = hetcomm_make_comm(transport="staged", timeout=60)
-    peer = _pair(comm)
-    _staged(comm)
+    if opened:
+        peer = _opened(comm)
+    else:
+        peer = _pair(comm)
+        _staged(comm)
+        facts = comm.topology
+        if peer is not None and (
+            facts[peer].host != facts[comm.rank].host or comm.config.rails.strip() == "mpi"
+        ):
+            peer = None  # no ring between these two
     if peer is not None:
         count = 3 * EAGER_SLOTS
         sizes = [1 + (i * 7) % 50 for i in range(count)]
