@@ -136,6 +136,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "where this hetcomm has one, to time the control path alone",
     )
     p.add_argument(
+        "--check-cost",
+        action="store_true",
+        help="--latency on host buffers: a section timing every host op form with the "
+        "default mismatch check beside the same op on a Communicator without it",
+    )
+    p.add_argument(
         "--baselines",
         default="mpi4py,gloo,naive,nccl",
         help="sweep: comma list of mpi4py, gloo, naive, nccl; 'none' for none",

@@ -655,7 +655,19 @@ class Study:
         self.arrays = Arrays(self.device)
         self.timing = Interleaved(self.ctl, args.rounds, sync=self.arrays.sync)
         config, self.check_state = mismatch_config(args.transport, not args.no_mismatch_check)
+        check_cost = getattr(args, "check_cost", False)
+        if check_cost and (args.no_mismatch_check or self.device != "cpu"):
+            raise SystemExit(
+                "hetcomm bench --latency --check-cost: times host buffers with the check on "
+                "beside it off (drop --no-mismatch-check and --device cuda)"
+            )
         self.comm = hetcomm.init(config=config, name="bench-latency")
+        # --check-cost: the same ops on a Communicator without the check, in the same rounds
+        self.unchecked: Any = None
+        self.check_rows: list[LatencyRow] = []
+        if check_cost:
+            off, _ = mismatch_config(args.transport, False)
+            self.unchecked = hetcomm.init(config=off, name="bench-unchecked")
         self.sizes = sizes_of(args)
         self.forms = select_forms(args.op, FORMS)
         self.torch_forms = select_forms(args.op, TORCH_FORMS)
@@ -746,6 +758,9 @@ class Study:
         }
         wrong_count = self._check(impls["hetcomm"], mine, host)
         impls["mpi4py"] = mpi4py_run(self.raw, op, form, self._sets(op, form, count, host))
+        if self.unchecked is not None:
+            bare = self._sets(op, form, count, host)
+            impls["unchecked"] = hetcomm_run(self.unchecked, op, form, bare, host.sync, False)
         if self.dist is not None and op != "all_reduce_coalesced":
             views = [_TorchView(b) for b in self._sets(op, form, count, host)]
             gloo = torch_run(self.dist, None, op, form, views, self.rank, self.ranks)
@@ -755,6 +770,21 @@ class Study:
         half = 2.0 if op == "sendrecv" else 1.0
         h, f = stats["hetcomm"], stats["mpi4py"]
         g = stats.get("gloo")
+        u = stats.get("unchecked")
+        if u is not None:
+            self.check_rows.append(
+                LatencyRow(
+                    section="check",
+                    op=op,
+                    form=form,
+                    bytes=nbytes,
+                    hetcomm_us=h.median * 1e6 / half,
+                    floor_us=u.median * 1e6 / half,
+                    floor="unchecked",
+                    spread=max(h.spread, u.spread),
+                    ratio=paired_ratio(h, u),
+                )
+            )
         return LatencyRow(
             section="host",
             op=op,
@@ -906,6 +936,7 @@ class Study:
                     floors.close()
             if self.dist is not None and nbytes <= TORCH_MAX_BYTES and self.device == "cpu":
                 rows.extend(self.torch_row(op, form, nbytes) for op, form in self.torch_forms)
+        rows.extend(self.check_rows)
 
         def place(r: LatencyRow) -> tuple[int, int, int]:
             forms = TORCH_FORMS if r.section == "torch" else FORMS
@@ -920,8 +951,9 @@ class Study:
                 self.dist.destroy_process_group(group)
             if self._own_dist:
                 self.dist.destroy_process_group()
-        if not self.comm.closed:
-            self.comm.close()
+        for comm in (self.comm, self.unchecked):
+            if comm is not None and not comm.closed:
+                comm.close()
         self.raw.Free()
         self.ctl.Free()
 

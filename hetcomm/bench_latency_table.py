@@ -42,7 +42,7 @@ TORCH_FORMS: tuple[tuple[str, str], ...] = (
 #: the torch section runs at the sweep's sizes up to this many bytes: above it the layer's
 #: cost is lost in the time the bytes take
 TORCH_MAX_BYTES = 64 << 10
-SECTIONS = ("host", "torch", "device")
+SECTIONS = ("host", "check", "torch", "device")
 OPS = tuple(dict.fromkeys(op for op, _ in FORMS + TORCH_FORMS))
 
 COLUMNS = (
@@ -61,6 +61,9 @@ COLUMNS = (
 SECTION_NOTES = {
     "host": "hetcomm on numpy arrays; floor: raw mpi4py, the same op the same way "
     "(MPI.IN_PLACE in place, two buffers out of place); gloo: torch gloo, where torch has the form",
+    "check": "the cost of the default mismatch check: hetcomm(us) with it (as configured), "
+    "floor(us) the same op on a Communicator with Config(check=False), in the same interleaved "
+    "rounds; ratio = checked / unchecked",
     "torch": "hetcomm(us): dist.<op> through a hetcomm ProcessGroup minus the same op on its bare "
     "Communicator (per round); floor: dist.<op> on a trivial Python ProcessGroup that returns a "
     "finished Work (torch's own dispatch); goal: at most max(3 x floor, 10 us)",

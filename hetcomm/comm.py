@@ -11,9 +11,9 @@ from typing import Any, Literal, overload
 import numpy as np
 from mpi4py import MPI
 
-from . import ANY_SOURCE, agree, coalesced
+from . import ANY_SOURCE, agree, coalesced, fused
 from . import plan as planning
-from . import trace as _trace  # noqa: F401 (importing it registers tracing's decision on Work)
+from . import trace as _trace
 from . import work as _work
 from .argcheck import (
     check_timeout,
@@ -66,6 +66,7 @@ class Communicator:
         # can never match the caller's point-to-point traffic
         self.service: MPI.Intracomm = mpi_comm.Dup()
         self.config = config
+        _trace.decide(config)
         self.topology = topology
         self.name = name
         self.rank: int = mpi_comm.Get_rank()
@@ -165,12 +166,14 @@ class Communicator:
 
     def routes(self) -> list[dict[str, Any]]:
         """The routes resolved so far, one dict each: op, transport, whether it has a
-        prepared blocking call, and how many calls each path served (for tests and tuning)."""
+        prepared blocking call or asynchronous start, and how many calls each path served (for
+        tests and tuning)."""
         return [
             {
                 "op": r.op,
                 "transport": r.transport.name,
                 "prepared": r.run is not None,
+                "prepared_async": r.start is not None,
                 "runs": r.runs,
                 "uses": r.uses,
                 "key": key,
@@ -279,12 +282,25 @@ class Communicator:
         transport = self._transport(op, xb)
         dtype = xb.dtype if xb is not None else None
         count = xb.count if xb is not None else 0
-        vec = agree.signature(op, dtype, count, rop, root)
+        # a collective small enough to travel in the check names its memory in the signature:
+        # the check carries host data only, and every rank must take the path the others do
+        small: fused.Fused | None = None
+        memory = "any"
+        if self._agree.gathers and xb is not None:
+            memory = "host" if xb.host is not None else "device"
+            small = fused.plan(op, xb, out, rop, root, self.rank, self.size)
+        vec = agree.signature(op, dtype, count, rop, root, memory=memory if small else "any")
+        if memory != "host":
+            small = None
         run = None
         prepare = getattr(transport, "prepare", None)
         if prepare is not None and key is not None:
             run = prepare(op, xb, out, rop, root)
         route = Route(op, transport, vec, general, rop, root, run)
+        route.fused = small
+        prepare_async = getattr(transport, "prepare_async", None)
+        if prepare_async is not None and key is not None:
+            route.start = prepare_async(op, xb, out, rop, root)
         if key is not None:
             if len(self._routes) >= MAX_ROUTES:
                 self._routes.clear()
@@ -325,15 +341,25 @@ class Communicator:
             # the asynchronous collective RING places back has not been seen checked yet
             self._flush_deferred(route.op, seq, timeout)
         if self._debug:
-            vec = route.vec.copy()
-            vec[5], vec[11] = seq, -seq
-            check.load(vec)
+            check.load(agree.with_sequence(route.vec, seq))
         else:
             check.load(route.vec)
         return check
 
-    def _check_blocking(self, route: Route, seq: int, timeout: float | None) -> None:
+    def _check_blocking(
+        self,
+        route: Route,
+        seq: int,
+        timeout: float | None,
+        small: fused.Fused | None = None,
+        xy: tuple[np.ndarray, np.ndarray | None] | None = None,
+    ) -> None:
+        """The check of a blocking collective, on this thread; where `small` is given it
+        carries the operation too: x of `xy` packed into it, the result unpacked into y."""
         check = self._check_slot(route, seq, timeout)
+        if small is not None:
+            assert xy is not None
+            small.pack(check.payload(), xy[0])
         try:
             test = check.start().Test
             for _ in range(_QUICK_POLLS):
@@ -345,13 +371,20 @@ class Communicator:
             raise self._mpi_error(route.op, seq, exc) from exc
         if not check.agreed():
             raise self._mismatch(route.op, seq, check.mine.copy())
+        if small is not None and xy is not None and xy[1] is not None:
+            small.unpack(check.payloads(), xy[1])
 
     def _admit(
-        self, route: Route, start: Callable[[int], Work], device: Buffer | None = None
+        self,
+        route: Route,
+        start: Callable[[int], Work],
+        device: Buffer | None = None,
+        pack: Callable[[agree.Check], None] | None = None,
     ) -> Work:
         """An asynchronous collective: its sequence number and arrival at once, its check
-        started, and the operation itself started once the check has completed (and every
-        earlier deferred one has started). Returns the Work the caller gets."""
+        started (`pack` puts what it carries into it first), and the operation itself started
+        once the check has completed (and every earlier deferred one has started). Returns
+        the Work the caller gets."""
         seq = self._arrive(route)
         if not self._checking:
             if self._deferred:
@@ -360,6 +393,8 @@ class Communicator:
         if self._deferred:
             self._deferred.advance()  # start what can start now, without waiting
         check = self._check_slot(route, seq, None)
+        if pack is not None:
+            pack(check)
         try:
             test = check.start().Test
             if not self._deferred:
@@ -394,6 +429,59 @@ class Communicator:
         item.outer = Work(self, route.op, seq, poll)
         self._deferred.add(item)
         return item.outer
+
+    def _small(
+        self, route: Route, x: Any, y: Any, async_op: bool, timeout: float | None
+    ) -> Work | None:
+        """A collective that travels in its own check (route.fused: hetcomm.fused). Every call
+        of such a signature takes this path, blocking or not, whatever its arrays' layout,
+        since the other ranks' calls of it do: `x`'s bytes go into the check, and the result
+        into `y` once every rank's signature has agreed."""
+        small = route.fused
+        assert small is not None
+        op = route.op
+        if timeout is not None:
+            check_timeout(timeout, op)
+        xh = host_view(x, False)
+        if xh is None:
+            xh = np.ascontiguousarray(as_buffer(x, f"{op}: x").host)
+        yh = back = None
+        if small.writes:
+            yh = host_view(y, True)
+            if yh is None:
+                yb = as_buffer(y, f"{op}: out")
+                writable(yb, f"{op}: out")
+                assert yb.host is not None
+                yh = np.empty(yb.host.shape, yb.host.dtype)
+                back = partial(np.copyto, yb.host, yh)
+        route.runs += 1
+        if async_op:
+            carried: list[agree.Check] = []
+
+            def pack(check: agree.Check) -> None:
+                small.pack(check.payload(), xh)
+                carried.append(check)
+
+            def start(seq: int) -> Work:
+                if yh is not None:
+                    small.unpack(carried[0].payloads(), yh)
+                if back is not None:
+                    back()
+                return completed(self, op, seq)
+
+            work = self._admit(route, start, None, pack)
+            return self._finish(work, True, timeout, (x, y))
+        seq = self._arrive(route)
+        if self._deferred:
+            self._flush_deferred(op, seq, timeout)
+        self._check_blocking(route, seq, timeout, small, (xh, yh))
+        if back is not None:
+            back()
+        if _work.observing:  # a Work only for the observers (the trace)
+            seen = Work(self, op, seq, _done)
+            seen.info = {"transport": "check", "bytes": xh.nbytes, "stages": 1}
+            seen.test()
+        return None
 
     def _flush_deferred(self, op: str, seq: int, timeout: float | None = None) -> None:
         """Start every deferred collective before the one now entering (bounded wait)."""
@@ -560,6 +648,8 @@ class Communicator:
         route = self._routes.get(key) if key is not None else None
         if route is None:
             route = self._route_all_reduce(key, x, op, out, inplace)
+        if route.fused is not None and self._checking:
+            return self._small(route, x, x if inplace else out, async_op, timeout)
         if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, inplace)
             if xh is not None:
@@ -676,6 +766,8 @@ class Communicator:
             rop = as_reduce_op(op, "reduce: op")
             check_op_for_dtype(rop, xb.dtype, "reduce")
             route = self._route(key, "reduce", xb, self._reduce, rop, r)
+        if route.fused is not None and self._checking:
+            return self._small(route, x, x, async_op, timeout)
         at_root = self.rank == route.root
         if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, at_root)
@@ -719,6 +811,8 @@ class Communicator:
             xb = as_buffer(x, "broadcast: x")
             r = self._root(root, "broadcast: root")
             route = self._route(key, "broadcast", xb, self._broadcast, None, r)
+        if route.fused is not None and self._checking:
+            return self._small(route, x, x, async_op, timeout)
         if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, self.rank != route.root)
             if xh is not None:
@@ -799,10 +893,17 @@ class Communicator:
         route = self._routes.get(key) if key is not None else None
         if route is None:
             route = self._route_blocks(key, op, out, x, rop, out_blocks, x_blocks, method)
+        if route.fused is not None and self._checking:
+            return self._small(route, x, out, async_op, timeout)
         if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, False)
             oh = host_view(out, True)
-            if xh is not None and oh is not None and not np.may_share_memory(xh, oh):
+            # a prepared call that serves in-place forms tells overlaps apart itself
+            if (
+                xh is not None
+                and oh is not None
+                and (getattr(route.run, "in_place", False) or not np.may_share_memory(xh, oh))
+            ):
                 if self._blocking_run(route, xh, oh):
                     return None
                 return route.general(route, out, x, False, None, self._last_entered)
@@ -862,6 +963,10 @@ class Communicator:
         if self._group is not None:
             return self._queue("send", x, dst, tag, async_op, timeout)
         route = self._p2p_route("send", x)
+        if async_op and route.start is not None:
+            xh = host_view(x, False)
+            if xh is not None:
+                return self._start_p2p(route, x, xh, dst, tag, timeout)
         if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, False)
             if xh is not None:
@@ -892,6 +997,24 @@ class Communicator:
         except MPI.Exception as exc:
             raise self._mpi_error(route.op, seq, exc) from exc
         return seq
+
+    def _start_p2p(
+        self, route: Route, x: Any, xh: np.ndarray, peer: int, tag: int, timeout: float | None
+    ) -> Work:
+        """An asynchronous send or receive through the transport's prepared start."""
+        assert route.start is not None
+        if timeout is not None:
+            check_timeout(timeout, route.op)
+        self._p2p_seq = seq = self._p2p_seq + 1
+        route.runs += 1
+        try:
+            work = route.start(xh, peer, tag, seq)
+        except MPI.Exception as exc:
+            raise self._mpi_error(route.op, seq, exc) from exc
+        if timeout is not None:
+            work._timeout = float(timeout)
+        work._keep = (x,)  # the transport reads or writes it until completion
+        return work
 
     def _send(
         self,
@@ -981,6 +1104,10 @@ class Communicator:
                     "transport (HETCOMM_TRANSPORT=mpi), which receives from any source"
                 )
             return self._recv(route, x, src, tag, async_op, timeout, None)
+        if async_op and route.start is not None:
+            xh = host_view(x, True)
+            if xh is not None:
+                return self._start_p2p(route, x, xh, src, tag, timeout)
         if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, True)
             if xh is not None:
@@ -1132,6 +1259,10 @@ class Communicator:
 
 def _reduce_scatter(t: Transport) -> Callable[..., Work]:
     return t.reduce_scatter
+
+
+def _done() -> bool:
+    return True
 
 
 def _blocks_general(

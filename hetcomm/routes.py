@@ -11,6 +11,7 @@ import numpy as np
 from .ops import ReduceOp
 
 if TYPE_CHECKING:
+    from .fused import Fused
     from .transports.base import Transport
     from .work import Work
 
@@ -34,7 +35,19 @@ class Route:
     every call.
     """
 
-    __slots__ = ("general", "op", "root", "rop", "run", "runs", "transport", "uses", "vec")
+    __slots__ = (
+        "fused",
+        "general",
+        "op",
+        "root",
+        "rop",
+        "run",
+        "runs",
+        "start",
+        "transport",
+        "uses",
+        "vec",
+    )
 
     def __init__(
         self,
@@ -48,6 +61,10 @@ class Route:
     ) -> None:
         self.op, self.transport, self.vec, self.general = op, transport, vec, general
         self.rop, self.root, self.run = rop, root, run
+        # the transport's prepared asynchronous start for host arrays (sends and receives)
+        self.start: Callable[..., Work] | None = None
+        # a blocking call small enough to travel in the default check (hetcomm.fused)
+        self.fused: Fused | None = None
         # calls served by the prepared call, and by the general path (for tests and stats)
         self.runs = 0
         self.uses = 0

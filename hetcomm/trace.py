@@ -16,15 +16,16 @@ is a complete JSON document. A rank killed with SIGKILL loses the events since i
 ranks' files into one trace.
 
 Tracing is an observer registered on Work (`hetcomm.work.add_observer`). It is decided once per
-process, by the config of the communicator whose operation completes first (`HETCOMM_TRACE` is
-read like every option, in hetcomm.config): importing this module registers that decision as an
-observer, which removes itself and, when the config names a directory, registers the writer.
-`enable()` and `disable()` switch it by hand, and `reset()` makes the next completion decide
-again. While nobody observes, a completed operation costs one check of a module variable.
+process, by the config of the first Communicator made (`HETCOMM_TRACE` is read like every
+option, in hetcomm.config), or, where no Communicator has been made, of the communicator whose
+operation completes first: importing this module registers that decision as an observer, which
+removes itself and, when the config names a directory, registers the writer. `enable()` and
+`disable()` switch it by hand, and `reset()` leaves it undecided again. While nobody observes, a
+completed operation costs one check of a module variable.
 
 Not traced: operations with nothing to move (already complete when made) and operations that
 fail. The communicator's short path for small in-place all_reduces makes no Work, so it is not
-taken while tracing is on (nor before the first completed operation has decided it).
+taken while tracing is on (nor while it is undecided).
 """
 
 from __future__ import annotations
@@ -216,6 +217,15 @@ def reset() -> None:
     completes decides from its communicator's config."""
     disable()
     _work.add_observer(_decide)
+
+
+def decide(config: Any) -> None:
+    """Decide now, from `config`, if nothing has decided yet: each Communicator does when it
+    is made, so that its first operations can take the calls that make no Work."""
+    if not _work.remove_observer(_decide):
+        return
+    if config.trace is not None:
+        enable(config.trace)
 
 
 def _decide(work: Work) -> None:

@@ -164,6 +164,14 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             )
         limit = self._limit(timeout if isinstance(timeout, timedelta) else opts)
         record = profile.Record(name, inputs) if profile.active() else None
+        if (
+            self._coalesced is None
+            and not _opt(opts, "asyncOp", True)
+            and not any(op.aux for op in ops)
+        ):
+            # (the sends and receives of gather, scatter and uneven all-to-all stay
+            # non-blocking: made one after another blocking, they would wait for each other)
+            return self._run_blocking(name, ops, limit, record)
         with self._issue:
             works = []
             try:
@@ -186,6 +194,28 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         if self._coalesced is not None:
             self._coalesced.append(pending)
         return _Work(pending)
+
+    def _run_blocking(
+        self, name: str, ops: Sequence[_Op], limit: float, record: profile.Record | None
+    ) -> _Work:
+        """A call torch waits for at once (its options say asyncOp=False: `dist.<op>` without
+        async_op): the Communicator's blocking calls, driven on this thread, and a finished
+        Work. The group's timeout bounds them (given per call only where it is not the
+        Communicator's own, since a per-call timeout takes the general path)."""
+        timeout = None if limit == self.comm.config.timeout else limit
+        try:
+            with self._issue:
+                for op in ops:
+                    op.call(self.comm, timeout)
+            for op in ops:
+                for step in op.after:
+                    step()
+        except HetcommError as exc:
+            if record is not None:
+                _PROGRESS.end_record(record)
+            raise torch_error(exc, f"{self.comm.name}: {name}") from exc
+        result = [t for op in ops for t in op.result]
+        return _Work(_Pending.finished(f"{self.comm.name}: {name}", result, record))
 
     def _aux_comm(self) -> Communicator:
         # point-to-point traffic of gather, scatter and uneven all-to-all: a communicator of its
@@ -598,6 +628,11 @@ class _Op:
         if self.method is None:
             return None
         return getattr(comm, self.method)(*self.args, async_op=True)
+
+    def call(self, comm: Communicator, timeout: float | None) -> None:
+        """The blocking call, on this thread."""
+        if self.method is not None:
+            getattr(comm, self.method)(*self.args, timeout=timeout)
 
 
 def _install_aliases(cls: type) -> None:

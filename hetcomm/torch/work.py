@@ -1,8 +1,11 @@
 """Operations in flight: the torch Work of each, and the thread that completes them.
 
-Operations start at once (non-blocking hetcomm calls, in issue order) and return a `Work`.
-`Work.wait()` drives the operation on the calling thread; a daemon thread polls the rest so that
-`Work.get_future()` completes without a wait (DDP waits on futures only).
+A call torch waits for at once (asyncOp=False in its options: `dist.<op>` without async_op) runs
+as the Communicator's blocking call and gets a finished Work. Others start at once (non-blocking
+hetcomm calls, in issue order) and return a `Work`; the issuing thread drives each for a moment
+(most small ones end there), `Work.wait()` drives it on the waiting thread, and a daemon thread
+polls the rest so that `Work.get_future()` completes without a wait (DDP waits on futures only).
+A torch future is made only when asked for.
 """
 
 from __future__ import annotations
@@ -34,12 +37,13 @@ class _Pending:
 
     __slots__ = (
         "_after",
+        "_future",
+        "_future_lock",
         "_lock",
         "_works",
         "deadline",
         "done",
         "error",
-        "future",
         "limit",
         "name",
         "record",
@@ -63,10 +67,41 @@ class _Pending:
         self.source: int | None = None  # a receive's sender, once complete
         self.record: Record | None = None  # its torch profiler event, while a profiler records
         self._lock = threading.RLock()
-        devices = sorted({t.device for t in result if t.device.type != "cpu"}, key=str)
-        self.future: torch.futures.Future = torch.futures.Future(
-            devices=list[int | str | torch.device](devices) or None
-        )
+        # made when asked for (DDP asks; a blocking call never does), completed by whichever
+        # of the two comes last: the operation's completion or the question
+        self._future: torch.futures.Future | None = None
+        self._future_lock = threading.Lock()
+
+    @classmethod
+    def finished(cls, name: str, result: list[torch.Tensor], record: Record | None) -> _Pending:
+        """An operation that completed on the calling thread (a blocking call)."""
+        pending = cls(name, [], [], result, 0.0)
+        pending.done = True
+        if record is not None:
+            _PROGRESS.end_record(record)  # an asynchronous event, as every other one
+        return pending
+
+    @property
+    def future(self) -> torch.futures.Future:
+        """The operation's torch future (made on first use; complete once the operation is)."""
+        with self._future_lock:
+            future = self._future
+            if future is not None:
+                return future
+            devices = sorted({t.device for t in self.result if t.device.type != "cpu"}, key=str)
+            future = self._future = torch.futures.Future(
+                devices=list[int | str | torch.device](devices) or None
+            )
+            done = self.done
+        if done:
+            self._settle_future(future)
+        return future
+
+    def _settle_future(self, future: torch.futures.Future) -> None:
+        if self.error is not None:
+            future.set_exception(self.error)
+        else:
+            future.set_result(self.result)
 
     def poll(self) -> bool:
         """True once complete (never blocks; skips when another thread is completing it)."""
@@ -141,17 +176,22 @@ class _Pending:
             raise CommTimeout(exc.group, exc.op, exc.seq, limit) from exc
 
     def _complete(self) -> None:
-        self.done = True
         if self.record is not None:
             _PROGRESS.end_record(self.record)
-        self.future.set_result(self.result)
+        self._end()
 
     def _fail(self, exc: BaseException) -> None:
-        exc = torch_error(exc, self.name)  # what torch callers catch; hetcomm's as __cause__
-        self.done, self.error = True, exc
+        self.error = torch_error(exc, self.name)  # what torch callers catch; hetcomm's as cause
         if self.record is not None:
             _PROGRESS.end_record(self.record)
-        self.future.set_exception(exc)
+        self._end()
+
+    def _end(self) -> None:
+        with self._future_lock:
+            self.done = True
+            future = self._future
+        if future is not None:
+            self._settle_future(future)
 
 
 class _Progress:
@@ -167,13 +207,17 @@ class _Progress:
     def add(self, key: int, pending: _Pending) -> None:
         with self._cond:
             self._queues.setdefault(key, collections.deque()).append(pending)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="hetcomm-torch-progress", daemon=True
-                )
-                self._thread.start()
-                _at_exit(self.stop)
+            self._start()
             self._cond.notify()
+
+    def _start(self) -> None:
+        """The thread, started on first use (under the condition's lock)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="hetcomm-torch-progress", daemon=True
+            )
+            self._thread.start()
+            _at_exit(self.stop)
 
     def drain(self, key: int, timeout: float) -> None:
         """Wait for the operations of group `key` still in flight (at most `timeout` s)."""
@@ -189,11 +233,12 @@ class _Progress:
         """End a profiler event. One that would end on the thread that started it is ended by
         this thread instead: torch's profiler calls an event asynchronous (as gloo's are) when
         it ends on another thread, and an operation's event spans issue to completion."""
-        if record.thread != threading.get_ident() or self._thread is None:
+        if record.thread != threading.get_ident() or self._stop:
             record.end()
             return
         with self._cond:
             self._records.append(record)
+            self._start()
             self._cond.notify()
 
     def stop(self) -> None:

@@ -476,13 +476,23 @@ class MpiTransport(Transport):
         start = {"all_gather": mpi.Iallgather, "all_to_all": mpi.Ialltoall}.get(op)
         if start is None:
             return None
+        # where x lies in place (all_gather: x is this rank's block of out; all_to_all: x is
+        # out), MPI_IN_PLACE; any other overlap the general path takes (it packs)
+        offset = mpi.Get_rank() * x.nbytes if op == "all_gather" else 0
 
         def run_blocks(xh: np.ndarray, oh: np.ndarray, seq: int) -> bool:
             if self._lane.pending:
                 return False
-            self._drive(start((xh, dt), (oh, dt)), op, seq)
+            if not np.may_share_memory(xh, oh):
+                send: Any = (xh, dt)
+            elif _address(xh) == _address(oh) + offset:
+                send = _IN_PLACE
+            else:
+                return False
+            self._drive(start(send, (oh, dt)), op, seq)
             return True
 
+        run_blocks.in_place = True  # type: ignore[attr-defined]
         return run_blocks
 
     def _divisor(self, x: Buffer, rop: ReduceOp) -> Callable[[np.ndarray], None] | None:
@@ -550,6 +560,28 @@ class MpiTransport(Transport):
             return False
         self._drive(self._mpi.Ibarrier(), "barrier", seq)
         return True
+
+    def prepare_async(
+        self, op: str, x: Buffer | None, out: Buffer | None, rop: ReduceOp | None, root: int
+    ) -> Callable[..., Work] | None:
+        """The asynchronous start of a send or receive of one signature on host arrays: the
+        general path's MPI call on the array itself, and its Work (None: the general path)."""
+        if op not in ("send", "recv") or x is None or x.host is None or len(_spans(x)) > 1:
+            return None
+        start = self._start_send if op == "send" else self._start_recv
+        return partial(start, _DATATYPES[x.dtype])
+
+    def _start_send(self, dt: MPI.Datatype, xh: np.ndarray, dst: int, tag: int, seq: int) -> Work:
+        work = Work(self.comm, "send", seq, self._mpi.Isend((xh, dt), dst, tag).Test)
+        work.info = {"transport": "mpi", "bytes": xh.nbytes, "stages": 1}
+        return work
+
+    def _start_recv(self, dt: MPI.Datatype, xh: np.ndarray, src: int, tag: int, seq: int) -> Work:
+        request = self._mpi.Irecv((xh, dt), src, tag)
+        receive = _Receive(src, xh.nbytes, xh.itemsize, [request], [(0, xh.size)])
+        work = receive.work = Work(self.comm, "recv", seq, receive.poll)
+        work.info = {"transport": "mpi", "bytes": xh.nbytes, "stages": 1}
+        return work
 
     def _run_send(self, dt: MPI.Datatype, xh: np.ndarray, dst: int, tag: int, seq: int) -> bool:
         self._drive(self._mpi.Isend((xh, dt), dst, tag), "send", seq)

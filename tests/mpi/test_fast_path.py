@@ -1,0 +1,312 @@
+"""The resolved route is the rule: every op form, called again, takes the route its first call
+made (counted by Communicator.routes()), and stays right when the signature changes between
+calls, under asynchronous use beside blocking calls, and refuses at once after an abort."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hetcomm
+
+_PAD = 4  # sentinel elements before and after each array handed to hetcomm
+_SENTINEL = 777  # exact in every dtype used here, and no result is as large
+
+
+def _placed(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(backing, view): `values` inside a backing array whose ends hold the sentinel."""
+    backing = np.full(values.size + 2 * _PAD, _SENTINEL, values.dtype)
+    view = backing[_PAD : _PAD + values.size]
+    view[...] = values
+    return backing, view
+
+
+def _ends_untouched(backing: np.ndarray) -> bool:
+    return bool((backing[:_PAD] == _SENTINEL).all() and (backing[-_PAD:] == _SENTINEL).all())
+
+
+def _stack(rng: np.random.Generator, size: int, count: int, dtype: str) -> np.ndarray:
+    """Every rank's input (small integers: exact in every dtype used here)."""
+    return rng.integers(-50, 50, (size, count)).astype(dtype)
+
+
+class _Form:
+    """One op form: `call(comm, arrays)` and the numpy result it must give this rank."""
+
+    def __init__(self, name, op, build, call, expect):
+        self.name, self.op, self.build, self.call, self.expect = name, op, build, call, expect
+
+
+def _forms(size: int, rank: int) -> list[_Form]:
+    def ar_build(stack):
+        return {"x": _placed(stack[rank].copy())}
+
+    def ar_out_build(stack):
+        return {"x": _placed(stack[rank].copy()), "out": _placed(np.zeros_like(stack[rank]))}
+
+    def gather_build(stack):
+        return {"x": _placed(stack[rank].copy()), "out": _placed(np.zeros(stack.size, stack.dtype))}
+
+    def gather_inplace_build(stack):
+        out = _placed(np.zeros(stack.size, stack.dtype))
+        n = stack.shape[1]
+        out[1][rank * n : (rank + 1) * n] = stack[rank]
+        return {"out": out, "x_block": (rank * n, (rank + 1) * n)}
+
+    def scatter_build(stack):
+        n = stack.shape[1] // size
+        return {"x": _placed(stack[rank].copy()), "out": _placed(np.zeros(n, stack.dtype))}
+
+    def a2a_inplace_build(stack):
+        return {"x": _placed(stack[rank].copy())}
+
+    def x(a):
+        return a["x"][1]
+
+    def out(a):
+        return a["out"][1]
+
+    def block(stack, r):
+        n = stack.shape[1] // size
+        return slice(r * n, (r + 1) * n)
+
+    def a2a_expect(stack):
+        return np.concatenate([stack[r][block(stack, rank)] for r in range(size)])
+
+    return [
+        _Form(
+            "all_reduce in place",
+            "all_reduce",
+            ar_build,
+            lambda c, a: c.all_reduce(x(a)),
+            lambda s: ("x", s.sum(0)),
+        ),
+        _Form(
+            "all_reduce out of place",
+            "all_reduce",
+            ar_out_build,
+            lambda c, a: c.all_reduce(x(a), "max", out=out(a)),
+            lambda s: ("out", s.max(0)),
+        ),
+        _Form(
+            "reduce",
+            "reduce",
+            ar_build,
+            lambda c, a: c.reduce(x(a), size - 1, "sum"),
+            lambda s: ("x", s.sum(0) if rank == size - 1 else s[rank]),
+        ),
+        _Form(
+            "broadcast",
+            "broadcast",
+            ar_build,
+            lambda c, a: c.broadcast(x(a), root=size - 1),
+            lambda s: ("x", s[size - 1]),
+        ),
+        _Form(
+            "all_gather",
+            "all_gather",
+            gather_build,
+            lambda c, a: c.all_gather(out(a), x(a)),
+            lambda s: ("out", s.reshape(-1)),
+        ),
+        _Form(
+            "all_gather in place",
+            "all_gather",
+            gather_inplace_build,
+            lambda c, a: c.all_gather(out(a), out(a)[slice(*a["x_block"])]),
+            lambda s: ("out", s.reshape(-1)),
+        ),
+        _Form(
+            "reduce_scatter",
+            "reduce_scatter",
+            scatter_build,
+            lambda c, a: c.reduce_scatter(out(a), x(a)),
+            lambda s: ("out", s.sum(0)[block(s, rank)]),
+        ),
+        _Form(
+            "all_to_all",
+            "all_to_all",
+            ar_out_build,
+            lambda c, a: c.all_to_all(out(a), x(a)),
+            lambda s: ("out", a2a_expect(s)),
+        ),
+        _Form(
+            "all_to_all in place",
+            "all_to_all",
+            a2a_inplace_build,
+            lambda c, a: c.all_to_all(x(a), x(a)),
+            lambda s: ("x", a2a_expect(s)),
+        ),
+    ]
+
+
+def _check(form, arrays, stack, errors, what):
+    which, want = form.expect(stack)
+    _, view = arrays[which]
+    errors.expect(np.array_equal(view, want), f"{what}: {which} = {view} != {want}")
+    for name, value in arrays.items():
+        if isinstance(value, tuple) and isinstance(value[0], np.ndarray):
+            errors.expect(_ends_untouched(value[0]), f"{what}: wrote outside {name}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_every_form_repeated_takes_its_route(hetcomm_comm, rng, errors):
+    """Three calls of each form: one route, made once, serving all three (the prepared call
+    where the transport has one), each result right and nothing outside it touched."""
+    comm = hetcomm_comm
+    size, rank = comm.size, comm.rank
+    count = 4 * size
+    for form in _forms(size, rank):
+        keys_before = len(comm.routes())
+        for i in range(3):
+            stack = _stack(rng, size, count, "float64")
+            arrays = form.build(stack)
+            form.call(comm, arrays)
+            _check(form, arrays, stack, errors, f"{form.name} call {i}")
+        routes = [r for r in comm.routes() if r["op"] == form.op]
+        errors.expect(
+            len(comm.routes()) <= keys_before + 1,
+            f"{form.name}: {len(comm.routes()) - keys_before} routes made for one signature",
+        )
+        served = [r for r in routes if r["runs"] + r["uses"] >= 3]
+        errors.expect(bool(served), f"{form.name}: no route served three calls: {routes}")
+        for r in served:
+            if r["prepared"]:
+                errors.expect(r["runs"] >= 3, f"{form.name}: prepared route ran {r['runs']} of 3")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_in_place_forms_take_the_prepared_call_on_mpi(hetcomm_comm, rng, errors):
+    """On the mpi transport the in-place all_gather and all_to_all are MPI_IN_PLACE calls of
+    the prepared route, not the general path's packed copies."""
+    comm = hetcomm_comm
+    size, rank = comm.size, comm.rank
+    forms = [f for f in _forms(size, rank) if f.name.endswith("in place") and f.op != "all_reduce"]
+    for form in forms:
+        stack = _stack(rng, size, 2 * size, "int32")
+        arrays = form.build(stack)
+        form.call(comm, arrays)
+        _check(form, arrays, stack, errors, form.name)
+        (route,) = [r for r in comm.routes() if r["op"] == form.op]
+        if route["transport"] == "mpi":
+            errors.expect(
+                route["runs"] == 1 and route["uses"] == 0,
+                f"{form.name}: runs {route['runs']}, general {route['uses']}",
+            )
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_signature_changes_between_calls(hetcomm_comm, rng, errors):
+    """Calls alternating count, dtype and buffer each get their own route and the right
+    result; going back to an earlier signature takes its route again."""
+    comm = hetcomm_comm
+    size, rank = comm.size, comm.rank
+    signatures = [(5, "float64"), (6, "int32"), (5, "float32"), (1, "float64"), (5, "float64")]
+    for count, dtype in signatures * 2:
+        stack = _stack(rng, size, count, dtype)
+        backing, x = _placed(stack[rank].copy())
+        comm.all_reduce(x)
+        errors.expect(np.array_equal(x, stack.sum(0)), f"{count} x {dtype}: {x}")
+        errors.expect(_ends_untouched(backing), f"{count} x {dtype}: wrote outside x")
+    routes = [r for r in comm.routes() if r["op"] == "all_reduce"]
+    errors.expect(len(routes) == 4, f"{len(routes)} all_reduce routes for 4 signatures")
+    calls = sorted(r["runs"] + r["uses"] for r in routes)
+    errors.expect(calls == [2, 2, 2, 4], f"calls per route {calls}")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_async_sends_beside_blocking_collectives(hetcomm_comm, rng, errors):
+    """Asynchronous sends and receives in a ring, started before blocking collectives and
+    waited for after them, in several rounds: every message and every reduction right; the
+    prepared asynchronous start serves them where the transport has one."""
+    comm = hetcomm_comm
+    size, rank = comm.size, comm.rank
+    right, left = (rank + 1) % size, (rank - 1) % size
+    for i in range(4):
+        msgs = rng.standard_normal((size, 9))
+        got = np.full(9, np.nan)
+        recv = comm.recv(got, left, tag=3, async_op=True)
+        send = comm.send(msgs[rank].copy(), right, tag=3, async_op=True)
+        stack = _stack(rng, size, 3, "int64")
+        y = stack[rank].copy()
+        comm.all_reduce(y)
+        errors.expect(np.array_equal(y, stack.sum(0)), f"round {i}: all_reduce {y}")
+        send.wait()
+        recv.wait()
+        errors.expect(np.array_equal(got, msgs[left]), f"round {i}: received {got}")
+        errors.expect(recv.source == left, f"round {i}: source {recv.source}")
+    for r in comm.routes():
+        if r["op"] in ("send", "recv") and r["prepared_async"]:
+            errors.expect(r["runs"] == 4, f"{r['op']}: prepared start ran {r['runs']} of 4")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_cached_routes_refuse_after_an_abort(hetcomm_comm, errors):
+    """A communicator aborted by a timeout refuses its already-resolved calls at once."""
+    lonely = hetcomm_comm.dup(name="fast-abort")
+    try:
+        x = np.ones(3)
+        lonely.all_reduce(x)
+        lonely.barrier()
+        if lonely.rank == 0:
+            lonely.send(x, 1, async_op=True).wait()
+            try:
+                lonely.recv(x, src=1, tag=9, timeout=0.3)
+            except hetcomm.CommTimeout:
+                pass
+            else:
+                errors.append("recv with nobody sending returned")
+            for name, call in {
+                "all_reduce": lambda: lonely.all_reduce(x),
+                "send async": lambda: lonely.send(x, 1, async_op=True),
+                "barrier": lonely.barrier,
+            }.items():
+                try:
+                    call()
+                except hetcomm.CommAborted:
+                    pass
+                else:
+                    errors.append(f"{name} on an aborted communicator returned")
+        elif lonely.rank == 1:
+            lonely.recv(np.zeros(3), 0)
+    finally:
+        lonely.close()
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_small_collectives_in_different_forms_on_different_ranks(hetcomm_comm, rng, errors):
+    """One collective called blocking with a contiguous array on some ranks and asynchronous
+    with a strided view on the others (the check carries small ones on one path, which every
+    form must take): every rank gets the reference, bit for bit the same as every other."""
+    comm = hetcomm_comm
+    size, rank = comm.size, comm.rank
+    odd = rank % 2 == 1
+    for count in (1, 7, 32, 33):  # 33 float64: past the check's payload, the transport's path
+        stack = rng.standard_normal((size, count))
+        backing = np.full(2 * count, np.nan)
+        x = backing[::2] if odd else stack[rank].copy()
+        x[...] = stack[rank]
+        if odd:
+            comm.all_reduce(x, async_op=True).wait()
+        else:
+            comm.all_reduce(x)
+        want = stack[0].copy()
+        for r in range(1, size):
+            want += stack[r]
+        errors.expect(np.allclose(x, want, rtol=1e-12), f"all_reduce {count}: {x} != {want}")
+        every = comm.mpi.allgather(np.ascontiguousarray(x).tobytes())
+        errors.expect(len(set(every)) == 1, f"all_reduce {count}: ranks' bits differ")
+        errors.expect(np.isnan(backing[1::2]).all() if odd else True, "wrote between elements")
+        y = np.zeros(count)
+        y[...] = stack[rank] if rank == 0 else 0.0
+        if odd:
+            comm.broadcast(y, 0, async_op=True).wait()
+        else:
+            comm.broadcast(y, 0)
+        errors.expect(np.array_equal(y, stack[0]), f"broadcast {count}: {y}")
+    errors.verify()
