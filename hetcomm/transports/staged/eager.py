@@ -154,6 +154,14 @@ class EagerIn(_Ring):
         with self.lock:
             return self.posted.pop((rec.tag, rec.number), None) is not None
 
+    def fail_posted(self, exc: BaseException) -> None:
+        """End every posted receive with `exc` (the transport closes)."""
+        with self.lock:
+            posted, self.posted = self.posted, {}
+        for rec in posted.values():
+            rec.error = exc
+            rec.done = True
+
     def progress(self) -> list[tuple[Found, Posted]]:
         """The messages that posted receives wait for, taken (each with its receive) for the
         caller to land; reads one word unless the sender has published since the last look."""

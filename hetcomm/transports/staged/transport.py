@@ -618,6 +618,12 @@ class StagedTransport(Transport):
         return self._run("send", seq, [x], body)
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
+        """Receive into `x` from `src` (see _recv); the Work's `source` is `src`, known ahead."""
+        work = self._recv(x, src, tag, seq)
+        work.source = src
+        return work
+
+    def _recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
         """Take the eager message of this number from its shared slot, else post a
         clear-to-send to `src` and copy the chunks in as they land. A blocking receive runs
         here to its end; an asynchronous one is polled by its Work where it can be."""
@@ -887,6 +893,9 @@ class StagedTransport(Transport):
         closed = HetcommError("the staged transport was closed")
         for op in list(self.receives.values()):
             op.fail(closed)
+        for ch in self._channels.values():
+            if ch.eager_in is not None:
+                ch.eager_in.fail_posted(closed)
         for ch, op in self.cts.take_waiting():
             if op.early:
                 ch.drop_early(op)  # their copies end before the segment goes
