@@ -27,11 +27,16 @@ import numpy as np
 from ..local import Region
 from ..shm import SharedSlots
 
-# The largest message sent eagerly and the slots of one ring. Measured on the 2-core CPU VM,
-# 4 ranks, host arrays, `hetcomm bench --latency --op sendrecv` (docs/staged.md, "Eager
-# messages"): eager beats the rails at every size up to 1 MiB; the ring's memory (slots x
-# slot bytes per ordered pair of a host's ranks) bounds it.
-EAGER_BYTES = 1 << 20
+# The largest message sent eagerly, and the slots of one ring. Measured on the 2-core CPU VM,
+# 4 ranks, host arrays, one-way ping-pong of eager against rails in interleaved rounds
+# (2026-12-01, load average 6-7 from other jobs, so one digit at most): eager 343-576 us
+# against rails 534-977 us at 128-256 KiB, even at 512 KiB (712 / 718 us), slower at 1 MiB
+# (1283 / 726 us). A receive that waits longer than flags.wait's 2 ms of yielding naps in
+# steps of up to 1 ms, where the rails' receive sleeps on an event and wakes at once: that
+# bounds the size worth sending eagerly. Eight slots: a ring costs 2 MiB of /dev/shm per
+# ordered pair of a host's ranks (not measured further; more slots only let more messages
+# wait for their receives).
+EAGER_BYTES = 256 << 10
 EAGER_SLOTS = 8
 
 _ROW = 8  # int64 words per header row

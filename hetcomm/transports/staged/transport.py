@@ -609,6 +609,7 @@ class StagedTransport(Transport):
         if (ch is None or ch.eager_out is None or marked) and self._on_calling_thread(dst):
             # no driver: the chunks are queued here if the receive is posted already, else by
             # the thread that files its clear-to-send
+            self.paths["send rails"] += 1
             op = self.start_send(dst, region, CTS_P2P, tag, k, deadline, ready)
             return self._op_work("send", seq, x, op, deadline, lambda: self.cts.unwait(op))
 
@@ -672,6 +673,7 @@ class StagedTransport(Transport):
         elif self._on_calling_thread(ch.peer):
             # no driver: the clear-to-send goes out from here, and the Work completes when
             # the thread that lands the last chunk says so
+            self.paths["recv rails"] += 1
             op = self.post_recv(ch.peer, region, CTS_P2P, tag, k, deadline, ready)
             return self._op_work("recv", seq, region, op, deadline, lambda: self._forget(op))
         return None
