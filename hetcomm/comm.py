@@ -479,7 +479,12 @@ class Communicator:
             back()
         if _work.observing:  # a Work only for the observers (the trace)
             seen = Work(self, op, seq, _done)
-            seen.info = {"transport": "check", "bytes": xh.nbytes, "stages": 1}
+            seen.info = {
+                "transport": route.transport.name,
+                "bytes": xh.nbytes,
+                "stages": 1,
+                "in_check": True,  # it travelled in the default check (hetcomm.fused)
+            }
             seen.test()
         return None
 

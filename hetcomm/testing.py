@@ -11,6 +11,7 @@ for the next one. docs/testing.md shows how to write such tests.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from .comm import Communicator
 
 __all__ = [
+    "hetcomm_transport",
     "hetcomm_world",
     "hetcomm_comm",
     "hetcomm_make_comm",
@@ -39,6 +41,8 @@ __all__ = [
     "clean_environ",
     "mpirun_command",
     "run_mpi_job",
+    "scenario_command",
+    "run_scenario",
 ]
 
 
@@ -59,12 +63,39 @@ def simulated_config(
     return Config.load(**options)
 
 
+def _forced(config: pytest.Config, transport: str) -> dict[str, str]:
+    """The Config fields that --hetcomm-transport / --hetcomm-rails force for a test on
+    `transport` (none when the run did not ask: then the environment and defaults decide, as
+    in any program)."""
+    if not config.getoption("hetcomm_transport", None):
+        return {}
+    rails = config.getoption("hetcomm_rails", None)
+    return {"transport": transport, **({"rails": rails} if rails else {})}
+
+
 @pytest.fixture(scope="session")
-def hetcomm_world() -> Iterator[Communicator]:
-    """One Communicator over COMM_WORLD for the whole session (tests use `hetcomm_comm`)."""
+def hetcomm_transport(request: pytest.FixtureRequest) -> str:
+    """The transport this test runs on: the --hetcomm-transport value it was parametrised with
+    (the test id names it, `test_x[staged]`), else what the configuration says ('auto' unless
+    HETCOMM_TRANSPORT is set)."""
+    param = getattr(request, "param", None)
+    if param is not None:
+        return str(param)
+    from .config import Config
+
+    return Config.load().transport
+
+
+@pytest.fixture(scope="session")
+def hetcomm_world(hetcomm_transport: str, request: pytest.FixtureRequest) -> Iterator[Communicator]:
+    """One Communicator over COMM_WORLD for the whole session (tests use `hetcomm_comm`), on
+    the run's transport."""
     import hetcomm
 
-    world = hetcomm.init(name="tests")
+    from .config import Config
+
+    forced = _forced(request.config, hetcomm_transport)
+    world = hetcomm.init(config=Config.load(None, **forced), name="tests")
     yield world
     world.close()
 
@@ -80,20 +111,25 @@ def hetcomm_comm(
 
 
 @pytest.fixture
-def hetcomm_make_comm() -> Iterator[Callable[..., Communicator]]:
+def hetcomm_make_comm(
+    hetcomm_transport: str, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., Communicator]]:
     """Factory: hetcomm_make_comm(vendors=("nvidia","amd"), hosts=("a","b"), timeout=5, ...) gives a
     Communicator over COMM_WORLD whose ranks pretend to be those vendors and hosts (rank i
-    gets vendors[i % len(vendors)]); each is closed after the test."""
+    gets vendors[i % len(vendors)]); each is closed after the test. The run's
+    --hetcomm-transport applies unless the call names a transport itself."""
     from mpi4py import MPI
 
     import hetcomm
 
+    forced = _forced(request.config, hetcomm_transport)
     made: list[Communicator] = []
 
     def factory(
         vendors: Sequence[str] | None = None, hosts: Sequence[str] | None = None, **options: Any
     ) -> Communicator:
         name = options.pop("name", None)
+        options = {**forced, **options}
         config = simulated_config(MPI.COMM_WORLD.Get_rank(), vendors, hosts, **options)
         c = hetcomm.init(config=config, name=name)
         made.append(c)
@@ -206,6 +242,88 @@ def run_mpi_job(argv: list[str], env: dict[str, str], limit: float) -> MpiJob:
     )
 
 
+# ---- scenarios: the rank side of a job, written in the test module beside its assertions ---
+
+Scenario = Callable[[dict[str, Any]], "dict[str, Any] | None"]
+
+
+def scenario_command(scenario: Scenario, params: dict[str, Any] | None = None) -> list[str]:
+    """What every rank of a job runs to call `scenario(params)`: `python -m mpi4py -m
+    hetcomm.testing FILE NAME JSON`. `scenario` is a module-level function of a file (the test
+    module, say); each rank imports that file by path (its folder first on sys.path, so its
+    helper modules import) and prints what the function returns as its `RESULT {json}` line
+    (with "rank" added; nothing when it returns None, having reported itself). A scenario that
+    raises prints no RESULT: mpi4py's -m prints the traceback and aborts the job, so no rank is
+    left waiting for it."""
+    name = getattr(scenario, "__name__", "")
+    if not callable(scenario) or getattr(scenario, "__qualname__", None) != name:
+        raise TypeError(
+            "a scenario must be a module-level function (ranks import it by name), "
+            f"got {scenario!r}"
+        )
+    path = Path(scenario.__code__.co_filename).resolve()
+    if not path.is_file():
+        raise TypeError(f"scenario {name}: its module {path} is not a file ranks can import")
+    return [
+        sys.executable,
+        "-m",
+        "mpi4py",
+        "-m",
+        "hetcomm.testing",
+        str(path),
+        name,
+        json.dumps(params or {}),
+    ]
+
+
+def run_scenario(
+    mpirun: tuple[list[str], dict[str, str]],
+    scenario: Scenario,
+    params: dict[str, Any] | None = None,
+    *,
+    n: int = 2,
+    variables: dict[str, str] | None = None,
+    groups: Sequence[tuple[int, dict[str, str]]] | None = None,
+    limit: float = 60,
+    drop: Sequence[str] = (),
+) -> MpiJob:
+    """Run `scenario(params)` on every rank of a job under timeout(1) (`limit` seconds) and
+    collect their results. `mpirun` is what `hetcomm_mpirun` gives; the job has `n` ranks with
+    `variables` set, or, with `groups`, one block of ranks per (count, variables) in rank order
+    (MPMD: `mpirun -n 2 env A=1 ... : -n 1 env A=2 ...`). The environment is this process's
+    without launcher and hetcomm variables nor those starting with a prefix in `drop`."""
+    prefix, mpi_env = mpirun
+    blocks = list(groups) if groups is not None else [(n, dict(variables or {}))]
+    command = scenario_command(scenario, params)
+    argv = list(prefix)
+    for i, (count, block_vars) in enumerate(blocks):
+        settings = {**(variables or {}), **block_vars} if groups is not None else block_vars
+        if i:
+            argv.append(":")
+        argv += ["-n", str(count), "env", *(f"{k}={v}" for k, v in settings.items()), *command]
+    return run_mpi_job(argv, clean_environ(*drop, **mpi_env), limit)
+
+
+def _run_scenario(path: str, name: str, params: str) -> None:
+    """The rank side of `scenario_command`."""
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    folder = str(Path(path).parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(f"_scenario_{Path(path).stem}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import the scenario module {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    # an exception propagates: mpi4py's -m prints it and aborts the job (no RESULT line)
+    result = getattr(module, name)(json.loads(params))
+    if result is not None:
+        print("RESULT " + json.dumps({**result, "rank": rank}), flush=True)
+
+
 @pytest.fixture(scope="session")
 def hetcomm_mpirun() -> tuple[list[str], dict[str, str]]:
     """(mpirun argv prefix, variables it needs); skips the test when there is no mpirun."""
@@ -215,6 +333,65 @@ def hetcomm_mpirun() -> tuple[list[str], dict[str, str]]:
     return found
 
 
+# ---- the transport as a test parameter -----------------------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """--hetcomm-transport (repeatable) and --hetcomm-rails."""
+    group = parser.getgroup("hetcomm")
+    group.addoption(
+        "--hetcomm-transport",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="run every test that takes a hetcomm communicator fixture on this transport "
+        "('auto', 'mpi', 'staged', 'hier', ... or 'group:name,...', as HETCOMM_TRANSPORT); "
+        "the test id names it (test_x[staged]); repeat to run each test on several",
+    )
+    group.addoption(
+        "--hetcomm-rails",
+        default=None,
+        metavar="SPEC",
+        help="the rails of those communicators (as HETCOMM_RAILS); the test id names them",
+    )
+
+
+def _transport_id(spec: str, rails: str | None) -> str:
+    return f"{spec}-rails={rails}" if rails else spec
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrise `hetcomm_transport` (and so every communicator fixture) by the run's
+    --hetcomm-transport values, so that a test's id says which transport it ran on."""
+    specs = metafunc.config.getoption("hetcomm_transport", None)
+    if not specs or "hetcomm_transport" not in metafunc.fixturenames:
+        return
+    rails = metafunc.config.getoption("hetcomm_rails", None)
+    ids = [_transport_id(s, rails) for s in specs]
+    metafunc.parametrize("hetcomm_transport", specs, ids=ids, indirect=True, scope="session")
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the `gpu` marker."""
+    """Register the `gpu` marker; refuse a --hetcomm-transport/--hetcomm-rails that Config
+    would refuse, before any test runs."""
     config.addinivalue_line("markers", "gpu: needs a CUDA or ROCm device (skipped without one)")
+    specs = config.getoption("hetcomm_transport", None) or []
+    rails = config.getoption("hetcomm_rails", None)
+    if rails and not specs:
+        raise pytest.UsageError("--hetcomm-rails needs --hetcomm-transport (staged, say)")
+    if len(set(specs)) != len(specs):
+        raise pytest.UsageError(f"--hetcomm-transport: a transport is given twice in {specs}")
+    from .config import Config, ConfigError
+
+    for spec in specs:
+        try:
+            Config(transport=spec, **({"rails": rails} if rails else {}))
+        except ConfigError as exc:
+            raise pytest.UsageError(f"--hetcomm-transport={spec}: {exc}") from None
+
+
+if __name__ == "__main__":
+    # python -m mpi4py -m hetcomm.testing FILE NAME JSON (scenario_command)
+    if len(sys.argv) != 4:
+        sys.exit("usage: python -m mpi4py -m hetcomm.testing FILE FUNCTION JSON_PARAMS")
+    _run_scenario(*sys.argv[1:])

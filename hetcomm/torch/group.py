@@ -162,10 +162,14 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             raise DistBackendError(
                 f"hetcomm {name}: process group '{self.comm.name}' is closed (destroyed)"
             )
-        limit = self._limit(timeout if isinstance(timeout, timedelta) else opts)
+        if opts is None and timeout is None:  # sends and receives: no options
+            limit = self.timeout_s
+        else:
+            limit = self._limit(timeout if isinstance(timeout, timedelta) else opts)
         record = profile.Record(name, inputs) if profile.active() else None
         if (
-            self._coalesced is None
+            opts is not None
+            and self._coalesced is None
             and not _opt(opts, "asyncOp", True)
             and not any(op.aux for op in ops)
         ):
@@ -183,8 +187,11 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
                 if record is not None:
                     record.end()
                 raise torch_error(exc, f"{self.comm.name}: {name}") from exc
-        result = [t for op in ops for t in op.result]
-        after = [step for op in ops for step in op.after]
+        if len(ops) == 1:
+            result, after = ops[0].result, ops[0].after
+        else:
+            result = [t for op in ops for t in op.result]
+            after = [step for op in ops for step in op.after]
         pending = _Pending(f"{self.comm.name}: {name}", works, after, result, limit)
         pending.record = record
         if _synchronous():

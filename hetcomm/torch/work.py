@@ -118,6 +118,8 @@ class _Pending:
         """Drive the operation on the calling thread for a moment (up to _SETTLE_S): whether
         it completed. Small operations among ranks in step do, and their Work and future are
         complete before torch sees them, with no hand-off to the progress thread."""
+        if self.poll():
+            return True
         until = time.monotonic() + _SETTLE_S
         while not self.poll():
             if time.monotonic() >= until:

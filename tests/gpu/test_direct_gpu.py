@@ -10,7 +10,7 @@ import pytest
 from _refs import reference as _ref
 from _refs import wrapped as _wrap
 
-from hetcomm import InvalidArgument, ReduceOp
+from hetcomm import InvalidArgument, ReduceOp, introspect
 from hetcomm.testing import assert_all_ranks
 from hetcomm.transports.direct import schedule as direct_schedule
 
@@ -57,9 +57,7 @@ def _close(got, want, dtype):
 def _direct(comm, mode: str):
     """The communicator's direct transport, made now; mode 'peers' turns off the shared-GPU
     leader so that every rank reduces its part (the path of ranks on different GPUs)."""
-    from hetcomm.arrays import as_buffer
-
-    t = comm._transport("all_reduce", as_buffer(cupy.zeros(1)))
+    t = introspect.transport_of(comm, "all_reduce", cupy.zeros(1))
     assert t.name == "direct"
     if mode == "peers":
         t.shared = False

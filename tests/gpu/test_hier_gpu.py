@@ -9,13 +9,15 @@ parts inside hier pick their own transports (staged where ranks share one GPU).
 from __future__ import annotations
 
 import hashlib
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
 from _refs import reference as _reduce
 from _refs import small_values as _values
+from _stream_contract import StreamContract
 
-from hetcomm import ReduceOp
+from hetcomm import ReduceOp, introspect
 from hetcomm.testing import assert_all_ranks
 
 cupy = pytest.importorskip("cupy")
@@ -73,7 +75,7 @@ def test_islands_of_own_gpus_reduce_through_nccl(hetcomm_make_comm, hetcomm_shar
     x = torch.from_numpy(data[r]).cuda()
     comm.all_reduce(x)
     ok = np.array_equal(x.cpu().numpy().astype(np.float64), data.astype(np.float64).sum(0))
-    hier = comm._transports["hier"]
+    hier = introspect.transports(comm)["hier"]
     own = _own_devices(comm, hier.islands[hier.index])
     inside = hier.island.plan.lookup("all_reduce", "device", "large")[0]
     assert_all_ranks(
@@ -150,30 +152,9 @@ def test_every_collective(hetcomm_make_comm, hetcomm_shared_seed, setup, kind) -
     assert_all_ranks(comm, not problems, ", ".join(problems[:10]))
 
 
-@pytest.mark.mpi(min_size=2)
-def test_stream_order(hetcomm_make_comm) -> None:
-    """Work queued before the call is seen by it; work queued after wait() sees the result."""
-    comm = hetcomm_make_comm(**SETUPS["pairs"])
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        x = torch.zeros(8 << 20, device="cuda")
-        torch.cuda._sleep(20_000_000)  # keep the stream busy: the add below lands late
-        x.add_(comm.rank + 1)
-        work = comm.all_reduce(x, async_op=True)
-        work.wait()
-        y = x * 2  # queued after wait(): must see the reduced values
-    stream.synchronize()
-    want = 2.0 * sum(range(1, comm.size + 1))
-    ok = bool((y == want).all().item())
-    assert_all_ranks(comm, ok, f"expected {want} everywhere after the all_reduce")
+class TestHierStreams(StreamContract):
+    """The stream contract (tests/gpu/_stream_contract.py) on this module's communicators."""
 
-
-@pytest.mark.mpi(min_size=2)
-def test_calling_thread_not_blocked(hetcomm_make_comm) -> None:
-    comm = hetcomm_make_comm(**SETUPS["pairs"])
-    x = cupy.ones(64 << 20, dtype=cupy.float32)
-    work = comm.all_reduce(x, async_op=True)
-    started_pending = not work.test()
-    work.wait()
-    ok = bool((x == comm.size).all()) and started_pending
-    assert_all_ranks(comm, ok, "the call returned only after completion, or a wrong result")
+    # the plan's own choice, as test_plan_picks_hier_for_device_collectives expects it: hier
+    # where the islands span hosts; ranks of one host sharing a GPU get direct instead
+    options: ClassVar[dict[str, Any]] = SETUPS["pairs"]

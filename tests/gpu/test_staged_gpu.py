@@ -6,10 +6,13 @@ Vendors and hosts are simulated, so the plan picks staged exactly as across a re
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import numpy as np
 import pytest
 from _refs import reference as _reduce
 from _refs import small_values as _values
+from _stream_contract import StreamContract
 
 from hetcomm import ReduceOp
 from hetcomm.testing import assert_all_ranks
@@ -101,31 +104,7 @@ def test_send_recv_sizes(hetcomm_make_comm, hetcomm_shared_seed, nbytes) -> None
     assert_all_ranks(comm, ok, "payload or the bytes after it differ")
 
 
-@pytest.mark.mpi(min_size=2)
-def test_stream_order(hetcomm_make_comm) -> None:
-    """Work queued before the call is seen by it; work queued after wait() sees the result."""
-    comm = hetcomm_make_comm(transport="staged", vendors=("nvidia", "amd"))
-    stream = torch.cuda.Stream()
-    ok = True
-    with torch.cuda.stream(stream):
-        x = torch.zeros(8 << 20, device="cuda")
-        torch.cuda._sleep(20_000_000)  # keep the stream busy: the add below lands late
-        x.add_(comm.rank + 1)
-        work = comm.all_reduce(x, async_op=True)
-        work.wait()
-        y = x * 2  # queued after wait(): must see the reduced values
-    stream.synchronize()
-    want = 2.0 * sum(range(1, comm.size + 1))
-    ok = bool((y == want).all().item())
-    assert_all_ranks(comm, ok, f"expected {want} everywhere after the all_reduce")
+class TestStagedStreams(StreamContract):
+    """The stream contract (tests/gpu/_stream_contract.py) on this module's communicators."""
 
-
-@pytest.mark.mpi(min_size=2)
-def test_calling_thread_not_blocked(hetcomm_make_comm) -> None:
-    comm = hetcomm_make_comm(transport="staged", vendors=("nvidia", "amd"))
-    x = cupy.ones(64 << 20, dtype=cupy.float32)
-    work = comm.all_reduce(x, async_op=True)
-    started_pending = not work.test()
-    work.wait()
-    ok = bool((x == comm.size).all()) and started_pending
-    assert_all_ranks(comm, ok, "the call returned only after completion, or a wrong result")
+    options: ClassVar[dict[str, Any]] = {"transport": "staged", "vendors": ("nvidia", "amd")}

@@ -1,11 +1,11 @@
 """Fixtures of the hier tests: ordinary pytest tests (not run under mpirun) that start small MPI
-jobs of _job.py, each rank with its own simulated vendor and host (Open MPI's MPMD syntax,
-`mpirun -n 2 env HETCOMM_VENDOR=nvidia ... : -n 2 env HETCOMM_VENDOR=amd ...`), bounded by
-timeout(1), and read the `RESULT {json}` line of every rank."""
+jobs running a scenario of the test module on every rank, each rank with its own simulated
+vendor and host (Open MPI's MPMD syntax, `mpirun -n 2 env HETCOMM_VENDOR=nvidia ... : -n 2 env
+HETCOMM_VENDOR=amd ...`), bounded by timeout(1), and read the `RESULT {json}` line of every
+rank."""
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,9 +13,8 @@ from typing import Any
 
 import pytest
 
-from hetcomm.testing import MpiJob, clean_environ, run_mpi_job
+from hetcomm.testing import MpiJob, Scenario, clean_environ, run_mpi_job, run_scenario
 
-JOB = Path(__file__).resolve().parent / "_job.py"
 MPI_TESTS = Path(__file__).resolve().parent.parent / "mpi"
 
 
@@ -47,22 +46,26 @@ def mpmd_argv(
 
 @pytest.fixture
 def hier_job(hetcomm_mpirun: tuple[list[str], dict[str, str]]) -> Any:
-    """hier_job(ranks, scenario, params, limit, **HETCOMM_variables) -> MpiJob; `ranks` lists
-    (count, vendor, host) in rank order, and the hier transport is forced for every group."""
+    """hier_job(ranks, scenario, params, limit, **HETCOMM_variables) -> MpiJob runs
+    `scenario(params)` (a function of the test module) on every rank; `ranks` lists (count,
+    vendor, host) in rank order, and the hier transport is forced for every group."""
 
     def start(
         ranks: Sequence[tuple[int, str, str]],
-        scenario: str,
+        scenario: Scenario,
         params: dict[str, Any] | None = None,
         limit: float = 120,
         **variables: str,
     ) -> MpiJob:
-        pytest.importorskip("torch", reason="the hier jobs use torch (tests/hier/_job.py)")
-        prefix, mpi_env = hetcomm_mpirun
+        pytest.importorskip("torch", reason="the hier scenarios use torch (bfloat16)")
         settings = {"HETCOMM_TRANSPORT": "hier", "HETCOMM_TIMEOUT": "60", **variables}
-        program = [str(JOB), scenario, json.dumps(params or {})]
-        argv = mpmd_argv(prefix, ranks, program, settings)
-        return run_mpi_job(argv, clean_environ(**mpi_env), limit)
+        groups = [
+            (count, {"HETCOMM_VENDOR": vendor, "HETCOMM_HOST": host})
+            for count, vendor, host in ranks
+        ]
+        return run_scenario(
+            hetcomm_mpirun, scenario, params, variables=settings, groups=groups, limit=limit
+        )
 
     return start
 
@@ -84,9 +87,10 @@ def hier_pytest(hetcomm_mpirun: tuple[list[str], dict[str, str]]) -> Any:
             "-q",
             "-p",
             "no:cacheprovider",
+            "--hetcomm-transport=hier",
             *(str(MPI_TESTS / f) for f in files),
         ]
-        argv = mpmd_argv(prefix, ranks, program, {"HETCOMM_TRANSPORT": "hier"})
+        argv = mpmd_argv(prefix, ranks, program, {})
         return run_mpi_job(argv, clean_environ(**mpi_env), limit)
 
     return start

@@ -9,9 +9,17 @@ rank's all_reduce results are bitwise identical and that the plan and the parts 
 
 from __future__ import annotations
 
+import hashlib
 import re
+import time
+from typing import Any
 
+import numpy as np
 import pytest
+from _hier import OPS, Placed, array, check, draw, logical, my_rank, raw, report, world
+
+import hetcomm
+from hetcomm import CommAborted, CommTimeout, ReduceOp, introspect
 
 # float16 everywhere and bfloat16 in most jobs (hetcomm's own kernels reduce them); the other
 # dtypes spread over the layouts, and test_mpi_suite_on_hier runs every dtype on 3 + 1
@@ -45,7 +53,7 @@ def test_collectives_on_islands(hier_job, layout: str) -> None:
     ranks, dtypes, counts, large = LAYOUTS[layout]
     n = sum(count for count, _, _ in ranks)
     params = {"dtypes": dtypes, "counts": counts, "large": large}
-    job = hier_job(ranks, "collectives", params, limit=150)
+    job = hier_job(ranks, collectives, params, limit=150)
     results = job.ranks(n)
     seed = results[0]["seed"]
     for r in results:
@@ -77,7 +85,7 @@ def test_timeouts_abort_and_close(hier_job) -> None:
     async operation under the configured timeout each raise CommTimeout naming the group; the
     communicator then refuses calls with CommAborted and closes promptly."""
     ranks = [(1, "nvidia", "ha"), (1, "amd", "ha")]
-    job = hier_job(ranks, "timeouts", {}, limit=60)
+    job = hier_job(ranks, timeouts, {}, limit=60)
     lone = job.ranks(2)[0]
     for case, group, op in (
         ("setup", "lonely-setup", "all_reduce"),
@@ -106,3 +114,265 @@ def test_mpi_suite_on_hier(hier_pytest) -> None:
     assert job.returncode == 0 and len(summaries) == 4, job.explain()
     for line in summaries:
         assert "failed" not in line and "error" not in line, job.explain()
+
+
+# ---- the rank side: scenarios run on every rank of a job (hetcomm.testing.run_scenario) ----
+
+
+def collectives(params: dict[str, Any]) -> None:
+    """Every operation x dtype x reduce op x count, synchronous and asynchronous, against numpy."""
+    world = hetcomm.init(name="hier")
+    seed = int(world.mpi.bcast(params.get("seed") or int(time.time_ns() % (1 << 31)), root=0))
+    rng = np.random.default_rng(seed)  # the same draws on every rank
+    errors: list[str] = []
+    digest = hashlib.sha256()
+    start = time.monotonic()
+    cases = [(d, c) for d in params["dtypes"] for c in params["counts"]]
+    cases += [
+        (d, params["large"])
+        for d in ("float32", "bfloat16")
+        if params.get("large") and d in params["dtypes"]
+    ]
+    for dtype, count in cases:
+        for op in OPS:
+            if dtype == "bool" and op is ReduceOp.AVG:
+                continue
+            case = f"{dtype}[{count}] {op}"
+            errors += _all_reduce(world, rng, dtype, count, op, case, digest)
+            errors += _reduce_scatter(world, rng, dtype, count, op, case)
+            if op is ReduceOp.SUM or count == 7:
+                errors += _reduce(world, rng, dtype, count, op, case)
+        errors += _moves(world, rng, dtype, count, f"{dtype}[{count}]")
+    errors += _asynchronous(world, rng)
+    world.barrier()
+    seconds = time.monotonic() - start
+    plan = world.plan.lookup("all_reduce", "host", "large")
+    transport = introspect.transports(world).get("hier")
+    parts = {}
+    if transport is not None:
+        for part in (transport.island, transport.cross, transport.flat):  # type: ignore[attr-defined]
+            parts[part.name] = {
+                "hier": introspect.unavailable(part).get("hier"),
+                "device": part.plan.lookup("all_reduce", "device", "large")[0],
+                "host": part.plan.lookup("all_reduce", "host", "large")[0],
+            }
+    # without forcing a transport: host buffers stay on mpi, device collectives go to hier
+    auto = hetcomm.init(config=hetcomm.Config.load(transport="auto"), name="hier-auto")
+    table = auto.plan
+    planned = {
+        f"{op} {memory}": list(table.lookup(op, memory, "large"))
+        for op in ("all_reduce", "all_gather", "send")
+        for memory in ("host", "device")
+    }
+    auto.close()
+    report(
+        ok=not errors,
+        errors=errors[:10],
+        n_errors=len(errors),
+        seed=seed,
+        seconds=seconds,
+        digest=digest.hexdigest(),
+        plan=list(plan),
+        parts=parts,
+        auto=planned,
+        device_plan=list(world.plan.lookup("all_reduce", "device", "large")),
+        routed=sorted(introspect.transports(world)),
+    )
+    world.close()
+
+
+def _all_reduce(
+    world: Any,
+    rng: np.random.Generator,
+    dtype: str,
+    count: int,
+    op: ReduceOp,
+    case: str,
+    digest: Any,
+) -> list[str]:
+    n, me = world.size, world.rank
+    stack = draw(rng, dtype, n, count)
+    errors = []
+    # out of place: x unchanged, nothing written around out
+    x = array(stack[me], dtype)
+    out = Placed(draw(rng, dtype, 1, count)[0], dtype)
+    world.all_reduce(x, op, out=out.array)
+    errors += check(logical(out.array), stack, op, dtype, f"all_reduce out= {case}")
+    errors += check(logical(x), stack[me], None, dtype, f"all_reduce out= {case}: x changed")
+    if not out.intact():
+        errors.append(f"all_reduce out= {case}: wrote outside out")
+    digest.update(raw(out.array))
+    # in place, asynchronous
+    y = Placed(stack[me], dtype)
+    world.all_reduce(y.array, op, async_op=True).wait()
+    errors += check(logical(y.array), stack, op, dtype, f"all_reduce in place {case}")
+    if not y.intact():
+        errors.append(f"all_reduce in place {case}: wrote outside x")
+    if raw(y.array) != raw(out.array):
+        errors.append(f"all_reduce {case}: in place and out= differ in their bits")
+    return errors
+
+
+def _reduce_scatter(
+    world: Any, rng: np.random.Generator, dtype: str, count: int, op: ReduceOp, case: str
+) -> list[str]:
+    n, me = world.size, world.rank
+    stack = draw(rng, dtype, n, n * count)
+    x = array(stack[me], dtype)
+    out = Placed(draw(rng, dtype, 1, count)[0], dtype)
+    world.reduce_scatter(out.array, x, op)
+    errors = check(
+        logical(out.array),
+        stack[:, me * count : (me + 1) * count],
+        op,
+        dtype,
+        f"reduce_scatter {case}",
+    )
+    errors += check(logical(x), stack[me], None, dtype, f"reduce_scatter {case}: x changed")
+    if not out.intact():
+        errors.append(f"reduce_scatter {case}: wrote outside out")
+    return errors
+
+
+def _reduce(
+    world: Any, rng: np.random.Generator, dtype: str, count: int, op: ReduceOp, case: str
+) -> list[str]:
+    n, me = world.size, world.rank
+    root = int(rng.integers(n))
+    stack = draw(rng, dtype, n, count)
+    x = Placed(stack[me], dtype)
+    world.reduce(x.array, root, op)
+    if me == root:
+        errors = check(logical(x.array), stack, op, dtype, f"reduce root {root} {case}")
+    else:
+        errors = check(logical(x.array), stack[me], None, dtype, f"reduce {case}: non-root x")
+    return errors + ([] if x.intact() else [f"reduce {case}: wrote outside x"])
+
+
+def _moves(world: Any, rng: np.random.Generator, dtype: str, count: int, case: str) -> list[str]:
+    """all_gather, broadcast from every root, all_to_all, a ring of send/recv, barrier."""
+    n, me = world.size, world.rank
+    errors: list[str] = []
+    stack = draw(rng, dtype, n, count)
+    x = array(stack[me], dtype)
+    out = Placed(draw(rng, dtype, 1, n * count)[0], dtype)
+    world.all_gather(out.array, x)
+    errors += check(logical(out.array), stack.reshape(-1), None, dtype, f"all_gather {case}")
+    errors += check(logical(x), stack[me], None, dtype, f"all_gather {case}: x changed")
+    if not out.intact():
+        errors.append(f"all_gather {case}: wrote outside out")
+    for root in sorted({0, n - 1}):
+        y = Placed(stack[me], dtype)
+        world.broadcast(y.array, root)
+        errors += check(logical(y.array), stack[root], None, dtype, f"broadcast root {root} {case}")
+        if not y.intact():
+            errors.append(f"broadcast root {root} {case}: wrote outside x")
+    blocks = draw(rng, dtype, n, n * count)
+    out = Placed(draw(rng, dtype, 1, n * count)[0], dtype)
+    world.all_to_all(out.array, array(blocks[me], dtype))
+    want = np.concatenate([blocks[s, me * count : (me + 1) * count] for s in range(n)])
+    errors += check(logical(out.array), want, None, dtype, f"all_to_all {case}")
+    got = Placed(draw(rng, dtype, 1, count)[0], dtype)
+    sent = world.send(array(stack[me], dtype), (me + 1) % n, tag=3, async_op=True)
+    world.recv(got.array, (me - 1) % n, tag=3)
+    sent.wait()
+    errors += check(logical(got.array), stack[(me - 1) % n], None, dtype, f"send/recv {case}")
+    world.barrier()
+    return errors
+
+
+def _asynchronous(world: Any, rng: np.random.Generator) -> list[str]:
+    """Several operations in flight at once, waited for in reverse order; an operation that
+    cannot complete before a late rank arrives is still pending when its call returns."""
+    n, me = world.size, world.rank
+    errors: list[str] = []
+    count = 1001
+    a = draw(rng, "float32", n, count)
+    b = draw(rng, "float64", n, n * count)
+    c = draw(rng, "int32", n, count)
+    xa = array(a[me], "float32")
+    ob = np.zeros(count)
+    oc = np.zeros(n * count, np.int32)
+    xd = array(a[me], "float32")
+    works = [
+        world.all_reduce(xa, ReduceOp.SUM, async_op=True),
+        world.reduce_scatter(ob, array(b[me], "float64"), ReduceOp.MAX, async_op=True),
+        world.all_gather(oc, array(c[me], "int32"), async_op=True),
+        world.broadcast(xd, n - 1, async_op=True),
+    ]
+    for w in reversed(works):
+        w.wait()
+    errors += check(logical(xa), a, ReduceOp.SUM, "float32", "async all_reduce")
+    errors += check(
+        logical(ob),
+        b[:, me * count : (me + 1) * count],
+        ReduceOp.MAX,
+        "float64",
+        "async reduce_scatter",
+    )
+    errors += check(logical(oc), c.reshape(-1), None, "int32", "async all_gather")
+    errors += check(logical(xd), a[n - 1], None, "float32", "async broadcast")
+    # rank n-1 comes late: the others' all_reduce cannot be complete when the call returns
+    x = array(a[me], "float32")
+    if me == n - 1:
+        time.sleep(0.3)
+    work = world.all_reduce(x, ReduceOp.SUM, async_op=True)
+    if me != n - 1 and work.test():
+        errors.append("async all_reduce was complete before the last rank had called it")
+    work.wait()
+    errors += check(logical(x), a, ReduceOp.SUM, "float32", "late async all_reduce")
+    return errors
+
+
+def timeouts(params: dict[str, Any]) -> None:
+    """Rank 0 alone calls: the setup of the transport, then an operation (per-op timeout), then
+    an async operation (the configured timeout) time out, and the communicators are aborted."""
+    found: dict[str, Any] = {}
+    quick = hetcomm.Config.load(timeout=1.5)
+    lonely = hetcomm.init(config=quick, name="lonely-setup")
+    if my_rank() == 0:
+        found["setup"] = _timed(lambda: lonely.all_reduce(np.ones(8)))
+    op_comm = hetcomm.init(name="lonely-op")
+    async_comm = hetcomm.init(config=quick, name="lonely-async")
+    x = np.ones(1000)
+    op_comm.all_reduce(x)  # every rank: the transports are set up
+    async_comm.all_reduce(x)
+    if my_rank() == 0:
+        found["op"] = _timed(lambda: op_comm.all_reduce(x, timeout=1.0))
+        work = async_comm.all_reduce(np.ones(100_000), async_op=True)
+        found["async"] = _timed(work.wait)
+        for name, comm in (("setup", lonely), ("op", op_comm), ("async", async_comm)):
+            try:
+                comm.all_reduce(x)
+            except CommAborted:
+                found[name]["then"] = "CommAborted"
+            except Exception as exc:
+                found[name]["then"] = f"{type(exc).__name__}: {exc}"
+            else:
+                found[name]["then"] = "returned"
+        start = time.monotonic()
+        for comm in (lonely, op_comm, async_comm):
+            comm.close()
+        found["close_s"] = time.monotonic() - start
+    world().Barrier()
+    report(**found)
+    if my_rank() != 0:
+        for comm in (lonely, op_comm, async_comm):
+            comm.close()
+
+
+def _timed(call: Any) -> dict[str, Any]:
+    start = time.monotonic()
+    try:
+        call()
+    except CommTimeout as exc:
+        return {
+            "error": "CommTimeout",
+            "message": str(exc),
+            "group": exc.group,
+            "op": exc.op,
+            "seconds": time.monotonic() - start,
+        }
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+    return {"error": None}

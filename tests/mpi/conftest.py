@@ -1,8 +1,10 @@
 """Fixtures of the MPI tests, run as `mpirun -n N python -m mpi4py -m pytest --with-mpi tests/mpi`.
 
-The `hetcomm_comm`, `hetcomm_make_comm`, `hetcomm_shared_seed` and `hetcomm_world` fixtures come
-from hetcomm's own pytest plugin (hetcomm.testing, loaded by `-p hetcomm.testing` in
-pyproject.toml). Tests here collect their findings in `errors` and end with `errors.verify()`,
+The `hetcomm_comm`, `hetcomm_make_comm`, `hetcomm_shared_seed`, `hetcomm_transport` and
+`hetcomm_world` fixtures come from hetcomm's own pytest plugin (hetcomm.testing, loaded by
+`-p hetcomm.testing` in pyproject.toml). scripts/test runs this folder once per transport with
+`--hetcomm-transport=NAME`, which the plugin turns into a parameter of every test here
+(`test_x[staged]`). Tests here collect their findings in `errors` and end with `errors.verify()`,
 which fails on every rank when any rank found something, so that a failure on one rank never
 leaves the others waiting in the next collective.
 """
@@ -31,6 +33,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _HERE in Path(item.path).parents and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(_HANG_TIMEOUT_S, method="thread"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _transport_for_environment_readers(
+    hetcomm_transport: str, pytestconfig: pytest.Config
+) -> Iterator[None]:
+    """Every test here takes the run's transport (--hetcomm-transport, named in its id), also
+    the ones whose communicators come from code that reads the environment rather than a
+    fixture: hetcomm.torch's groups, a bare hetcomm.init(), the CLI's jobs."""
+    if not pytestconfig.getoption("hetcomm_transport"):
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HETCOMM_TRANSPORT", hetcomm_transport)
+        rails = pytestconfig.getoption("hetcomm_rails")
+        if rails:
+            mp.setenv("HETCOMM_RAILS", rails)
+        yield
 
 
 class Errors(list[str]):

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 
 import hetcomm
-from hetcomm.arrays import as_buffer
+from hetcomm import introspect
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
 
 def _recv_transport(comm: hetcomm.Communicator, y: np.ndarray) -> str:
     # which transport the plan gives a receive of y (the same on every rank)
-    return comm._transport("recv", as_buffer(y, "y")).name
+    return introspect.transport_of(comm, "recv", y, "y").name
 
 
 def test_recv_from_any_source_returns_the_sender(hetcomm_comm, errors, rng):

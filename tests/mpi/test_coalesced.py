@@ -27,7 +27,7 @@ from _data import (
     reference,
 )
 
-from hetcomm import DtypeError, InvalidArgument, MismatchError, ReduceOp, Work
+from hetcomm import DtypeError, InvalidArgument, MismatchError, ReduceOp, Work, introspect
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -287,9 +287,7 @@ def test_one_node_reduces_in_shared_segments(hetcomm_comm, rng, errors):
     """Where the group is one node's ranks on the mpi transport, a blocking call packs into a
     shared segment and reduces there (hetcomm.transports.mpi.node); the segments grow for a larger
     call; an async call (the fused MPI all-reduce) gives the same values."""
-    from hetcomm.arrays import as_buffer
-
-    t = hetcomm_comm._transport("all_reduce", as_buffer(np.zeros(4, np.float32)))
+    t = introspect.transport_of(hetcomm_comm, "all_reduce", np.zeros(4, np.float32))
     if t.name != "mpi" or not t.fits_node(16):
         pytest.skip(f"host all-reduces go through {t.name} here, or the ranks span nodes")
     for n in (1000, 300_000):  # 2.4 MB of float64 alone: past the first segments (1 MiB)
@@ -310,7 +308,7 @@ def test_one_node_reduces_in_shared_segments(hetcomm_comm, rng, errors):
         ):
             for c in cases:
                 errors += c.check(ReduceOp.AVG, f"n={n}")
-        node = t._node
+        node = introspect.node_reduce(t)
         errors.expect(
             node is not None and node.capacity >= n * 8,
             f"n={n}: the shared segments hold the largest group",
@@ -334,12 +332,11 @@ def test_without_shared_segments_the_fused_all_reduce_goes_through_mpi(
     """Rank 1 cannot have its shared segment (a full /dev/shm): every rank learns it in the
     same call, the others drop theirs, and the call reduces through the fused MPI all-reduce
     with the right results; later calls go there at once."""
-    from hetcomm.arrays import as_buffer
     from hetcomm.transports import shm
     from hetcomm.transports.mpi import node as mpi_node
 
     c = hetcomm_make_comm(name="no-shm")
-    t = c._transport("all_reduce", as_buffer(np.zeros(4, np.float32)))
+    t = introspect.transport_of(c, "all_reduce", np.zeros(4, np.float32))
     if t.name != "mpi" or not t.fits_node(16):
         pytest.skip(f"host all-reduces go through {t.name} here, or the ranks span nodes")
     if c.rank == 1:

@@ -463,7 +463,7 @@ def test_simulated_vendors_and_hosts(hetcomm_make_comm, errors):
     errors += compare(t.numpy(), np.full(3, sim.size - 1), "torch all_reduce")
 
     text = str(sim.plan)
-    # host buffers go over MPI, unless the run forces a transport (HETCOMM_TRANSPORT=staged)
+    # host buffers go over MPI, unless the run forces a transport (--hetcomm-transport=staged)
     expected = sim.config.transport_for(sim.name)
     expected = "mpi" if expected == "auto" else expected
     host_lines = [line for line in text.splitlines() if line.strip().startswith("host")]

@@ -4,7 +4,7 @@ MPI gives a freed communicator's context id to the next communicator made, and O
 that one the messages still addressed to the old. Rank 0 closes a communicator; rank 1 then
 sends A on it (the send completes, or fails within its timeout); both make a new communicator
 and rank 1 sends B on it: rank 0 must receive B. Run on every transport the suite runs on (mpi,
-and staged under HETCOMM_TRANSPORT=staged).
+and staged under --hetcomm-transport=staged).
 """
 
 from __future__ import annotations

@@ -10,8 +10,6 @@ array to see that nothing outside it was written.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 from _data import CASES, REDUCE_OPS, Placed, compare, draw, reference
@@ -26,10 +24,10 @@ COUNT = 13  # elements per block: not a multiple of any piece size
 
 
 @pytest.fixture
-def cut(monkeypatch: pytest.MonkeyPatch) -> None:
-    if os.environ.get("HETCOMM_TRANSPORT", "auto") not in ("auto", "mpi"):
-        # these tests ask for the mpi transport themselves: the same run as without the variable
-        pytest.skip("covers the mpi transport: runs where HETCOMM_TRANSPORT is unset")
+def cut(monkeypatch: pytest.MonkeyPatch, hetcomm_transport: str) -> None:
+    if hetcomm_transport not in ("auto", "mpi"):
+        # these tests ask for the mpi transport themselves: the same run as on 'auto'
+        pytest.skip(f"covers the mpi transport: runs on auto and mpi, not {hetcomm_transport}")
     monkeypatch.setattr(mpi_chunks, "MAX_CALL_BYTES", LIMIT)
 
 

@@ -2,8 +2,8 @@
 arguments, get MismatchError on every rank before any byte moves, with their buffers as they
 were; the communicator stays usable. And a wait that times out names the ranks it waits for.
 
-Runs on whichever transport the run's HETCOMM_TRANSPORT picks (scripts/test runs this folder
-on mpi and on staged's rails)."""
+Runs on whichever transport the run's --hetcomm-transport picks (scripts/test runs this folder
+on auto and on staged's rails)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from _data import compare
 
-from hetcomm import ReduceOp
+from hetcomm import ReduceOp, introspect
 from hetcomm.transports.mpi.transport import MpiTransport
 from hetcomm.transports.staged.transport import StagedTransport
 
@@ -22,7 +22,7 @@ def test_switching_transport_finishes_the_earlier_collectives_first(
     result is right."""
     staged = hetcomm_comm._transports["staged"] = StagedTransport(hetcomm_comm)
     hetcomm_comm._by_class[("all_reduce", False, False)] = staged
-    # the small ones through mpi, whatever HETCOMM_TRANSPORT says for this run
+    # the small ones through mpi, whatever --hetcomm-transport says for this run
     hetcomm_comm._by_class[("all_reduce", False, True)] = hetcomm_comm._transports["mpi"] = (
         MpiTransport(hetcomm_comm)
     )
@@ -35,7 +35,8 @@ def test_switching_transport_finishes_the_earlier_collectives_first(
         xb, xs = big[i][r].copy(), small[i][r].copy()
         wb = hetcomm_comm.all_reduce(xb, async_op=True)
         errors.expect(
-            hetcomm_comm._last is staged, f"round {i}: the large one did not go through staged"
+            introspect.last_transport(hetcomm_comm) is staged,
+            f"round {i}: the large one did not go through staged",
         )
         ws = hetcomm_comm.all_reduce(xs, op=ReduceOp.MAX, async_op=True)
         errors.expect(
@@ -88,10 +89,13 @@ def test_coalesced_groups_on_two_transports(hetcomm_comm, hetcomm_shared_seed, e
     xb, xs = big[r].copy(), small[r].copy()
     hetcomm_comm.all_reduce_coalesced([xb, xs])
     errors.expect(
-        hetcomm_comm._last is hetcomm_comm._transports["mpi"],
+        introspect.last_transport(hetcomm_comm) is introspect.transports(hetcomm_comm)["mpi"],
         "the last group did not go through mpi",
     )
-    errors.expect(all(w._done for w in hetcomm_comm._inflight), "a group is still in flight")
+    errors.expect(
+        all(introspect.finished(w) for w in introspect.in_flight(hetcomm_comm)),
+        "a group is still in flight",
+    )
     errors += compare(xb, big.sum(0), "staged group", stack=big, op=ReduceOp.SUM, dtype="float64")
     errors += compare(xs, small.sum(0), "mpi group")
     errors.verify()

@@ -7,6 +7,7 @@ import pytest
 from _data import CASES, SHAPES, Placed, compare, draw
 
 import hetcomm
+from hetcomm import introspect
 from hetcomm.transports.staged.eager import EAGER_BYTES
 
 
@@ -135,8 +136,8 @@ def test_staged_send_recv_start_on_the_calling_thread(hetcomm_make_comm, rng, er
         comm.send(data[0], 1)  # opens the channel (a driver thread does that)
     else:
         comm.recv(got[0], 0)
-    staged = comm._transports["staged"]
-    before = staged._driver.submitted
+    staged = introspect.transports(comm)["staged"]
+    before = introspect.driver_submitted(staged)
     for i, receive_first in ((1, True), (2, False)):
         if comm.rank == 1 and receive_first:
             work = comm.recv(got[i], 0, tag=7, async_op=True)
@@ -164,10 +165,8 @@ def test_staged_send_recv_start_on_the_calling_thread(hetcomm_make_comm, rng, er
     # without a doorbell (between hosts) the four asynchronous calls of each rank need a
     # driver; its blocking call runs on the calling thread either way
     want = 0 if staged.cts.doorbell(1 - comm.rank) is not None else 4
-    errors.expect(
-        staged._driver.submitted - before == want,
-        f"{staged._driver.submitted - before} sends/recvs went to a driver thread, expected {want}",
-    )
+    handed = introspect.driver_submitted(staged) - before
+    errors.expect(handed == want, f"{handed} sends/recvs went to a driver thread, expected {want}")
     if comm.rank == 1:
         errors += compare(got, data, "received")
     errors.verify()
@@ -195,7 +194,7 @@ def test_staged_send_without_a_receive_times_out_naming_it(hetcomm_make_comm, er
             errors.expect(False, "the send completed without a receive")
         except hetcomm.CommTimeout as exc:
             errors.expect("never posted the matching receive" in str(exc), f"said: {exc}")
-        staged = comm._transports["staged"]
+        staged = introspect.transports(comm)["staged"]
         errors.expect(not staged.cts.waiting, f"left behind: {staged.cts.waiting}")
     elif comm.rank == 1 and not opened:
         try:

@@ -12,7 +12,6 @@ Iallreduce or an Allreduce.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 from functools import partial
@@ -23,7 +22,7 @@ import pytest
 from _data import Placed, compare, draw, reference
 from mpi4py import MPI
 
-from hetcomm import ReduceOp
+from hetcomm import ReduceOp, introspect
 from hetcomm.transports.mpi import persistent as mpi_persistent
 from hetcomm.transports.mpi.transport import _PERSISTENT, LANE_BYTES, MpiTransport
 
@@ -46,10 +45,10 @@ _needs_persistent = pytest.mark.skipif(
 
 
 @pytest.fixture(autouse=True)
-def _mpi_transport_runs() -> None:
-    if os.environ.get("HETCOMM_TRANSPORT", "auto") not in ("auto", "mpi"):
-        # these tests ask for the mpi transport themselves: the same run as without the variable
-        pytest.skip("covers the mpi transport: runs where HETCOMM_TRANSPORT is unset")
+def _mpi_transport_runs(hetcomm_transport: str) -> None:
+    if hetcomm_transport not in ("auto", "mpi"):
+        # these tests ask for the mpi transport themselves: the same run as on 'auto'
+        pytest.skip(f"covers the mpi transport: runs on auto and mpi, not {hetcomm_transport}")
 
 
 class _Counting:
@@ -302,7 +301,7 @@ def test_requests_are_reused_and_freed_on_close(hetcomm_make_comm, errors):
     errors.expect(
         calls["Allreduce_init"] == 1 and calls["Iallreduce"] == 0, f"MPI calls: {dict(calls)}"
     )
-    slots = [s for by_count in requests._by_kind for s in by_count.values()]
+    slots = introspect.persistent_requests(transport)
     comm.close()
     errors.expect(
         requests.freed == 1 and len(requests) == 0,
@@ -356,7 +355,7 @@ def test_calls_outside_the_transport_come_after_the_lane(
         debug=then == "fingerprint",
     )
     transport, _ = counted(comm)
-    lane = transport._lane
+    lane = introspect.lane(transport)
     rng = np.random.default_rng(hetcomm_shared_seed)
     n, me = comm.size, comm.rank
     for i in range(3):

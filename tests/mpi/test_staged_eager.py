@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import hetcomm
+from hetcomm import introspect
 from hetcomm.transports.staged.eager import EAGER_BYTES, EAGER_SLOTS
 
 DTYPES = ("uint8", "int16", "float32", "float64")
@@ -27,11 +28,11 @@ def _pair(comm: hetcomm.Communicator) -> int | None:
 
 def _staged(comm: hetcomm.Communicator) -> object:
     comm.barrier()
-    return comm._transports["staged"]
+    return introspect.transports(comm)["staged"]
 
 
 def _eager_with(staged: object, peer: int) -> bool:
-    ch = staged._channels.get(peer)  # type: ignore[attr-defined]
+    ch = introspect.channels(staged).get(peer)  # type: ignore[arg-type]
     return ch is not None and ch.eager_out is not None and ch.eager_in is not None
 
 

@@ -14,7 +14,7 @@ from _torch_world import ADDRESS_VARS
 from mpi4py import MPI
 
 import hetcomm
-from hetcomm.arrays import as_buffer
+from hetcomm import introspect
 from hetcomm.torch import profile
 from hetcomm.torch.errors import ArgumentError, DistBackendError
 
@@ -25,7 +25,7 @@ TORCH_TIMEOUT_WORDS = re.compile(" (Timed out|closed|timeout) ")
 
 def recv_transport(group: dist.ProcessGroup, t: torch.Tensor) -> str:
     # the transport the plan gives this receive (the same on every rank)
-    return group.comm._transport("recv", as_buffer(t.numpy(), "t")).name
+    return introspect.transport_of(group.comm, "recv", t.numpy(), "t").name
 
 
 class TestAnySource:

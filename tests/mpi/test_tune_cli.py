@@ -13,14 +13,13 @@ import pytest
 from mpi4py import MPI
 
 import hetcomm
-from hetcomm import cli, tune, tuning
-from hetcomm.arrays import as_buffer
+from hetcomm import cli, introspect, tune, tuning
 from hetcomm.testing import assert_all_ranks
 from hetcomm.transports.staged.transport import CHUNK_BYTES, SLOTS
 
 
 def _staged(comm: Any) -> Any:
-    return comm._transport("send", as_buffer(np.zeros(1, np.uint8)))
+    return introspect.transport_of(comm, "send", np.zeros(1, np.uint8))
 
 
 @pytest.mark.mpi(min_size=2)

@@ -12,9 +12,26 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
+import numpy as np
 import pytest
-from _rails import JOB, ROOT, clean_environ, run
+from _rails import (
+    ROOT,
+    MiB,
+    clean_environ,
+    close,
+    first_difference,
+    open_comm,
+    pattern,
+    rail_bytes,
+    run,
+    staged,
+)
+from test_rail_kinds import stripe
+
+from hetcomm import introspect
+from hetcomm.testing import scenario_command
 
 
 def namespaces() -> set[str]:
@@ -123,11 +140,7 @@ def test_ranks_are_hosts_joined_by_the_emulated_rails(emulator, hetcomm_mpirun, 
         "env",
         "HETCOMM_TRANSPORT=staged",
         "HETCOMM_TIMEOUT=30",
-        sys.executable,
-        "-m",
-        "mpi4py",
-        str(JOB),
-        "hello",
+        *scenario_command(hello),
     ]
     if launch == "hetcomm-run":
         argv = [
@@ -227,12 +240,7 @@ def test_tuned_rail_weights_keep_the_slow_rails_share_near_its_speed(emulator, h
         *prefix,
         "-n",
         "2",
-        sys.executable,
-        "-m",
-        "mpi4py",
-        str(JOB),
-        "stripe",
-        json.dumps(params),
+        *scenario_command(stripe, params),
     ]
     done = run(argv, clean_environ(**mpi_env), limit=120)
     sender, receiver = done.ranks()
@@ -245,3 +253,27 @@ def test_tuned_rail_weights_keep_the_slow_rails_share_near_its_speed(emulator, h
 
 def test_emulator_is_executable():
     assert (ROOT / "scripts" / "emulate-rails").stat().st_mode & 0o111
+
+
+# ---- the rank side: scenarios run on every rank of a job (hetcomm.testing.run_scenario) ----
+
+
+def hello(params: dict[str, Any]) -> dict[str, Any]:
+    """What the launch gave this rank: its host, its rails, and the rails to the other rank."""
+    comm = open_comm(params)
+    t = staged(comm)
+    data = pattern(1 * MiB + 3, 8)
+    got = np.zeros_like(data)
+    if comm.rank == 0:
+        comm.send(data, 1)
+    else:
+        comm.recv(got, 0)
+    result = {
+        "hosts": [r.host for r in comm.topology],
+        "rails_config": comm.config.rails,
+        "specs": [str(s) for s in introspect.channels(t)[1 - comm.rank].specs],
+        "mismatch": first_difference(got, data) if comm.rank == 1 else "",
+        "rails": rail_bytes(t),
+    }
+    close(comm, result)
+    return result

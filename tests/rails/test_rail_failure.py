@@ -2,12 +2,32 @@
 
 The job opens the channel with a small message, then rank 0 sends 64 MiB (1 MiB chunks) over
 two loopback rails while a thread of one rank shuts down a link's socket
-(`transport._channels[peer].links[i].sock.shutdown(SHUT_RDWR)`) once chunks are moving.
+(`introspect.channels(transport)[peer].links[i].sock.shutdown(SHUT_RDWR)`) once chunks are moving.
 """
 
 from __future__ import annotations
 
-from _rails import TWO_RAILS
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+from _rails import (
+    TWO_RAILS,
+    MiB,
+    _wait_until,
+    close,
+    first_difference,
+    open_comm,
+    pattern,
+    rail_bytes,
+    staged,
+    timed,
+    world,
+)
+
+from hetcomm import introspect
 
 MIB64 = 64 << 20
 TIMEOUT_S = 6  # HETCOMM_TIMEOUT of these jobs: the failures below must come within it
@@ -18,7 +38,7 @@ def failing(job, side: int, links: str, landed: int = 1):
     before the cut (a busy machine can starve the cutting thread)."""
     for _ in range(3):
         done = job(
-            "fail",
+            fail,
             {
                 "hosts": True,
                 "side": side,
@@ -88,7 +108,7 @@ def test_no_rail_left_fails_cleanly_within_the_timeout(job):
 def test_send_to_a_peer_that_closed_fails_at_once(job):
     """Over shm, a send waiting for the clear-to-send of a rank that then closes its transport
     fails as soon as the rail goes, not at HETCOMM_TIMEOUT."""
-    done = job("gone", {}, HETCOMM_TIMEOUT="20")
+    done = job(gone, {}, HETCOMM_TIMEOUT="20")
     sender, receiver = done.ranks()
     assert receiver["mismatch"] == "" and receiver["error"] is None, done.explain()
     assert sender["error"] and sender["error"].startswith("PeerLost"), done.explain()
@@ -97,3 +117,110 @@ def test_send_to_a_peer_that_closed_fails_at_once(job):
     for r in (sender, receiver):
         assert "close_error" not in r and r["close_s"] < 10, r
     assert done.returncode == 0, done.explain()
+
+
+# ---- the rank side: scenarios run on every rank of a job (hetcomm.testing.run_scenario) ----
+
+
+def fail(params: dict[str, Any]) -> dict[str, Any]:
+    """A large message from rank 0 to rank 1; while it is in flight, rank params['side'] shuts
+    down link 0 (or every link, params['links'] == 'all') of its channel to the other rank."""
+    comm = open_comm(params)
+    t = staged(comm, params.get("chunk_bytes", 1 << 20))
+    n = int(params.get("mib", 64) * MiB)
+    data = pattern(n, 11)
+    peer = 1 - comm.rank
+    closer = params.get("side", 0)
+    # open the channel first (a small message), so that the links exist when the big one starts
+    warm = np.zeros(4, np.uint8)
+    if comm.rank == 0:
+        comm.send(warm, 1)
+    else:
+        comm.recv(warm, 0)
+    t.stats.clear()
+    ch = introspect.channels(t)[peer]
+    which = ch.links if params.get("links") == "all" else ch.links[:1]
+    shut: dict[str, Any] = {}
+    landed_before_cut = int(params.get("landed", 1))
+    sent_before = [link.sent_bytes for link in ch.links]
+
+    def cut() -> None:
+        # the sender cuts once link 0 has carried a chunk of the message, the receiver once a
+        # chunk has landed; "in_flight": the message was not complete yet when the cut came
+        if comm.rank == 0:
+            _wait_until(lambda: ch.links[0].sent_bytes - sent_before[0] >= t.chunk_bytes, 30)
+            in_flight = sum(k.sent_bytes for k in ch.links) - sum(sent_before) < n
+        else:
+            ops: list[Any] = []
+
+            def landed() -> bool:
+                ops[:] = [op for op in list(t.receives.values()) if op.region.nbytes == n]
+                # after params["landed"] chunks (default 1)
+                return bool(ops) and ops[0].left <= len(ops[0].spans) - landed_before_cut
+
+            _wait_until(landed, 30)
+            in_flight = bool(ops) and ops[0].left > 0
+        for link in which:
+            try:
+                link.sock.shutdown(socket.SHUT_RDWR)
+            except OSError as exc:
+                shut["error"] = str(exc)
+        shut["after_s"] = round(time.monotonic() - t0, 4)
+        shut["in_flight"] = in_flight
+
+    world().Barrier()
+    t0 = time.monotonic()
+    cutter = threading.Thread(target=cut, daemon=True)
+    if comm.rank == closer:
+        cutter.start()
+    error, got = None, None
+    try:
+        if comm.rank == 0:
+            comm.send(data, 1)
+        else:
+            got = np.zeros(n, np.uint8)
+            comm.recv(got, 0)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    elapsed = time.monotonic() - t0
+    if comm.rank == closer:
+        cutter.join(5)
+    result = {
+        "error": error,
+        "elapsed_s": round(elapsed, 3),
+        "shut": shut,
+        "rails": rail_bytes(t),
+        "link_bytes": [link.sent_bytes - b for link, b in zip(ch.links, sent_before)],
+        "alive": [link.alive for link in ch.links],
+        "dead": list(ch.dead),
+        "timeout": comm.config.timeout,
+        "mismatch": first_difference(got, data) if got is not None and error is None else None,
+    }
+    close(comm, result)
+    return result
+
+
+def gone(params: dict[str, Any]) -> dict[str, Any]:
+    """After one message has opened the channel, rank 1 closes its communicator without posting
+    a receive, and rank 0 sends to it: the send must fail at once, naming the rail, instead of
+    waiting for the timeout (its clear-to-send can never come)."""
+    comm = open_comm(params)
+    staged(comm)
+    data = pattern(64 * 1024, 5)
+    got = np.zeros_like(data)
+    if comm.rank == 0:
+        comm.send(data, 1)
+    else:
+        comm.recv(got, 0)
+    result: dict[str, Any] = {
+        "error": None,
+        "mismatch": first_difference(got, data) if comm.rank == 1 else "",
+    }
+    if comm.rank == 0:
+        work = comm.send(data, 1, tag=3, async_op=True)  # waits for rank 1's clear-to-send
+        world().Barrier()  # rank 1 closes only now: the send is already waiting
+        timed(work.wait, result, "error", "failed_after_s")
+    else:
+        world().Barrier()
+    close(comm, result)
+    return result

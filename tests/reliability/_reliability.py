@@ -1,9 +1,8 @@
-"""Shared by the reliability tests: the MPI launch and the jobs of _jobs.py with their results."""
+"""Shared by the reliability tests: the MPI launch, the helpers their scenarios use on the ranks."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,6 @@ __all__ = ["Job", "clean_environ", "mpirun_command"]
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-JOBS = HERE / "_jobs.py"
 
 
 def run(argv: list[str], env: dict[str, str], limit: float) -> Job:
@@ -22,20 +20,17 @@ def run(argv: list[str], env: dict[str, str], limit: float) -> Job:
     return run_mpi_job(argv, env, limit)
 
 
-def job_argv(
-    prefix: list[str], n: int, scenario: str, params: dict[str, Any], variables: dict[str, str]
-) -> list[str]:
-    """mpirun -n N env VARS... python -m mpi4py _jobs.py SCENARIO PARAMS."""
-    return [
-        *prefix,
-        "-n",
-        str(n),
-        "env",
-        *(f"{k}={v}" for k, v in variables.items()),
-        sys.executable,
-        "-m",
-        "mpi4py",
-        str(JOBS),
-        scenario,
-        json.dumps(params),
-    ]
+# ---- used on the ranks, by the scenarios of the test modules -------------------------
+
+
+def my_rank() -> int:
+    """This rank in MPI.COMM_WORLD (MPI is imported on the ranks only, never in the test
+    process)."""
+    from mpi4py import MPI
+
+    return int(MPI.COMM_WORLD.Get_rank())
+
+
+def report(**result: Any) -> None:
+    """Print this rank's `RESULT {json}` line (scenarios that report before they close)."""
+    print("RESULT " + json.dumps({"rank": my_rank(), **result}), flush=True)

@@ -15,10 +15,9 @@ missing rank, MismatchError naming the field and the ranks, CommAborted for a la
 nothing may hang (every job runs under timeout(1), HETCOMM_TIMEOUT is a few seconds), and no
 /dev/shm segment of hetcomm's may be left once the job has ended.
 
-This file is also the program the jobs run: `python -m mpi4py test_fault_matrix.py FAULT
-'{json params}'` runs the scenario function of that fault on each rank, which prints one
-`RESULT {json}` line. MPI and hetcomm are imported inside the scenarios only, so that pytest
-collecting this file does not start MPI.
+Each job runs the scenario function of its fault on every rank
+(`hetcomm.testing.scenario_command`), which prints one `RESULT {json}` line. MPI and hetcomm are
+imported inside the scenarios only, so that pytest collecting this file does not start MPI.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -237,8 +235,6 @@ SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
 
 # ---- the pytest side: one job per cell -------------------------------------------------------
 
-HERE = Path(__file__).resolve()
-
 
 # Each job gets a /dev/shm of its own where it can (a private mount namespace, as root): other
 # jobs on the machine make and unlink hetcomm segments all the time, so a listing of the shared
@@ -274,7 +270,7 @@ def hetcomm_segments() -> set[str]:
 def _run_cell(
     mpirun: tuple[list[str], dict[str, str]], transport: str, fault: str
 ) -> tuple[Any, set[str]]:
-    from hetcomm.testing import clean_environ, run_mpi_job
+    from hetcomm.testing import clean_environ, run_mpi_job, scenario_command
 
     prefix, mpi_env = mpirun
     variables, simulation = TRANSPORTS[transport]
@@ -295,12 +291,7 @@ def _run_cell(
         str(N_RANKS),
         "env",
         *(f"{k}={v}" for k, v in variables.items()),
-        sys.executable,
-        "-m",
-        "mpi4py",
-        str(HERE),
-        fault,
-        json.dumps(params),
+        *scenario_command(SCENARIOS[fault], params),
     ]
     private = private_shm()
     before = hetcomm_segments()
@@ -445,7 +436,3 @@ def test_a_left_segment_is_seen() -> None:
     left = [line for line in done.stdout.splitlines() if line.startswith("SHM-LEFT ")]
     assert done.returncode == 0 and left == ["SHM-LEFT hetcomm-probe"], done
     assert not os.path.exists("/dev/shm/hetcomm-probe"), "the job's /dev/shm was the machine's"
-
-
-if __name__ == "__main__":
-    SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})

@@ -9,11 +9,19 @@ after the limit, well past the elapsed-time assertion.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import time
 from typing import Any
 
+import numpy as np
 import pytest
-from _reliability import JOBS, Job, clean_environ, run
+from _reliability import Job, clean_environ, my_rank, report, run
+
+import hetcomm
+from hetcomm import CommTimeout
+from hetcomm.testing import scenario_command
 
 DEATH = {"victim": 2, "at": 50}
 LIMIT_S = 90  # timeout(1)'s limit: far beyond what a working job needs
@@ -28,7 +36,7 @@ def _ended_by_death(job: Job) -> None:
 
 
 def test_rank_death_ends_the_job(job: Any) -> None:
-    result = job(4, "death", DEATH, LIMIT_S, HETCOMM_TIMEOUT="5")
+    result = job(4, death, DEATH, LIMIT_S, HETCOMM_TIMEOUT="5")
     print(f"rank death: exit {result.returncode} after {result.seconds:.1f} s")
     _ended_by_death(result)
 
@@ -45,12 +53,7 @@ def test_rank_death_survivors_time_out(hetcomm_mpirun: tuple[list[str], dict[str
         "4",
         "env",
         "HETCOMM_TIMEOUT=5",
-        sys.executable,
-        "-m",
-        "mpi4py",
-        str(JOBS),
-        "death",
-        '{"victim": 2, "at": 50}',
+        *scenario_command(death, {"victim": 2, "at": 50}),
     ]
     result = run(argv, clean_environ(**mpi_env), LIMIT_S)
     print(f"rank death with recovery: exit {result.returncode} after {result.seconds:.1f} s")
@@ -72,10 +75,7 @@ def test_rank_death_under_hetcomm_run(hetcomm_mpirun: tuple[list[str], dict[str,
         "--timeout",
         "60",
         "--",
-        sys.executable,
-        str(JOBS),
-        "death",
-        '{"victim": 2, "at": 50}',
+        *scenario_command(death, {"victim": 2, "at": 50}),
     ]
     result = run(argv, clean_environ(HETCOMM_TIMEOUT="5", **mpi_env), LIMIT_S)
     print(f"rank death under hetcomm run: exit {result.returncode} after {result.seconds:.1f} s")
@@ -85,7 +85,7 @@ def test_rank_death_under_hetcomm_run(hetcomm_mpirun: tuple[list[str], dict[str,
 def test_a_rank_leaving_out_a_fused_all_reduce(job: Any) -> None:
     """Rank 1 of 2 leaves out one blocking all_reduce_coalesced: rank 0's CommTimeout comes
     within its 2 s timeout with its arrays untouched, and both ranks still close and end."""
-    result = job(2, "skipped_coalesced", {"timeout": 2}, LIMIT_S)
+    result = job(2, skipped_coalesced, {"timeout": 2}, LIMIT_S)
     print(f"a left-out fused all-reduce: exit {result.returncode} after {result.seconds:.1f} s")
     assert result.returncode == 0 and len(result.results) == 2, result.explain()
     by_rank = {r["rank"]: r for r in result.results}
@@ -95,3 +95,47 @@ def test_a_rank_leaving_out_a_fused_all_reduce(job: Any) -> None:
         result.explain()
     )
     assert result.seconds < DEADLINE_S, result.explain()
+
+
+# ---- the rank side: scenarios run on every rank of a job (hetcomm.testing.run_scenario) ----
+
+
+def death(params: dict[str, Any]) -> None:
+    """all_reduce in a loop; rank `victim` SIGKILLs itself at iteration `at`."""
+    world = hetcomm.init(name="death")
+    x = np.ones(256, dtype=np.float32)
+    for i in range(int(params.get("iters", 10_000))):
+        if params["victim"] == my_rank() and i == params["at"]:
+            print(f"rank {my_rank()}: SIGKILL at iteration {i}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            world.all_reduce(x, async_op=True).wait()  # type: ignore[union-attr]
+        except CommTimeout as exc:
+            print(f"rank {my_rank()}: CommTimeout at iteration {i}: {exc}", flush=True)
+            raise
+        x.fill(1)
+    report(ok=True)  # not reached while a rank is dead
+
+
+def skipped_coalesced(params: dict[str, Any]) -> None:
+    """Rank 1 leaves out a blocking all_reduce_coalesced (after one that both ranks made), on
+    one node, where it reduces through shared segments: rank 0 gets CommTimeout within the
+    timeout with its arrays untouched, and both ranks close their communicators."""
+    world = hetcomm.init(name="skipped")
+    xs = [np.full(100, my_rank() + 1.0) for _ in range(4)]
+    world.all_reduce_coalesced(xs)
+    first = all(bool((x == 3).all()) for x in xs)
+    timed_out: float | None = None
+    untouched: bool | None = None
+    if my_rank() == 0:
+        ys = [np.full(100, 7.0) for _ in range(4)]
+        start = time.monotonic()
+        try:
+            world.all_reduce_coalesced(ys, timeout=params["timeout"])
+        except CommTimeout:
+            timed_out = time.monotonic() - start
+        untouched = all(bool((y == 7).all()) for y in ys)
+    else:
+        time.sleep(params["timeout"] + 1)
+    world.close()
+    report(ok=first, timed_out=timed_out, untouched=untouched)
