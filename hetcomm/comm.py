@@ -609,7 +609,9 @@ class Communicator:
             device = next((b for b in keep if isinstance(b, Buffer) and b.on_device), None)
             work = self._admit(route, start, device)
         else:
-            _work.set_blocking(True)
+            # a call with a timeout of its own is waited for by its Work, which keeps it; a
+            # transport told it is blocking may run it to its end on this thread instead
+            _work.set_blocking(timeout is None)
             try:
                 work = start(self._enter(route, timeout) if seq is None else seq)
             finally:
@@ -1056,7 +1058,7 @@ class Communicator:
         if seq is None:
             self._p2p_seq = seq = self._p2p_seq + 1
         xc = contiguous_in(xb)
-        _work.set_blocking(not async_op)
+        _work.set_blocking(not async_op and timeout is None)
         try:
             work = route.transport.send(xc, dst, tag, seq)
         finally:
@@ -1159,7 +1161,7 @@ class Communicator:
             self._p2p_seq = seq = self._p2p_seq + 1
         steps: list[Callable[[], None]] = []
         xc = contiguous_out(xb, steps)
-        _work.set_blocking(not async_op)
+        _work.set_blocking(not async_op and timeout is None)
         try:
             work = route.transport.recv(xc, src, tag, seq)
         finally:

@@ -84,9 +84,10 @@ def open_comm(params: dict[str, Any], **options: Any) -> Any:
 
 def staged(comm: Any, chunk_bytes: int | None = None) -> Any:
     """The communicator's staged transport, made now (before any operation) so that its chunk
-    size can still be changed."""
+    size can still be changed. These jobs test the rails: eager messages are off."""
     introspect.transport_of(comm, "send", np.zeros(1, np.uint8))
     t = introspect.transports(comm)["staged"]
+    t.eager_bytes = 0
     if chunk_bytes is not None:
         t.chunk_bytes = chunk_bytes
     return t

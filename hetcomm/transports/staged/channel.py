@@ -32,6 +32,7 @@ from .. import tags
 from ..local import Region
 from ..shm import SegmentError, SharedSlots
 from . import links
+from .eager import EagerIn, EagerOut
 from .ops import _STOP, _Op, stamp
 from .rails import DATA_MPI, short, size_mismatch
 from .schedule import rail_key, rail_windows
@@ -92,6 +93,9 @@ class Channel:
         self.links: list[links.Link] = []
         self.shm_out: SharedSlots | None = None
         self.shm_in: SharedSlots | None = None
+        # the eager rings of the pair (eager.py): None where the pair shares no host
+        self.eager_out: EagerOut | None = None
+        self.eager_in: EagerIn | None = None
         # chunks to send: put by the transport, taken by the sender threads
         self.queue: queue.Queue[Any] = queue.Queue()
         self.threads: list[threading.Thread] = []
@@ -463,6 +467,10 @@ class Channel:
             if seg is not None:
                 seg.unlink()
                 seg.close()
+        for ring in (self.eager_out, self.eager_in):
+            if ring is not None:
+                ring.seg.unlink()
+                ring.close()
 
     def describe(self) -> str:
         """The channel's rails, for logs and errors."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import itertools
 import logging
@@ -16,16 +17,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 from mpi4py import MPI
 
-from ...errors import CommTimeout, HetcommError, MismatchError, TransportUnavailable
+from ...errors import CommTimeout, HetcommError, MismatchError, PeerLost, TransportUnavailable
 from ...ops import ReduceOp
-from ...work import Work
-from .. import tags
+from ...work import Work, take_blocking
+from .. import flags, tags
 from ..base import Context, Transport
 from ..local import Region
-from ..shm import SharedSlots
-from . import links
+from ..shm import SegmentError, SharedSlots
+from . import links, p2p
 from .channel import Channel
 from .cts import CTS_COLL, CTS_P2P, ClearToSend
+from .eager import EAGER_BYTES, EAGER_SLOTS, EagerIn, EagerOut, segment_bytes
 from .ops import _STOP, PeerTimeout, _Drivers, _Op, stamp
 from .rails import ERROR_MPI, MpiRail, size_mismatch
 from .schedule import choose_rails, chunk_spans, rail_key, slots_that_fit
@@ -76,6 +78,8 @@ class StagedTransport(Transport):
         self.chunk_bytes = CHUNK_BYTES if tuned is None else tuned.chunk_bytes
         self.slots = SLOTS if tuned is None else tuned.slots
         self.early_chunks = EARLY_CHUNKS
+        # eager messages between ranks of one host (eager.py); set before a channel opens
+        self.eager_bytes, self.eager_slots = EAGER_BYTES, EAGER_SLOTS
         self.rail_weights: dict[str, float] = {} if tuned is None else dict(tuned.rail_weights)
         self.timeout = comm.config.timeout
         self.mode, addrs = _rail_addresses(comm)
@@ -106,6 +110,9 @@ class StagedTransport(Transport):
         self.stats: dict[str, int] = {}
         self._stats_lock = threading.Lock()
         self._counting = threading.local()  # .info: the trace facts of the op a driver runs
+        # which path served each message and operation body (for tests and the benchmark);
+        # added to by whichever thread runs it, so an approximate count under contention
+        self.paths: collections.Counter[str] = collections.Counter()
         _LIVE.add(self)
 
     @classmethod
@@ -208,16 +215,40 @@ class StagedTransport(Transport):
                 opened[p].shm_out = SharedSlots(
                     f"{base}-{self.rank}-{p}", slots, self.chunk_bytes, create=True
                 )
+            rings = {p: self._eager_ring(opened[p], f"{base}-e{self.rank}-{p}") for p in shm}
             names = self._swap(
-                {p: (f"{base}-{self.rank}-{p}", slots, self.chunk_bytes) for p in shm}, deadline
+                {p: (f"{base}-{self.rank}-{p}", slots, self.chunk_bytes, rings[p]) for p in shm},
+                deadline,
             )
             for p in shm:
-                name, count, slot_bytes = names[p]
+                name, count, slot_bytes, ring = names[p]
                 opened[p].shm_in = SharedSlots(name, count, slot_bytes, create=False)
+                if ring is not None:
+                    ename, eslots, ebytes = ring
+                    seg = SharedSlots(ename, 1, segment_bytes(eslots, ebytes), create=False)
+                    opened[p].eager_in = EagerIn(seg, eslots, ebytes)
             # both sides have mapped both segments: the names can go
             self._swap({p: None for p in shm}, deadline)
             for p in shm:
                 opened[p].shm_out.unlink()  # type: ignore[union-attr]
+                out = opened[p].eager_out
+                if out is not None:
+                    out.seg.unlink()
+
+    def _eager_ring(self, ch: Channel, name: str) -> tuple[str, int, int] | None:
+        """Make the eager ring of messages to `ch`'s peer (its name, slots and slot bytes for
+        the peer to map), or None where this host cannot order messages through shared words,
+        eager messages are off, or /dev/shm has no room (the pair then uses the rails only)."""
+        if self.eager_bytes <= 0 or self.eager_slots <= 0 or flags.unsupported() is not None:
+            return None
+        size = segment_bytes(self.eager_slots, self.eager_bytes)
+        try:
+            seg = SharedSlots(name, 1, size, create=True)
+        except SegmentError as exc:
+            log.warning("staged: no eager messages to rank %d (%s)", ch.peer, exc)
+            return None
+        ch.eager_out = EagerOut(seg, self.eager_slots, self.eager_bytes)
+        return name, self.eager_slots, self.eager_bytes
 
     # ---- messages: the building block of every operation -----------------------------------
 
@@ -415,12 +446,18 @@ class StagedTransport(Transport):
         reduce_op: ReduceOp | None = None,
         nbytes: int | None = None,
     ) -> Work:
-        """Start `body(deadline, ready)` on a driver thread; the Work completes with it.
+        """Start `body(deadline, ready)` on a driver thread, the Work completing with it; a
+        blocking call's (hetcomm.work.take_blocking) runs here instead, to its end.
 
         Its `info` (for the trace) counts as stages the chunks this rank sends and receives
         over rails; `nbytes` is the operation's size (default: the first buffer's).
         """
+        blocking = take_blocking()
         ready = self._ready(bufs, reduce_op)
+        if blocking:
+            size = bufs[0].nbytes if nbytes is None else nbytes
+            return self._inline(op, seq, size, lambda deadline: body(deadline, ready))
+        self.paths["driver"] += 1
         deadline = time.monotonic() + self.timeout
         info = {
             "transport": "staged",
@@ -491,13 +528,23 @@ class StagedTransport(Transport):
         return doorbell is not None and doorbell.alive
 
     def _op_work(
-        self, name: str, seq: int, x: Buffer, op: _Op, deadline: float, cleanup: Callable[[], None]
+        self,
+        name: str,
+        seq: int,
+        x: Buffer | Region,
+        op: _Op,
+        deadline: float,
+        cleanup: Callable[[], None],
+        watch: Callable[[], None] | None = None,
     ) -> Work:
         """The Work of a message started on the calling thread: done when `op` is, failing
         with CommTimeout (naming the peer and why) when `deadline` passes first; `cleanup`
-        runs once it ends either way."""
+        runs once it ends either way; `watch`, where given, at every poll before then (and
+        the waiter then blocks for at most 50 ms between polls)."""
 
         def poll() -> bool:
+            if not op.done.is_set() and watch is not None:
+                watch()
             if not op.done.is_set() and time.monotonic() < deadline:
                 return False
             try:
@@ -515,7 +562,9 @@ class StagedTransport(Transport):
             name,
             seq,
             poll,
-            waiter=lambda seconds: op.done.wait(min(seconds, deadline - time.monotonic())),
+            waiter=lambda seconds: op.done.wait(
+                min(seconds, deadline - time.monotonic(), 0.05 if watch else seconds)
+            ),
         )
         work.info = {"transport": "staged", "bytes": x.nbytes, "stages": len(op.spans)}
         return work
@@ -533,43 +582,221 @@ class StagedTransport(Transport):
         return gpu.ready_event(bufs[0])
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
-        """Chunks over every rail to `dst` once its clear-to-send names this message."""
+        """Eagerly through a shared slot (a small message to a rank of this host), else chunks
+        over every rail to `dst` once its clear-to-send names this message. A blocking send
+        runs here to its end; an asynchronous one starts here where nothing must wait."""
+        blocking = take_blocking()
         stamp("send")
         region = self._region(x)
         k = self._p2p_number("send", dst, tag)
-        if self._on_calling_thread(dst):
+        ready = self._ready([x])
+        stamp("ready")
+        if blocking:
+            return self._inline(
+                "send", seq, x.nbytes, lambda d: p2p.send(self, region, dst, tag, k, d, ready)
+            )
+        deadline = time.monotonic() + self.timeout
+        ch = self._channels.get(dst) if dst != self.rank and not self.closed else None
+        marked = False
+        if ch is not None and ch.eager_out is not None:
+            if region.nbytes <= ch.eager_out.slot_bytes:
+                if p2p.send_eager(self, ch, region, tag, k, deadline, ready, wait=False):
+                    work = Work(self.comm, "send", seq, _true)
+                    work.info = {"transport": "staged", "bytes": x.nbytes, "stages": 1}
+                    return work
+            else:
+                marked = p2p.mark(self, ch, tag, k, region.nbytes, deadline, wait=False)
+        if (ch is None or ch.eager_out is None or marked) and self._on_calling_thread(dst):
             # no driver: the chunks are queued here if the receive is posted already, else by
             # the thread that files its clear-to-send
-            deadline = time.monotonic() + self.timeout
-            ready = self._ready([x])
-            stamp("ready")
+            self.paths["send rails"] += 1
             op = self.start_send(dst, region, CTS_P2P, tag, k, deadline, ready)
             return self._op_work("send", seq, x, op, deadline, lambda: self.cts.unwait(op))
 
         def body(deadline: float, ready: Any) -> None:
-            self.finish_send(
-                self.start_send(dst, region, CTS_P2P, tag, k, deadline, ready), deadline
-            )
+            p2p.send(self, region, dst, tag, k, deadline, ready, marked)
 
         return self._run("send", seq, [x], body)
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
-        """Post a clear-to-send to `src`, then copy the chunks in as they land."""
+        """Receive into `x` from `src` (see _recv); the Work's `source` is `src`, known ahead."""
+        work = self._recv(x, src, tag, seq)
+        work.source = src
+        return work
+
+    def _recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
+        """Take the eager message of this number from its shared slot, else post a
+        clear-to-send to `src` and copy the chunks in as they land. A blocking receive runs
+        here to its end; an asynchronous one is polled by its Work where it can be."""
+        blocking = take_blocking()
         stamp("recv")
         region = self._region(x)
         k = self._p2p_number("recv", src, tag)
-        if self._on_calling_thread(src):
-            # no driver: the clear-to-send goes out from here, and the Work completes when
-            # the thread that lands the last chunk says so
-            deadline = time.monotonic() + self.timeout
-            op = self.post_recv(src, region, CTS_P2P, tag, k, deadline, self._ready([x]))
-            return self._op_work("recv", seq, x, op, deadline, lambda: self._forget(op))
+        ready = self._ready([x])
+        if blocking:
+            return self._inline(
+                "recv", seq, x.nbytes, lambda d: p2p.recv(self, region, src, tag, k, d, ready)
+            )
+        deadline = time.monotonic() + self.timeout
 
         def body(deadline: float, ready: Any) -> None:
-            op = self.post_recv(src, region, CTS_P2P, tag, k, deadline, ready)
-            self.finish_recv(op, deadline)
+            p2p.recv(self, region, src, tag, k, deadline, ready)
 
+        if src != self.rank and not self.closed:
+            ch = self._channels.get(src)
+            if ch is None:
+                return self._when_open(
+                    src,
+                    seq,
+                    deadline,
+                    lambda ch: (
+                        self._recv_async(ch, region, tag, k, seq, deadline, ready)
+                        or self._run("recv", seq, [x], body)
+                    ),
+                )
+            work = self._recv_async(ch, region, tag, k, seq, deadline, ready)
+            if work is not None:
+                return work
         return self._run("recv", seq, [x], body)
+
+    def _recv_async(
+        self, ch: Channel, region: Region, tag: int, k: int, seq: int, deadline: float, ready: Any
+    ) -> Work | None:
+        """The Work of an asynchronous receive over an open channel, polled by its waiter
+        with no thread where it can be; None where a driver must run it."""
+        inbox = ch.eager_in
+        if inbox is not None:
+            if region.nbytes <= inbox.slot_bytes:
+                return p2p.eager_work(self, ch, inbox, region, tag, k, seq, deadline, ready)
+            if self._on_calling_thread(ch.peer):
+                return p2p.rails_work(self, ch, inbox, region, tag, k, seq, deadline, ready)
+        elif self._on_calling_thread(ch.peer):
+            # no driver: the clear-to-send goes out from here, and the Work completes when
+            # the thread that lands the last chunk says so
+            self.paths["recv rails"] += 1
+            op = self.post_recv(ch.peer, region, CTS_P2P, tag, k, deadline, ready)
+            return self._op_work("recv", seq, region, op, deadline, lambda: self._forget(op))
+        return None
+
+    def _when_open(
+        self, peer: int, seq: int, deadline: float, then: Callable[[Channel], Work]
+    ) -> Work:
+        """The Work of an asynchronous receive whose channel is not open yet: a driver opens
+        it (both ranks do, together) and `then(channel)` makes the receive's own Work there,
+        which this one polls. The driver is free again once the channel is open, so receives that
+        wait do not hold the drivers (which a ring of messages waiting for them would need)."""
+
+        inner: list[Work] = []
+
+        def open_it() -> None:
+            # the receive is posted here, as soon as the channel is open: a ring of messages
+            # for receives that nobody polls yet drains all the same
+            inner.append(then(self.channel(peer, deadline)))
+
+        opened = self._driver.submit(open_it)
+
+        def poll() -> bool:
+            if not opened.done():
+                return False
+            if not inner:
+                try:
+                    opened.result()
+                except PeerTimeout as exc:
+                    raise CommTimeout(
+                        self.comm.name, "recv", seq, self.timeout, exc.ranks, str(exc)
+                    ) from None
+            return inner[0].test()
+
+        def waiter(seconds: float) -> bool:
+            if not opened.done():
+                return bool(futures.wait((opened,), seconds).done)
+            time.sleep(min(seconds, 50e-6))  # the receive's own Work is polled meanwhile
+            return False
+
+        work = Work(self.comm, "recv", seq, poll, waiter=waiter)
+        return work
+
+    # ---- prepared blocking calls and eager messages (eager.py) -------------------------------
+
+    def prepare(
+        self,
+        op: str,
+        x: Buffer | None,
+        out: Buffer | None,
+        rop: ReduceOp | None,
+        root: int,
+    ) -> Callable[..., bool] | None:
+        """The blocking call of one signature on host arrays, made on the calling thread with
+        no Work (hetcomm.routes.Route): send and recv (eager where the peer shares this host
+        and the message fits a slot, else over the rails, still on this thread); collectives
+        where staged/collectives.py prepares them. Prepared sends and receives never decline:
+        they number their message as the general path would and run it to its end."""
+        if op in ("send", "recv"):
+            if x is None or x.host is None:
+                return None
+            return self._run_send if op == "send" else self._run_recv
+        if op == "barrier":
+            return None
+        from . import collectives
+
+        prepare = getattr(collectives, "prepare", None)
+        return None if prepare is None else prepare(self, op, x, out, rop, root)
+
+    def _run_send(self, xh: np.ndarray, dst: int, tag: int, seq: int) -> bool:
+        """The prepared blocking send of a host array."""
+        k = self._p2p_number("send", dst, tag)
+        region = Region(xh.nbytes, xh.reshape(-1).view(np.uint8))
+        try:
+            p2p.send(self, region, dst, tag, k, time.monotonic() + self.timeout, None)
+        except (PeerTimeout, PeerLost) as exc:
+            raise self._fatal("send", seq, exc) from None
+        return True
+
+    def _run_recv(self, xh: np.ndarray, src: int, tag: int, seq: int) -> bool:
+        """The prepared blocking receive into a host array."""
+        k = self._p2p_number("recv", src, tag)
+        region = Region(xh.nbytes, xh.reshape(-1).view(np.uint8))
+        try:
+            p2p.recv(self, region, src, tag, k, time.monotonic() + self.timeout, None)
+        except (PeerTimeout, PeerLost) as exc:
+            raise self._fatal("recv", seq, exc) from None
+        return True
+
+    def _fatal(self, name: str, seq: int, exc: PeerTimeout | PeerLost) -> BaseException:
+        """The error a prepared call ends with when its peer is late or gone (CommTimeout
+        naming the peer, or PeerLost), the communicator aborted with it as a Work would."""
+        err: BaseException = exc
+        if isinstance(exc, PeerTimeout):
+            err = CommTimeout(self.comm.name, name, seq, self.timeout, exc.ranks, str(exc))
+        self.comm._abort(err)
+        return err
+
+    def _inline(self, name: str, seq: int, nbytes: int, fn: Callable[[float], None]) -> Work:
+        """Run a blocking operation's body `fn(deadline)` on the calling thread, the driver
+        threads being for asynchronous operations only; its Work is complete (or failed, with
+        the body's error, CommTimeout where a peer was late) when this returns."""
+        self.paths["calling thread"] += 1
+        info = {"transport": "staged", "bytes": nbytes, "stages": 0}
+        before = getattr(self._counting, "info", None)
+        self._counting.info = info
+        error: BaseException | None = None
+        try:
+            fn(time.monotonic() + self.timeout)
+        except PeerTimeout as exc:
+            error = CommTimeout(self.comm.name, name, seq, self.timeout, exc.ranks, str(exc))
+        except BaseException as exc:
+            error = exc
+        finally:
+            self._counting.info = before
+
+        def poll() -> bool:
+            if error is not None:
+                raise error
+            return True
+
+        work = Work(self.comm, name, seq, poll)
+        work.info = info
+        return work
 
     def exchange(
         self,
@@ -668,6 +895,9 @@ class StagedTransport(Transport):
         closed = HetcommError("the staged transport was closed")
         for op in list(self.receives.values()):
             op.fail(closed)
+        for ch in self._channels.values():
+            if ch.eager_in is not None:
+                ch.eager_in.fail_posted(closed)
         for ch, op in self.cts.take_waiting():
             if op.early:
                 ch.drop_early(op)  # their copies end before the segment goes
@@ -684,6 +914,10 @@ class StagedTransport(Transport):
         self.listener.close()
         if self.gpu is not None:
             self.gpu.close()
+
+
+def _true() -> bool:
+    return True
 
 
 # Transports not closed by their communicator are closed when the interpreter exits, before

@@ -1,0 +1,219 @@
+"""Eager messages between two staged ranks of one host: a ring of slots in shared memory.
+
+Per ordered pair of ranks on one host the sender makes one segment (`shm.SharedSlots`, mapped
+by the receiver when their channel opens, unlinked once both have mapped it): a control row,
+then `slots` header rows, then `slots` data areas of `slot_bytes` each. A send of at most
+`slot_bytes` copies its bytes into a free slot and publishes it; the receive of that (tag,
+number) finds the slot, copies the bytes out and frees it. No clear-to-send, no thread.
+
+Each word has one writer. The sender writes a slot's TAG, NUMBER, NBYTES, KIND and data, then
+its PUB (the slot's publish count) and last the control row's TOTAL (publishes so far); the
+receiver writes the slot's FREED (the PUB it consumed). A slot is free while PUB == FREED. The
+order of those stores is what a reader relies on (`flags`: x86-64 keeps stores in order).
+
+A send above `slot_bytes` on such a channel publishes a *marker* (KIND RAILS, no data) before
+it waits for its clear-to-send, so that a receive expecting an eager message of that (tag,
+number) learns the sizes disagree instead of waiting for ever; the receive that takes the
+message over the rails frees the marker.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from ..local import Region
+from ..shm import SharedSlots
+
+# The largest message sent eagerly, and the slots of one ring. Measured on the 2-core CPU VM,
+# 4 ranks, host arrays, one-way ping-pong of eager against rails in interleaved rounds
+# (2026-12-01, load average 6-7 from other jobs, so one digit at most): eager 343-576 us
+# against rails 534-977 us at 128-256 KiB, even at 512 KiB (712 / 718 us), slower at 1 MiB
+# (1283 / 726 us). A receive that waits longer than flags.wait's 2 ms of yielding naps in
+# steps of up to 1 ms, where the rails' receive sleeps on an event and wakes at once: that
+# bounds the size worth sending eagerly. Eight slots: a ring costs 2 MiB of /dev/shm per
+# ordered pair of a host's ranks (not measured further; more slots only let more messages
+# wait for their receives).
+EAGER_BYTES = 256 << 10
+EAGER_SLOTS = 8
+
+_ROW = 8  # int64 words per header row
+PUB, TAG, NUMBER, NBYTES, KIND, FREED = 0, 1, 2, 3, 4, 5
+TOTAL = 0  # word of the control row
+DATA, RAILS = 1, 2  # KIND: bytes in the slot; a marker of a message sent over the rails
+_ALIGN = 4096
+
+
+def segment_bytes(slots: int, slot_bytes: int) -> int:
+    """The size of a ring's segment: the header rows, page-aligned, then the data areas."""
+    return _data_offset(slots) + slots * slot_bytes
+
+
+def _data_offset(slots: int) -> int:
+    head = (slots + 1) * _ROW * 8
+    return (head + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class _Ring:
+    """The views of one ring's segment that both ends use."""
+
+    def __init__(self, seg: SharedSlots, slots: int, slot_bytes: int) -> None:
+        self.seg, self.slots, self.slot_bytes = seg, slots, slot_bytes
+        words = seg.array[: (slots + 1) * _ROW * 8].view(np.int64).reshape(slots + 1, _ROW)
+        self.control = words[0]
+        self.head = words[1:]
+        off = _data_offset(slots)
+        self.data = seg.array[off : off + slots * slot_bytes].reshape(slots, slot_bytes)
+        self.lock = threading.Lock()  # this rank's threads that take slots of the ring
+
+    def close(self) -> None:
+        self.seg.close()
+
+
+class EagerOut(_Ring):
+    """The sending end: this rank made the segment and writes the messages."""
+
+    def __init__(self, seg: SharedSlots, slots: int, slot_bytes: int) -> None:
+        super().__init__(seg, slots, slot_bytes)
+        self._filling: set[int] = set()  # slots taken by a thread of this rank, not published
+
+    def claim(self) -> int | None:
+        """A free slot, taken for this thread to fill; None when every slot is in use."""
+        head = self.head
+        with self.lock:
+            free = np.flatnonzero(head[:, PUB] == head[:, FREED])
+            for s in free.tolist():
+                if s not in self._filling:
+                    self._filling.add(s)
+                    return int(s)
+        return None
+
+    def target(self, slot: int, nbytes: int) -> np.ndarray:
+        """Where a message of `nbytes` goes in `slot`."""
+        return self.data[slot, :nbytes]
+
+    def publish(self, slot: int, tag: int, number: int, nbytes: int, kind: int) -> None:
+        """Announce the claimed `slot` (its bytes written already) to the receiver."""
+        row = self.head[slot]
+        row[TAG], row[NUMBER], row[NBYTES], row[KIND] = tag, number, nbytes, kind
+        row[PUB] += 1  # after the header and the data
+        self.control[TOTAL] += 1  # last: receivers look again when it moves
+        with self.lock:
+            self._filling.discard(slot)
+
+    def unclaim(self, slot: int) -> None:
+        """Give back a claimed slot that was not published (its copy failed)."""
+        with self.lock:
+            self._filling.discard(slot)
+
+
+class Found:
+    """A message taken from the ring by a receive: its slot, kind and size."""
+
+    __slots__ = ("kind", "nbytes", "pub", "slot")
+
+    def __init__(self, slot: int, kind: int, nbytes: int, pub: int) -> None:
+        self.slot, self.kind, self.nbytes, self.pub = slot, kind, nbytes, pub
+
+
+class Posted:
+    """An eager receive waiting for its message: where it goes, and how it ended (set by the
+    thread that lands it)."""
+
+    __slots__ = ("done", "error", "number", "ready", "region", "tag")
+
+    def __init__(self, region: Region, tag: int, number: int, ready: Any) -> None:
+        self.region, self.tag, self.number, self.ready = region, tag, number, ready
+        self.done = False
+        self.error: BaseException | None = None
+
+
+class EagerIn(_Ring):
+    """The receiving end: the peer made the segment; this rank reads and frees its slots.
+
+    Receives that wait for their message are `posted` by (tag, number): whichever thread of
+    this rank looks at the ring (`progress`) takes every message a posted receive waits for,
+    as MPI's progress does for its posted receives, so that a ring full of messages for
+    receives nobody waits on yet still drains. `posted`, `_taken` and `_scanned` are guarded
+    by `lock`."""
+
+    def __init__(self, seg: SharedSlots, slots: int, slot_bytes: int) -> None:
+        super().__init__(seg, slots, slot_bytes)
+        self._taken: set[int] = set()  # slots a thread of this rank is reading
+        self.posted: dict[tuple[int, int], Posted] = {}
+        self._scanned = -1  # TOTAL at the last progress
+
+    def post(self, rec: Posted) -> Found | None:
+        """The message of `rec`, taken, if it is here; else `rec` is posted for `progress`."""
+        with self.lock:
+            found = self._take(rec.tag, rec.number)
+            if found is None:
+                self.posted[(rec.tag, rec.number)] = rec
+            return found
+
+    def unpost(self, rec: Posted) -> bool:
+        """Withdraw a posted receive (it timed out); False when a thread has taken its message
+        already (it is being landed)."""
+        with self.lock:
+            return self.posted.pop((rec.tag, rec.number), None) is not None
+
+    def fail_posted(self, exc: BaseException) -> None:
+        """End every posted receive with `exc` (the transport closes)."""
+        with self.lock:
+            posted, self.posted = self.posted, {}
+        for rec in posted.values():
+            rec.error = exc
+            rec.done = True
+
+    def progress(self) -> list[tuple[Found, Posted]]:
+        """The messages that posted receives wait for, taken (each with its receive) for the
+        caller to land; reads one word unless the sender has published since the last look."""
+        total = int(self.control[TOTAL])
+        if total == self._scanned:
+            return []
+        head = self.head
+        hits: list[tuple[Found, Posted]] = []
+        with self.lock:
+            self._scanned = total
+            if not self.posted:
+                return hits
+            for s in np.flatnonzero(head[:, PUB] != head[:, FREED]).tolist():
+                if s in self._taken:
+                    continue
+                row = head[s]
+                rec = self.posted.pop((int(row[TAG]), int(row[NUMBER])), None)
+                if rec is not None:
+                    self._taken.add(s)
+                    hits.append((Found(s, int(row[KIND]), int(row[NBYTES]), int(row[PUB])), rec))
+        return hits
+
+    def take(self, tag: int, number: int) -> Found | None:
+        """Message (tag, number), taken for this thread to read, if it has been published."""
+        with self.lock:
+            return self._take(tag, number)
+
+    def _take(self, tag: int, number: int) -> Found | None:
+        head = self.head
+        # a slot whose PUB differs from FREED holds a message whose header the sender no
+        # longer writes; only this rank frees slots, under `lock`
+        hit = np.flatnonzero(
+            (head[:, PUB] != head[:, FREED]) & (head[:, TAG] == tag) & (head[:, NUMBER] == number)
+        )
+        for s in hit.tolist():
+            if s not in self._taken:
+                self._taken.add(s)
+                row = head[s]
+                return Found(int(s), int(row[KIND]), int(row[NBYTES]), int(row[PUB]))
+        return None
+
+    def view(self, found: Found) -> np.ndarray:
+        """The bytes of a taken message."""
+        return self.data[found.slot, : found.nbytes]
+
+    def free(self, found: Found) -> None:
+        """Hand a taken slot back to the sender."""
+        self.head[found.slot, FREED] = found.pub
+        with self.lock:
+            self._taken.discard(found.slot)

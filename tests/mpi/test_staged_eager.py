@@ -1,0 +1,259 @@
+"""Staged eager messages: sizes around the threshold, tags out of order, many in flight,
+sizes that disagree, signatures that change, and a communicator aborted midway.
+
+Pairs of ranks (0, 1), (2, 3), ... exchange messages; a rank without a partner only takes part
+in the checks. Where the pair shares no host (the tcp step of scripts/test) the same calls go
+over the rails, and the tests check the data only."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import hetcomm
+from hetcomm import introspect
+from hetcomm.transports.staged.eager import EAGER_BYTES, EAGER_SLOTS
+
+DTYPES = ("uint8", "int16", "float32", "float64")
+SENTINEL = 7
+
+
+def _pair(comm: hetcomm.Communicator) -> int | None:
+    """This rank's partner, or None for the odd rank out."""
+    peer = comm.rank ^ 1
+    return peer if peer < comm.size else None
+
+
+def _staged(comm: hetcomm.Communicator) -> object:
+    comm.barrier()
+    return introspect.transports(comm)["staged"]
+
+
+def _eager_with(staged: object, peer: int) -> bool:
+    ch = introspect.channels(staged).get(peer)  # type: ignore[arg-type]
+    return ch is not None and ch.eager_out is not None and ch.eager_in is not None
+
+
+def _opened(comm: hetcomm.Communicator) -> int | None:
+    """This rank's partner once their channel is open, if the pair has eager rings (ranks of
+    one host); else None (the rails need their receives posted in step: these tests do not
+    apply)."""
+    peer = _pair(comm)
+    staged = _staged(comm)
+    if peer is None:
+        return None
+    _exchange(comm, peer, np.zeros(1), np.zeros(1), tag=99)
+    return peer if _eager_with(staged, peer) else None
+
+
+def _data(rng: np.random.Generator, n: int, dtype: str) -> np.ndarray:
+    return rng.integers(0, 100, n).astype(dtype)
+
+
+def _exchange(comm, peer, send, recv_into, tag=0):
+    """Even rank sends first, odd receives first (rails sends wait for their receive)."""
+    if comm.rank % 2 == 0:
+        comm.send(send, peer, tag=tag)
+        comm.recv(recv_into, peer, tag=tag)
+    else:
+        comm.recv(recv_into, peer, tag=tag)
+        comm.send(send, peer, tag=tag)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sizes_around_the_threshold(hetcomm_make_comm, errors, rng):
+    """0, 1, thr-1, thr and thr+1 elements of several dtypes: each arrives whole, nothing past
+    it is written, messages up to the threshold go eager (where the pair shares a host) and
+    larger ones over the rails; no /dev/shm segment is left once the channel is open."""
+    comm = hetcomm_make_comm(transport="staged", timeout=60)
+    peer = _pair(comm)
+    staged = _staged(comm)
+    if peer is not None:
+        for dtype in DTYPES:
+            item = np.dtype(dtype).itemsize
+            thr = EAGER_BYTES // item
+            for n in (0, 1, thr - 1, thr, thr + 1):
+                mine = _data(rng, n, dtype)  # the same draws on every rank: theirs too
+                theirs = _data(rng, n, dtype)
+                if comm.rank % 2:
+                    mine, theirs = theirs, mine
+                back = np.full(n + 3, SENTINEL, dtype=dtype)
+                before = dict(staged.paths)
+                _exchange(comm, peer, mine, back[:n], tag=n % 5)
+                what = f"{n} x {dtype}"
+                errors.expect(np.array_equal(back[:n], theirs), f"{what}: received wrong data")
+                errors.expect((back[n:] == SENTINEL).all(), f"{what}: wrote past the message")
+                if _eager_with(staged, peer):
+                    eager = n * item <= EAGER_BYTES
+                    key = "recv eager" if eager else "recv rails"
+                    got = staged.paths[key] - before.get(key, 0)
+                    errors.expect(got == 1, f"{what}: {key} counted {got}, expected 1")
+        token = staged.token.hex()[:12]
+        left = [f for f in os.listdir("/dev/shm") if token in f]
+        errors.expect(not left, f"segments left in /dev/shm: {left}")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_tags_received_out_of_order(hetcomm_make_comm, errors, rng):
+    """Between ranks of one host, a ring's worth of messages, two per tag, sent in one order
+    and received with the tags in reverse: each tag's messages arrive in the order sent,
+    whatever the other tags do (blocking sends that go eager complete before their receives
+    are posted, while the ring has a free slot)."""
+    comm = hetcomm_make_comm(transport="staged", timeout=60)
+    peer = _opened(comm)
+    if peer is not None:
+        tags = EAGER_SLOTS // 2
+        msgs = {(t, i): _data(rng, 3 + t, "float64") for t in range(tags) for i in range(2)}
+        if comm.rank % 2 == 0:
+            for (t, _), x in msgs.items():
+                comm.send(x, peer, tag=t)
+        else:
+            for t in reversed(range(tags)):
+                for i in range(2):
+                    got = np.full(3 + t + 1, -1.0)
+                    comm.recv(got[:-1], peer, tag=t)
+                    errors.expect(np.array_equal(got[:-1], msgs[(t, i)]), f"tag {t} #{i}")
+                    errors.expect(got[-1] == -1.0, f"tag {t} #{i}: wrote past the message")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("opened", [False, True], ids=["first messages", "open channel"])
+def test_many_in_flight_async(hetcomm_make_comm, errors, rng, opened):
+    """Between ranks of one host, three rings' worth of asynchronous small sends and a few
+    large ones, over three tags, received asynchronously in another order and waited for in
+    reverse: all arrive (sends that find the ring full wait on a driver thread for the
+    receiver to free slots). The first messages open the channel: a driver opens it, and
+    each receive is posted on the ring as soon as it is open."""
+    comm = hetcomm_make_comm(transport="staged", timeout=60)
+    if opened:
+        peer = _opened(comm)
+    else:
+        peer = _pair(comm)
+        _staged(comm)
+        facts = comm.topology
+        if peer is not None and (
+            facts[peer].host != facts[comm.rank].host or comm.config.rails.strip() == "mpi"
+        ):
+            peer = None  # no ring between these two
+    if peer is not None:
+        count = 3 * EAGER_SLOTS
+        sizes = [1 + (i * 7) % 50 for i in range(count)]
+        sizes[5] = sizes[11] = EAGER_BYTES // 4 + 10  # float32 past the threshold
+        msgs = [_data(rng, n, "float32") for n in sizes]
+        tags = [i % 3 for i in range(count)]
+        if comm.rank % 2 == 0:
+            works = [comm.send(x, peer, tag=t, async_op=True) for x, t in zip(msgs, tags)]
+            for w in reversed(works):
+                w.wait()
+        else:
+            got = [np.full(n + 1, -1.0, np.float32) for n in sizes]
+            order = [i for t in (2, 0, 1) for i in range(count) if tags[i] == t]
+            works = {i: comm.recv(got[i][:-1], peer, tag=tags[i], async_op=True) for i in order}
+            for i in reversed(order):
+                works[i].wait()
+                errors.expect(np.array_equal(got[i][:-1], msgs[i]), f"message {i}: wrong data")
+                errors.expect(got[i][-1] == -1.0, f"message {i}: wrote past the message")
+    errors.verify()
+
+
+# (sender's elements, receiver's elements) of float32, around the threshold
+THR32 = EAGER_BYTES // 4
+DISAGREE = {
+    "both eager": (5, 8),
+    "eager to rails": (5, THR32 + 1),
+    "rails to eager": (THR32 + 1, 5),
+    "both rails": (THR32 + 2, THR32 + 1),
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", list(DISAGREE))
+def test_sizes_that_disagree(hetcomm_make_comm, errors, case):
+    """A receive of another size than its message fails with MismatchError naming the sender
+    and both sizes, without a hang and without writing the array; a sender over the rails
+    fails too (an eager one has completed, as MPI's do). A matching pair works after it, the
+    ring having given back every slot."""
+    comm = hetcomm_make_comm(transport="staged", timeout=20)
+    peer = _pair(comm)
+    _staged(comm)
+    sent, taken = DISAGREE[case]
+    if peer is not None:
+        if comm.rank % 2 == 0:
+            try:
+                comm.send(np.arange(sent, dtype=np.float32), peer, tag=3)
+                errors.expect(4 * sent <= EAGER_BYTES, "a send over the rails completed")
+            except hetcomm.MismatchError as exc:
+                errors.expect(f"receives {4 * taken}" in str(exc), f"send said: {exc}")
+            for _ in range(2 * EAGER_SLOTS):
+                comm.send(np.arange(4, dtype=np.float32), peer, tag=3)
+        else:
+            y = np.full(taken, -1.0, np.float32)
+            try:
+                comm.recv(y, peer, tag=3)
+                errors.expect(False, "the receive of another size completed")
+            except hetcomm.MismatchError as exc:
+                text = str(exc)
+                errors.expect(f"rank {peer}" in text and f"takes {4 * taken}" in text, text)
+                errors.expect(f"has {4 * sent} bytes" in text, text)
+            errors.expect((y == -1).all(), "the failed receive wrote its array")
+            for i in range(2 * EAGER_SLOTS):
+                z = np.zeros(4, np.float32)
+                comm.recv(z, peer, tag=3)
+                errors.expect((z == np.arange(4)).all(), f"matching recv {i} got {z}")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_signature_changes_between_calls(hetcomm_make_comm, errors, rng):
+    """Counts, dtypes and arrays that change from call to call: each call of a host array
+    takes its signature's prepared route (counted), and the data is right every time."""
+    comm = hetcomm_make_comm(transport="staged", timeout=60)
+    peer = _pair(comm)
+    _staged(comm)
+    if peer is not None:
+        plan = [(n, d) for _ in range(3) for n, d in ((4, "float32"), (9, "int16"), (4, "float64"))]
+        for n, dtype in plan:
+            mine, theirs = _data(rng, n, dtype), _data(rng, n, dtype)
+            if comm.rank % 2:
+                mine, theirs = theirs, mine
+            back = np.empty(n, dtype)
+            _exchange(comm, peer, mine.copy(), back, tag=1)
+            errors.expect(np.array_equal(back, theirs), f"{n} x {dtype}: wrong data")
+        for route in comm.routes():
+            if route["op"] in ("send", "recv") and route["transport"] == "staged":
+                errors.expect(route["prepared"], f"{route['key']}: no prepared call")
+                errors.expect(route["runs"] >= 2, f"{route['key']}: {route['runs']} runs")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_after_an_abort(hetcomm_make_comm, errors):
+    """A receive whose message never comes times out naming its peer and aborts the
+    communicator (later calls raise CommAborted); a new communicator then sends eagerly."""
+    comm = hetcomm_make_comm(transport="staged", timeout=2)
+    peer = _pair(comm)
+    _staged(comm)
+    if peer is not None:
+        _exchange(comm, peer, np.ones(2), np.zeros(2))  # the channel is open
+        if comm.rank % 2:
+            try:
+                comm.recv(np.zeros(2), peer, tag=4)
+                errors.expect(False, "a receive of a message never sent completed")
+            except hetcomm.CommTimeout as exc:
+                errors.expect(exc.missing == (peer,), f"named {exc.missing}: {exc}")
+            try:
+                comm.send(np.ones(2), peer)
+                errors.expect(False, "a send on an aborted communicator ran")
+            except hetcomm.CommAborted:
+                pass
+    comm.mpi.Barrier()
+    fresh = hetcomm_make_comm(transport="staged", timeout=30)
+    if peer is not None:
+        back = np.zeros(3)
+        _exchange(fresh, peer, np.full(3, fresh.rank, dtype=np.float64), back)
+        errors.expect((back == peer).all(), f"after the abort got {back}")
+    errors.verify()

@@ -1,0 +1,118 @@
+"""The eager ring of one pair of staged ranks (staged/eager.py), both ends in one process: slots
+are taken, published, found by (tag, number) in any order, landed for posted receives and
+freed; a full ring has no slot; the words each end writes are its own."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from hetcomm.transports.local import Region
+from hetcomm.transports.shm import SharedSlots
+from hetcomm.transports.staged.eager import (
+    DATA,
+    FREED,
+    PUB,
+    RAILS,
+    EagerIn,
+    EagerOut,
+    Posted,
+    segment_bytes,
+)
+
+SLOTS, SLOT_BYTES = 4, 4096
+
+
+@pytest.fixture
+def ring() -> Iterator[tuple[EagerOut, EagerIn]]:
+    name = f"hetcomm-test-{uuid.uuid4().hex[:12]}"
+    size = segment_bytes(SLOTS, SLOT_BYTES)
+    out = EagerOut(SharedSlots(name, 1, size, create=True), SLOTS, SLOT_BYTES)
+    inbox = EagerIn(SharedSlots(name, 1, size, create=False), SLOTS, SLOT_BYTES)
+    out.seg.unlink()
+    assert not os.path.exists(f"/dev/shm/{name}")
+    yield out, inbox
+    out.close()
+    inbox.close()
+
+
+def _send(out: EagerOut, tag: int, number: int, data: np.ndarray, kind: int = DATA) -> int:
+    slot = out.claim()
+    assert slot is not None
+    out.target(slot, data.nbytes)[:] = data.view(np.uint8)
+    out.publish(slot, tag, number, data.nbytes, kind)
+    return slot
+
+
+def test_messages_are_found_by_tag_and_number_in_any_order(ring):
+    out, inbox = ring
+    rng = np.random.default_rng()
+    msgs = {
+        (t, k): rng.integers(0, 255, 10 + t + k, dtype=np.uint8) for t in (1, 2) for k in (0, 1)
+    }
+    for (t, k), data in msgs.items():
+        _send(out, t, k, data)
+    assert out.claim() is None  # four slots, four messages: full
+    assert inbox.take(3, 0) is None
+    for t, k in [(2, 1), (1, 1), (2, 0), (1, 0)]:
+        found = inbox.take(t, k)
+        assert found is not None and found.kind == DATA and found.nbytes == msgs[(t, k)].nbytes
+        assert inbox.take(t, k) is None  # taken once
+        assert np.array_equal(inbox.view(found), msgs[(t, k)])
+        inbox.free(found)
+    assert (out.head[:, PUB] == out.head[:, FREED]).all()
+    slots = {out.claim() for _ in range(SLOTS)}
+    assert slots == set(range(SLOTS)) and out.claim() is None
+
+
+def test_posted_receives_are_landed_by_progress(ring):
+    out, inbox = ring
+    early = np.arange(8, dtype=np.uint8)
+    _send(out, 0, 0, early)
+    got0 = np.zeros(8, np.uint8)
+    rec0 = Posted(Region(8, got0), 0, 0, None)
+    found = inbox.post(rec0)
+    assert found is not None  # here already: taken at once
+    inbox.free(found)
+    recs = [Posted(Region(4, np.zeros(4, np.uint8)), 5, k, None) for k in range(3)]
+    for rec in recs:
+        assert inbox.post(rec) is None
+    assert inbox.progress() == []  # nothing published since
+    _send(out, 5, 2, np.full(4, 2, np.uint8))
+    _send(out, 6, 0, np.full(4, 9, np.uint8))  # nobody has posted it
+    _send(out, 5, 0, np.full(4, 0, np.uint8))
+    hits = inbox.progress()
+    assert sorted(rec.number for _, rec in hits) == [0, 2]
+    for found, rec in hits:
+        assert np.array_equal(inbox.view(found), np.full(4, rec.number, np.uint8))
+        inbox.free(found)
+    assert inbox.progress() == []
+    assert list(inbox.posted) == [(5, 1)]
+    assert inbox.unpost(recs[1]) and not inbox.unpost(recs[1])
+    other = inbox.take(6, 0)
+    assert other is not None and np.array_equal(inbox.view(other), np.full(4, 9, np.uint8))
+
+
+def test_a_marker_carries_the_size_and_no_data(ring):
+    out, inbox = ring
+    slot = out.claim()
+    assert slot is not None
+    out.publish(slot, 3, 7, 1 << 30, RAILS)
+    found = inbox.take(3, 7)
+    assert found is not None and found.kind == RAILS and found.nbytes == 1 << 30
+    inbox.free(found)
+    assert out.head[slot, PUB] == out.head[slot, FREED] == 1
+
+
+def test_an_unpublished_slot_is_not_seen(ring):
+    out, inbox = ring
+    slot = out.claim()
+    assert slot is not None
+    out.target(slot, 4)[:] = 1
+    assert inbox.take(0, 0) is None  # claimed and written, not published
+    out.unclaim(slot)
+    assert out.claim() == slot
