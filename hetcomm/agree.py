@@ -1,17 +1,13 @@
 """Agreement across a group: each collective's signature compared before its bytes move, and
 where every rank has got to, so that a wait that times out can name the ranks it waits for.
 
-The check (on by default, `HETCOMM_CHECK=0` turns it off) is one MPI collective per collective
-on a communicator of its own. In groups of up to GATHER_RANKS ranks it is an all-gather of each
-rank's signature beside PAYLOAD bytes: a blocking collective that small travels in it, and each
-rank computes its result from the gathered blocks once every signature is its own
-(hetcomm.fused), so that such a collective costs one MPI call, as unchecked. Larger groups
-all-reduce (MAX) the signature's fields and their negations, so that the result equals the
-vector a rank sent exactly when every rank sent the same one. Either runs before the
-operation's first byte lands; a difference raises MismatchError on every rank, naming each
-field that differs and each rank's value, and leaves every buffer as it was. Collective n uses
-slot n % RING of a ring of persistent requests; asynchronous collectives start once their check
-has completed (see Communicator).
+The check (on by default, `HETCOMM_CHECK=0` turns it off) is one MPI all-reduce (MAX) of a few
+integers per collective on a communicator of its own: the signature's fields and their
+negations, so that the result equals the vector a rank sent exactly when every rank sent the
+same one. It runs before the operation's first byte moves; a difference raises MismatchError on
+every rank, naming each field that differs and each rank's value, and leaves every buffer as it
+was. Blocking calls use one persistent request; asynchronous ones a non-blocking all-reduce
+whose completion starts the operation (see Communicator).
 
 The arrivals table is a small shared-memory segment per communicator and host: each rank writes
 the sequence number of the collective it has entered, and a rank whose wait expires reads the
@@ -42,31 +38,13 @@ _DTYPE_CODES = {name: code + 1 for name, code in CODES.items()}  # 0: no dtype
 _REDOP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
 _REDOPS = {i + 1: op.name for i, op in enumerate(ReduceOp)}
 # the fields of a signature, in the order they travel
-FIELDS = ("operation", "dtype", "count", "reduce op", "root", "memory", "sequence")
-# the memory field: 0 where it is not compared (an operation's ranks may pass host and device
-# buffers alike), else that of a collective small enough to travel in the check, which carries
-# host data only (hetcomm.fused): a rank passing device memory there is told so, by name
-MEMORY = {"any": 0, "host": 1, "device": 2}
-_SEQ = FIELDS.index("sequence")
-_WIDTH = 2 * len(FIELDS)  # int64 words of a signature
-# Groups of up to GATHER_RANKS ranks check by gathering: each rank's block holds its signature
-# and PAYLOAD bytes, where a blocking collective of that size or less carries its data, so that
-# the check is the operation (hetcomm.fused); larger groups check by an all-reduce (MAX) of the
-# signature alone, whose cost does not grow with the group.
-GATHER_RANKS = 16
-PAYLOAD = 256
+FIELDS = ("operation", "dtype", "count", "reduce op", "root", "sequence")
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 _names = count()
 
 
 def signature(
-    op: str,
-    dtype: str | None,
-    n: int,
-    redop: ReduceOp | None,
-    root: int,
-    seq: int = 0,
-    memory: str = "any",
+    op: str, dtype: str | None, n: int, redop: ReduceOp | None, root: int, seq: int = 0
 ) -> np.ndarray:
     """The vector a rank contributes for one collective: its fields, then their negations."""
     f = (
@@ -75,17 +53,9 @@ def signature(
         n,
         _REDOP_CODES[redop] if redop is not None else 0,
         root,
-        MEMORY[memory],
         seq,
     )
     return np.array([*f, *(-v for v in f)], dtype=np.int64)
-
-
-def with_sequence(vec: np.ndarray, seq: int) -> np.ndarray:
-    """A copy of signature `vec` whose sequence field is `seq` (HETCOMM_DEBUG compares it)."""
-    vec = vec.copy()
-    vec[_SEQ], vec[_SEQ + len(FIELDS)] = seq, -seq
-    return vec
 
 
 def differences(every: np.ndarray) -> list[str]:
@@ -110,91 +80,47 @@ def _show(field: str, v: int) -> str:
         return _REDOPS.get(v, "none")
     if field == "root":
         return str(v) if v >= 0 else "none"
-    if field == "memory":
-        return {code: name for name, code in MEMORY.items()}.get(v, str(v))
     return str(v)
 
 
 class Check:
-    """One check's collective and its result: a slot of the ring that every collective's
-    check takes its turn on (see Agreement). `gather`: an all-gather of each rank's block
-    (signature, then PAYLOAD bytes), else an all-reduce (MAX) of the signature. A persistent
-    request where the MPI library has them (MPI-4), else a non-blocking call made afresh at
-    each use."""
+    """One all-reduce (MAX) of a signature vector and its result: a slot of the ring that every
+    collective's check takes its turn on (see Agreement). A persistent request where the MPI
+    library has them (MPI-4), else a non-blocking all-reduce started afresh at each use."""
 
-    __slots__ = (
-        "_block",
-        "_mpi",
-        "_payload",
-        "_payloads",
-        "_sig",
-        "busy",
-        "gather",
-        "held",
-        "mine",
-        "request",
-        "result",
-    )
+    __slots__ = ("_mpi", "busy", "held", "mine", "request", "result")
 
-    def __init__(self, mpi: MPI.Intracomm, persistent: bool, gather: bool) -> None:
-        self.gather = gather
-        self.result: np.ndarray
-        if gather:
-            self.mine = np.zeros(_WIDTH + PAYLOAD // 8, np.int64)
-            self.result = np.zeros((mpi.Get_size(), len(self.mine)), np.int64)
-        else:
-            self.mine = np.zeros(_WIDTH, np.int64)
-            self.result = np.zeros(_WIDTH, np.int64)
-        self._block = self.mine.nbytes
-        self._payload = self.mine[_WIDTH:].view(np.uint8)
-        self._payloads = self.result[:, _WIDTH:].view(np.uint8) if gather else self._payload
-        self._sig = b""  # the signature's bytes, as the gathered blocks must each begin
+    def __init__(self, mpi: MPI.Intracomm, persistent: bool) -> None:
+        width = 2 * len(FIELDS)
+        self.mine = np.zeros(width, np.int64)
+        self.result = np.zeros(width, np.int64)
         self._mpi = None if persistent else mpi
-        self.request: MPI.Request = MPI.REQUEST_NULL
-        if persistent:
-            self.request = (
-                mpi.Allgather_init(self.mine, self.result)
-                if gather
-                else mpi.Allreduce_init(self.mine, self.result, MPI.MAX)
-            )
+        self.request: MPI.Request = (
+            mpi.Allreduce_init(self.mine, self.result, MPI.MAX) if persistent else MPI.REQUEST_NULL
+        )
         self.held: np.ndarray | None = None  # the signature `mine` holds a copy of
         self.busy = False  # started, and its result not yet read
 
     def load(self, vec: np.ndarray) -> None:
         """Put `vec` in the send vector (skipped when it holds that signature already)."""
         if self.held is not vec:
-            self.mine[:_WIDTH] = vec
-            self._sig = self.mine[:_WIDTH].tobytes()
+            self.mine[:] = vec
             self.held = vec
-
-    def payload(self) -> np.ndarray:
-        """This rank's PAYLOAD bytes of the block it sends (a gathering check only)."""
-        return self._payload
-
-    def payloads(self) -> np.ndarray:
-        """After completion: every rank's payload, one row of PAYLOAD bytes per rank."""
-        return self._payloads
 
     def start(self) -> MPI.Request:
         """Start the check; returns its request (to Test)."""
         mpi = self._mpi
         if mpi is None:
             self.request.Start()  # type: ignore[attr-defined]
-        elif self.gather:
-            self.request = mpi.Iallgather(self.mine, self.result)
         else:
             self.request = mpi.Iallreduce(self.mine, self.result, MPI.MAX)
         self.busy = True
         return self.request
 
     def agreed(self) -> bool:
-        """After completion: whether every rank sent the signature this rank sent."""
+        """After completion: whether every rank sent the vector this rank sent."""
         self.busy = False
-        got = self.result.tobytes()
-        if not self.gather:
-            return got == self._sig
-        sig, n = self._sig, len(self._sig)
-        return all(got[i : i + n] == sig for i in range(0, len(got), self._block))
+        return bool(self.result.tobytes() == self.mine.tobytes())
 
     def free(self) -> None:
         """Free a persistent request that is not in flight."""
@@ -224,7 +150,6 @@ class Agreement:
         self.with_sequence = with_sequence
         self.mpi: MPI.Intracomm = mpi_comm.Dup()  # its own message space
         self.rank, self.size = self.mpi.Get_rank(), self.mpi.Get_size()
-        self.gathers = self.size <= GATHER_RANKS  # the same on every rank
         self._ring: list[Check | None] = [None] * self.RING
         self.arrivals = Arrivals(self.mpi)
 
@@ -234,7 +159,7 @@ class Agreement:
         i = seq % self.RING
         check = self._ring[i]
         if check is None:
-            check = self._ring[i] = Check(self.mpi, self._persistent, self.gathers)
+            check = self._ring[i] = Check(self.mpi, self._persistent)
         return check
 
     def mismatch(
@@ -245,7 +170,6 @@ class Agreement:
         with `wait` (bounded)."""
         every = np.empty((self.size, len(mine)), np.int64)
         wait(self.mpi.Iallgather(mine, every))
-        every = every[:, :_WIDTH]
         diffs = differences(every)
         return MismatchError(
             f"group '{group}' collective #{seq}: the ranks called different operations or the "

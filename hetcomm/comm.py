@@ -11,7 +11,7 @@ from typing import Any, Literal, overload
 import numpy as np
 from mpi4py import MPI
 
-from . import ANY_SOURCE, agree, coalesced, fused
+from . import ANY_SOURCE, agree, coalesced
 from . import plan as planning
 from . import trace as _trace
 from . import work as _work
@@ -282,22 +282,12 @@ class Communicator:
         transport = self._transport(op, xb)
         dtype = xb.dtype if xb is not None else None
         count = xb.count if xb is not None else 0
-        # a collective small enough to travel in the check names its memory in the signature:
-        # the check carries host data only, and every rank must take the path the others do
-        small: fused.Fused | None = None
-        memory = "any"
-        if self._agree.gathers and xb is not None:
-            memory = "host" if xb.host is not None else "device"
-            small = fused.plan(op, xb, out, rop, root, self.rank, self.size)
-        vec = agree.signature(op, dtype, count, rop, root, memory=memory if small else "any")
-        if memory != "host":
-            small = None
+        vec = agree.signature(op, dtype, count, rop, root)
         run = None
         prepare = getattr(transport, "prepare", None)
         if prepare is not None and key is not None:
             run = prepare(op, xb, out, rop, root)
         route = Route(op, transport, vec, general, rop, root, run)
-        route.fused = small
         prepare_async = getattr(transport, "prepare_async", None)
         if prepare_async is not None and key is not None:
             route.start = prepare_async(op, xb, out, rop, root)
@@ -341,25 +331,15 @@ class Communicator:
             # the asynchronous collective RING places back has not been seen checked yet
             self._flush_deferred(route.op, seq, timeout)
         if self._debug:
-            check.load(agree.with_sequence(route.vec, seq))
+            vec = route.vec.copy()
+            vec[5], vec[11] = seq, -seq
+            check.load(vec)
         else:
             check.load(route.vec)
         return check
 
-    def _check_blocking(
-        self,
-        route: Route,
-        seq: int,
-        timeout: float | None,
-        small: fused.Fused | None = None,
-        xy: tuple[np.ndarray, np.ndarray | None] | None = None,
-    ) -> None:
-        """The check of a blocking collective, on this thread; where `small` is given it
-        carries the operation too: x of `xy` packed into it, the result unpacked into y."""
+    def _check_blocking(self, route: Route, seq: int, timeout: float | None) -> None:
         check = self._check_slot(route, seq, timeout)
-        if small is not None:
-            assert xy is not None
-            small.pack(check.payload(), xy[0])
         try:
             test = check.start().Test
             for _ in range(_QUICK_POLLS):
@@ -371,20 +351,13 @@ class Communicator:
             raise self._mpi_error(route.op, seq, exc) from exc
         if not check.agreed():
             raise self._mismatch(route.op, seq, check.mine.copy())
-        if small is not None and xy is not None and xy[1] is not None:
-            small.unpack(check.payloads(), xy[1])
 
     def _admit(
-        self,
-        route: Route,
-        start: Callable[[int], Work],
-        device: Buffer | None = None,
-        pack: Callable[[agree.Check], None] | None = None,
+        self, route: Route, start: Callable[[int], Work], device: Buffer | None = None
     ) -> Work:
         """An asynchronous collective: its sequence number and arrival at once, its check
-        started (`pack` puts what it carries into it first), and the operation itself started
-        once the check has completed (and every earlier deferred one has started). Returns
-        the Work the caller gets."""
+        started, and the operation itself started once the check has completed (and every
+        earlier deferred one has started). Returns the Work the caller gets."""
         seq = self._arrive(route)
         if not self._checking:
             if self._deferred:
@@ -393,8 +366,6 @@ class Communicator:
         if self._deferred:
             self._deferred.advance()  # start what can start now, without waiting
         check = self._check_slot(route, seq, None)
-        if pack is not None:
-            pack(check)
         try:
             test = check.start().Test
             if not self._deferred:
@@ -429,83 +400,6 @@ class Communicator:
         item.outer = Work(self, route.op, seq, poll)
         self._deferred.add(item)
         return item.outer
-
-    def _small(
-        self,
-        route: Route,
-        x: Any,
-        y: Any,
-        async_op: bool,
-        timeout: float | None,
-        what: str,
-        apart: bool = False,
-    ) -> Work | None:
-        """A collective that travels in its own check (route.fused: hetcomm.fused). Every call
-        of such a signature takes this path, blocking or not, whatever its arrays' layout,
-        since the other ranks' calls of it do: `x`'s bytes go into the check, and the result
-        into `y` once every rank's signature has agreed. `what` names y in errors (the general
-        path's words); `apart`: y must not partly overlap x (out-of-place all_reduce)."""
-        small = route.fused
-        assert small is not None
-        op = route.op
-        if timeout is not None:
-            check_timeout(timeout, op)
-        xv = host_view(x, False)
-        if xv is None:
-            xv = as_buffer(x, f"{op}: x").host
-            assert xv is not None
-        xh = xv if xv.flags.c_contiguous else np.ascontiguousarray(xv)
-        yh = back = yv = None
-        if small.writes:
-            yv = yh = host_view(y, True)
-            if yh is None:
-                yb = as_buffer(y, what)
-                writable(yb, what)
-                yv = yb.host
-                assert yv is not None
-                yh = np.empty(yv.shape, yv.dtype)
-                back = partial(np.copyto, yv, yh)
-        if (
-            apart
-            and y is not x
-            and yv is not None
-            and np.may_share_memory(xv, yv)
-            and overlap(as_buffer(x, f"{op}: x"), as_buffer(y, what)) == "partial"
-        ):
-            raise InvalidArgument(f"{op}: out partly overlaps x; use x itself or a separate array")
-        route.runs += 1
-        if async_op:
-            carried: list[agree.Check] = []
-
-            def pack(check: agree.Check) -> None:
-                small.pack(check.payload(), xh)
-                carried.append(check)
-
-            def start(seq: int) -> Work:
-                if yh is not None:
-                    small.unpack(carried[0].payloads(), yh)
-                if back is not None:
-                    back()
-                return completed(self, op, seq)
-
-            work = self._admit(route, start, None, pack)
-            return self._finish(work, True, timeout, (x, y))
-        seq = self._arrive(route)
-        if self._deferred:
-            self._flush_deferred(op, seq, timeout)
-        self._check_blocking(route, seq, timeout, small, (xh, yh))
-        if back is not None:
-            back()
-        if _work.observing:  # a Work only for the observers (the trace)
-            seen = Work(self, op, seq, _done)
-            seen.info = {
-                "transport": route.transport.name,
-                "bytes": xh.nbytes,
-                "stages": 1,
-                "in_check": True,  # it travelled in the default check (hetcomm.fused)
-            }
-            seen.test()
-        return None
 
     def _flush_deferred(self, op: str, seq: int, timeout: float | None = None) -> None:
         """Start every deferred collective before the one now entering (bounded wait)."""
@@ -672,9 +566,6 @@ class Communicator:
         route = self._routes.get(key) if key is not None else None
         if route is None:
             route = self._route_all_reduce(key, x, op, out, inplace)
-        if route.fused is not None and self._checking:
-            what = "all_reduce: x (in place)" if inplace else "all_reduce: out"
-            return self._small(route, x, x if inplace else out, async_op, timeout, what, True)
         if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, inplace)
             if xh is not None:
@@ -791,8 +682,6 @@ class Communicator:
             rop = as_reduce_op(op, "reduce: op")
             check_op_for_dtype(rop, xb.dtype, "reduce")
             route = self._route(key, "reduce", xb, self._reduce, rop, r)
-        if route.fused is not None and self._checking:
-            return self._small(route, x, x, async_op, timeout, "reduce: x at the root")
         at_root = self.rank == route.root
         if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, at_root)
@@ -836,8 +725,6 @@ class Communicator:
             xb = as_buffer(x, "broadcast: x")
             r = self._root(root, "broadcast: root")
             route = self._route(key, "broadcast", xb, self._broadcast, None, r)
-        if route.fused is not None and self._checking:
-            return self._small(route, x, x, async_op, timeout, "broadcast: x")
         if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, self.rank != route.root)
             if xh is not None:
@@ -918,8 +805,6 @@ class Communicator:
         route = self._routes.get(key) if key is not None else None
         if route is None:
             route = self._route_blocks(key, op, out, x, rop, out_blocks, x_blocks, method)
-        if route.fused is not None and self._checking:
-            return self._small(route, x, out, async_op, timeout, f"{op}: out")
         if route.run is not None and not async_op and timeout is None and not _work.observing:
             xh = host_view(x, False)
             oh = host_view(out, True)
@@ -1284,10 +1169,6 @@ class Communicator:
 
 def _reduce_scatter(t: Transport) -> Callable[..., Work]:
     return t.reduce_scatter
-
-
-def _done() -> bool:
-    return True
 
 
 def _blocks_general(

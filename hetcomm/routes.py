@@ -11,7 +11,6 @@ import numpy as np
 from .ops import ReduceOp
 
 if TYPE_CHECKING:
-    from .fused import Fused
     from .transports.base import Transport
     from .work import Work
 
@@ -36,7 +35,6 @@ class Route:
     """
 
     __slots__ = (
-        "fused",
         "general",
         "op",
         "root",
@@ -63,8 +61,6 @@ class Route:
         self.rop, self.root, self.run = rop, root, run
         # the transport's prepared asynchronous start for host arrays (sends and receives)
         self.start: Callable[..., Work] | None = None
-        # a blocking call small enough to travel in the default check (hetcomm.fused)
-        self.fused: Fused | None = None
         # calls served by the prepared call, and by the general path (for tests and stats)
         self.runs = 0
         self.uses = 0

@@ -280,13 +280,13 @@ def test_cached_routes_refuse_after_an_abort(hetcomm_comm, errors):
 
 @pytest.mark.mpi(min_size=2)
 def test_small_collectives_in_different_forms_on_different_ranks(hetcomm_comm, rng, errors):
-    """One collective called blocking with a contiguous array on some ranks and asynchronous
-    with a strided view on the others (the check carries small ones on one path, which every
-    form must take): every rank gets the reference, bit for bit the same as every other."""
+    """One collective called blocking with a contiguous array on some ranks (the prepared
+    call) and asynchronous with a strided view on the others (the general path): the forms
+    meet, and every rank gets the reference, bit for bit the same as every other."""
     comm = hetcomm_comm
     size, rank = comm.size, comm.rank
     odd = rank % 2 == 1
-    for count in (1, 7, 32, 33):  # 33 float64: past the check's payload, the transport's path
+    for count in (1, 7, 32, 33):
         stack = rng.standard_normal((size, count))
         backing = np.full(2 * count, np.nan)
         x = backing[::2] if odd else stack[rank].copy()

@@ -58,9 +58,8 @@ def run(errors, what: str, call, *args, **kwargs) -> bool:
 @pytest.mark.parametrize(("lib", "dtype"), CASES)
 def test_every_operation_cut_into_pieces(hetcomm_make_comm, rng, errors, cut, lib, dtype):
     # small all-reduces run whole as persistent requests (one MPI call far below any real
-    # limit), and with the default check small collectives travel in the check itself
-    # (hetcomm.fused): both off here, so that they take the cut path too
-    comm = hetcomm_make_comm(transport="mpi", name="cut", persistent_max=0, check=False)
+    # limit): off here, so that they take the cut path too
+    comm = hetcomm_make_comm(transport="mpi", name="cut", persistent_max=0)
     size, me = comm.size, comm.rank
     for op in ops_for(dtype):
         stack = draw(rng, dtype, (COUNT,), size)
@@ -163,7 +162,7 @@ def test_small_in_place_all_reduce_steps_aside(hetcomm_make_comm, errors, cut):
     """The prepared blocking call of small in-place all_reduces (one MPI call) takes arrays
     within the limit and leaves larger ones to the general path, which cuts them."""
     # the short path's Iallreduce is what this covers: persistent requests off
-    comm = hetcomm_make_comm(transport="mpi", name="cut-short", persistent_max=0, check=False)
+    comm = hetcomm_make_comm(transport="mpi", name="cut-short", persistent_max=0)
     total = comm.size * (comm.size + 1) / 2
     for n in (1, 2, 5, 100):
         x = np.full(n, comm.rank + 1.0)

@@ -8,9 +8,6 @@ the sequence of dtypes, counts and ops is the same everywhere; every result is c
 float64 numpy reference of every rank's inputs, with sentinels around each array. The MPI calls
 of the transport are counted: a small all-reduce of a kind MPI reduces itself never becomes an
 Iallreduce or an Allreduce.
-
-These tests watch the transport's own requests, so their communicators run without the default
-check: with it, all-reduces of 256 bytes or less travel in the check itself (hetcomm.fused).
 """
 
 from __future__ import annotations
@@ -184,7 +181,7 @@ def test_every_rank_its_own_form(hetcomm_make_comm, hetcomm_shared_seed, errors)
     float16 all-reduces (not persistent) and large ones on the lane (see the module's
     docstring); a mismatch between ranks fails within the communicator's timeout."""
     comm = hetcomm_make_comm(
-        transport="mpi", name="persistent-forms", timeout=20, persistent_max=_LIMIT, check=False
+        transport="mpi", name="persistent-forms", timeout=20, persistent_max=_LIMIT
     )
     transport, calls = counted(comm)
     shared = np.random.default_rng(hetcomm_shared_seed)
@@ -244,7 +241,7 @@ def test_more_keys_than_the_cache_holds(hetcomm_make_comm, hetcomm_shared_seed, 
     used one each time; a key used between every two others stays. An asynchronous call still
     in flight when its request is evicted completes first, with its result."""
     comm = hetcomm_make_comm(
-        transport="mpi", name="persistent-lru", timeout=60, persistent_max=_LIMIT, check=False
+        transport="mpi", name="persistent-lru", timeout=60, persistent_max=_LIMIT
     )
     transport, calls = counted(comm)
     requests, cap = transport.requests, mpi_persistent.CAPACITY
@@ -283,9 +280,7 @@ def test_more_keys_than_the_cache_holds(hetcomm_make_comm, hetcomm_shared_seed, 
 def test_requests_are_reused_and_freed_on_close(hetcomm_make_comm, errors):
     """One request serves every call of its key, on the short path and the general one alike;
     closing the communicator frees it."""
-    comm = hetcomm_make_comm(
-        transport="mpi", name="persistent-close", persistent_max=_LIMIT, check=False
-    )
+    comm = hetcomm_make_comm(transport="mpi", name="persistent-close", persistent_max=_LIMIT)
     transport, calls = counted(comm)
     n = comm.size
     for i in range(50):
@@ -325,7 +320,7 @@ def test_off(hetcomm_make_comm, errors, monkeypatch, why):
         options["persistent_max"] = 0
     else:
         monkeypatch.setattr(mpi_persistent, "unavailable", lambda: "MPI 3.1")
-    comm = hetcomm_make_comm(transport="mpi", name="persistent-off", check=False, **options)
+    comm = hetcomm_make_comm(transport="mpi", name="persistent-off", **options)
     transport, calls = counted(comm)
     errors.expect(
         (transport.persistent_off == "MPI 3.1") == (why != "limit 0"),
