@@ -415,6 +415,17 @@ _GROUPS: weakref.WeakKeyDictionary[StagedTransport, tuple[hostcoll.HostGroup, in
 _GROUPS_LOCK = threading.Lock()
 
 
+def close_segment(t: StagedTransport) -> None:
+    """Unregister and unmap `t`'s segment, when the transport closes: left to the garbage
+    collector, the pages were unmapped still registered with the GPU, and a later segment
+    mapped at the same address failed to register (cudaErrorHostMemoryAlreadyRegistered,
+    tests/gpu/test_staged_gpu.py on the H200)."""
+    with _GROUPS_LOCK:
+        found = _GROUPS.pop(t, None)
+    if found is not None:
+        found[0].close()
+
+
 def _segment(t: StagedTransport, nbytes: int) -> hostcoll.HostGroup | None:
     """The shared segment an operation of `nbytes` per rank takes, or None (the rings): a
     choice of the signature and the group alone, so every rank makes the same one."""

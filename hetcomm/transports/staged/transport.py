@@ -919,6 +919,9 @@ class StagedTransport(Transport):
                 t.join(timeout=2)
             ch.release()
         self.listener.close()
+        from . import collectives
+
+        collectives.close_segment(self)  # before the GPU goes: its pages are registered there
         if self.gpu is not None:
             self.gpu.close()
 
