@@ -150,19 +150,37 @@ def all_reduce(t: StagedTransport, x: Buffer, out: Buffer, op: ReduceOp, seq: in
     """Ring reduce-scatter then ring all-gather: each rank sends 2(n-1)/n of the data; small
     operations over a power-of-two group by recursive doubling instead; through the shared
     segment where the group is one host's ranks."""
+    xr = t._region(x)
+
+    def run(group: hostcoll.HostGroup, src: Any, res: Any, deadline: float) -> None:
+        group.all_reduce(src, res, xr.nbytes, x.dtype, op, deadline)
+
+    ring = _all_reduce_ring(t, x, out, op, seq)
+    return _through_segment(t, f"all_reduce #{seq}", x, out, ring, run)
+
+
+def _through_segment(
+    t: StagedTransport,
+    what: str,
+    x: Buffer,
+    out: Buffer,
+    ring: Body,
+    run: Callable[[hostcoll.HostGroup, Any, Any, float], None],
+) -> Body:
+    """`ring`, or where the group has a shared segment for x's size, `run(group, src, res,
+    deadline)` in it: x copied into this rank's block first, the result out of it after (the
+    operations whose input is x and whose output is out on every rank)."""
     xr, orr = t._region(x), t._region(out)
     group = _segment(t, xr.nbytes)
-    if group is not None:
+    if group is None:
+        return ring
 
-        def in_segment(deadline: float, ready: Any) -> None:
-            assert group is not None
-            src = _input(t, group, xr, ready)
-            with _output(t, orr, ready) as res:
-                group.all_reduce(src, res, xr.nbytes, x.dtype, op, deadline)
+    def in_segment(deadline: float, ready: Any) -> None:
+        src = _input(t, group, xr, ready)
+        with _output(t, orr, ready) as res:
+            run(group, src, res, deadline)
 
-        ring = _all_reduce_ring(t, x, out, op, seq)
-        return _on_segment(t, f"all_reduce #{seq}", group, xr.nbytes, in_segment, ring)
-    return _all_reduce_ring(t, x, out, op, seq)
+    return _on_segment(t, what, group, xr.nbytes, in_segment, ring)
 
 
 def _all_reduce_ring(t: StagedTransport, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Body:
@@ -195,19 +213,12 @@ def _all_reduce_ring(t: StagedTransport, x: Buffer, out: Buffer, op: ReduceOp, s
 
 def reduce_scatter(t: StagedTransport, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Body:
     """The reduce-scatter half of the ring, on a scratch copy of `x` (or the shared segment)."""
-    xr, orr = t._region(x), t._region(out)
+
+    def run(group: hostcoll.HostGroup, src: Any, res: Any, deadline: float) -> None:
+        group.reduce_scatter(src, res, x.nbytes, x.dtype, op, deadline)
+
     ring = _reduce_scatter_ring(t, out, x, op, seq)
-    group = _segment(t, xr.nbytes)
-    if group is None:
-        return ring
-
-    def in_segment(deadline: float, ready: Any) -> None:
-        assert group is not None
-        src = _input(t, group, xr, ready)
-        with _output(t, orr, ready) as res:
-            group.reduce_scatter(src, res, xr.nbytes, x.dtype, op, deadline)
-
-    return _on_segment(t, f"reduce_scatter #{seq}", group, xr.nbytes, in_segment, ring)
+    return _through_segment(t, f"reduce_scatter #{seq}", x, out, ring, run)
 
 
 def _reduce_scatter_ring(
@@ -328,19 +339,12 @@ def _broadcast_chain(t: StagedTransport, x: Buffer, root: int, seq: int) -> Body
 
 def all_gather(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Body:
     """Own block into place, then the all-gather half of the ring (or the shared segment)."""
-    xr, orr = t._region(x), t._region(out)
+
+    def run(group: hostcoll.HostGroup, src: Any, res: Any, deadline: float) -> None:
+        group.all_gather(src, res, x.nbytes, deadline)
+
     ring = _all_gather_ring(t, out, x, seq)
-    group = _segment(t, xr.nbytes)
-    if group is None:
-        return ring
-
-    def in_segment(deadline: float, ready: Any) -> None:
-        assert group is not None
-        src = _input(t, group, xr, ready)
-        with _output(t, orr, ready) as res:
-            group.all_gather(src, res, xr.nbytes, deadline)
-
-    return _on_segment(t, f"all_gather #{seq}", group, xr.nbytes, in_segment, ring)
+    return _through_segment(t, f"all_gather #{seq}", x, out, ring, run)
 
 
 def _all_gather_ring(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Body:
@@ -359,19 +363,12 @@ def _all_gather_ring(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Bo
 def all_to_all(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Body:
     """Pairwise exchange: at step s, send to rank r+s while receiving from rank r-s (or the
     shared segment)."""
-    xr, orr = t._region(x), t._region(out)
+
+    def run(group: hostcoll.HostGroup, src: Any, res: Any, deadline: float) -> None:
+        group.all_to_all(src, res, x.nbytes, deadline)
+
     ring = _all_to_all_pairs(t, out, x, seq)
-    group = _segment(t, xr.nbytes)
-    if group is None:
-        return ring
-
-    def in_segment(deadline: float, ready: Any) -> None:
-        assert group is not None
-        src = _input(t, group, xr, ready)
-        with _output(t, orr, ready) as res:
-            group.all_to_all(src, res, xr.nbytes, deadline)
-
-    return _on_segment(t, f"all_to_all #{seq}", group, xr.nbytes, in_segment, ring)
+    return _through_segment(t, f"all_to_all #{seq}", x, out, ring, run)
 
 
 def _all_to_all_pairs(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Body:
