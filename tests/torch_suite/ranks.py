@@ -30,6 +30,21 @@ from typing import Any
 _GATE_BACKEND = "gloo"
 
 
+class _GatedName(str):
+    """The backend's name for a gated run: its value (what torch makes a group of) is the
+    backend's, and it compares equal to gloo's name as well, so that a test body which sets up
+    for gloo by name (`if BACKEND == "gloo": ...`) sets up for this backend the same way, as
+    the decorators that let it start did."""
+
+    def __eq__(self, other: object) -> bool:
+        return other == _GATE_BACKEND or str.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = str.__hash__
+
+
 def configure(backend: str, gate: bool, world_size: int) -> Any:
     """Import torch's suite for `backend`; `gate`: its decorators see gloo, the tests hetcomm.
 
@@ -60,7 +75,7 @@ def configure(backend: str, gate: bool, world_size: int) -> Any:
             table.append(backend)
     if gate:
         # the gates have been read (as gloo's); the tests themselves run on `backend`
-        dt.BACKEND = backend
+        dt.BACKEND = _GatedName(backend)
         os.environ["BACKEND"] = backend
 
     class TestDistBackendWithSpawn(dt.TestDistBackend, dt.DistributedTest._DistTestBase):
