@@ -38,10 +38,15 @@ from .work import Work, all_of, completed
 log = logging.getLogger("hetcomm")
 
 _POINT_TO_POINT = frozenset(("send", "recv"))
+# collectives whose data flows one way (from or to a root), small ones of which ride in the
+# check's shared records (_carried)
+_CARRIED_OPS = frozenset(("broadcast", "reduce"))
+_reduce_rows: Callable[[np.ndarray, np.ndarray, str], None] | None = None  # kernels.reduce's
 # the MPI communicators of closed Communicators, never freed (see Communicator.close)
 _CLOSED_MPI_COMMS: list[MPI.Intracomm] = []
 # polls of a blocking check before it waits as a Work (bounded, with the stall warning)
 _QUICK_POLLS = 64
+_RING = agree.Agreement.RING
 
 
 class Communicator:
@@ -81,7 +86,9 @@ class Communicator:
         self._by_class: dict[tuple[str, bool, bool], Transport] = {}
         self._routes: dict[Hashable, Route] = {}
         # the signature check and the table of where each rank has got to (hetcomm.agree)
-        self._agree = agree.Agreement(mpi_comm, config.check or config.debug, config.debug)
+        self._agree = agree.Agreement(
+            mpi_comm, config.check or config.debug, config.debug, len(topology.hosts()) == 1
+        )
         self._checking = self._agree.enabled
         self._arrived = self._agree.arrivals.table
         self._last_entered = 0  # the sequence number _blocking_run entered
@@ -166,14 +173,16 @@ class Communicator:
 
     def routes(self) -> list[dict[str, Any]]:
         """The routes resolved so far, one dict each: op, transport, whether it has a
-        prepared blocking call or asynchronous start, and how many calls each path served (for
-        tests and tuning)."""
+        prepared blocking call or asynchronous start, and how many calls each path served
+        (`carried`: those whose data rode in the check, counted in `runs` too; for tests and
+        tuning)."""
         return [
             {
                 "op": r.op,
                 "transport": r.transport.name,
                 "prepared": r.run is not None,
                 "prepared_async": r.start is not None,
+                "carried": r.carried,
                 "runs": r.runs,
                 "uses": r.uses,
                 "key": key,
@@ -288,6 +297,18 @@ class Communicator:
         if prepare is not None and key is not None:
             run = prepare(op, xb, out, rop, root)
         route = Route(op, transport, vec, general, rop, root, run)
+        route.dtype = dtype
+        # small rooted collectives on host memory ride in the check's shared records
+        route.carry = (
+            op in _CARRIED_OPS
+            and self._agree.records is not None
+            and xb is not None
+            and not xb.on_device
+            and xb.nbytes <= agree.SharedRecords.PAYLOAD
+            # host bfloat16 arrays have no buffer format to copy by; a reduce of halves
+            # rounds at each step, which reduce_rows does not
+            and dtype not in (("float16", "bfloat16") if op == "reduce" else ("bfloat16",))
+        )
         prepare_async = getattr(transport, "prepare_async", None)
         if prepare_async is not None and key is not None:
             route.start = prepare_async(op, xb, out, rop, root)
@@ -314,7 +335,7 @@ class Communicator:
         """A blocking collective enters: the ordering guard, its sequence number, the arrivals
         table, then the check, all on this thread. Returns the sequence number."""
         seq = self._arrive(route)
-        if self._deferred:
+        if self._deferred.queue:
             # the asynchronous collectives before this one start first: their checks complete
             # once every rank has entered them, and a rank waiting in this one's check may be
             # waiting for them
@@ -323,7 +344,9 @@ class Communicator:
             self._check_blocking(route, seq, timeout)
         return seq
 
-    def _check_slot(self, route: Route, seq: int, timeout: float | None) -> agree.Check:
+    def _check_slot(
+        self, route: Route, seq: int, timeout: float | None
+    ) -> agree.Check | agree.SharedCheck:
         """Collective `seq`'s check slot, free (an earlier asynchronous check on it read
         first) and loaded with the route's signature; not started."""
         check = self._agree.slot(seq)
@@ -338,19 +361,30 @@ class Communicator:
             check.load(route.vec)
         return check
 
-    def _check_blocking(self, route: Route, seq: int, timeout: float | None) -> None:
-        check = self._check_slot(route, seq, timeout)
+    def _check_blocking(
+        self, route: Route, seq: int, timeout: float | None, carry: Any = None
+    ) -> agree.Check | agree.SharedCheck:
+        """Collective `seq`'s check, on this thread; raises MismatchError where the ranks
+        differ. `carry`: what this rank's record carries (see _carried), else None. Returns
+        the completed check."""
+        # the slot's state read inline where it is free and holds this route's signature (a
+        # collective repeated), else through _check_slot
+        check = self._agree.ring[seq % _RING]
+        if check is None or check.busy or check.held is not route.vec or self._debug:
+            check = self._check_slot(route, seq, timeout)
         try:
-            test = check.start().Test
-            for _ in range(_QUICK_POLLS):
-                if test():
-                    break
-            else:
-                _work.wait_for(self, route.op, seq, test, timeout)
+            if not check.quick(seq, carry):
+                test = check.request.Test
+                for _ in range(_QUICK_POLLS):
+                    if test():
+                        break
+                else:
+                    _work.wait_for(self, route.op, seq, test, timeout)
         except MPI.Exception as exc:
             raise self._mpi_error(route.op, seq, exc) from exc
         if not check.agreed():
             raise self._mismatch(route.op, seq, check.mine.copy())
+        return check
 
     def _admit(
         self, route: Route, start: Callable[[int], Work], device: Buffer | None = None
@@ -367,7 +401,7 @@ class Communicator:
             self._deferred.advance()  # start what can start now, without waiting
         check = self._check_slot(route, seq, None)
         try:
-            test = check.start().Test
+            test = check.start(seq).Test
             if not self._deferred:
                 # ranks in step: the check completes within a few polls, and the operation
                 # starts here at once; else it is deferred, and this call does not wait
@@ -542,6 +576,59 @@ class Communicator:
         except MPI.Exception as exc:
             raise self._mpi_error(route.op, seq, exc) from exc
 
+    def _carried(self, route: Route, xh: np.ndarray) -> bool:
+        """A small blocking broadcast or reduce on host memory whose data rides in the check's
+        shared records (agree.SharedCheck) where every rank takes this path: the root's input
+        for a broadcast, every other rank's for a reduce. The check is a synchronisation of
+        every rank anyway, which the operation's own messages would only follow; carried, it
+        is the whole operation. Where any rank does not take the path (an asynchronous call, a
+        timeout of its own, device memory, tracing), every rank reads so in the records and
+        runs the operation as it would have (the transport's prepared call, else False: the
+        general path, with the sequence number entered here)."""
+        self._last_entered = seq = self._arrive(route)
+        if self._deferred.queue:
+            self._flush_deferred(route.op, seq)
+        root = route.root
+        # a broadcast's data comes from the root; a reduce's from every rank
+        carries = route.op == "reduce" or self.rank == root
+        check = self._check_blocking(route, seq, None, xh if carries else False)
+        assert isinstance(check, agree.SharedCheck)
+        if not check.carried():
+            run = route.run
+            if run is None:
+                return False
+            route.runs += 1
+            try:
+                return run(xh, seq)
+            except MPI.Exception as exc:
+                raise self._mpi_error(route.op, seq, exc) from exc
+        route.runs += 1
+        route.carried += 1
+        if route.op == "broadcast":
+            if not carries:
+                xh.data.cast("B")[:] = check.payload(root, xh.nbytes)
+        elif self.rank == root:
+            self._reduce_carried(route, check, xh)
+        return True
+
+    def _reduce_carried(self, route: Route, check: agree.SharedCheck, xh: np.ndarray) -> None:
+        """The root's part of a carried reduce: every rank's input (the root's own included:
+        every rank carries it) reduced in rank order, as hostcoll's reductions are, into `xh`."""
+        global _reduce_rows
+        if _reduce_rows is None:  # numba's import waits for the first carried reduce
+            from .kernels.reduce import reduce_rows
+
+            _reduce_rows = reduce_rows
+        flat, rop = xh if xh.ndim == 1 else xh.reshape(-1), route.rop
+        assert rop is not None and route.dtype is not None
+        _reduce_rows(
+            check.rows(flat.dtype, flat.size), flat, "sum" if rop is ReduceOp.AVG else rop.value
+        )
+        if rop is ReduceOp.AVG:
+            from .transports.local import divide_host
+
+            divide_host(flat, self.size, route.dtype)
+
     # ---- operations ---------------------------------------------------------------------------
 
     def all_reduce(
@@ -683,10 +770,15 @@ class Communicator:
             check_op_for_dtype(rop, xb.dtype, "reduce")
             route = self._route(key, "reduce", xb, self._reduce, rop, r)
         at_root = self.rank == route.root
-        if route.run is not None and not async_op and timeout is None and not _work.observing:
+        if (
+            (route.run is not None or route.carry)
+            and not async_op
+            and timeout is None
+            and not _work.observing
+        ):
             xh = host_view(x, at_root)
             if xh is not None:
-                if self._blocking_run(route, xh):
+                if self._carried(route, xh) if route.carry else self._blocking_run(route, xh):
                     return None
                 return self._reduce(route, x, False, None, self._last_entered)
         return self._reduce(route, x, async_op, timeout, None)
@@ -725,10 +817,15 @@ class Communicator:
             xb = as_buffer(x, "broadcast: x")
             r = self._root(root, "broadcast: root")
             route = self._route(key, "broadcast", xb, self._broadcast, None, r)
-        if route.run is not None and not async_op and timeout is None and not _work.observing:
+        if (
+            (route.run is not None or route.carry)
+            and not async_op
+            and timeout is None
+            and not _work.observing
+        ):
             xh = host_view(x, self.rank != route.root)
             if xh is not None:
-                if self._blocking_run(route, xh):
+                if self._carried(route, xh) if route.carry else self._blocking_run(route, xh):
                     return None
                 return self._broadcast(route, x, False, None, self._last_entered)
         return self._broadcast(route, x, async_op, timeout, None)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import MismatchError
 
 if TYPE_CHECKING:
-    from .agree import Check
+    from .agree import Check, SharedCheck
     from .work import Work
 
 # the starter thread's pause between rounds of polling while anything is deferred: short
@@ -38,7 +38,7 @@ class Deferred:
 
     __slots__ = ("check", "error", "inner", "outer", "seq", "start")
 
-    def __init__(self, check: Check, seq: int, start: Callable[[], Work]) -> None:
+    def __init__(self, check: Check | SharedCheck, seq: int, start: Callable[[], Work]) -> None:
         self.check, self.seq, self.start = check, seq, start
         self.inner: Work | None = None
         self.outer: Work | None = None  # the caller's Work, which polls `inner`
@@ -53,17 +53,18 @@ class DeferredStarts:
         mismatch: Callable[[int, Any], MismatchError],
         mpi_error: Callable[[int, BaseException], BaseException],
     ) -> None:
-        self._queue: deque[Deferred] = deque()
+        # in issue order; its truth, read without a call, says whether anything is deferred
+        self.queue: deque[Deferred] = deque()
         self._lock = threading.Lock()
         self._mismatch, self._mpi_error = mismatch, mpi_error
 
     def __bool__(self) -> bool:
-        return bool(self._queue)
+        return bool(self.queue)
 
     def add(self, item: Deferred) -> None:
         """Queue `item` behind the earlier ones; the starter thread watches from now on."""
         with self._lock:
-            self._queue.append(item)
+            self.queue.append(item)
         _STARTER.watch(self)
 
     def advance(self, wait: bool = True) -> None:
@@ -80,7 +81,7 @@ class DeferredStarts:
         # an item leaves the queue only once its start has returned: a thread that finds the
         # queue empty (and so starts its own collective at once) never overtakes a start
         # another thread is still making
-        queue = self._queue
+        queue = self.queue
         while queue:
             item = queue[0]
             check = item.check

@@ -31,6 +31,7 @@ __all__ = [
     "in_flight",
     "finished",
     "unavailable",
+    "check_form",
     "channels",
     "driver_submitted",
     "free_slots",
@@ -75,6 +76,12 @@ def finished(work: Work) -> bool:
 def unavailable(comm: Communicator) -> Mapping[str, str | None]:
     """Per transport name, why `comm`'s plan may not pick it (None: it may)."""
     return MappingProxyType(comm._unavailable)
+
+
+def check_form(comm: Communicator) -> str:
+    """The form `comm`'s default check takes: "shared memory" (every rank on one host) or
+    "MPI all-reduce" (the same on every rank; see hetcomm.agree)."""
+    return str(comm._agree.form)
 
 
 # ---- the staged transport -----------------------------------------------------------------

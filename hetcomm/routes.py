@@ -35,6 +35,9 @@ class Route:
     """
 
     __slots__ = (
+        "carried",
+        "carry",
+        "dtype",
         "general",
         "op",
         "root",
@@ -61,6 +64,11 @@ class Route:
         self.rop, self.root, self.run = rop, root, run
         # the transport's prepared asynchronous start for host arrays (sends and receives)
         self.start: Callable[..., Work] | None = None
+        # whether its blocking calls on host memory ride in the check (Communicator._carried),
+        # and how many did
+        self.carry = False
+        self.carried = 0
+        self.dtype: str | None = None
         # calls served by the prepared call, and by the general path (for tests and stats)
         self.runs = 0
         self.uses = 0

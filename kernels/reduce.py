@@ -17,7 +17,16 @@ from numba.extending import intrinsic, overload
 
 from ..dtypes import BOOL_REDUCTION, DTYPES, HALVES, TABLE
 
-__all__ = ["DTYPES", "OPS", "combine", "divide", "from_float32", "storage_dtype", "to_float32"]
+__all__ = [
+    "DTYPES",
+    "OPS",
+    "combine",
+    "divide",
+    "from_float32",
+    "reduce_rows",
+    "storage_dtype",
+    "to_float32",
+]
 
 OPS = ("sum", "prod", "min", "max")
 
@@ -306,6 +315,34 @@ def combine(inout: np.ndarray, other: np.ndarray, op: str, dtype: str) -> None:
         # Overflow to Inf and Inf - Inf = NaN are the IEEE results we want, not warnings.
         with np.errstate(all="ignore"):
             _UFUNCS[op](inout, other, out=inout)
+
+
+@_jit
+def _reduce_rows(rows: np.ndarray, out: np.ndarray, op: int) -> None:  # pragma: no cover (jit)
+    n, m = rows.shape
+    for j in range(m):
+        acc = rows[0, j]
+        for i in range(1, n):
+            v = rows[i, j]
+            if op == 0:
+                acc = acc + v
+            elif op == 1:
+                acc = acc * v
+            elif op == 2:
+                if v < acc or v != v:  # a NaN wins, as np.minimum's does
+                    acc = v
+            elif v > acc or v != v:
+                acc = v
+        out[j] = acc
+
+
+def reduce_rows(rows: np.ndarray, out: np.ndarray, op: str) -> None:
+    """``out[j] = rows[0, j] <op> rows[1, j] <op> ...``, in row order, for a 2-D `rows` of any
+    strides and a 1-D `out` of its dtype and row length: one call where `combine` would take one
+    per row (each paying numpy's dispatch and error-state switch, microseconds at small sizes).
+    numpy dtypes only (not the halves' bit patterns); integers wrap, and on bool sum and max are
+    "or", prod and min "and", as `combine` makes them. The caller has checked the arguments."""
+    _reduce_rows(rows, out, _OP_CODE[op])
 
 
 def divide(inout: np.ndarray, n: int, dtype: str) -> None:

@@ -1,0 +1,207 @@
+"""The default check's two forms (hetcomm.agree): through shared memory where every rank is on
+one host, an MPI all-reduce otherwise; both catch a mismatch on every rank. And small
+broadcasts and reduces on host memory, whose data rides in the shared form's records: right
+for every dtype, root and reduce op, nothing outside the buffer touched, and the same result
+when some rank does not take that path (every rank then takes the transport's).
+
+Runs on whichever transport the run's --hetcomm-transport picks; scripts/test also runs this
+folder with two simulated hosts, where the check takes its MPI form."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hetcomm
+from hetcomm import ReduceOp, introspect
+from hetcomm.agree import Agreement, SharedRecords
+from hetcomm.transports import flags
+
+_PAD = 32  # sentinel bytes before and after each buffer
+_SENTINEL = 0x5A
+
+
+def _expected_form(comm) -> str:
+    one_host = len(comm.topology.hosts()) == 1
+    if one_host and comm.size > 1 and flags.unsupported() is None:
+        return "shared memory"
+    return "MPI all-reduce"
+
+
+def _placed(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(backing bytes, view): `values` inside bytes whose ends hold the sentinel."""
+    backing = np.full(values.nbytes + 2 * _PAD, _SENTINEL, np.uint8)
+    view = backing[_PAD : _PAD + values.nbytes].view(values.dtype)
+    view[...] = values
+    return backing, view
+
+
+def _ends_untouched(backing: np.ndarray) -> bool:
+    return bool((backing[:_PAD] == _SENTINEL).all() and (backing[-_PAD:] == _SENTINEL).all())
+
+
+def _mismatch_everywhere(comm, errors, what, call, buf):
+    before = buf.copy()
+    try:
+        call()
+    except hetcomm.MismatchError as exc:
+        errors.expect("count differs" in str(exc), f"{what}: count not named: {exc}")
+    except Exception as exc:
+        errors.append(f"{what}: {type(exc).__name__} instead of MismatchError: {exc}")
+    else:
+        errors.append(f"{what}: no MismatchError")
+    errors.expect(np.array_equal(buf, before), f"{what}: the buffer was written")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("hosts", [None, ("ha", "hb")], ids=["as-run", "two-hosts"])
+def test_each_form_catches_a_mismatch_on_every_rank(hetcomm_make_comm, errors, hosts):
+    comm = hetcomm_make_comm(name="forms", hosts=hosts, timeout=30)
+    form = introspect.check_form(comm)
+    errors.expect(form == _expected_form(comm), f"check form {form!r} on {comm.topology.hosts()}")
+    if hosts is not None:
+        errors.expect(form == "MPI all-reduce", f"two hosts, form {form!r}")
+    odd = comm.rank == 1
+    for op in ("all_reduce", "broadcast", "reduce"):
+        x = np.full(6 if odd else 3, comm.rank + 1.0)
+        call = {
+            "all_reduce": lambda x=x: comm.all_reduce(x),
+            "broadcast": lambda x=x: comm.broadcast(x, 0),
+            "reduce": lambda x=x: comm.reduce(x, 0),
+        }[op]
+        _mismatch_everywhere(comm, errors, f"{form}: {op}", call, x)
+    # and agreeing calls still work, many of them (around both rings of check slots)
+    y = np.empty(3)
+    for i in range(2 * Agreement.RING + 3):
+        y[:] = comm.rank + i
+        comm.all_reduce(y)
+        if not (y == sum(r + i for r in range(comm.size))).all():
+            errors.append(f"{form}: all_reduce #{i} gave {y}")
+            break
+    errors.verify()
+
+
+def _inputs(rng, size, count, dtype, nan):
+    """Every rank's input: small integers (exact in every dtype here, sums included); with
+    `nan`, a NaN in a float one, which a carried MIN and MAX propagate as numpy's do (what MPI
+    does with one is its own, so only sizes that ride in the records get one)."""
+    if dtype == "bool":
+        return rng.integers(0, 2, (size, count)).astype(bool)
+    every = rng.integers(-3, 4, (size, count)).astype(dtype)
+    if nan and np.dtype(dtype).kind == "f" and count > 2:
+        every[size - 1, 1] = np.nan
+    return every
+
+
+def _reference(every: np.ndarray, op: ReduceOp, dtype: str) -> np.ndarray:
+    if dtype == "bool":
+        fn = {
+            ReduceOp.SUM: np.any,
+            ReduceOp.MAX: np.any,
+            ReduceOp.PROD: np.all,
+            ReduceOp.MIN: np.all,
+        }
+        return fn[op](every, axis=0)
+    # integers wrap: reduce them in int64 and cast back (modulo, as the wire does)
+    wide = every.astype(np.float64 if np.dtype(dtype).kind == "f" else np.int64)
+    if op is ReduceOp.SUM:
+        got = wide.sum(axis=0)
+    elif op is ReduceOp.AVG:
+        got = wide.sum(axis=0) / len(every)
+    elif op is ReduceOp.PROD:
+        got = wide.prod(axis=0)
+    elif op is ReduceOp.MIN:
+        got = np.minimum.reduce(wide, axis=0)
+    else:
+        got = np.maximum.reduce(wide, axis=0)
+    return got.astype(dtype)
+
+
+_DTYPES = ("float64", "float32", "float16", "int8", "uint8", "int32", "int64", "bool")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_small_broadcasts_and_reduces_are_right(hetcomm_make_comm, hetcomm_shared_seed, errors):
+    """Every dtype, root and reduce op, at sizes that ride in the records and just past them,
+    in 1-D and 2-D buffers: the root's values everywhere (broadcast), the reduction at the root
+    and the others' inputs as they were (reduce), the sentinels around each buffer intact."""
+    comm = hetcomm_make_comm(name="carried", timeout=30)
+    rng = np.random.default_rng(hetcomm_shared_seed)
+    carrying = introspect.check_form(comm) == "shared memory"
+    for dtype in _DTYPES:
+        itemsize = np.dtype(dtype).itemsize
+        fits = SharedRecords.PAYLOAD // itemsize
+        for count in (1, fits, fits + 1):
+            for root in range(comm.size):
+                nan = carrying and count <= fits and dtype != "float16"
+                every = _inputs(rng, comm.size, count, dtype, nan)
+                backing, x = _placed(every[comm.rank])
+                what = f"broadcast {dtype} x{count} root {root}"
+                if errors.run(what, comm.broadcast, x, root):
+                    errors.expect(np.array_equal(x, every[root], equal_nan=True), f"{what}: {x}")
+                errors.expect(_ends_untouched(backing), f"{what}: outside the buffer written")
+                ops = [ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX]
+                if np.dtype(dtype).kind == "f":
+                    ops.append(ReduceOp.AVG)
+                for op in ops:
+                    backing, x = _placed(every[comm.rank])
+                    shaped = x.reshape(1, -1) if count > 1 else x
+                    what = f"reduce {op} {dtype} x{count} root {root}"
+                    if not errors.run(what, comm.reduce, shaped, root, op):
+                        continue
+                    want = _reference(every, op, dtype) if comm.rank == root else every[comm.rank]
+                    ok = np.array_equal(x, want, equal_nan=True)
+                    if not ok and dtype in ("float16", "float32") and comm.rank == root:
+                        ok = np.allclose(x, want, rtol=1e-3, equal_nan=True)  # AVG rounding
+                    errors.expect(ok, f"{what}: got {x}, want {want}")
+                    errors.expect(_ends_untouched(backing), f"{what}: outside the buffer written")
+    # which calls rode in the records: every small one where the check has its shared form
+    carried = {r["op"]: 0 for r in comm.routes()}
+    for r in comm.routes():
+        carried[r["op"]] += r["carried"]
+    if carrying:
+        errors.expect(carried["broadcast"] > 0, f"no broadcast was carried: {comm.routes()}")
+        errors.expect(carried["reduce"] > 0, f"no reduce was carried: {comm.routes()}")
+    else:
+        errors.expect(not any(carried.values()), f"carried without the shared form: {carried}")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("odd_one", ["async", "timeout", "strided"])
+def test_a_rank_off_the_carried_path_takes_every_rank_off_it(
+    hetcomm_make_comm, hetcomm_shared_seed, errors, odd_one
+):
+    """Rank 0 calls asynchronously, with a timeout of its own, or on a strided view (each
+    keeps it off the carried path) while the others call plainly: every rank reads so in the
+    records, and the transport's path gives the same results."""
+    comm = hetcomm_make_comm(name="offpath", timeout=30)
+    rng = np.random.default_rng(hetcomm_shared_seed)
+    for round_ in range(3):
+        for op in ("broadcast", "reduce"):
+            root = round_ % comm.size
+            every = rng.integers(-9, 10, (comm.size, 5)).astype(np.float64)
+            wide = np.zeros(10)
+            x = wide[::2] if (odd_one == "strided" and comm.rank == 0) else np.zeros(5)
+            x[...] = every[comm.rank]
+            kwargs = {}
+            if comm.rank == 0:
+                kwargs = {"async_op": True} if odd_one == "async" else {}
+                if odd_one == "timeout":
+                    kwargs = {"timeout": 30}
+            call = comm.broadcast if op == "broadcast" else comm.reduce
+
+            def go(call=call, x=x, root=root, kwargs=kwargs):
+                work = call(x, root, **kwargs)
+                if work is not None:
+                    work.wait()
+
+            what = f"{op} root {root}, rank 0 {odd_one}"
+            if not errors.run(what, go):
+                continue
+            if op == "broadcast":
+                want = every[root]
+            else:
+                want = every.sum(axis=0) if comm.rank == root else every[comm.rank]
+            errors.expect(np.array_equal(x, want), f"{what}: got {x}, want {want}")
+    errors.verify()
