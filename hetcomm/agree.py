@@ -32,6 +32,7 @@ import mmap
 import os
 import tempfile
 from collections.abc import Callable, Sequence
+from functools import partial
 from itertools import count
 from typing import Any
 
@@ -255,6 +256,7 @@ class SharedCheck:
             # transfer between cores each time)
             records.others_done = min(q[done] for done in self._others_done)
             if records.others_done < oldest:
+                self._idle()
                 return False  # a rank has not read this record's previous contents yet
         raw, carry = self._raw, self._carry
         if carry is not None and carry is not False:
@@ -278,6 +280,7 @@ class SharedCheck:
         q, seq = self._q, self._seq
         for tag, _ in self._others:
             if q[tag] != seq:
+                self._idle()
                 return False
         # slices of the mmap are bytes: one compare each, in C; the flag word after the
         # fields says whether every rank takes the carried path
@@ -294,6 +297,16 @@ class SharedCheck:
             q[self._done] = seq
         self._complete = True
         return True
+
+    def _idle(self) -> None:
+        """A Test that found the check not complete: every few, a call into MPI. MPI moves
+        non-blocking operations only inside its calls, and an asynchronous collective that
+        this rank started (on the mpi transport, say) may be what another rank waits for
+        before it writes its record here; the MPI form of the check made that call itself."""
+        records = self._records
+        records.idle += 1
+        if not records.idle & 7:
+            records.progress()
 
     def agreed(self) -> bool:
         """After completion: whether every rank wrote the signature this rank wrote."""
@@ -349,6 +362,10 @@ class SharedRecords:
         self.words = self.raw.cast("q")
         self.rank, self.size, self.ring = rank, size, ring
         self.others_done = 0  # the least done word of the other ranks, as last read
+        # a call into MPI that lets it progress (set by Agreement), and Tests that found a
+        # check not complete
+        self.progress: Callable[[], Any] = lambda: None
+        self.idle = 0
 
     @classmethod
     def nbytes(cls, size: int, ring: int) -> int:
@@ -402,6 +419,8 @@ class Agreement:
         shared = enabled and one_host and self.size > 1 and flags.unsupported() is None
         self.arrivals = Arrivals(self.mpi, self.SHARED_RING if shared else 0)
         self.records = self.arrivals.records
+        if self.records is not None:
+            self.records.progress = partial(self.mpi.Iprobe, MPI.ANY_SOURCE, MPI.ANY_TAG)
         # the form the check takes, the same on every rank
         self.form = "shared memory" if self.records is not None else "MPI all-reduce"
 

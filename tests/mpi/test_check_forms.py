@@ -205,3 +205,31 @@ def test_a_rank_off_the_carried_path_takes_every_rank_off_it(
                 want = every.sum(axis=0) if comm.rank == root else every[comm.rank]
             errors.expect(np.array_equal(x, want), f"{what}: got {x}, want {want}")
     errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_asynchronous_collective_progresses_while_its_rank_waits_in_the_next_check(
+    hetcomm_make_comm, errors
+):
+    """Rank 0 starts an all_reduce asynchronously and calls the next one blocking; the others
+    call both blocking. They wait in the first for rank 0's part, which MPI moves only inside
+    an MPI call: rank 0, waiting in the second's check (shared memory: no MPI call of its
+    own), must still give MPI those calls, or every rank waits for the timeout."""
+    comm = hetcomm_make_comm(name="progress", timeout=10)
+    x, y = np.ones(4), np.ones(4)
+    for i in range(3):
+        if comm.rank == 0:
+
+            def go():
+                work = comm.all_reduce(x, async_op=True)
+                comm.all_reduce(y)
+                work.wait()
+
+            ok = errors.run(f"round {i}", go)
+        else:
+            ok = errors.run(f"round {i}", lambda: (comm.all_reduce(x), comm.all_reduce(y)))
+        if not ok:
+            break
+        want = float(comm.size ** (i + 1))
+        errors.expect((x == want).all() and (y == want).all(), f"round {i}: {x}, {y}")
+    errors.verify()
