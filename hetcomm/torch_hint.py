@@ -54,7 +54,9 @@ def explain(error: ValueError, environ: Any = os.environ, imported: bool = False
 
 
 def wrap(handler: Callable[..., Iterator[Any]], imported: bool = False) -> Callable[..., Any]:
-    """torch's env:// rendezvous handler, with explain() applied to what it raises."""
+    """torch's env:// rendezvous handler, with explain() applied to what it raises (once: a
+    handler wrapped already, by autoload, is wrapped afresh from the handler it wraps)."""
+    handler = getattr(handler, "hetcomm_hint", handler)
 
     def env_rendezvous(url: str, *args: Any, **kwargs: Any) -> Iterator[Any]:
         it = handler(url, *args, **kwargs)

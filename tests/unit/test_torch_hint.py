@@ -64,6 +64,23 @@ def test_the_wrapped_handler(not_imported: None, monkeypatch: pytest.MonkeyPatch
     assert next(torch_hint.wrap(working)("env://")) == ("store", 0, 1)
 
 
+def test_a_handler_wrapped_twice_explains_once(
+    not_imported: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """autoload wraps torch's handler at torch's import, hetcomm.torch again at its own: the
+    hint appears once."""
+
+    def failing(url: str, **kwargs: Any) -> Iterator[Any]:
+        raise ValueError(RANK_ERROR)
+        yield
+
+    monkeypatch.setitem(sys.modules, "hetcomm.torch", sys.modules[__name__])  # imported
+    twice = torch_hint.wrap(torch_hint.wrap(failing), imported=True)
+    with pytest.raises(ValueError) as caught:
+        next(twice("env://"))
+    assert str(caught.value).count("hetcomm:") == 1, str(caught.value)
+
+
 def test_torch_finds_it_at_import() -> None:
     try:
         importlib.metadata.distribution("hetcomm")
