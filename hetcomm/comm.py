@@ -23,7 +23,7 @@ from .argcheck import (
     then,
     writable,
 )
-from .arrays import Buffer, as_buffer, overlap
+from .arrays import Buffer, as_buffer, may_share_memory, overlap
 from .config import Config
 from .deferred import Deferred, DeferredStarts
 from .errors import CommAborted, InvalidArgument, MismatchError, MpiError
@@ -657,7 +657,7 @@ class Communicator:
             xh = host_view(x, inplace)
             if xh is not None:
                 oh = xh if inplace else host_view(out, True)
-                if oh is not None and (inplace or not np.may_share_memory(xh, oh)):
+                if oh is not None and (inplace or not may_share_memory(xh, oh)):
                     if self._blocking_run(route, xh, oh):
                         return None
                     return self._all_reduce(route, x, out, inplace, False, None, self._last_entered)
@@ -909,7 +909,7 @@ class Communicator:
             if (
                 xh is not None
                 and oh is not None
-                and (getattr(route.run, "in_place", False) or not np.may_share_memory(xh, oh))
+                and (getattr(route.run, "in_place", False) or not may_share_memory(xh, oh))
             ):
                 if self._blocking_run(route, xh, oh):
                     return None

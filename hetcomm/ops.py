@@ -20,6 +20,10 @@ class ReduceOp(enum.Enum):
     def __str__(self) -> str:
         return self.name
 
+    # members are singletons: identity hashes them in C, where Enum's hash(self._name_) is a
+    # Python call (routes are keyed by the op at every call)
+    __hash__ = object.__hash__
+
 
 _BY_NAME = {op.value: op for op in ReduceOp} | {"product": ReduceOp.PROD, "mean": ReduceOp.AVG}
 
