@@ -35,7 +35,7 @@ from .tensors import (
     _same_dtype,
     split_rows,
 )
-from .work import _PROGRESS, _joined, _Pending, _synchronous, _Work
+from .work import _PROGRESS, _Finished, _joined, _Pending, _synchronous, _Work
 
 if TYPE_CHECKING:
     from ..comm import Communicator
@@ -57,6 +57,9 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         super().__init__(comm.rank, comm.size)  # type: ignore[call-arg]
         self.comm = comm
         self.timeout_s = timeout_s
+        # the latest per-call timeout _limit read, and the limit it gave
+        self._last_timeout: Any = None
+        self._last_limit = timeout_s
         self._aux: Communicator | None = None  # for gather/scatter/uneven all-to-all (p2p)
         self._issue = threading.Lock()
         self._coalesced: list[_Pending] | None = None
@@ -144,8 +147,14 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
 
     def _limit(self, opts: Any) -> float:
         timeout = opts if isinstance(opts, timedelta) else getattr(opts, "timeout", None)
+        if timeout is None:
+            return self.timeout_s
+        if timeout == self._last_timeout:  # most calls carry the one torch gives every call
+            return self._last_limit
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else -1.0
-        return seconds if seconds > 0 else self.timeout_s
+        limit = seconds if seconds > 0 else self.timeout_s
+        self._last_timeout, self._last_limit = timeout, limit
+        return limit
 
     def _run(
         self,
@@ -170,7 +179,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         if (
             opts is not None
             and self._coalesced is None
-            and not _opt(opts, "asyncOp", True)
+            and not getattr(opts, "asyncOp", True)
             and not any(op.aux for op in ops)
         ):
             # (the sends and receives of gather, scatter and uneven all-to-all stay
@@ -221,8 +230,10 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             if record is not None:
                 _PROGRESS.end_record(record)
             raise torch_error(exc, f"{self.comm.name}: {name}") from exc
-        result = [t for op in ops for t in op.result]
-        return _Work(_Pending.finished(f"{self.comm.name}: {name}", result, record))
+        result = ops[0].result if len(ops) == 1 else [t for op in ops for t in op.result]
+        if record is not None:
+            return _Work(_Pending.finished(f"{self.comm.name}: {name}", result, record))
+        return _Work(_Finished(self.comm.name, name, result))
 
     def _aux_comm(self) -> Communicator:
         # point-to-point traffic of gather, scatter and uneven all-to-all: a communicator of its

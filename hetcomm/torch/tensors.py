@@ -30,6 +30,10 @@ _NATIVE = frozenset(
     )
 )
 
+# the same as torch dtypes (a set lookup where a name would be built per call)
+_NATIVE_DTYPES = frozenset(getattr(torch, name) for name in _NATIVE)
+_MISSING = object()
+
 # ---- arguments ----------------------------------------------------------------------------------
 
 
@@ -40,8 +44,9 @@ def _opt(opts: Any, name: str, default: Any = None) -> Any:
         default = dist.ReduceOp.SUM
     if opts is None or isinstance(opts, timedelta):
         return default
-    if hasattr(opts, name):
-        return getattr(opts, name)
+    value = getattr(opts, name, _MISSING)
+    if value is not _MISSING:
+        return value
     is_rank = isinstance(opts, int) and not isinstance(opts, bool)
     if (name == "rootRank" and is_rank) or (name == "reduceOp" and not is_rank):
         return opts
@@ -92,6 +97,8 @@ def _dtype_name(t: torch.Tensor) -> str:
 
 def _reducible(t: torch.Tensor, op: ReduceOp, what: str) -> torch.Tensor:
     """`t` as hetcomm reduces it: itself, or the real view of a complex tensor (SUM/AVG)."""
+    if t.dtype in _NATIVE_DTYPES:
+        return t
     if t.is_complex():
         if op not in (ReduceOp.SUM, ReduceOp.AVG):
             raise ArgumentError(
@@ -112,10 +119,10 @@ def _movable(t: torch.Tensor, write: bool) -> tuple[torch.Tensor, list[Callable[
     Dtypes hetcomm does not know (float8, uint32, ...) travel as bytes; a non-contiguous one goes
     through a contiguous copy, written back after the operation when `write`.
     """
+    if t.dtype in _NATIVE_DTYPES:
+        return t, []
     if t.is_complex():
         return torch.view_as_real(t), []
-    if _dtype_name(t) in _NATIVE:
-        return t, []
     if t.is_contiguous():
         return t.reshape(-1).view(torch.uint8), []
     packed = t.contiguous()

@@ -289,10 +289,51 @@ _SETTLE_S = 50e-6
 _PROGRESS = _Progress()
 
 
+class _Finished:
+    """An operation that completed on the calling thread (a blocking call): _Pending's face,
+    without its locks and deadline, which nothing here needs (it is never driven)."""
+
+    __slots__ = ("_future", "_group", "_op", "result")
+
+    done = True
+    error: BaseException | None = None
+    source: int | None = None
+    limit = 0.0
+
+    def __init__(self, group: str, op: str, result: list[torch.Tensor]) -> None:
+        self._group, self._op, self.result = group, op, result
+        self._future: torch.futures.Future | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self._group}: {self._op}"
+
+    @property
+    def future(self) -> torch.futures.Future:
+        """A completed torch future, made on first use (two threads asking at once may each
+        make one: both complete, with the same result)."""
+        future = self._future
+        if future is None:
+            devices = sorted({t.device for t in self.result if t.device.type != "cpu"}, key=str)
+            future = torch.futures.Future(devices=list[int | str | torch.device](devices) or None)
+            future.set_result(self.result)
+            self._future = future
+        return future
+
+    def poll(self) -> bool:
+        return True
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+
 class _Work(dist.Work):
     """torch's Work for one hetcomm operation: wait(), get_future(), is_completed(), result()."""
 
-    def __init__(self, pending: _Pending) -> None:
+    def __init__(self, pending: _Pending | _Finished) -> None:
         super().__init__()
         self._pending = pending
 
