@@ -41,6 +41,9 @@ def _forms(size: int, rank: int) -> list[_Form]:
     def ar_build(stack):
         return {"x": _placed(stack[rank].copy())}
 
+    def scatter_inplace_build(stack):
+        return {"x": _placed(stack[rank].copy()), "block": block(stack, rank)}
+
     def ar_out_build(stack):
         return {"x": _placed(stack[rank].copy()), "out": _placed(np.zeros_like(stack[rank]))}
 
@@ -69,6 +72,12 @@ def _forms(size: int, rank: int) -> list[_Form]:
     def block(stack, r):
         n = stack.shape[1] // size
         return slice(r * n, (r + 1) * n)
+
+    def scatter_inplace_expect(stack):
+        # out is x's own block: it takes the reduction, the rest of x stays as it was
+        got = stack[rank].copy()
+        got[block(stack, rank)] = stack.sum(0)[block(stack, rank)]
+        return got
 
     def a2a_expect(stack):
         return np.concatenate([stack[r][block(stack, rank)] for r in range(size)])
@@ -122,6 +131,13 @@ def _forms(size: int, rank: int) -> list[_Form]:
             scatter_build,
             lambda c, a: c.reduce_scatter(out(a), x(a)),
             lambda s: ("out", s.sum(0)[block(s, rank)]),
+        ),
+        _Form(
+            "reduce_scatter in place",
+            "reduce_scatter",
+            scatter_inplace_build,
+            lambda c, a: c.reduce_scatter(x(a)[a["block"]], x(a)),
+            lambda s: ("x", scatter_inplace_expect(s)),
         ),
         _Form(
             "all_to_all",
