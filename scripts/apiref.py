@@ -8,6 +8,7 @@ properties whose names do not start with `_`, in source order.
 
 from __future__ import annotations
 
+import enum
 import importlib
 import inspect
 import re
@@ -29,6 +30,10 @@ _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 
 
 def _signature(obj: Any) -> str:
+    if isinstance(obj, type) and issubclass(obj, enum.Enum):
+        # an Enum's constructor signature is the enum module's, which differs between Python
+        # versions: its members say what it takes
+        return "(" + " | ".join(repr(m.value) for m in obj) + ")"
     try:
         text = str(inspect.signature(obj))
     except (TypeError, ValueError):
