@@ -201,6 +201,10 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         else:
             result = [t for op in ops for t in op.result]
             after = [step for op in ops for step in op.after]
+        if record is None and self._coalesced is None and not after:
+            finished = _finished_now(works, self.comm.name, name, result)
+            if finished is not None:
+                return _Work(finished)
         pending = _Pending(f"{self.comm.name}: {name}", works, after, result, limit)
         pending.record = record
         if _synchronous():
@@ -623,6 +627,25 @@ class _BackendView:
 
     def _set_sequence_number_for_group(self) -> None:
         pass
+
+
+def _finished_now(
+    works: list[HetcommWork], group: str, name: str, result: list[torch.Tensor]
+) -> _Finished | None:
+    """The finished Work of operations that completed as they were started (small ones among
+    ranks in step), or None: then a _Pending follows them, which also reports their errors."""
+    source = None
+    try:
+        for work in works:
+            if not work.test():
+                return None
+            if work.source is not None:
+                source = work.source
+    except BaseException:
+        return None
+    finished = _Finished(group, name, result)
+    finished.source = source
+    return finished
 
 
 class _Op:

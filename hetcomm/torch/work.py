@@ -293,16 +293,16 @@ class _Finished:
     """An operation that completed on the calling thread (a blocking call): _Pending's face,
     without its locks and deadline, which nothing here needs (it is never driven)."""
 
-    __slots__ = ("_future", "_group", "_op", "result")
+    __slots__ = ("_future", "_group", "_op", "result", "source")
 
     done = True
     error: BaseException | None = None
-    source: int | None = None
     limit = 0.0
 
     def __init__(self, group: str, op: str, result: list[torch.Tensor]) -> None:
         self._group, self._op, self.result = group, op, result
         self._future: torch.futures.Future | None = None
+        self.source: int | None = None  # a receive's sender
 
     @property
     def name(self) -> str:
