@@ -105,8 +105,14 @@ def run_all(args: argparse.Namespace, tests: list[str], work: Path, log) -> list
             if rc is not None:
                 break
             if time.monotonic() - last > stall:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                # SIGTERM first: mpirun ends its ranks on it (killed outright, it leaves them
+                # running, orphaned); SIGKILL for what is left of its group
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
                 rc = f"killed: no result within {stall:.0f} s"
                 break
             time.sleep(0.2)

@@ -259,6 +259,10 @@ def run_test(
     if not decision["restart"] and dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+    if not decision["restart"]:
+        # every rank has let go of the test's stores before rank 0 removes their files: a
+        # FileStore's destructor still reads its file, and one removed under it reads forever
+        comm.Barrier()
     if rank == 0:
         cd.cleanup_temp_dir()
         with contextlib.suppress(OSError):
