@@ -13,7 +13,7 @@ from ...arrays import may_share_memory
 from ...dtypes import BOOL_AS_MINMAX, TABLE
 from ...errors import MismatchError, TransportUnavailable
 from ...ops import ReduceOp
-from ...work import Work, wait_for
+from ...work import BusyPoll, Work, wait_for
 from ..base import Context, Transport
 from ..worker import InOrderWorker
 from . import node, persistent, schedule
@@ -256,7 +256,8 @@ class MpiTransport(Transport):
         small = nbytes <= LANE_BYTES
         with lane.lock:
             if small and lane.idle():
-                work = Work(self.comm, op, seq, nonblocking().Test, finish)
+                busy = BusyPoll(nonblocking().Test)
+                work = Work(self.comm, op, seq, busy, finish, waiter=busy.wait)
                 work.info = {"transport": "mpi", "bytes": nbytes, "stages": 1}
                 return work
             job = lane.submit(partial(_to_the_end, nonblocking) if small else blocking)
@@ -369,7 +370,8 @@ class MpiTransport(Transport):
         with lane.lock:
             if lane.idle():
                 slot.make().Start()
-                work = Work(self.comm, "all_reduce", seq, poll, finish)
+                busy = BusyPoll(poll)
+                work = Work(self.comm, "all_reduce", seq, busy, finish, waiter=busy.wait)
             else:
                 job = slot.job = lane.submit(slot.run)
                 work = Work(self.comm, "all_reduce", seq, poll, finish, waiter=job.wait)
@@ -516,7 +518,8 @@ class MpiTransport(Transport):
         for _ in range(_QUICK_TESTS):
             if test():
                 return
-        wait_for(self.comm, op, seq, test)
+        busy = BusyPoll(test)
+        wait_for(self.comm, op, seq, busy, waiter=busy.wait)
 
     def _run_all_reduce_persistent(
         self,
@@ -553,7 +556,8 @@ class MpiTransport(Transport):
         while not request.Test():
             polls -= 1
             if not polls:
-                wait_for(self.comm, "all_reduce", seq, slot.test)  # the bounded wait
+                busy = BusyPoll(slot.test)
+                wait_for(self.comm, "all_reduce", seq, busy, waiter=busy.wait)  # bounded
                 break
         slot.active = False
         oh[...] = view
@@ -578,14 +582,16 @@ class MpiTransport(Transport):
         return partial(start, _DATATYPES[x.dtype])
 
     def _start_send(self, dt: MPI.Datatype, xh: np.ndarray, dst: int, tag: int, seq: int) -> Work:
-        work = Work(self.comm, "send", seq, self._mpi.Isend((xh, dt), dst, tag).Test)
+        busy = BusyPoll(self._mpi.Isend((xh, dt), dst, tag).Test)
+        work = Work(self.comm, "send", seq, busy, waiter=busy.wait)
         work.info = {"transport": "mpi", "bytes": xh.nbytes, "stages": 1}
         return work
 
     def _start_recv(self, dt: MPI.Datatype, xh: np.ndarray, src: int, tag: int, seq: int) -> Work:
         request = self._mpi.Irecv((xh, dt), src, tag)
         receive = _Receive(src, xh.nbytes, xh.itemsize, [request], [(0, xh.size)])
-        work = receive.work = Work(self.comm, "recv", seq, receive.poll)
+        busy = BusyPoll(receive.poll)
+        work = receive.work = Work(self.comm, "recv", seq, busy, waiter=busy.wait)
         work.info = {"transport": "mpi", "bytes": xh.nbytes, "stages": 1}
         return work
 
@@ -600,7 +606,8 @@ class MpiTransport(Transport):
         for _ in range(_QUICK_TESTS):
             if test():
                 return True
-        wait_for(self.comm, "recv", seq, test)
+        busy = BusyPoll(test)
+        wait_for(self.comm, "recv", seq, busy, waiter=busy.wait)
         return True
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
@@ -738,13 +745,15 @@ class MpiTransport(Transport):
         """MPI_Isend on the group's own communicator, with the caller's tag."""
         dt, spans = _DATATYPES[x.dtype], _spans(x)
         if len(spans) == 1:
-            work = Work(self.comm, "send", seq, self._mpi.Isend((self._mem(x), dt), dst, tag).Test)
+            busy = BusyPoll(self._mpi.Isend((self._mem(x), dt), dst, tag).Test)
+            work = Work(self.comm, "send", seq, busy, waiter=busy.wait)
         else:
             # MPI keeps messages of one sender, tag and communicator in order: the receiver's
             # pieces match the sender's one by one
             xs = _flat(x)
             reqs = [self._mpi.Isend((xs[s : s + n], dt), dst, tag) for s, n in spans]
-            work = Work(self.comm, "send", seq, partial(MPI.Request.Testall, reqs))
+            busy = BusyPoll(partial(MPI.Request.Testall, reqs))
+            work = Work(self.comm, "send", seq, busy, waiter=busy.wait)
         work.info = {"transport": "mpi", "bytes": x.nbytes, "stages": len(spans)}
         return work
 
@@ -769,7 +778,8 @@ class MpiTransport(Transport):
         receive = _Receive(src, x.nbytes, x.itemsize, reqs, spans)
         if rest:
             receive.then_from_sender(mpi, dt, tag, rest)
-        work = receive.work = Work(self.comm, "recv", seq, receive.poll)
+        busy = BusyPoll(receive.poll)
+        work = receive.work = Work(self.comm, "recv", seq, busy, waiter=busy.wait)
         work.info = {"transport": "mpi", "bytes": x.nbytes, "stages": len(spans)}
         return work
 

@@ -1,0 +1,45 @@
+"""work.BusyPoll: a poll waited for without sleeping, that calls its poll no more once done."""
+
+from __future__ import annotations
+
+import time
+
+from hetcomm.work import BusyPoll
+
+
+class _Request:
+    """Completes at its `at`-th Test; a Test after completion is an error (as _Receive's poll,
+    which would read an empty status)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.calls, self.done = at, 0, False
+
+    def test(self) -> bool:
+        assert not self.done, "polled again after it completed"
+        self.calls += 1
+        self.done = self.calls >= self.at
+        return self.done
+
+
+def test_the_poll_is_not_called_again_once_done():
+    request = _Request(3)
+    busy = BusyPoll(request.test)
+    assert not busy() and not busy()
+    assert busy() and busy() and busy()
+    assert request.calls == 3
+
+
+def test_wait_polls_until_done_without_sleeping():
+    request = _Request(500)
+    busy = BusyPoll(request.test)
+    t0 = time.monotonic()
+    assert busy.wait(5.0)
+    assert time.monotonic() - t0 < 1.0  # 500 polls, yields between them: no naps
+    assert busy() and request.calls == 500
+
+
+def test_wait_gives_up_after_its_seconds():
+    busy = BusyPoll(lambda: False)
+    t0 = time.monotonic()
+    assert not busy.wait(0.05)
+    assert 0.05 <= time.monotonic() - t0 < 1.0
