@@ -304,7 +304,7 @@ class Communicator:
             and self._agree.records is not None
             and xb is not None
             and not xb.on_device
-            and xb.nbytes <= agree.SharedRecords.PAYLOAD
+            and 0 < xb.nbytes <= agree.SharedRecords.PAYLOAD
             # host bfloat16 arrays have no buffer format to copy by; a reduce of halves
             # rounds at each step, which reduce_rows does not
             and dtype not in (("float16", "bfloat16") if op == "reduce" else ("bfloat16",))

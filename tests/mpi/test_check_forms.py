@@ -233,3 +233,17 @@ def test_an_asynchronous_collective_progresses_while_its_rank_waits_in_the_next_
         want = float(comm.size ** (i + 1))
         errors.expect((x == want).all() and (y == want).all(), f"round {i}: {x}, {y}")
     errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("shape", [(0,), (2, 0)], ids=["0", "2x0"])
+def test_empty_broadcasts_and_reduces(hetcomm_make_comm, errors, shape):
+    """Nothing to carry: the operations complete (numpy can view an empty 2-D array's bytes
+    only through a copy, so they take the transport) and the next call is right."""
+    comm = hetcomm_make_comm(name="empty", timeout=30)
+    for call in (comm.broadcast, comm.reduce):
+        errors.run(f"{call.__name__} of {shape}", call, np.zeros(shape), 0)
+    x = np.full(3, comm.rank + 1.0)
+    if errors.run("broadcast afterwards", comm.broadcast, x, 1):
+        errors.expect((x == 2.0).all(), f"broadcast afterwards gave {x}")
+    errors.verify()
