@@ -170,7 +170,6 @@ class SharedCheck:
         "_complete",
         "_done",
         "_fields",
-        "_first",
         "_flagged",
         "_mine_at",
         "_others",
@@ -204,12 +203,10 @@ class SharedCheck:
         others = [q for q in range(records.size) if q != rank]
         # (sequence word, where the fields start in the segment) of each other rank's record
         self._others = [(at(q, i), records.start + 8 * at(q, i) + 8) for q in others]
-        # where each rank's payload starts: in `raw` for this rank's, in the segment for others'
+        # where each rank's payload starts in the segment (rank 0's: the first of rows())
         self._payload_at = [
-            (8 * at(q, i) if q == rank else records.start + 8 * at(q, i)) + records.HEAD
-            for q in range(records.size)
+            records.start + 8 * at(q, i) + records.HEAD for q in range(records.size)
         ]
-        self._first = at(0, i)  # rank 0's record: the first row of rows()
         self._rows: np.ndarray | None = None
         self._done = records.done(rank)
         self._others_done = [records.done(q) for q in others]
@@ -274,7 +271,7 @@ class SharedCheck:
                 return False  # a rank has not read this record's previous contents yet
         raw, carry = self._raw, self._carry
         if carry is not None and carry is not False:
-            at = self._payload_at[records.rank]
+            at = self._payload_at[records.rank] - records.start  # in `raw`
             data = memoryview(carry).cast("B")
             raw[at : at + len(data)] = data
         at = self._mine_at
@@ -338,9 +335,6 @@ class SharedCheck:
 
     def payload(self, rank: int, nbytes: int) -> bytes:
         """After completion: the first `nbytes` bytes `rank` carried (a copy)."""
-        if rank == self._records.rank:
-            at = self._payload_at[rank]
-            return bytes(self._raw[at : at + nbytes])
         at = self._payload_at[rank]
         return self._segment[at : at + nbytes]
 
@@ -356,7 +350,7 @@ class SharedCheck:
             (records.size, count),
             dtype,
             buffer=self._segment,
-            offset=records.start + 8 * self._first + records.HEAD,
+            offset=self._payload_at[0],
             strides=(records.ring * records.RECORD, dtype.itemsize),
         )
         return rows
