@@ -235,9 +235,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
                 _PROGRESS.end_record(record)
             raise torch_error(exc, f"{self.comm.name}: {name}") from exc
         result = ops[0].result if len(ops) == 1 else [t for op in ops for t in op.result]
-        if record is not None:
-            return _Work(_Pending.finished(f"{self.comm.name}: {name}", result, record))
-        return _Work(_Finished(self.comm.name, name, result))
+        return _Work(_Finished(self.comm.name, name, result, record))
 
     def _aux_comm(self) -> Communicator:
         # point-to-point traffic of gather, scatter and uneven all-to-all: a communicator of its

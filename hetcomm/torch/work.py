@@ -72,15 +72,6 @@ class _Pending:
         self._future: torch.futures.Future | None = None
         self._future_lock = threading.Lock()
 
-    @classmethod
-    def finished(cls, name: str, result: list[torch.Tensor], record: Record | None) -> _Pending:
-        """An operation that completed on the calling thread (a blocking call)."""
-        pending = cls(name, [], [], result, 0.0)
-        pending.done = True
-        if record is not None:
-            _PROGRESS.end_record(record)  # an asynchronous event, as every other one
-        return pending
-
     @property
     def future(self) -> torch.futures.Future:
         """The operation's torch future (made on first use; complete once the operation is)."""
@@ -299,10 +290,14 @@ class _Finished:
     error: BaseException | None = None
     limit = 0.0
 
-    def __init__(self, group: str, op: str, result: list[torch.Tensor]) -> None:
+    def __init__(
+        self, group: str, op: str, result: list[torch.Tensor], record: Record | None = None
+    ) -> None:
         self._group, self._op, self.result = group, op, result
         self._future: torch.futures.Future | None = None
         self.source: int | None = None  # a receive's sender
+        if record is not None:
+            _PROGRESS.end_record(record)  # an asynchronous event, as every other one
 
     @property
     def name(self) -> str:
