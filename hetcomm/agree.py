@@ -155,7 +155,7 @@ class SharedCheck:
     rank's record holds collective `seq`, when `agreed()` says whether they all match.
 
     A record may also carry the data of a small rooted collective (`start(seq, carry=...)`,
-    see Communicator._carried): its flag word says whether this rank takes that path, and its
+    see hetcomm.carried): its flag word says whether this rank takes that path, and its
     payload holds this rank's input where the operation needs it from this rank.
 
     Collective seq uses record seq % records.ring. A rank writes a record again (for

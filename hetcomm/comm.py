@@ -11,7 +11,7 @@ from typing import Any, Literal, overload
 import numpy as np
 from mpi4py import MPI
 
-from . import ANY_SOURCE, agree, coalesced
+from . import ANY_SOURCE, agree, carried, coalesced
 from . import plan as planning
 from . import trace as _trace
 from . import work as _work
@@ -38,10 +38,6 @@ from .work import Work, all_of, completed
 log = logging.getLogger("hetcomm")
 
 _POINT_TO_POINT = frozenset(("send", "recv"))
-# collectives whose data flows one way (from or to a root), small ones of which ride in the
-# check's shared records (_carried)
-_CARRIED_OPS = frozenset(("broadcast", "reduce"))
-_reduce_rows: Callable[[np.ndarray, np.ndarray, str], None] | None = None  # kernels.reduce's
 # the MPI communicators of closed Communicators, never freed (see Communicator.close)
 _CLOSED_MPI_COMMS: list[MPI.Intracomm] = []
 # polls of a blocking check before it waits as a Work (bounded, with the stall warning)
@@ -298,17 +294,7 @@ class Communicator:
             run = prepare(op, xb, out, rop, root)
         route = Route(op, transport, vec, general, rop, root, run)
         route.dtype = dtype
-        # small rooted collectives on host memory ride in the check's shared records
-        route.carry = (
-            op in _CARRIED_OPS
-            and self._agree.records is not None
-            and xb is not None
-            and not xb.on_device
-            and 0 < xb.nbytes <= agree.SharedRecords.PAYLOAD
-            # host bfloat16 arrays have no buffer format to copy by; a reduce of halves
-            # rounds at each step, which reduce_rows does not
-            and dtype not in (("float16", "bfloat16") if op == "reduce" else ("bfloat16",))
-        )
+        route.carry = self._agree.records is not None and carried.applies(op, xb)
         prepare_async = getattr(transport, "prepare_async", None)
         if prepare_async is not None and key is not None:
             route.start = prepare_async(op, xb, out, rop, root)
@@ -365,7 +351,7 @@ class Communicator:
         self, route: Route, seq: int, timeout: float | None, carry: Any = None
     ) -> agree.Check | agree.SharedCheck:
         """Collective `seq`'s check, on this thread; raises MismatchError where the ranks
-        differ. `carry`: what this rank's record carries (see _carried), else None. Returns
+        differ. `carry`: what this rank's record carries (see hetcomm.carried), else None. Returns
         the completed check."""
         # the slot's state read inline where it is free and holds this route's signature (a
         # collective repeated), else through _check_slot
@@ -576,59 +562,6 @@ class Communicator:
         except MPI.Exception as exc:
             raise self._mpi_error(route.op, seq, exc) from exc
 
-    def _carried(self, route: Route, xh: np.ndarray) -> bool:
-        """A small blocking broadcast or reduce on host memory whose data rides in the check's
-        shared records (agree.SharedCheck) where every rank takes this path: the root's input
-        for a broadcast, every other rank's for a reduce. The check is a synchronisation of
-        every rank anyway, which the operation's own messages would only follow; carried, it
-        is the whole operation. Where any rank does not take the path (an asynchronous call, a
-        timeout of its own, device memory, tracing), every rank reads so in the records and
-        runs the operation as it would have (the transport's prepared call, else False: the
-        general path, with the sequence number entered here)."""
-        self._last_entered = seq = self._arrive(route)
-        if self._deferred.queue:
-            self._flush_deferred(route.op, seq)
-        root = route.root
-        # a broadcast's data comes from the root; a reduce's from every rank
-        carries = route.op == "reduce" or self.rank == root
-        check = self._check_blocking(route, seq, None, xh if carries else False)
-        assert isinstance(check, agree.SharedCheck)
-        if not check.carried():
-            run = route.run
-            if run is None:
-                return False
-            route.runs += 1
-            try:
-                return run(xh, seq)
-            except MPI.Exception as exc:
-                raise self._mpi_error(route.op, seq, exc) from exc
-        route.runs += 1
-        route.carried += 1
-        if route.op == "broadcast":
-            if not carries:
-                xh.data.cast("B")[:] = check.payload(root, xh.nbytes)
-        elif self.rank == root:
-            self._reduce_carried(route, check, xh)
-        return True
-
-    def _reduce_carried(self, route: Route, check: agree.SharedCheck, xh: np.ndarray) -> None:
-        """The root's part of a carried reduce: every rank's input (the root's own included:
-        every rank carries it) reduced in rank order, as hostcoll's reductions are, into `xh`."""
-        global _reduce_rows
-        if _reduce_rows is None:  # numba's import waits for the first carried reduce
-            from .kernels.reduce import reduce_rows
-
-            _reduce_rows = reduce_rows
-        flat, rop = xh if xh.ndim == 1 else xh.reshape(-1), route.rop
-        assert rop is not None and route.dtype is not None
-        _reduce_rows(
-            check.rows(flat.dtype, flat.size), flat, "sum" if rop is ReduceOp.AVG else rop.value
-        )
-        if rop is ReduceOp.AVG:
-            from .transports.local import divide_host
-
-            divide_host(flat, self.size, route.dtype)
-
     # ---- operations ---------------------------------------------------------------------------
 
     def all_reduce(
@@ -778,7 +711,7 @@ class Communicator:
         ):
             xh = host_view(x, at_root)
             if xh is not None:
-                if self._carried(route, xh) if route.carry else self._blocking_run(route, xh):
+                if carried.run(self, route, xh) if route.carry else self._blocking_run(route, xh):
                     return None
                 return self._reduce(route, x, False, None, self._last_entered)
         return self._reduce(route, x, async_op, timeout, None)
@@ -825,7 +758,7 @@ class Communicator:
         ):
             xh = host_view(x, self.rank != route.root)
             if xh is not None:
-                if self._carried(route, xh) if route.carry else self._blocking_run(route, xh):
+                if carried.run(self, route, xh) if route.carry else self._blocking_run(route, xh):
                     return None
                 return self._broadcast(route, x, False, None, self._last_entered)
         return self._broadcast(route, x, async_op, timeout, None)

@@ -64,7 +64,7 @@ class Route:
         self.rop, self.root, self.run = rop, root, run
         # the transport's prepared asynchronous start for host arrays (sends and receives)
         self.start: Callable[..., Work] | None = None
-        # whether its blocking calls on host memory ride in the check (Communicator._carried),
+        # whether its blocking calls on host memory ride in the check (hetcomm.carried),
         # and how many did
         self.carry = False
         self.carried = 0
