@@ -64,6 +64,9 @@ class _Ring:
         words = seg.array[: (slots + 1) * _ROW * 8].view(np.int64).reshape(slots + 1, _ROW)
         self.control = words[0]
         self.head = words[1:]
+        # the same words as Python ints, one read or write each: the calls below touch a few
+        # words per message, where a numpy expression over the rows costs a microsecond or more
+        self.words = memoryview(words.reshape(-1)).cast("B").cast("q")
         off = _data_offset(slots)
         self.data = seg.array[off : off + slots * slot_bytes].reshape(slots, slot_bytes)
         self.lock = threading.Lock()  # this rank's threads that take slots of the ring
@@ -78,16 +81,19 @@ class EagerOut(_Ring):
     def __init__(self, seg: SharedSlots, slots: int, slot_bytes: int) -> None:
         super().__init__(seg, slots, slot_bytes)
         self._filling: set[int] = set()  # slots taken by a thread of this rank, not published
+        self._next = 0  # where the search for a free slot starts: the slots go round in turn
 
     def claim(self) -> int | None:
         """A free slot, taken for this thread to fill; None when every slot is in use."""
-        head = self.head
+        w, slots = self.words, self.slots
         with self.lock:
-            free = np.flatnonzero(head[:, PUB] == head[:, FREED])
-            for s in free.tolist():
-                if s not in self._filling:
+            for i in range(slots):
+                s = (self._next + i) % slots
+                row = (s + 1) * _ROW
+                if w[row + PUB] == w[row + FREED] and s not in self._filling:
                     self._filling.add(s)
-                    return int(s)
+                    self._next = (s + 1) % slots
+                    return s
         return None
 
     def target(self, slot: int, nbytes: int) -> np.ndarray:
@@ -96,10 +102,10 @@ class EagerOut(_Ring):
 
     def publish(self, slot: int, tag: int, number: int, nbytes: int, kind: int) -> None:
         """Announce the claimed `slot` (its bytes written already) to the receiver."""
-        row = self.head[slot]
-        row[TAG], row[NUMBER], row[NBYTES], row[KIND] = tag, number, nbytes, kind
-        row[PUB] += 1  # after the header and the data
-        self.control[TOTAL] += 1  # last: receivers look again when it moves
+        w, row = self.words, (slot + 1) * _ROW
+        w[row + TAG], w[row + NUMBER], w[row + NBYTES], w[row + KIND] = tag, number, nbytes, kind
+        w[row + PUB] += 1  # after the header and the data
+        w[TOTAL] += 1  # last: receivers look again when it moves
         with self.lock:
             self._filling.discard(slot)
 
@@ -107,6 +113,7 @@ class EagerOut(_Ring):
         """Give back a claimed slot that was not published (its copy failed)."""
         with self.lock:
             self._filling.discard(slot)
+            self._next = slot  # the next claim takes it again
 
 
 class Found:
@@ -144,6 +151,7 @@ class EagerIn(_Ring):
         self._taken: set[int] = set()  # slots a thread of this rank is reading
         self.posted: dict[tuple[int, int], Posted] = {}
         self._scanned = -1  # TOTAL at the last progress
+        self._next = 0  # where searches start: the slot after the last message taken
 
     def post(self, rec: Posted) -> Found | None:
         """The message of `rec`, taken, if it is here; else `rec` is posted for `progress`."""
@@ -170,23 +178,23 @@ class EagerIn(_Ring):
     def progress(self) -> list[tuple[Found, Posted]]:
         """The messages that posted receives wait for, taken (each with its receive) for the
         caller to land; reads one word unless the sender has published since the last look."""
-        total = int(self.control[TOTAL])
+        w = self.words
+        total = w[TOTAL]
         if total == self._scanned:
             return []
-        head = self.head
         hits: list[tuple[Found, Posted]] = []
         with self.lock:
             self._scanned = total
             if not self.posted:
                 return hits
-            for s in np.flatnonzero(head[:, PUB] != head[:, FREED]).tolist():
-                if s in self._taken:
+            for s in range(self.slots):
+                row = (s + 1) * _ROW
+                if w[row + PUB] == w[row + FREED] or s in self._taken:
                     continue
-                row = head[s]
-                rec = self.posted.pop((int(row[TAG]), int(row[NUMBER])), None)
+                rec = self.posted.pop((w[row + TAG], w[row + NUMBER]), None)
                 if rec is not None:
                     self._taken.add(s)
-                    hits.append((Found(s, int(row[KIND]), int(row[NBYTES]), int(row[PUB])), rec))
+                    hits.append((Found(s, w[row + KIND], w[row + NBYTES], w[row + PUB]), rec))
         return hits
 
     def take(self, tag: int, number: int) -> Found | None:
@@ -195,17 +203,22 @@ class EagerIn(_Ring):
             return self._take(tag, number)
 
     def _take(self, tag: int, number: int) -> Found | None:
-        head = self.head
+        w, slots = self.words, self.slots
         # a slot whose PUB differs from FREED holds a message whose header the sender no
-        # longer writes; only this rank frees slots, under `lock`
-        hit = np.flatnonzero(
-            (head[:, PUB] != head[:, FREED]) & (head[:, TAG] == tag) & (head[:, NUMBER] == number)
-        )
-        for s in hit.tolist():
-            if s not in self._taken:
+        # longer writes (it wrote the header before PUB); only this rank frees slots, under
+        # `lock`. Messages fill the slots in turn, so the search starts after the last one.
+        for i in range(slots):
+            s = (self._next + i) % slots
+            row = (s + 1) * _ROW
+            if (
+                w[row + PUB] != w[row + FREED]
+                and w[row + TAG] == tag
+                and w[row + NUMBER] == number
+                and s not in self._taken
+            ):
                 self._taken.add(s)
-                row = head[s]
-                return Found(int(s), int(row[KIND]), int(row[NBYTES]), int(row[PUB]))
+                self._next = (s + 1) % slots
+                return Found(s, w[row + KIND], w[row + NBYTES], w[row + PUB])
         return None
 
     def view(self, found: Found) -> np.ndarray:
@@ -214,6 +227,6 @@ class EagerIn(_Ring):
 
     def free(self, found: Found) -> None:
         """Hand a taken slot back to the sender."""
-        self.head[found.slot, FREED] = found.pub
+        self.words[(found.slot + 1) * _ROW + FREED] = found.pub
         with self.lock:
             self._taken.discard(found.slot)
