@@ -2,10 +2,15 @@
 
 Ranks of one host hand each other small messages, completions and barriers through counters in
 a shared segment (`shm.SharedSlots`), each counter written by one rank only and read by the
-others. A waiter polls its word on its own thread: first by spinning (one read costs about
-0.1 us), then by yielding the core between reads (`sched_yield`, about 0.5 us: on an
-oversubscribed host the writer may need this very core), then by naps that grow to 1 ms (one
-nap costs 55 us or more through a VM's timer slack), so that a long wait holds no core.
+others. A waiter polls its word on its own thread: first yielding the core between reads
+(`sched_yield`, about 0.5 us, which returns at once where no other thread waits for the
+core), then by naps that grow to 1 ms (one nap costs 55 us or more through a VM's timer
+slack), so that a long wait holds no core. It does not spin first: where a host runs more
+ranks than it has cores (4 ranks on the 2-core CPU VM) the writer may need this very core,
+and 64 reads before the first yield (each a Python call of a microsecond or two) made a staged
+8-byte one-way message 109 us against 42 us yielding at once; on 2 ranks the two were alike
+(14-15 us; 2026-12-01, `hetcomm bench --latency --transport staged --op sendrecv`). MPI does
+the same for oversubscribed ranks (Open MPI's yield-when-idle).
 
 A reader may trust the data written before a counter once it sees the counter only where the
 CPU makes stores visible in program order (x86-64's total store order) and the writer's
@@ -20,7 +25,6 @@ import platform
 import time
 from collections.abc import Callable
 
-SPINS = 64  # reads before the first yield
 YIELD_SECONDS = 2e-3  # yielding between reads this long, then napping
 NAP_MAX = 1e-3  # the longest nap
 CHECK_SECONDS = 0.05  # how often `check` runs while napping
@@ -44,11 +48,10 @@ def wait(
     """True once `ready()` holds; False when `time.monotonic()` passes `deadline` first.
 
     `check` (it may raise, e.g. when the writer's process has died) runs every
-    CHECK_SECONDS once the wait has gone on past its spinning and yielding.
+    CHECK_SECONDS once the wait has gone on past its yielding.
     """
-    for _ in range(SPINS):
-        if ready():
-            return True
+    if ready():
+        return True
     now = time.monotonic()
     yield_until = min(deadline, now + YIELD_SECONDS)
     while now < yield_until:
