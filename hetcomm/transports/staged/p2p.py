@@ -20,8 +20,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from ...errors import CommTimeout, HetcommError, MismatchError, PeerLost
 from ...work import Work
 from .. import flags
@@ -128,12 +126,11 @@ def send_eager(
     n = region.nbytes
     try:
         if n:
-            target = out.target(slot, n)
             if region.host is not None:
-                np.copyto(target, region.host)
+                out.put(slot, region.host)
             else:
                 out.seg.register_with_gpu(t.gpu.device)
-                t.gpu.copy_to_host(target, region, ready)
+                t.gpu.copy_to_host(out.target(slot, n), region, ready)
     except BaseException:
         out.unclaim(slot)
         raise
@@ -248,12 +245,11 @@ def land(t: StagedTransport, ch: Channel, found: Found, rec: Posted) -> None:
         if found.nbytes != region.nbytes:
             raise size_mismatch(ch.peer, found.nbytes, region.nbytes)
         if found.nbytes:
-            data = inbox.view(found)
             if region.host is not None:
-                np.copyto(region.host, data)
+                inbox.get(found, region.host)
             else:
                 inbox.seg.register_with_gpu(t.gpu.device)
-                t.gpu.copy_from_host(region, data, rec.ready)
+                t.gpu.copy_from_host(region, inbox.view(found), rec.ready)
         t.paths["recv eager"] += 1
     except BaseException as exc:
         rec.error = exc

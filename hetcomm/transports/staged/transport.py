@@ -103,7 +103,7 @@ class StagedTransport(Transport):
         self._op_ids = itertools.count(1)
         self.cts = ClearToSend(self.rank, self.svc, self._channels, self._queue_send)
         self.mpi_rail = MpiRail(self)
-        self._p2p_counts: dict[tuple[str, int, int], int] = {}
+        self._p2p_counts: dict[tuple[str, int, int], itertools.count[int]] = {}
         self._driver = _Drivers(4, f"hetcomm-staged-{self.rank}")
         self.closed = False
         self.gpu: Any = None
@@ -520,10 +520,11 @@ class StagedTransport(Transport):
         is made: message k of a sender matches receive k of its receiver, as MPI matches them,
         however the driver threads that run the bodies happen to be scheduled."""
         key = (direction, peer, tag)
-        with self._lock:
-            k = self._p2p_counts.get(key, 0)
-            self._p2p_counts[key] = k + 1
-        return k
+        counter = self._p2p_counts.get(key)
+        if counter is None:
+            with self._lock:
+                counter = self._p2p_counts.setdefault(key, itertools.count())
+        return next(counter)  # one C call: atomic under the interpreter lock
 
     def _on_calling_thread(self, peer: int) -> bool:
         """Whether a send to or receive from `peer` can start on the calling thread: their
