@@ -518,7 +518,9 @@ def prepare(
     arrays, then the sequence number). None where the group or the size do not allow it; the
     general path of the same signature goes through the segment too (on a driver thread), so
     that ranks that take different paths still meet there. A call returns False, having moved
-    nothing, where the segment could not grow to its size (every rank does at that call)."""
+    nothing, where the segment could not grow to its size (every rank does at that call).
+    Each call copies its whole input into the segment before it writes any output, so the
+    in-place forms (an output that overlaps the input) are served as they are (`in_place`)."""
     if op not in _SEGMENT_OPS or x is None or x.host is None:
         return None
     if out is not None and out.host is None:
@@ -576,12 +578,14 @@ def prepare(
             fn = group.reduce_scatter
             return drive("reduce_scatter", seq, fn, _flat(xh), _flat(oh), nbytes, dtype, rop)
 
+        run_scatter.in_place = True  # type: ignore[attr-defined]
         return run_scatter
     blocks = group.all_gather if op == "all_gather" else group.all_to_all
 
     def run_blocks(xh: np.ndarray, oh: np.ndarray, seq: int) -> bool:
         return drive(op, seq, blocks, _flat(xh), _flat(oh), nbytes)
 
+    run_blocks.in_place = True  # type: ignore[attr-defined]
     return run_blocks
 
 
