@@ -8,6 +8,7 @@ over the rails, and the tests check the data only."""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -155,6 +156,43 @@ def test_many_in_flight_async(hetcomm_make_comm, errors, rng, opened):
             works = {i: comm.recv(got[i][:-1], peer, tag=tags[i], async_op=True) for i in order}
             for i in reversed(order):
                 works[i].wait()
+                errors.expect(np.array_equal(got[i][:-1], msgs[i]), f"message {i}: wrong data")
+                errors.expect(got[i][-1] == -1.0, f"message {i}: wrote past the message")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking receives", "async in order"])
+def test_back_to_back_sends_keep_their_order(hetcomm_make_comm, errors, rng, blocking):
+    """Four rings' worth of asynchronous sends, most over the rails (each with its marker in
+    the ring) and some eager, then all waited for; the receiver takes them one by one in
+    MPI's order. Sends that find the ring full wait for a slot on a driver thread and keep
+    their place (tests/rails/test_eager_ring.py pins the order): a later one that took a slot
+    freed meanwhile could fill the ring with messages the receiver does not look at yet,
+    while the one it waits for has none (a 1 MiB back-to-back run stalled so, once)."""
+    comm = hetcomm_make_comm(transport="staged", timeout=30)
+    peer = _opened(comm)
+    if peer is not None:
+        count = 4 * EAGER_SLOTS
+        sizes = [7 + i if i % 3 == 0 else THR32 + 10 + i for i in range(count)]
+        msgs = [_data(rng, n, "float32") for n in sizes]
+        if comm.rank % 2 == 0:
+            works = []
+            for x in msgs:
+                works.append(comm.send(x, peer, tag=4, async_op=True))
+                time.sleep(0.002)  # the receiver frees slots between the sends
+            for w in works:
+                w.wait()
+        else:
+            got = [np.full(n + 1, -1.0, np.float32) for n in sizes]
+            if blocking:
+                for i in range(count):
+                    comm.recv(got[i][:-1], peer, tag=4)
+            else:
+                works = [comm.recv(g[:-1], peer, tag=4, async_op=True) for g in got]
+                for w in works:
+                    w.wait()
+            for i in range(count):
                 errors.expect(np.array_equal(got[i][:-1], msgs[i]), f"message {i}: wrong data")
                 errors.expect(got[i][-1] == -1.0, f"message {i}: wrote past the message")
     errors.verify()

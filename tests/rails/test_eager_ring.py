@@ -41,7 +41,7 @@ def ring() -> Iterator[tuple[EagerOut, EagerIn]]:
 
 
 def _send(out: EagerOut, tag: int, number: int, data: np.ndarray, kind: int = DATA) -> int:
-    slot = out.claim()
+    slot = out.claim(out.ticket())
     assert slot is not None
     out.target(slot, data.nbytes)[:] = data.view(np.uint8)
     out.publish(slot, tag, number, data.nbytes, kind)
@@ -56,7 +56,8 @@ def test_messages_are_found_by_tag_and_number_in_any_order(ring):
     }
     for (t, k), data in msgs.items():
         _send(out, t, k, data)
-    assert out.claim() is None  # four slots, four messages: full
+    waiting = out.ticket()
+    assert out.claim(waiting) is None  # four slots, four messages: full
     assert inbox.take(3, 0) is None
     for t, k in [(2, 1), (1, 1), (2, 0), (1, 0)]:
         found = inbox.take(t, k)
@@ -65,8 +66,56 @@ def test_messages_are_found_by_tag_and_number_in_any_order(ring):
         assert np.array_equal(inbox.view(found), msgs[(t, k)])
         inbox.free(found)
     assert (out.head[:, PUB] == out.head[:, FREED]).all()
-    slots = {out.claim() for _ in range(SLOTS)}
-    assert slots == set(range(SLOTS)) and out.claim() is None
+    slots = {out.claim(waiting)} | {out.claim(out.ticket()) for _ in range(SLOTS - 1)}
+    assert slots == set(range(SLOTS)) and out.claim(out.ticket()) is None
+
+
+def _take_one(inbox: EagerIn, tag: int, number: int) -> None:
+    found = inbox.take(tag, number)
+    assert found is not None
+    inbox.free(found)
+
+
+def test_slots_go_to_sends_in_the_order_they_were_made(ring):
+    """A send that found the ring full keeps its place: a later one may not take a slot
+    freed meanwhile; a send given up lets the next one through."""
+    out, inbox = ring
+    sent = iter(range(100))  # the numbers of the messages published, in order
+
+    def send(ticket: int) -> bool:
+        slot = out.claim(ticket)
+        if slot is not None:
+            out.publish(slot, 5, next(sent), 0, DATA)
+        return slot is not None
+
+    taken = iter(range(100))
+
+    def take() -> None:
+        _take_one(inbox, 5, next(taken))
+
+    for _ in range(SLOTS):
+        assert send(out.ticket())
+    first = out.ticket()
+    assert not send(first)  # full
+    take()
+    later = out.ticket()
+    assert not send(later)  # a slot is free, but `first` came before
+    assert send(first)
+    assert not send(later)  # full again
+    take()
+    assert send(later)
+    # a send given up in its turn
+    gone, after = out.ticket(), out.ticket()
+    out.skip(gone)
+    take()
+    assert send(after)
+    # and one given up before its turn
+    a, b, c = out.ticket(), out.ticket(), out.ticket()
+    out.skip(b)
+    take()
+    take()
+    assert not send(c) and send(a)
+    assert send(c)  # b was given up: c is next
 
 
 def test_posted_receives_are_landed_by_progress(ring):
@@ -99,7 +148,7 @@ def test_posted_receives_are_landed_by_progress(ring):
 
 def test_a_marker_carries_the_size_and_no_data(ring):
     out, inbox = ring
-    slot = out.claim()
+    slot = out.claim(out.ticket())
     assert slot is not None
     out.publish(slot, 3, 7, 1 << 30, RAILS)
     found = inbox.take(3, 7)
@@ -110,9 +159,9 @@ def test_a_marker_carries_the_size_and_no_data(ring):
 
 def test_an_unpublished_slot_is_not_seen(ring):
     out, inbox = ring
-    slot = out.claim()
+    slot = out.claim(out.ticket())
     assert slot is not None
     out.target(slot, 4)[:] = 1
     assert inbox.take(0, 0) is None  # claimed and written, not published
     out.unclaim(slot)
-    assert out.claim() == slot
+    assert out.claim(out.ticket()) == slot

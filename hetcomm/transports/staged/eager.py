@@ -19,6 +19,7 @@ message over the rails frees the marker.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any
 
@@ -77,25 +78,56 @@ class _Ring:
 
 
 class EagerOut(_Ring):
-    """The sending end: this rank made the segment and writes the messages."""
+    """The sending end: this rank made the segment and writes the messages.
+
+    Sends take slots in the order in which they were made (`ticket`, drawn by the call): a
+    send that found the ring full and waits for a slot on a driver thread keeps its place,
+    and a later send may not take a slot freed meanwhile. Out of order, messages made later
+    could fill the ring while the receiver waits, in MPI's order, for the one that has no
+    slot: 32 back-to-back asynchronous sends of 1 MiB stalled so (2026-12-01)."""
 
     def __init__(self, seg: SharedSlots, slots: int, slot_bytes: int) -> None:
         super().__init__(seg, slots, slot_bytes)
         self._filling: set[int] = set()  # slots taken by a thread of this rank, not published
         self._next = 0  # where the search for a free slot starts: the slots go round in turn
+        self._drawn = itertools.count()
+        self._serving = 0  # the ticket whose send takes the next slot
+        self._skipped: set[int] = set()  # later tickets given up before their turn
 
-    def claim(self) -> int | None:
-        """A free slot, taken for this thread to fill; None when every slot is in use."""
+    def ticket(self) -> int:
+        """This send's place in the order of slots (draw it where the send is made)."""
+        return next(self._drawn)  # one C call: atomic under the interpreter lock
+
+    def claim(self, ticket: int) -> int | None:
+        """A free slot, taken for `ticket`'s send to fill; None when every slot is in use or
+        an earlier ticket has not taken its slot yet."""
         w, slots = self.words, self.slots
         with self.lock:
+            if ticket != self._serving:
+                return None
             for i in range(slots):
                 s = (self._next + i) % slots
                 row = (s + 1) * _ROW
                 if w[row + PUB] == w[row + FREED] and s not in self._filling:
                     self._filling.add(s)
                     self._next = (s + 1) % slots
+                    self._advance()
                     return s
         return None
+
+    def skip(self, ticket: int) -> None:
+        """Give up `ticket` without a slot (its send failed before it took one)."""
+        with self.lock:
+            if ticket == self._serving:
+                self._advance()
+            elif ticket > self._serving:
+                self._skipped.add(ticket)
+
+    def _advance(self) -> None:
+        self._serving += 1
+        while self._serving in self._skipped:
+            self._skipped.discard(self._serving)
+            self._serving += 1
 
     def target(self, slot: int, nbytes: int) -> np.ndarray:
         """Where a message of `nbytes` goes in `slot`."""

@@ -68,37 +68,49 @@ def send(
     deadline: float,
     ready: Any,
     marked: bool = False,
+    ticket: int | None = None,
 ) -> None:
     """Send message `k` of (`dst`, `tag`) to its end: eagerly where the pair has a ring and it
-    fits a slot, else over the rails (a marker in the ring first, unless `marked`)."""
+    fits a slot, else over the rails (a marker in the ring first, unless `marked`). `ticket`:
+    its place in the ring's order, drawn where the send was made (else here)."""
     ch = channel_to(t, dst, deadline)
-    if ch is not None and ch.eager_out is not None:
-        if region.nbytes <= ch.eager_out.slot_bytes:
-            send_eager(t, ch, region, tag, k, deadline, ready, wait=True)
+    out = ch.eager_out if ch is not None else None
+    if ch is not None and out is not None:
+        if ticket is None:
+            ticket = out.ticket()
+        if region.nbytes <= out.slot_bytes:
+            send_eager(t, ch, region, tag, k, deadline, ready, True, ticket)
             return
         if not marked:
-            mark(t, ch, tag, k, region.nbytes, deadline, wait=True)
+            mark(t, ch, tag, k, region.nbytes, deadline, True, ticket)
     t.paths["send rails"] += 1
     t.finish_send(t.start_send(dst, region, CTS_P2P, tag, k, deadline, ready), deadline)
 
 
 def claim(
-    t: StagedTransport, ch: Channel, out: EagerOut, deadline: float, wait: bool
+    t: StagedTransport, ch: Channel, out: EagerOut, deadline: float, wait: bool, ticket: int
 ) -> int | None:
-    """A free slot of the ring to `ch`'s peer; without `wait`, None if none is free now; with
-    it, waits for one (PeerTimeout when the peer frees none in time)."""
-    slot = out.claim()
+    """A free slot of the ring to `ch`'s peer, in `ticket`'s turn; without `wait`, None if
+    there is none for it now; with it, waits for one (PeerTimeout when the peer frees none in
+    time; the ticket is given up then)."""
+    slot = out.claim(ticket)
     if slot is not None or not wait:
         return slot
     got: list[int] = []
 
     def ready() -> bool:
-        s = out.claim()
+        s = out.claim(ticket)
         if s is not None:
             got.append(s)
         return s is not None
 
-    if not flags.wait(ready, deadline, lambda: check_peer(t, ch)):
+    try:
+        claimed = flags.wait(ready, deadline, lambda: check_peer(t, ch))
+    except BaseException:
+        out.skip(ticket)
+        raise
+    if not claimed:
+        out.skip(ticket)
         raise PeerTimeout(
             [ch.peer], f"rank {ch.peer} took none of the {out.slots} messages waiting for it"
         )
@@ -114,13 +126,15 @@ def send_eager(
     deadline: float,
     ready: Any,
     wait: bool,
+    ticket: int,
 ) -> bool:
-    """Copy a message into a free slot of the ring and publish it; False (nothing done) where
-    no slot is free and `wait` is False. Device bytes: copied after `ready` into the slot
-    (registered with the GPU), the copy waited for before the slot is published."""
+    """Copy a message into a free slot of the ring and publish it, in `ticket`'s turn; False
+    (nothing done) where there is no slot for it now and `wait` is False. Device bytes:
+    copied after `ready` into the slot (registered with the GPU), the copy waited for before
+    the slot is published."""
     out = ch.eager_out
     assert out is not None
-    slot = claim(t, ch, out, deadline, wait)
+    slot = claim(t, ch, out, deadline, wait, ticket)
     if slot is None:
         return False
     n = region.nbytes
@@ -140,13 +154,21 @@ def send_eager(
 
 
 def mark(
-    t: StagedTransport, ch: Channel, tag: int, k: int, nbytes: int, deadline: float, wait: bool
+    t: StagedTransport,
+    ch: Channel,
+    tag: int,
+    k: int,
+    nbytes: int,
+    deadline: float,
+    wait: bool,
+    ticket: int,
 ) -> bool:
-    """Publish the marker of a message that goes over the rails (False: no slot free and not
-    `wait`), so that a receive expecting it eager learns that the sizes differ."""
+    """Publish the marker of a message that goes over the rails, in `ticket`'s turn (False:
+    no slot for it now and not `wait`), so that a receive expecting it eager learns that the
+    sizes differ."""
     out = ch.eager_out
     assert out is not None
-    slot = claim(t, ch, out, deadline, wait)
+    slot = claim(t, ch, out, deadline, wait, ticket)
     if slot is None:
         return False
     out.publish(slot, tag, k, nbytes, RAILS)

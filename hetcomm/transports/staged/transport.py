@@ -606,15 +606,18 @@ class StagedTransport(Transport):
         deadline = time.monotonic() + self.timeout
         ch = self._channels.get(dst) if dst != self.rank and not self.closed else None
         marked = False
-        if ch is not None and ch.eager_out is not None:
-            if region.nbytes <= ch.eager_out.slot_bytes:
-                if p2p.send_eager(self, ch, region, tag, k, deadline, ready, wait=False):
+        out = ch.eager_out if ch is not None else None
+        ticket = None
+        if ch is not None and out is not None:
+            ticket = out.ticket()  # its place among the sends that take slots, kept if it waits
+            if region.nbytes <= out.slot_bytes:
+                if p2p.send_eager(self, ch, region, tag, k, deadline, ready, False, ticket):
                     work = Work(self.comm, "send", seq, _true)
                     work.info = {"transport": "staged", "bytes": x.nbytes, "stages": 1}
                     return work
             else:
-                marked = p2p.mark(self, ch, tag, k, region.nbytes, deadline, wait=False)
-        if (ch is None or ch.eager_out is None or marked) and self._on_calling_thread(dst):
+                marked = p2p.mark(self, ch, tag, k, region.nbytes, deadline, False, ticket)
+        if (out is None or marked) and self._on_calling_thread(dst):
             # no driver: the chunks are queued here if the receive is posted already, else by
             # the thread that files its clear-to-send
             self.paths["send rails"] += 1
@@ -622,7 +625,7 @@ class StagedTransport(Transport):
             return self._op_work("send", seq, x, op, deadline, lambda: self.cts.unwait(op))
 
         def body(deadline: float, ready: Any) -> None:
-            p2p.send(self, region, dst, tag, k, deadline, ready, marked)
+            p2p.send(self, region, dst, tag, k, deadline, ready, marked, ticket)
 
         return self._run("send", seq, [x], body)
 
