@@ -238,15 +238,8 @@ class StagedTransport(Transport):
     def _eager_ring(self, ch: Channel, name: str) -> tuple[str, int, int] | None:
         """Make the eager ring of messages to `ch`'s peer (its name, slots and slot bytes for
         the peer to map), or None where this host cannot order messages through shared words,
-        eager messages are off, either rank has a GPU, or /dev/shm has no room (the pair then
-        uses the rails only)."""
+        eager messages are off, or /dev/shm has no room (the pair then uses the rails only)."""
         if self.eager_bytes <= 0 or self.eager_slots <= 0 or flags.unsupported() is not None:
-            return None
-        ranks = self.comm.topology.ranks
-        if ranks[self.rank].device is not None or ranks[ch.peer].device is not None:
-            # pairs with a GPU take the rails, as both ranks decide alike: on the H200 the p2p
-            # study's back-to-back device messages stalled on rings whose slots the peer never
-            # freed (2026-12-01)
             return None
         size = segment_bytes(self.eager_slots, self.eager_bytes)
         try:
