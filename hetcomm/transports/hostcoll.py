@@ -19,7 +19,7 @@ so the same bits, with one barrier); larger ones (`REDUNDANT_MAX`) by shards, ea
 one rank and written into that shard of its own half, then a second barrier, after which each
 rank copies the other shards out of their reducers' halves.
 
-Waits spin, yield, then nap (`flags.wait`), bounded by the operation's deadline; while
+Waits yield, then nap (`flags.wait`), bounded by the operation's deadline; while
 napping they look at the late ranks' processes (/proc), so that a rank that died is named
 (`Dead`) long before the deadline, and a wait that runs out names the ranks that did not
 arrive (`Late`). Transports turn these into CommTimeout and PeerLost.

@@ -67,10 +67,10 @@ class _Ring:
         self.head = words[1:]
         # the same words as Python ints, one read or write each: the calls below touch a few
         # words per message, where a numpy expression over the rows costs a microsecond or more
-        self.words = memoryview(words.reshape(-1)).cast("B").cast("q")
+        self.words = words.reshape(-1).data.cast("B").cast("q")
         off = _data_offset(slots)
         self.data = seg.array[off : off + slots * slot_bytes].reshape(slots, slot_bytes)
-        self._bytes = memoryview(self.data.reshape(-1))  # host copies by slice assignment
+        self._bytes = self.data.reshape(-1).data  # host copies by slice assignment
         self.lock = threading.Lock()  # this rank's threads that take slots of the ring
 
     def close(self) -> None:
