@@ -596,6 +596,21 @@ class StagedTransport(Transport):
             return self._inline(
                 "send", seq, x.nbytes, lambda d: p2p.send(self, region, dst, tag, k, d, ready)
             )
+        return self._send_async(region, dst, tag, k, seq, ready, [x])
+
+    def _send_async(
+        self,
+        region: Region,
+        dst: int,
+        tag: int,
+        k: int,
+        seq: int,
+        ready: Any,
+        bufs: list[Buffer],
+    ) -> Work:
+        """The Work of asynchronous send `k` of (`dst`, `tag`): done at once where the message
+        went into the ring, else started here or on a driver (`bufs`: the caller's buffers, for
+        the driver's ready event; none for host memory)."""
         deadline = time.monotonic() + self.timeout
         ch = self._channels.get(dst) if dst != self.rank and not self.closed else None
         marked = False
@@ -606,7 +621,7 @@ class StagedTransport(Transport):
             if region.nbytes <= out.slot_bytes:
                 if p2p.send_eager(self, ch, region, tag, k, deadline, ready, False, ticket):
                     work = Work(self.comm, "send", seq, _true)
-                    work.info = {"transport": "staged", "bytes": x.nbytes, "stages": 1}
+                    work.info = {"transport": "staged", "bytes": region.nbytes, "stages": 1}
                     return work
             else:
                 marked = p2p.mark(self, ch, tag, k, region.nbytes, deadline, False, ticket)
@@ -615,12 +630,12 @@ class StagedTransport(Transport):
             # the thread that files its clear-to-send
             self.paths["send rails"] += 1
             op = self.start_send(dst, region, CTS_P2P, tag, k, deadline, ready)
-            return self._op_work("send", seq, x, op, deadline, lambda: self.cts.unwait(op))
+            return self._op_work("send", seq, region, op, deadline, lambda: self.cts.unwait(op))
 
         def body(deadline: float, ready: Any) -> None:
             p2p.send(self, region, dst, tag, k, deadline, ready, marked, ticket)
 
-        return self._run("send", seq, [x], body)
+        return self._run("send", seq, bufs, body, nbytes=region.nbytes)
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
         """Receive into `x` from `src` (see _recv); the Work's `source` is `src`, known ahead."""
@@ -641,7 +656,23 @@ class StagedTransport(Transport):
             return self._inline(
                 "recv", seq, x.nbytes, lambda d: p2p.recv(self, region, src, tag, k, d, ready)
             )
+        return self._recv_start(region, src, tag, k, seq, ready, [x])
+
+    def _recv_start(
+        self,
+        region: Region,
+        src: int,
+        tag: int,
+        k: int,
+        seq: int,
+        ready: Any,
+        bufs: list[Buffer],
+    ) -> Work:
+        """The Work of asynchronous receive `k` of (`src`, `tag`) into `region`: polled on
+        the ring or the rails with no thread where it can be, else run on a driver (`bufs`
+        as _send_async's)."""
         deadline = time.monotonic() + self.timeout
+        n = region.nbytes
 
         def body(deadline: float, ready: Any) -> None:
             p2p.recv(self, region, src, tag, k, deadline, ready)
@@ -655,13 +686,13 @@ class StagedTransport(Transport):
                     deadline,
                     lambda ch: (
                         self._recv_async(ch, region, tag, k, seq, deadline, ready)
-                        or self._run("recv", seq, [x], body)
+                        or self._run("recv", seq, bufs, body, nbytes=n)
                     ),
                 )
             work = self._recv_async(ch, region, tag, k, seq, deadline, ready)
             if work is not None:
                 return work
-        return self._run("recv", seq, [x], body)
+        return self._run("recv", seq, bufs, body, nbytes=n)
 
     def _recv_async(
         self, ch: Channel, region: Region, tag: int, k: int, seq: int, deadline: float, ready: Any
@@ -745,6 +776,28 @@ class StagedTransport(Transport):
 
         prepare = getattr(collectives, "prepare", None)
         return None if prepare is None else prepare(self, op, x, out, rop, root)
+
+    def prepare_async(
+        self, op: str, x: Buffer | None, out: Buffer | None, rop: ReduceOp | None, root: int
+    ) -> Callable[..., Work] | None:
+        """The asynchronous start of a send or receive of one signature on host arrays
+        (hetcomm.routes.Route.start): the general path's start on the array itself, without
+        its Buffer and checks (None: the general path)."""
+        if op not in ("send", "recv") or x is None or x.host is None:
+            return None
+        return self._start_send if op == "send" else self._start_recv
+
+    def _start_send(self, xh: np.ndarray, dst: int, tag: int, seq: int) -> Work:
+        k = self._p2p_number("send", dst, tag)
+        region = Region(xh.nbytes, xh.reshape(-1).view(np.uint8))
+        return self._send_async(region, dst, tag, k, seq, None, [])
+
+    def _start_recv(self, xh: np.ndarray, src: int, tag: int, seq: int) -> Work:
+        k = self._p2p_number("recv", src, tag)
+        region = Region(xh.nbytes, xh.reshape(-1).view(np.uint8))
+        work = self._recv_start(region, src, tag, k, seq, None, [])
+        work.source = src
+        return work
 
     def _run_send(self, xh: np.ndarray, dst: int, tag: int, seq: int) -> bool:
         """The prepared blocking send of a host array."""
