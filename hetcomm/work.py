@@ -225,6 +225,16 @@ class Work:
         self._comm._abort(exc)
         raise exc
 
+    def block(self, seconds: float) -> bool:
+        """Wait up to `seconds` for completion to be likely, as wait() does between its polls:
+        through the transport's waiter (which yields, or sleeps on the operation's own signal),
+        returning True; False at once where the transport gave none. Raises nothing: the next
+        test() says how the operation ended."""
+        if self._waiter is None or self._done:
+            return False
+        self._waiter(seconds)
+        return True
+
     def _warn_stall(self, waited: float, left: float) -> None:
         missing, detail = self._comm.late(self.op, self.seq)
         who = f"ranks not arrived: {list(missing)}" if missing is not None else ""

@@ -1,10 +1,11 @@
-"""work.BusyPoll: a poll waited for without sleeping, that calls its poll no more once done."""
+"""work.BusyPoll: a poll waited for without sleeping, that calls its poll no more once done;
+Work.block: the transport's waiter, for callers that poll a Work themselves."""
 
 from __future__ import annotations
 
 import time
 
-from hetcomm.work import BusyPoll
+from hetcomm.work import BusyPoll, Work
 
 
 class _Request:
@@ -43,3 +44,19 @@ def test_wait_gives_up_after_its_seconds():
     t0 = time.monotonic()
     assert not busy.wait(0.05)
     assert 0.05 <= time.monotonic() - t0 < 1.0
+
+
+class _Owner:
+    name = "t"
+
+
+def test_block_hands_the_time_to_the_waiter():
+    request = _Request(200)
+    busy = BusyPoll(request.test)
+    work = Work(_Owner(), "recv", 1, busy, waiter=busy.wait)  # type: ignore[arg-type]
+    assert work.block(5.0) and busy.done
+    assert work.test()
+    assert not work.block(5.0)  # complete: nothing to wait for
+    bare = Work(_Owner(), "recv", 2, lambda: False)  # type: ignore[arg-type]
+    t0 = time.monotonic()
+    assert not bare.block(5.0) and time.monotonic() - t0 < 1.0  # no waiter: returns at once

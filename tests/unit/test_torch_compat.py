@@ -262,6 +262,33 @@ def test_a_failure_reaches_wait_and_future() -> None:
         work.get_future().wait()
 
 
+class BlockingWork(FakeWork):
+    """A FakeWork whose transport gave a waiter: `block` waits on the event (as a yielding
+    poll or a signal would) and counts its calls."""
+
+    def __init__(self, event: threading.Event) -> None:
+        super().__init__(event)
+        self.blocks = 0
+
+    def block(self, seconds: float) -> bool:
+        self.blocks += 1
+        self.event.wait(seconds)
+        return True
+
+
+def test_wait_blocks_in_the_works_waiter_not_in_sleeps(monkeypatch) -> None:
+    """Past its first spin a torch wait hands the time to the hetcomm Work's waiter, and
+    completes as soon as it does (no sleep between polls)."""
+    done = threading.Event()
+    part = BlockingWork(done)
+    pending = ht._Pending("t", [part], [], [], 30.0)
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", lambda s: slept.append(s))
+    threading.Timer(0.05, done.set).start()
+    ht._Work(pending).wait()
+    assert pending.done and part.blocks >= 1 and not slept
+
+
 def test_wait_with_timeout() -> None:
     pending = ht._Pending("t", [FakeWork(threading.Event())], [], [], 30.0)
     with pytest.raises(TimeoutError):
