@@ -596,9 +596,9 @@ class StagedTransport(Transport):
             return self._inline(
                 "send", seq, x.nbytes, lambda d: p2p.send(self, region, dst, tag, k, d, ready)
             )
-        return self._send_async(region, dst, tag, k, seq, ready, [x])
+        return self._send_start(region, dst, tag, k, seq, ready, [x])
 
-    def _send_async(
+    def _send_start(
         self,
         region: Region,
         dst: int,
@@ -670,7 +670,7 @@ class StagedTransport(Transport):
     ) -> Work:
         """The Work of asynchronous receive `k` of (`src`, `tag`) into `region`: polled on
         the ring or the rails with no thread where it can be, else run on a driver (`bufs`
-        as _send_async's)."""
+        as _send_start's)."""
         deadline = time.monotonic() + self.timeout
         n = region.nbytes
 
@@ -790,7 +790,7 @@ class StagedTransport(Transport):
     def _start_send(self, xh: np.ndarray, dst: int, tag: int, seq: int) -> Work:
         k = self._p2p_number("send", dst, tag)
         region = Region(xh.nbytes, xh.reshape(-1).view(np.uint8))
-        return self._send_async(region, dst, tag, k, seq, None, [])
+        return self._send_start(region, dst, tag, k, seq, None, [])
 
     def _start_recv(self, xh: np.ndarray, src: int, tag: int, seq: int) -> Work:
         k = self._p2p_number("recv", src, tag)
