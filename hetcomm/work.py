@@ -163,17 +163,10 @@ class Work:
             for step in self._finish:
                 step()
         except BaseException as exc:
-            mpi = sys.modules.get("mpi4py.MPI")  # loaded wherever an MPI call could fail
-            if mpi is not None and isinstance(exc, mpi.Exception):
-                # the caller sees hetcomm's errors: which group, operation and sequence failed
-                wrapped = MpiError(self._comm.name, self.op, self.seq, exc)
-                self._fail(wrapped)
-                self._comm._abort(wrapped)
-                raise wrapped from exc
-            self._fail(exc)
-            if isinstance(exc, (CommTimeout, PeerLost)):
-                self._comm._abort(exc)
-            raise
+            err = self._failed(exc)
+            if err is exc:
+                raise
+            raise err from exc
         self._done = True
         self._keep = ()
         if observing and self.observed:
@@ -214,9 +207,7 @@ class Work:
             if now >= stall_at:
                 self._warn_stall(now - start, deadline - now)
                 stall_at = deadline
-            if self._waiter is not None:
-                self._waiter(min(deadline - now, 0.1))
-            elif now >= spin_until:
+            if not self.block(min(deadline - now, 0.1)) and now >= spin_until:
                 time.sleep(min(sleep, deadline - now))
                 sleep = min(sleep * 2, _MAX_SLEEP_S)
         missing, detail = self._comm.late(self.op, self.seq)
@@ -225,14 +216,33 @@ class Work:
         self._comm._abort(exc)
         raise exc
 
+    def _failed(self, exc: BaseException) -> BaseException:
+        """Record that the operation failed with `exc` (polled or waited for): the error the
+        caller sees, hetcomm's where MPI raised (which group, operation and sequence); a
+        timeout or a lost peer aborts the communicator."""
+        mpi = sys.modules.get("mpi4py.MPI")  # loaded wherever an MPI call could fail
+        if mpi is not None and isinstance(exc, mpi.Exception):
+            wrapped = MpiError(self._comm.name, self.op, self.seq, exc)
+            self._fail(wrapped)
+            self._comm._abort(wrapped)
+            return wrapped
+        self._fail(exc)
+        if isinstance(exc, (CommTimeout, PeerLost)):
+            self._comm._abort(exc)
+        return exc
+
     def block(self, seconds: float) -> bool:
         """Wait up to `seconds` for completion to be likely, as wait() does between its polls:
         through the transport's waiter (which yields, or sleeps on the operation's own signal),
-        returning True; False at once where the transport gave none. Raises nothing: the next
-        test() says how the operation ended."""
+        returning True; False at once where the transport gave none. Raises nothing: a waiter
+        that polled and met the operation's failure records it, and the next test() raises it
+        (a mismatched receive found so is the same error as one found by test)."""
         if self._waiter is None or self._done:
             return False
-        self._waiter(seconds)
+        try:
+            self._waiter(seconds)
+        except BaseException as exc:
+            self._failed(exc)
         return True
 
     def _warn_stall(self, waited: float, left: float) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from hetcomm.work import BusyPoll, Work
 
 
@@ -47,7 +49,18 @@ def test_wait_gives_up_after_its_seconds():
 
 
 class _Owner:
+    """The communicator a Work reports to: its name, its settings, and abort."""
+
     name = "t"
+
+    class config:
+        timeout, stall = 30.0, 30.0
+
+    def _abort(self, exc: BaseException) -> None:
+        self.aborted = exc
+
+    def late(self, op: str, seq: int) -> tuple[None, str]:
+        return None, ""
 
 
 def test_block_hands_the_time_to_the_waiter():
@@ -60,3 +73,23 @@ def test_block_hands_the_time_to_the_waiter():
     bare = Work(_Owner(), "recv", 2, lambda: False)  # type: ignore[arg-type]
     t0 = time.monotonic()
     assert not bare.block(5.0) and time.monotonic() - t0 < 1.0  # no waiter: returns at once
+
+
+def test_a_failure_met_in_the_waiter_is_the_operations_error():
+    """A waiter that polls and meets the operation's failure (a receive of another size) makes
+    it the Work's error, raised by the next test() and by wait(), as a failing poll is."""
+    from hetcomm.errors import MismatchError
+
+    def poll() -> bool:
+        raise MismatchError("the sender has 20 bytes, this receive takes 16")
+
+    for how in ("block", "wait"):
+        work = Work(_Owner(), "recv", 3, lambda: False, waiter=lambda s: poll())  # type: ignore[arg-type]
+        if how == "block":
+            assert work.block(1.0)
+            with pytest.raises(MismatchError, match="20 bytes"):
+                work.test()
+        else:
+            with pytest.raises(MismatchError, match="20 bytes"):
+                work.wait(5.0)
+        assert isinstance(work.exception(), MismatchError)
