@@ -49,7 +49,9 @@ def test_wait_gives_up_after_its_seconds():
 
 
 class _Owner:
-    """The communicator a Work reports to: its name, its settings, and abort."""
+    """The communicator a Work reports to: its name, its settings, and abort. The Works made
+    here are not observed (`observed = False`): the first observed one in a process decides
+    whether it traces, from its communicator's config."""
 
     name = "t"
 
@@ -67,10 +69,12 @@ def test_block_hands_the_time_to_the_waiter():
     request = _Request(200)
     busy = BusyPoll(request.test)
     work = Work(_Owner(), "recv", 1, busy, waiter=busy.wait)  # type: ignore[arg-type]
+    work.observed = False
     assert work.block(5.0) and busy.done
     assert work.test()
     assert not work.block(5.0)  # complete: nothing to wait for
     bare = Work(_Owner(), "recv", 2, lambda: False)  # type: ignore[arg-type]
+    bare.observed = False
     t0 = time.monotonic()
     assert not bare.block(5.0) and time.monotonic() - t0 < 1.0  # no waiter: returns at once
 
@@ -85,6 +89,7 @@ def test_a_failure_met_in_the_waiter_is_the_operations_error():
 
     for how in ("block", "wait"):
         work = Work(_Owner(), "recv", 3, lambda: False, waiter=lambda s: poll())  # type: ignore[arg-type]
+        work.observed = False
         if how == "block":
             assert work.block(1.0)
             with pytest.raises(MismatchError, match="20 bytes"):
