@@ -223,6 +223,7 @@ class Work:
         mpi = sys.modules.get("mpi4py.MPI")  # loaded wherever an MPI call could fail
         if mpi is not None and isinstance(exc, mpi.Exception):
             wrapped = MpiError(self._comm.name, self.op, self.seq, exc)
+            wrapped.__cause__ = exc  # also where a waiter met it and test() raises it later
             self._fail(wrapped)
             self._comm._abort(wrapped)
             return wrapped

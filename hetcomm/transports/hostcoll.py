@@ -152,8 +152,7 @@ class HostGroup:
         self._svc, self._tag, self._closed = service, tag, closed
         self._seg: SharedSlots | None = None
         self._hdr: memoryview | None = None  # int64 words of the header
-        self._halves: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
-        self._rows: tuple[np.ndarray, ...] = ()  # per parity: (size, capacity) bytes
+        self._rows: tuple[np.ndarray, ...] = ()  # per parity: every rank's half, (size, capacity)
         self._pids: list[tuple[int, int]] = []  # (pid, start time) of every rank
         self._registered = -1  # the device the segment is registered with (-1: none)
         self.capacity = 0  # bytes of one half
@@ -255,9 +254,7 @@ class HostGroup:
         seg.unlink()  # every rank has mapped it (or its name is gone already)
         self._close_segment()
         self._seg, self._hdr, self.capacity = seg, hdr, capacity
-        blocks = [seg.array[header + q * 2 * capacity :][: 2 * capacity] for q in range(self.size)]
-        self._halves = ([b[:capacity] for b in blocks], [b[capacity:] for b in blocks])
-        # the same halves as the rows of one array per parity, for one reduction call over them
+        # per parity, every rank's half as a row of one array (one reduction call reads them all)
         self._rows = tuple(
             np.lib.stride_tricks.as_strided(
                 seg.array[header + h * capacity :], (self.size, capacity), (2 * capacity, 1)
@@ -332,7 +329,7 @@ class HostGroup:
 
     def _close_segment(self) -> None:
         if self._seg is not None:
-            self._halves, self._rows = ([], []), ()
+            self._rows = ()
             self._hdr = None
             self._seg.close()
             self._seg = None
@@ -392,7 +389,7 @@ class HostGroup:
         self._wait(self._arrive(), deadline)
 
     def _half(self, q: int) -> np.ndarray:
-        return self._halves[self._ops & 1][q]
+        return self._rows[self._ops & 1][q]
 
     def mine(self, nbytes: int) -> np.ndarray:
         """The first `nbytes` of this rank's half for the operation about to run: where a caller

@@ -789,12 +789,12 @@ class StagedTransport(Transport):
 
     def _start_send(self, xh: np.ndarray, dst: int, tag: int, seq: int) -> Work:
         k = self._p2p_number("send", dst, tag)
-        region = Region(xh.nbytes, xh.reshape(-1).view(np.uint8))
+        region = _host_region(xh)
         return self._send_start(region, dst, tag, k, seq, None, [])
 
     def _start_recv(self, xh: np.ndarray, src: int, tag: int, seq: int) -> Work:
         k = self._p2p_number("recv", src, tag)
-        region = Region(xh.nbytes, xh.reshape(-1).view(np.uint8))
+        region = _host_region(xh)
         work = self._recv_start(region, src, tag, k, seq, None, [])
         work.source = src
         return work
@@ -802,7 +802,7 @@ class StagedTransport(Transport):
     def _run_send(self, xh: np.ndarray, dst: int, tag: int, seq: int) -> bool:
         """The prepared blocking send of a host array."""
         k = self._p2p_number("send", dst, tag)
-        region = Region(xh.nbytes, xh.reshape(-1).view(np.uint8))
+        region = _host_region(xh)
         try:
             p2p.send(self, region, dst, tag, k, time.monotonic() + self.timeout, None)
         except (PeerTimeout, PeerLost) as exc:
@@ -812,7 +812,7 @@ class StagedTransport(Transport):
     def _run_recv(self, xh: np.ndarray, src: int, tag: int, seq: int) -> bool:
         """The prepared blocking receive into a host array."""
         k = self._p2p_number("recv", src, tag)
-        region = Region(xh.nbytes, xh.reshape(-1).view(np.uint8))
+        region = _host_region(xh)
         try:
             p2p.recv(self, region, src, tag, k, time.monotonic() + self.timeout, None)
         except (PeerTimeout, PeerLost) as exc:
@@ -974,6 +974,11 @@ class StagedTransport(Transport):
         collectives.close_segment(self)  # before the GPU goes: its pages are registered there
         if self.gpu is not None:
             self.gpu.close()
+
+
+def _host_region(xh: np.ndarray) -> Region:
+    """The bytes of a contiguous host array, as the Region its prepared calls move."""
+    return Region(xh.nbytes, xh.reshape(-1).view(np.uint8))
 
 
 def _true() -> bool:
