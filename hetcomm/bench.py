@@ -144,7 +144,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--baselines",
         default="mpi4py,gloo,naive,nccl",
-        help="sweep: comma list of mpi4py, gloo, naive, nccl; 'none' for none",
+        help="sweep: comma list of mpi4py, gloo, naive, nccl; 'none' for none. --latency: "
+        "the gloo column of the host rows only where gloo is listed (mpi4py is their floor)",
     )
     p.add_argument(
         "--hetcomm-columns",

@@ -672,6 +672,7 @@ class Study:
         self.forms = select_forms(args.op, FORMS)
         self.torch_forms = select_forms(args.op, TORCH_FORMS)
         self.dist: Any = None
+        self.gloo = "gloo" in [b.strip() for b in getattr(args, "baselines", "gloo").split(",")]
         self._own_dist = False
         self.groups: dict[str, Any] = {}
         self.meta = {
@@ -761,7 +762,7 @@ class Study:
         if self.unchecked is not None:
             bare = self._sets(op, form, count, host)
             impls["unchecked"] = hetcomm_run(self.unchecked, op, form, bare, host.sync, False)
-        if self.dist is not None and op != "all_reduce_coalesced":
+        if self.gloo and self.dist is not None and op != "all_reduce_coalesced":
             views = [_TorchView(b) for b in self._sets(op, form, count, host)]
             gloo = torch_run(self.dist, None, op, form, views, self.rank, self.ranks)
             if gloo is not None and self._agree(self._try(gloo)) is None:

@@ -141,22 +141,43 @@ def _own_reducer(dtype: str, op: ReduceOp) -> Callable[[Any, Any, Any], None]:
     return reducer
 
 
-# Above this size a collective runs as a blocking MPI call on the communicator's lane thread:
-# MPI libraries tune their blocking algorithms far better than their non-blocking ones (Open
-# MPI's non-blocking all-reduce of 16 MiB on 2 ranks takes about twice as long), and a thread
-# hand-off costs microseconds. Smaller ones are started non-blocking from the calling thread, or
-# on the lane behind its jobs, still non-blocking: MPI never matches a blocking collective with a
-# non-blocking one (Open MPI 5 waits forever), so which kind a call is may depend on its size,
-# which every rank agrees on, and never on the state of this rank's lane.
+# The collectives that run as blocking MPI calls on the communicator's lane thread: those of an
+# op in LANE_MIN of more bytes than its entry. Every other collective is one non-blocking MPI
+# call made and polled by the calling thread (or queued on the lane behind its jobs, still
+# non-blocking), with no thread hand-off (about 40 us a call on a 2-core VM). MPI never matches
+# a blocking collective with a non-blocking one (Open MPI 5 waits forever), so which kind a call
+# is depends on its op and size, which every rank agrees on, and never on the state of this
+# rank's lane. Measured blocking against non-blocking, 256 KiB-16 MiB on 2 and 4 ranks, Open MPI
+# 5.0 (2-core VM) and 4.1.6 (16-core host): the non-blocking forms of all_gather, reduce_scatter
+# and all_to_all took 0.65-1.05x the time of the blocking ones (one all_gather outlier of 5x
+# did not repeat); broadcast too up to 1 MiB, but 1.27-1.38x from 4 MiB on 4 ranks of 4.1.6
+# (its blocking form pipelines segments); all_reduce 1.6-1.8x on 5.0 from 1 MiB (about 1.0 on
+# 4.1.6) and reduce 2.6-4.5x on 5.0 from 64 KiB, where a hand-off costs less than the
+# difference from 256 KiB.
 LANE_BYTES = 256 * 1024
+LANE_MIN: dict[str, int] = {
+    "all_reduce": LANE_BYTES,
+    "reduce": LANE_BYTES,
+    "broadcast": 2 * 1024 * 1024,
+}
+
+
+def laned(op: str, nbytes: int) -> bool:
+    """Whether a collective `op` of `nbytes` (the byte count _start is given) runs as a
+    blocking MPI call on the lane."""
+    least = LANE_MIN.get(op)
+    return least is not None and nbytes > least
+
+
 # polls of a small in-place all-reduce before it is handed to a Work and its bounded wait
 _QUICK_TESTS = 32
 
 
 class MpiTransport(Transport):
-    """Every operation as MPI calls on the communicator's own MPI communicator: small ones
-    non-blocking from the calling thread, large collectives blocking on a lane thread, small
-    all-reduces through cached persistent requests (see mpi_persistent)."""
+    """Every operation as MPI calls on the communicator's own MPI communicator: non-blocking
+    from the calling thread, except the large all-reduces, reduces and broadcasts that run
+    blocking on a lane thread (see LANE_MIN); small all-reduces through cached persistent
+    requests (see mpi_persistent)."""
 
     name: ClassVar[str] = "mpi"
     memory: ClassVar[tuple[str, ...]] = ("host", "device")
@@ -170,7 +191,7 @@ class MpiTransport(Transport):
         self._not_aware = [m.rank for m in members if not m.gpu_aware]
         # all-reduces up to this many bytes run as cached persistent requests (0: none); the
         # configuration and the MPI library are the same on every rank, so is this. Larger
-        # ones than the lane's threshold stay blocking calls on the lane (see LANE_BYTES).
+        # ones run blocking on the lane (see LANE_MIN).
         self.persistent_off = persistent.unavailable()
         limit = min(comm.config.persistent_max, LANE_BYTES)
         self._persistent_max = 0 if self.persistent_off else limit
@@ -249,11 +270,10 @@ class MpiTransport(Transport):
         blocking: Callable[[], Any],
         finish: Sequence[Callable[[], None]] = (),
     ) -> Work:
-        """One MPI call: up to LANE_BYTES non-blocking, from this thread while the lane is idle
-        and else on the lane behind its jobs (see LANE_BYTES); larger ones blocking on the
-        lane."""
+        """One MPI call: non-blocking, from this thread while the lane is idle and else on the
+        lane behind its jobs; blocking on the lane where `laned` says so (see LANE_MIN)."""
         lane = self._lane
-        small = nbytes <= LANE_BYTES
+        small = not laned(op, nbytes)
         with lane.lock:
             if small and lane.idle():
                 busy = BusyPoll(nonblocking().Test)
@@ -394,7 +414,7 @@ class MpiTransport(Transport):
         match whichever path each rank takes). A prepared call returns False, having moved
         nothing, when the lane has jobs queued (the general path then queues behind them).
         None where the general path must run: device memory, counts cut into several calls,
-        collectives large enough to run blocking on the lane."""
+        collectives that run blocking on the lane (see LANE_MIN)."""
         if x is not None and (x.host is None or len(_spans(x)) > 1):
             return None
         if out is not None and (out.host is None or len(_spans(out)) > 1):
@@ -417,7 +437,7 @@ class MpiTransport(Transport):
                 return partial(
                     self._run_all_reduce_persistent, kind, x.count, self._divisor(x, rop)
                 )
-        if nbytes > LANE_BYTES:
+        if laned(op, nbytes):
             return None
         dt = _DATATYPES[x.dtype]
         mpi = self._mpi
