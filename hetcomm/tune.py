@@ -10,11 +10,12 @@ import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from .config import Config
-from .tuning import SCHEMA, Tuning, cache_dir, cache_path
+from .tuning import LANE_OPS, SCHEMA, Tuning, cache_dir, cache_path
 
 # ---- choosing from measured medians (pure) ---------------------------------------------------
 
@@ -53,6 +54,20 @@ def crossover(sizes: Sequence[int], direct_s: Sequence[float], staged_s: Sequenc
         else:
             break
     return 0 if first == 0 else int(sizes[first - 1])
+
+
+def lane_min(
+    sizes: Sequence[int], lane_s: Sequence[float], caller_s: Sequence[float]
+) -> int | None:
+    """The mpi transport's LANE_MIN entry of one op from median times per size: collectives of
+    more bytes than it run blocking on the lane. None (never) when the non-blocking call from
+    the caller still wins at the largest size tried; else the largest size at which it still
+    won below a run of lane wins to the top, or half the smallest size tried when the lane wins
+    at every size (what lies below is not measured)."""
+    value = crossover(sizes, lane_s, caller_s)  # which also checks the input
+    if not lane_s[-1] < caller_s[-1]:
+        return None
+    return value if value > 0 else int(sizes[0]) // 2
 
 
 def rail_weights(speeds: Mapping[str, float]) -> dict[str, float]:
@@ -98,6 +113,7 @@ class Sweep:
     message: int  # bytes of the large message that chunks, slots and rails are timed with
     sizes: tuple[int, ...]  # message sizes of the direct/staged crossover
     repeats: int
+    lane_sizes: tuple[int, ...] = ()  # collective sizes of the mpi transport's lane crossover
 
 
 FULL = Sweep(
@@ -106,6 +122,7 @@ FULL = Sweep(
     message=64 * MiB,
     sizes=tuple(4096 << 2 * i for i in range(8)),
     repeats=5,
+    lane_sizes=(256 << 10, 1 * MiB, 4 * MiB, 16 * MiB),
 )
 
 
@@ -115,6 +132,7 @@ QUICK = Sweep(
     message=4 * MiB,
     sizes=(4096, 64 << 10, 1 * MiB),
     repeats=3,
+    lane_sizes=(64 << 10, 256 << 10),
 )
 
 
@@ -179,6 +197,84 @@ class _Bench:
                 f"hetcomm tune: a {nbytes}-byte message arrived wrong; the measurement is void"
             )
         return float(statistics.median(times))
+
+
+def measure_lane(mpi: Any, sizes: Sequence[int], repeats: int) -> dict[str, Any]:
+    """The mpi transport's two forms of each laned-or-not collective, on host buffers, raw
+    MPI: the blocking call handed to a lane (an InOrderWorker, as the transport's own) and
+    waited for, against the non-blocking call polled by the calling thread; interleaved, per
+    repeat the slowest rank's time, medians. Sizes are the bytes LANE_MIN compares (see
+    MpiTransport._start's callers). Collective over `mpi`; the same result on every rank."""
+    import statistics
+    import time
+
+    import numpy as np
+    from mpi4py import MPI
+
+    from .transports.worker import InOrderWorker
+
+    n, me = mpi.Get_size(), mpi.Get_rank()
+    lane = InOrderWorker("hetcomm-tune-lane")
+
+    def handed(call: Any) -> None:
+        with lane.lock:
+            job = lane.submit(call)
+        job.wait()
+        job.check()
+
+    def polled(request: Any) -> None:
+        while not request.Test():
+            pass
+
+    def forms(op: str, nbytes: int) -> tuple[Any, Any]:
+        count = max(n, nbytes // 8 // n * n)
+        x, y = np.ones(count), np.empty(count)
+        block, part = x[: count // n], y[: count // n]
+        root_in = MPI.IN_PLACE if me == 0 else x
+        root_out = x if me == 0 else None
+        calls = {
+            "all_reduce": (lambda: mpi.Allreduce(x, y), lambda: mpi.Iallreduce(x, y)),
+            "reduce": (
+                lambda: mpi.Reduce(root_in, root_out, root=0),
+                lambda: mpi.Ireduce(root_in, root_out, root=0),
+            ),
+            "broadcast": (lambda: mpi.Bcast(x, 0), lambda: mpi.Ibcast(x, 0)),
+            "all_gather": (lambda: mpi.Allgather(block, y), lambda: mpi.Iallgather(block, y)),
+            "reduce_scatter": (
+                lambda: mpi.Reduce_scatter_block(x, part),
+                lambda: mpi.Ireduce_scatter_block(x, part),
+            ),
+            "all_to_all": (lambda: mpi.Alltoall(x, y), lambda: mpi.Ialltoall(x, y)),
+        }
+        blocking, start = calls[op]
+        return partial(handed, blocking), lambda: polled(start())
+
+    def seconds(run: Any, calls: int) -> float:
+        mpi.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            run()
+        return float(mpi.allreduce((time.perf_counter() - t0) / calls, op=MPI.MAX))
+
+    result: dict[str, Any] = {"value": {}, "sizes": list(sizes), "lane_s": {}, "caller_s": {}}
+    try:
+        for op in LANE_OPS:
+            lane_s, caller_s = [], []
+            for nbytes in sizes:
+                on_lane, on_caller = forms(op, nbytes)
+                on_lane(), on_caller()  # untimed: the first call of each form
+                calls = max(1, 4 * MiB // nbytes)  # samples of a few milliseconds at least
+                times: tuple[list[float], list[float]] = ([], [])
+                for _ in range(repeats):
+                    times[0].append(seconds(on_lane, calls))
+                    times[1].append(seconds(on_caller, calls))
+                lane_s.append(statistics.median(times[0]))
+                caller_s.append(statistics.median(times[1]))
+            result["lane_s"][op], result["caller_s"][op] = lane_s, caller_s
+            result["value"][op] = lane_min(sizes, lane_s, caller_s)
+    finally:
+        lane.stop(5.0)
+    return result
 
 
 def measure(sweep: Sweep, base: Config) -> dict[str, Any] | None:
@@ -261,6 +357,7 @@ def measure(sweep: Sweep, base: Config) -> dict[str, Any] | None:
         }
     else:
         direct["note"] = f"not measured: {why}"
+    lane = measure_lane(mpi, sweep.lane_sizes, sweep.repeats) if sweep.lane_sizes else None
     world.close()
     if rank != 0:
         return None
@@ -284,6 +381,7 @@ def measure(sweep: Sweep, base: Config) -> dict[str, Any] | None:
         },
         "rails": {k: {"GBps": v, "weight": weights[k]} for k, v in rail_GBps.items()},
         "direct_min": direct,
+        **({} if lane is None else {"lane_min": lane}),
     }
 
 
@@ -325,6 +423,10 @@ def describe(data: Mapping[str, Any]) -> str:
         lines.append(f"direct_min   {direct.get('note', '')}")
     else:
         lines.append(f"direct_min   {direct['value']}  (sizes {direct['sizes']})")
+    lane = data.get("lane_min")
+    if lane is not None:
+        chosen = ", ".join(f"{op} {'never' if v is None else v}" for op, v in lane["value"].items())
+        lines.append(f"lane_min     {chosen}  (sizes {lane['sizes']})")
     return "\n".join(lines)
 
 

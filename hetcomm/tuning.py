@@ -43,6 +43,8 @@ class Tuning:
     measured: str = ""  # ISO date and time
     version: str = ""
     path: str = ""
+    # op -> the mpi transport's LANE_MIN entry (None: never on the lane); absent: built in
+    lane_min: Mapping[str, int | None] = field(default_factory=dict)
 
     def summary(self) -> str:
         """One line per value, for `hetcomm info`."""
@@ -52,6 +54,10 @@ class Tuning:
             else self.direct_note or "not measured"
         )
         rails = ", ".join(f"{k} {w:.2f}" for k, w in sorted(self.rail_weights.items())) or "-"
+        lanes = (
+            ", ".join(f"{op} {'never' if v is None else v}" for op, v in self.lane_min.items())
+            or "not measured (built-in)"
+        )
         return "\n".join(
             [
                 f"file:         {self.path}",
@@ -60,6 +66,7 @@ class Tuning:
                 f"slots:        {self.slots}",
                 f"rail weights: {rails}",
                 f"direct_min:   {direct}",
+                f"lane_min:     {lanes}",
             ]
         )
 
@@ -131,6 +138,7 @@ def parse(data: Any, fingerprint: str, path: str = "") -> Tuning:
     note = direct.get("note", "")
     if value is None and not (isinstance(note, str) and note):
         raise ValueError("direct_min: null without a note saying why it was not measured")
+    lanes = _lane_min(data.get("lane_min"))
     for key in ("measured", "hetcomm"):
         if not isinstance(data.get(key), str):
             raise ValueError(f"{key}: expected a string, got {data.get(key)!r}")
@@ -144,7 +152,29 @@ def parse(data: Any, fingerprint: str, path: str = "") -> Tuning:
         data["measured"],
         data["hetcomm"],
         path,
+        lanes,
     )
+
+
+# the collectives a file's lane_min may name (hetcomm.tune.LANE_OPS)
+LANE_OPS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def _lane_min(entry: Any) -> dict[str, int | None]:
+    """A file's lane_min values (op -> bytes or None); {} where the file has none."""
+    if entry is None:
+        return {}
+    values = entry.get("value") if isinstance(entry, dict) else None
+    if not isinstance(values, dict):
+        raise ValueError(f"lane_min: expected an object with a value object, got {entry!r}")
+    lanes: dict[str, int | None] = {}
+    for op, v in values.items():
+        if op not in LANE_OPS:
+            raise ValueError(f"lane_min: unknown collective {op!r}; expected one of {LANE_OPS}")
+        if v is not None and (not _int(v) or v < 0):
+            raise ValueError(f"lane_min[{op!r}]: expected bytes >= 0 or null, got {v!r}")
+        lanes[op] = v
+    return lanes
 
 
 def read(path: Path, fingerprint: str) -> Tuning | None:

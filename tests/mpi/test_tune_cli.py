@@ -70,6 +70,12 @@ def test_tune_quick_writes_the_cache_that_communicators_and_info_use(
             and data["direct_min"]["note"].startswith("not measured: "),
             f"direct_min on the CPU {data['direct_min']}",
         )
+        lanes = data.get("lane_min", {})
+        expect(
+            set(lanes.get("value", {})) == set(tuning.LANE_OPS)
+            and lanes.get("sizes") == list(tune.QUICK.lane_sizes),
+            f"lane_min {lanes}",
+        )
         # the tuned values are in effect: the quick chunks all differ from the built-in one
         expect(c.config.tuned is not None and c.config.tuned.path == str(files[0]), "not tuned")
         expect(
@@ -77,6 +83,13 @@ def test_tune_quick_writes_the_cache_that_communicators_and_info_use(
             f"transport chunk {t.chunk_bytes}",
         )
         expect(t.slots == data["slots"]["value"], f"transport slots {t.slots}")
+        on_mpi = hetcomm.init(config=hetcomm.Config.load(transport="mpi"))
+        lane = introspect.transport_of(on_mpi, "all_reduce", np.zeros(1)).lane_min
+        expect(
+            all(lane[op] == v for op, v in lanes.get("value", {}).items()),
+            f"the mpi transport's lane_min {lane}, the file's {lanes}",
+        )
+        on_mpi.close()
         # a message of several tuned chunks still arrives whole
         n = 3 * t.chunk_bytes + 5
         x = np.arange(n, dtype=np.int64).astype(np.uint8)

@@ -118,6 +118,27 @@ def test_crossover_refuses_bad_input(
         tune.crossover(sizes, direct, staged)
 
 
+@pytest.mark.parametrize(
+    "lane_s, caller_s, expected",
+    [
+        ([2.0, 3.0, 4.0], [1.0, 2.0, 3.0], None),  # the caller's call wins everywhere
+        ([2.0, 1.0, 1.0], [1.0, 2.0, 3.0], 64),  # the lane wins from 1 KiB on
+        ([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], 32),  # everywhere: from half the smallest size
+        ([1.0, 3.0, 1.0], [2.0, 2.0, 2.0], 1024),  # only the run of wins to the top counts
+        ([1.0, 1.0, 3.0], [2.0, 2.0, 2.0], None),  # the caller wins at the top
+    ],
+)
+def test_lane_min_is_where_the_lane_wins_up_to_the_largest_size(
+    lane_s: list[float], caller_s: list[float], expected: int | None
+) -> None:
+    assert tune.lane_min([64, 1024, 65536], lane_s, caller_s) == expected
+
+
+def test_lane_min_refuses_bad_input() -> None:
+    with pytest.raises(ValueError, match="one time of each"):
+        tune.lane_min([64, 1024], [1.0], [1.0, 2.0])
+
+
 def test_rail_weights_are_relative_to_the_fastest_rail_of_each_kind() -> None:
     w = tune.rail_weights({"tcp a->b": 4.0, "tcp c->d": 1.0, "shm": 10.0, "mpi": 0.5})
     assert w == {"tcp a->b": 1.0, "tcp c->d": 0.25, "shm": 1.0, "mpi": 1.0}
@@ -206,6 +227,19 @@ def test_a_written_file_reads_back(tmp_path: Path) -> None:
         str(path),
     )
     assert "chunk bytes:  1048576" in t.summary() and "direct_min:   65536" in t.summary()
+    assert "lane_min:     not measured (built-in)" in t.summary()
+
+
+def test_a_measured_lane_min_reads_back(tmp_path: Path) -> None:
+    path = tuning.cache_path(tmp_path, FP)
+    lanes = {"value": {"all_reduce": 262144, "broadcast": None}, "sizes": [262144]}
+    tune.write(path, good_file(lane_min=lanes))
+    t = tuning.read(path, FP)
+    assert t is not None and t.lane_min == {"all_reduce": 262144, "broadcast": None}
+    assert "lane_min:     all_reduce 262144, broadcast never" in t.summary()
+    assert "lane_min     all_reduce 262144, broadcast never" in tune.describe(
+        good_file(lane_min=lanes)
+    )
 
 
 def test_a_direct_min_not_measured_keeps_its_reason(tmp_path: Path) -> None:
@@ -248,6 +282,10 @@ BAD_FILES = [
     (json.dumps(good_file(direct_min={"value": None})), "null without a note"),
     (json.dumps(good_file(direct_min=5)), "direct_min: expected an object"),
     (json.dumps(good_file(measured=None)), "measured: expected a string"),
+    (json.dumps(good_file(lane_min={"value": [1]})), "lane_min: expected an object"),
+    (json.dumps(good_file(lane_min={"value": {"gather": 1}})), "unknown collective 'gather'"),
+    (json.dumps(good_file(lane_min={"value": {"reduce": -1}})), r"lane_min\['reduce'\]"),
+    (json.dumps(good_file(lane_min={"value": {"reduce": True}})), r"lane_min\['reduce'\]"),
 ]
 
 

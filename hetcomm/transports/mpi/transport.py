@@ -153,19 +153,20 @@ def _own_reducer(dtype: str, op: ReduceOp) -> Callable[[Any, Any, Any], None]:
 # did not repeat); broadcast too up to 1 MiB, but 1.27-1.38x from 4 MiB on 4 ranks of 4.1.6
 # (its blocking form pipelines segments); all_reduce 1.6-1.8x on 5.0 from 1 MiB (about 1.0 on
 # 4.1.6) and reduce 2.6-4.5x on 5.0 from 64 KiB, where a hand-off costs less than the
-# difference from 256 KiB.
+# difference from 256 KiB. `hetcomm tune` measures both forms of each op on the machine at hand
+# and its values replace these (Tuning.lane_min).
 LANE_BYTES = 256 * 1024
-LANE_MIN: dict[str, int] = {
+LANE_MIN: dict[str, int | None] = {
     "all_reduce": LANE_BYTES,
     "reduce": LANE_BYTES,
     "broadcast": 2 * 1024 * 1024,
 }
 
 
-def laned(op: str, nbytes: int) -> bool:
+def laned(lane_min: dict[str, int | None], op: str, nbytes: int) -> bool:
     """Whether a collective `op` of `nbytes` (the byte count _start is given) runs as a
-    blocking MPI call on the lane."""
-    least = LANE_MIN.get(op)
+    blocking MPI call on the lane, by `lane_min` (LANE_MIN and what `hetcomm tune` measured)."""
+    least = lane_min.get(op)
     return least is not None and nbytes > least
 
 
@@ -187,6 +188,10 @@ class MpiTransport(Transport):
         super().__init__(comm)
         self._mpi: MPI.Intracomm = comm.mpi
         self._lane = InOrderWorker("hetcomm-mpi-lane")
+        # which collectives run blocking on the lane: the built-in table, then what `hetcomm
+        # tune` measured here (the tuning is the same on every rank, so is this)
+        tuned = comm.config.tuned
+        self.lane_min = {**LANE_MIN, **(tuned.lane_min if tuned is not None else {})}
         members = comm.topology.members()
         self._not_aware = [m.rank for m in members if not m.gpu_aware]
         # all-reduces up to this many bytes run as cached persistent requests (0: none); the
@@ -273,7 +278,7 @@ class MpiTransport(Transport):
         """One MPI call: non-blocking, from this thread while the lane is idle and else on the
         lane behind its jobs; blocking on the lane where `laned` says so (see LANE_MIN)."""
         lane = self._lane
-        small = not laned(op, nbytes)
+        small = not laned(self.lane_min, op, nbytes)
         with lane.lock:
             if small and lane.idle():
                 busy = BusyPoll(nonblocking().Test)
@@ -437,7 +442,7 @@ class MpiTransport(Transport):
                 return partial(
                     self._run_all_reduce_persistent, kind, x.count, self._divisor(x, rop)
                 )
-        if laned(op, nbytes):
+        if laned(self.lane_min, op, nbytes):
             return None
         dt = _DATATYPES[x.dtype]
         mpi = self._mpi
