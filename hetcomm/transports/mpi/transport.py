@@ -147,19 +147,21 @@ def _own_reducer(dtype: str, op: ReduceOp) -> Callable[[Any, Any, Any], None]:
 # non-blocking), with no thread hand-off (about 40 us a call on a 2-core VM). MPI never matches
 # a blocking collective with a non-blocking one (Open MPI 5 waits forever), so which kind a call
 # is depends on its op and size, which every rank agrees on, and never on the state of this
-# rank's lane. Measured blocking against non-blocking, 256 KiB-16 MiB on 2 and 4 ranks, Open MPI
-# 5.0 (2-core VM) and 4.1.6 (16-core host): the non-blocking forms of all_gather, reduce_scatter
-# and all_to_all took 0.65-1.05x the time of the blocking ones (one all_gather outlier of 5x
-# did not repeat); broadcast too up to 1 MiB, but 1.27-1.38x from 4 MiB on 4 ranks of 4.1.6
-# (its blocking form pipelines segments); all_reduce 1.6-1.8x on 5.0 from 1 MiB (about 1.0 on
-# 4.1.6) and reduce 2.6-4.5x on 5.0 from 64 KiB, where a hand-off costs less than the
-# difference from 256 KiB. `hetcomm tune` measures both forms of each op on the machine at hand
-# and its values replace these (Tuning.lane_min).
+# rank's lane. Measured blocking against non-blocking, 64 KiB-16 MiB on 2 and 4 ranks, Open MPI
+# 5.0 (2-core VM) and 4.1.6 (16-core host): the non-blocking forms of all_gather and all_to_all
+# took 0.65-1.05x the time of the blocking ones (one all_gather outlier of 5x did not repeat);
+# reduce_scatter too up to 4 MiB of input, but about 2x at 16 MiB on both libraries (3 runs);
+# broadcast up to 1 MiB, and 1.27-1.38x from 4 MiB on 4 ranks of 4.1.6 in one run (not in
+# another); all_reduce 1.2-1.8x on 5.0 from 64 KiB (about 1.0 on 4.1.6) and reduce 2.6-4.5x on
+# 5.0 from 64 KiB, where a hand-off costs less than the difference from 256 KiB. `hetcomm tune`
+# measures both forms of each op on the machine at hand and its values replace these
+# (Tuning.lane_min).
 LANE_BYTES = 256 * 1024
 LANE_MIN: dict[str, int | None] = {
     "all_reduce": LANE_BYTES,
     "reduce": LANE_BYTES,
     "broadcast": 2 * 1024 * 1024,
+    "reduce_scatter": 4 * 1024 * 1024,
 }
 
 
@@ -176,8 +178,8 @@ _QUICK_TESTS = 32
 
 class MpiTransport(Transport):
     """Every operation as MPI calls on the communicator's own MPI communicator: non-blocking
-    from the calling thread, except the large all-reduces, reduces and broadcasts that run
-    blocking on a lane thread (see LANE_MIN); small all-reduces through cached persistent
+    from the calling thread, except the large all-reduces, reduces, broadcasts and
+    reduce-scatters that run blocking on a lane thread (see LANE_MIN); small all-reduces through cached persistent
     requests (see mpi_persistent)."""
 
     name: ClassVar[str] = "mpi"
