@@ -179,8 +179,8 @@ _QUICK_TESTS = 32
 class MpiTransport(Transport):
     """Every operation as MPI calls on the communicator's own MPI communicator: non-blocking
     from the calling thread, except the large all-reduces, reduces, broadcasts and
-    reduce-scatters that run blocking on a lane thread (see LANE_MIN); small all-reduces through cached persistent
-    requests (see mpi_persistent)."""
+    reduce-scatters that run blocking on a lane thread (see LANE_MIN); small all-reduces
+    through cached persistent requests (see mpi_persistent)."""
 
     name: ClassVar[str] = "mpi"
     memory: ClassVar[tuple[str, ...]] = ("host", "device")
