@@ -328,3 +328,42 @@ def test_small_collectives_in_different_forms_on_different_ranks(hetcomm_comm, r
             comm.broadcast(y, 0)
         errors.expect(np.array_equal(y, stack[0]), f"broadcast {count}: {y}")
     errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_large_forms_take_the_prepared_call_unless_they_run_on_the_lane(hetcomm_comm, rng, errors):
+    """Past 256 KiB every form stays right, and on the mpi transport it is the prepared call
+    made and polled by the calling thread unless its op and size run blocking on the lane
+    (LANE_MIN, or what `hetcomm tune` measured): with the built-in table, the all_gather,
+    all_to_all and reduce_scatter forms and the broadcast here are prepared, the all-reduces
+    and the reduce are not."""
+    from hetcomm import introspect
+    from hetcomm.transports.mpi.transport import LANE_MIN, laned
+
+    comm = hetcomm_comm
+    size, rank = comm.size, comm.rank
+    count = 40960 * size  # 320 KiB x size of float64 per rank: past 256 KiB, under 2 MiB
+    for form in _forms(size, rank):
+        for i in range(2):
+            stack = _stack(rng, size, count, "float64")
+            arrays = form.build(stack)
+            form.call(comm, arrays)
+            _check(form, arrays, stack, errors, f"{form.name} call {i} of {count}")
+        (route,) = [r for r in comm.routes() if r["op"] == form.op and r["runs"] + r["uses"] >= 2][
+            -1:
+        ] or [None]
+        if route is None or route["transport"] != "mpi":
+            continue
+        lanes = introspect.transport_of(comm, form.op, np.zeros(count)).lane_min
+        nbytes = count * 8 * (size if form.op == "all_gather" else 1)
+        on_lane = laned(lanes, form.op, nbytes)
+        if lanes == LANE_MIN:
+            errors.expect(
+                on_lane == (form.op in ("all_reduce", "reduce")),
+                f"{form.name}: {nbytes} bytes {'on' if on_lane else 'off'} the lane",
+            )
+        if on_lane:
+            errors.expect(route["uses"] >= 2, f"{form.name}: laned, yet {route}")
+        else:
+            errors.expect(route["runs"] >= 2, f"{form.name}: not laned, yet {route}")
+    errors.verify()
