@@ -367,3 +367,27 @@ def test_large_forms_take_the_prepared_call_unless_they_run_on_the_lane(hetcomm_
         else:
             errors.expect(route["runs"] >= 2, f"{form.name}: not laned, yet {route}")
     errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_large_async_collective_moves_while_nobody_polls(hetcomm_comm, rng, errors):
+    """An asynchronous all_gather of 16 MiB finishes while the caller makes no MPI call: on the
+    mpi transport it runs on the lane (MPI moves a request only inside MPI calls, so one
+    started from the calling thread would wait for the caller's next poll)."""
+    import time
+
+    from hetcomm import introspect
+
+    comm = hetcomm_comm
+    size, rank = comm.size, comm.rank
+    count = (16 << 20) // 8 // size
+    stack = rng.standard_normal((size, count))
+    out = np.zeros(size * count)
+    comm.barrier()
+    work = comm.all_gather(out, stack[rank].copy(), async_op=True)
+    time.sleep(1.0)  # about 200 times the operation's own time on a 2-core VM; no MPI call
+    if introspect.transport_of(comm, "all_gather", out).name == "mpi":
+        errors.expect(work.test(), "the all_gather had not finished a second after its start")
+    work.wait()
+    errors.expect(np.array_equal(out, stack.reshape(-1)), "all_gather result")
+    errors.verify()

@@ -277,17 +277,21 @@ class MpiTransport(Transport):
         blocking: Callable[[], Any],
         finish: Sequence[Callable[[], None]] = (),
     ) -> Work:
-        """One MPI call: non-blocking, from this thread while the lane is idle and else on the
-        lane behind its jobs; blocking on the lane where `laned` says so (see LANE_MIN)."""
+        """One MPI call: blocking on the lane where `laned` says so (see LANE_MIN); else
+        non-blocking, started from this thread while the lane is idle and the call is at most
+        LANE_BYTES, and else on the lane (behind its jobs), which waits it to its end. MPI
+        moves a request only inside MPI calls, so a large one started here would move only
+        while its Work is polled: on the lane it goes on beside the caller's computation (the
+        calling thread's blocking calls of any size take the prepared route instead)."""
         lane = self._lane
-        small = not laned(self.lane_min, op, nbytes)
+        nonblocking_call = not laned(self.lane_min, op, nbytes)
         with lane.lock:
-            if small and lane.idle():
+            if nonblocking_call and nbytes <= LANE_BYTES and lane.idle():
                 busy = BusyPoll(nonblocking().Test)
                 work = Work(self.comm, op, seq, busy, finish, waiter=busy.wait)
                 work.info = {"transport": "mpi", "bytes": nbytes, "stages": 1}
                 return work
-            job = lane.submit(partial(_to_the_end, nonblocking) if small else blocking)
+            job = lane.submit(partial(_to_the_end, nonblocking) if nonblocking_call else blocking)
         work = Work(self.comm, op, seq, job.is_set, [job.check, *finish], waiter=job.wait)
         work.info = {"transport": "mpi", "bytes": nbytes, "stages": 1}
         return work
