@@ -177,9 +177,10 @@ _QUICK_TESTS = 32
 
 
 class MpiTransport(Transport):
-    """Every operation as MPI calls on the communicator's own MPI communicator: non-blocking
-    from the calling thread, except the large all-reduces, reduces, broadcasts and
-    reduce-scatters that run blocking on a lane thread (see LANE_MIN); small all-reduces
+    """Every operation as MPI calls on the communicator's own MPI communicator: non-blocking,
+    made and polled by the calling thread for blocking calls and small asynchronous ones, by a
+    lane thread for larger asynchronous ones (see _start); blocking on the lane for the large
+    all-reduces, reduces, broadcasts and reduce-scatters (see LANE_MIN); small all-reduces
     through cached persistent requests (see mpi_persistent)."""
 
     name: ClassVar[str] = "mpi"
