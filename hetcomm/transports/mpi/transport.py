@@ -143,8 +143,8 @@ def _own_reducer(dtype: str, op: ReduceOp) -> Callable[[Any, Any, Any], None]:
 
 # The collectives that run as blocking MPI calls on the communicator's lane thread: those of an
 # op in LANE_MIN of more bytes than its entry. Every other collective is one non-blocking MPI
-# call made and polled by the calling thread (or queued on the lane behind its jobs, still
-# non-blocking), with no thread hand-off (about 40 us a call on a 2-core VM). MPI never matches
+# call: made and polled by the calling thread where the caller waits for it (no thread
+# hand-off, about 40 us a call on a 2-core VM), else as _start says. MPI never matches
 # a blocking collective with a non-blocking one (Open MPI 5 waits forever), so which kind a call
 # is depends on its op and size, which every rank agrees on, and never on the state of this
 # rank's lane. Measured blocking against non-blocking, 64 KiB-16 MiB on 2 and 4 ranks, Open MPI
