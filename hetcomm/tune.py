@@ -306,7 +306,12 @@ def measure(sweep: Sweep, base: Config) -> dict[str, Any] | None:
 
     def staged(chunk: int, slots: int) -> Any:
         trial = Tuning(fp, chunk, slots, path="(trial)")
-        return hetcomm.init(config=replace(plain, transport="staged", _tuned=trial), name="tune")
+        comm = hetcomm.init(config=replace(plain, transport="staged", _tuned=trial), name="tune")
+        # chunks, slots and weights are the rails': host messages between ranks of one host,
+        # which would skip them (staged/pull.py), take them here
+        transport: Any = comm._transport("send", _as_buffer(bench.x))
+        transport.single_copy = False
+        return comm
 
     def timed(comm: Any, nbytes: int, before: Any = None) -> float:
         try:

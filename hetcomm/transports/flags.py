@@ -44,16 +44,18 @@ def wait(
     ready: Callable[[], bool],
     deadline: float,
     check: Callable[[], None] | None = None,
+    yield_s: float = YIELD_SECONDS,
 ) -> bool:
     """True once `ready()` holds; False when `time.monotonic()` passes `deadline` first.
 
     `check` (it may raise, e.g. when the writer's process has died) runs every
-    CHECK_SECONDS once the wait has gone on past its yielding.
+    CHECK_SECONDS once the wait has gone on past its yielding; `yield_s`: how long it yields
+    before it naps (longer where the writer is known to take longer).
     """
     if ready():
         return True
     now = time.monotonic()
-    yield_until = min(deadline, now + YIELD_SECONDS)
+    yield_until = min(deadline, now + yield_s)
     while now < yield_until:
         os.sched_yield()
         if ready():

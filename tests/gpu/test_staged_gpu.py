@@ -104,6 +104,39 @@ def test_send_recv_sizes(hetcomm_make_comm, hetcomm_shared_seed, nbytes) -> None
     assert_all_ranks(comm, ok, "payload or the bytes after it differ")
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("memory", ["host to device", "device to host"])
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_send_recv_across_memories(hetcomm_make_comm, hetcomm_shared_seed, memory, blocking):
+    """A large message from a host array into a device array (the receiver reads the sender's
+    memory, then copies it up) and from a device array into a host one (over the rails behind
+    a RAILS marker), each side's other bytes untouched; the device copy is on the caller's
+    stream's side of the contract (visible to work queued after the call or the wait)."""
+    comm = hetcomm_make_comm(transport="staged", vendors=("nvidia", "amd"))
+    rng = np.random.default_rng(hetcomm_shared_seed)
+    nbytes = (3 << 20) + 8
+    data = rng.integers(0, 255, nbytes, dtype=np.uint8)
+    host_sends = memory == "host to device"
+    ok = True
+    if comm.rank == 0:
+        x = data.copy() if host_sends else cupy.asarray(data)
+        work = comm.send(x, 1, tag=6, async_op=not blocking)
+        if not blocking:
+            work.wait()
+        ok = np.array_equal(x if host_sends else cupy.asnumpy(x), data)  # the sender's array
+    elif comm.rank == 1:
+        if host_sends:
+            y = cupy.full(nbytes + 64, 7, dtype=cupy.uint8)
+        else:
+            y = np.full(nbytes + 64, 7, dtype=np.uint8)
+        work = comm.recv(y[:nbytes], 0, tag=6, async_op=not blocking)
+        if not blocking:
+            work.wait()
+        got = cupy.asnumpy(y) if host_sends else y
+        ok = np.array_equal(got[:nbytes], data) and (got[nbytes:] == 7).all()
+    assert_all_ranks(comm, ok, f"{memory}: payload or the bytes around it differ")
+
+
 class TestStagedStreams(StreamContract):
     """The stream contract (tests/gpu/_stream_contract.py) on this module's communicators."""
 

@@ -27,9 +27,23 @@ def _pair(comm: hetcomm.Communicator) -> int | None:
     return peer if peer < comm.size else None
 
 
-def _staged(comm: hetcomm.Communicator) -> object:
+def _staged(comm: hetcomm.Communicator, large: str = "pull") -> object:
+    """The communicator's staged transport, before its channels open: `large` messages
+    between ranks of one host go "pull" (read from the sender's array where the pair can) or
+    over the "rails"."""
     comm.barrier()
-    return introspect.transports(comm)["staged"]
+    staged = introspect.transports(comm)["staged"]
+    staged.single_copy = large == "pull"
+    return staged
+
+
+def _pulls(staged: object, peer: int) -> bool:
+    """Whether large host messages from `peer` are read from its memory."""
+    ch = introspect.channels(staged).get(peer)  # type: ignore[arg-type]
+    return ch is not None and ch.eager_in is not None and ch.eager_in.reads_why is None
+
+
+LARGE = pytest.mark.parametrize("large", ["pull", "rails"])
 
 
 def _eager_with(staged: object, peer: int) -> bool:
@@ -37,12 +51,12 @@ def _eager_with(staged: object, peer: int) -> bool:
     return ch is not None and ch.eager_out is not None and ch.eager_in is not None
 
 
-def _opened(comm: hetcomm.Communicator) -> int | None:
+def _opened(comm: hetcomm.Communicator, large: str = "pull") -> int | None:
     """This rank's partner once their channel is open, if the pair has eager rings (ranks of
     one host); else None (the rails need their receives posted in step: these tests do not
     apply)."""
     peer = _pair(comm)
-    staged = _staged(comm)
+    staged = _staged(comm, large)
     if peer is None:
         return None
     _exchange(comm, peer, np.zeros(1), np.zeros(1), tag=99)
@@ -64,13 +78,15 @@ def _exchange(comm, peer, send, recv_into, tag=0):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_sizes_around_the_threshold(hetcomm_make_comm, errors, rng):
+@LARGE
+def test_sizes_around_the_threshold(hetcomm_make_comm, errors, rng, large):
     """0, 1, thr-1, thr and thr+1 elements of several dtypes: each arrives whole, nothing past
     it is written, messages up to the threshold go eager (where the pair shares a host) and
-    larger ones over the rails; no /dev/shm segment is left once the channel is open."""
+    larger ones are read from the sender's array or go over the rails; no /dev/shm segment is
+    left once the channel is open."""
     comm = hetcomm_make_comm(transport="staged", timeout=60)
     peer = _pair(comm)
-    staged = _staged(comm)
+    staged = _staged(comm, large)
     if peer is not None:
         for dtype in DTYPES:
             item = np.dtype(dtype).itemsize
@@ -88,7 +104,8 @@ def test_sizes_around_the_threshold(hetcomm_make_comm, errors, rng):
                 errors.expect((back[n:] == SENTINEL).all(), f"{what}: wrote past the message")
                 if _eager_with(staged, peer):
                     eager = n * item <= EAGER_BYTES
-                    key = "recv eager" if eager else "recv rails"
+                    key = "recv pull" if _pulls(staged, peer) else "recv rails"
+                    key = "recv eager" if eager else key
                     got = staged.paths[key] - before.get(key, 0)
                     errors.expect(got == 1, f"{what}: {key} counted {got}, expected 1")
         token = staged.token.hex()[:12]
@@ -123,7 +140,8 @@ def test_tags_received_out_of_order(hetcomm_make_comm, errors, rng):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("opened", [False, True], ids=["first messages", "open channel"])
-def test_many_in_flight_async(hetcomm_make_comm, errors, rng, opened):
+@LARGE
+def test_many_in_flight_async(hetcomm_make_comm, errors, rng, opened, large):
     """Between ranks of one host, three rings' worth of asynchronous small sends and a few
     large ones, over three tags, received asynchronously in another order and waited for in
     reverse: all arrive (sends that find the ring full wait on a driver thread for the
@@ -131,10 +149,10 @@ def test_many_in_flight_async(hetcomm_make_comm, errors, rng, opened):
     each receive is posted on the ring as soon as it is open."""
     comm = hetcomm_make_comm(transport="staged", timeout=60)
     if opened:
-        peer = _opened(comm)
+        peer = _opened(comm, large)
     else:
         peer = _pair(comm)
-        _staged(comm)
+        _staged(comm, large)
         facts = comm.topology
         if peer is not None and (
             facts[peer].host != facts[comm.rank].host or comm.config.rails.strip() == "mpi"
@@ -163,7 +181,8 @@ def test_many_in_flight_async(hetcomm_make_comm, errors, rng, opened):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking receives", "async in order"])
-def test_back_to_back_sends_keep_their_order(hetcomm_make_comm, errors, rng, blocking):
+@LARGE
+def test_back_to_back_sends_keep_their_order(hetcomm_make_comm, errors, rng, blocking, large):
     """Four rings' worth of asynchronous sends, most over the rails (each with its marker in
     the ring) and some eager, then all waited for; the receiver takes them one by one in
     MPI's order. Sends that find the ring full wait for a slot on a driver thread and keep
@@ -171,7 +190,7 @@ def test_back_to_back_sends_keep_their_order(hetcomm_make_comm, errors, rng, blo
     freed meanwhile could fill the ring with messages the receiver does not look at yet,
     while the one it waits for has none (a 1 MiB back-to-back run stalled so, once)."""
     comm = hetcomm_make_comm(transport="staged", timeout=30)
-    peer = _opened(comm)
+    peer = _opened(comm, large)
     if peer is not None:
         count = 4 * EAGER_SLOTS
         sizes = [7 + i if i % 3 == 0 else THR32 + 10 + i for i in range(count)]
@@ -210,14 +229,15 @@ DISAGREE = {
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("case", list(DISAGREE))
-def test_sizes_that_disagree(hetcomm_make_comm, errors, case):
+@LARGE
+def test_sizes_that_disagree(hetcomm_make_comm, errors, case, large):
     """A receive of another size than its message fails with MismatchError naming the sender
     and both sizes, without a hang and without writing the array; a sender over the rails
     fails too (an eager one has completed, as MPI's do). A matching pair works after it, the
     ring having given back every slot."""
     comm = hetcomm_make_comm(transport="staged", timeout=20)
     peer = _pair(comm)
-    _staged(comm)
+    _staged(comm, large)
     sent, taken = DISAGREE[case]
     if peer is not None:
         if comm.rank % 2 == 0:
@@ -294,4 +314,60 @@ def test_after_an_abort(hetcomm_make_comm, errors):
         back = np.zeros(3)
         _exchange(fresh, peer, np.full(3, fresh.rank, dtype=np.float64), back)
         errors.expect((back == peer).all(), f"after the abort got {back}")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_async_receives_then_blocking_sends_in_a_ring(hetcomm_make_comm, errors, rng):
+    """Every rank posts an asynchronous receive of a large message from its left, then sends
+    one to its right and blocks there: a sender whose message is read from its array waits
+    for the receiver's read, which a receive nobody waits on yet still makes (the transport's
+    watcher), so the ring completes instead of timing out."""
+    comm = hetcomm_make_comm(transport="staged", timeout=20)
+    _staged(comm)
+    n = THR32 * 4 + 3
+    left, right = (comm.rank - 1) % comm.size, (comm.rank + 1) % comm.size
+    mine = _data(np.random.default_rng(comm.rank + 17), n, "float32")
+    theirs = _data(np.random.default_rng(left + 17), n, "float32")
+    for round_ in range(3):
+        got = np.full(n + 1, -1.0, np.float32)
+        work = comm.recv(got[:-1], left, tag=round_, async_op=True)
+        comm.send(mine, right, tag=round_)
+        work.wait()
+        errors.expect(np.array_equal(got[:-1], theirs), f"round {round_}: wrong data")
+        errors.expect(got[-1] == -1.0, f"round {round_}: wrote past the message")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_send_that_gives_up_is_never_received_as_data(hetcomm_make_comm, errors):
+    """A large send whose receive comes too late fails with CommTimeout naming the receiver,
+    and its array changes at once; the late receive then fails with HetcommError instead of
+    taking what the array holds by then, and leaves its own array as it was. (Over the rails
+    the late receive times out instead: nothing answers its clear-to-send.)"""
+    comm = hetcomm_make_comm(transport="staged", timeout=2)
+    peer = _opened(comm)
+    if peer is not None:
+        n = THR32 * 2
+        if comm.rank % 2 == 0:
+            x = np.ones(n, np.float32)
+            try:
+                comm.send(x, peer, tag=8)
+                errors.expect(False, "a send nobody received completed")
+            except hetcomm.CommTimeout as exc:
+                errors.expect(exc.missing == (peer,), f"named {exc.missing}: {exc}")
+            x[:] = 5.0  # the caller may reuse its array once the send has failed
+            comm.mpi.send(None, peer)
+        else:
+            comm.mpi.recv(source=peer)
+            y = np.full(n, -1.0, np.float32)
+            try:
+                comm.recv(y, peer, tag=8, timeout=10)
+                errors.expect(False, "the receive of a withdrawn message completed")
+            except hetcomm.HetcommError as exc:
+                errors.expect(not (y == 5.0).any(), f"received the reused array ({exc})")
+                if _pulls(introspect.transports(comm)["staged"], peer):
+                    errors.expect("withdrew" in str(exc), f"said: {exc}")
+                    errors.expect((y == -1.0).all(), "the failed receive wrote its array")
+    comm.mpi.Barrier()
     errors.verify()

@@ -1,6 +1,8 @@
 """The eager ring of one pair of staged ranks (staged/eager.py), both ends in one process: slots
 are taken, published, found by (tag, number) in any order, landed for posted receives and
-freed; a full ring has no slot; the words each end writes are its own."""
+freed; a full ring has no slot; the words each end writes are its own. PULL messages are read
+from the sender's memory (a process may read its own), withdrawn ones are never taken as
+data, and what the receiver found reaches the sender."""
 
 from __future__ import annotations
 
@@ -11,12 +13,18 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from hetcomm.errors import HetcommError, MismatchError
+from hetcomm.transports import cma
 from hetcomm.transports.local import Region
 from hetcomm.transports.shm import SharedSlots
+from hetcomm.transports.staged import pull
 from hetcomm.transports.staged.eager import (
     DATA,
     FREED,
+    GONE,
+    NOT_READ,
     PUB,
+    PULL,
     RAILS,
     EagerIn,
     EagerOut,
@@ -165,3 +173,110 @@ def test_an_unpublished_slot_is_not_seen(ring):
     assert inbox.take(0, 0) is None  # claimed and written, not published
     out.unclaim(slot)
     assert out.claim(out.ticket()) == slot
+
+
+needs_cma = pytest.mark.skipif(cma.unavailable() is not None, reason=f"{cma.unavailable()}")
+
+
+def _lend(out: EagerOut, tag: int, number: int, data: np.ndarray) -> tuple[int, int]:
+    slot = out.claim(out.ticket())
+    assert slot is not None
+    return slot, out.lend(slot, tag, number, data.nbytes, data.ctypes.data)
+
+
+@needs_cma
+def test_the_receiver_probes_and_reads_a_pull_message_from_the_senders_array(ring):
+    out, inbox = ring
+    assert inbox.reads_why is None and out.readable
+    rng = np.random.default_rng()
+    data = rng.integers(0, 255, 3 * SLOT_BYTES + 5, dtype=np.uint8)  # larger than a slot
+    slot, pub = _lend(out, 2, 0, data)
+    assert out.claim(out.ticket()) != slot  # held until released
+    found = inbox.take(2, 0)
+    assert found is not None and found.kind == PULL and found.nbytes == data.nbytes
+    dst = np.full(data.nbytes + 8, 7, np.uint8)
+    assert inbox.pull(found, dst.ctypes.data)
+    assert np.array_equal(dst[: data.nbytes], data) and (dst[data.nbytes :] == 7).all()
+    assert not pull.lent_back(out, slot, pub, data.nbytes, 0, 1)  # not freed yet
+    inbox.free(found, data.nbytes)
+    assert pull.lent_back(out, slot, pub, data.nbytes, 0, 1)
+
+
+@needs_cma
+def test_what_the_receiver_found_fails_the_sender(ring):
+    out, inbox = ring
+    data = np.arange(SLOT_BYTES * 2, dtype=np.uint8)
+    slot, pub = _lend(out, 1, 0, data)
+    found = inbox.take(1, 0)
+    assert found is not None
+    inbox.free(found, 100)  # a receive of 100 bytes
+    with pytest.raises(MismatchError, match=f"sends {data.nbytes} bytes, rank 1 receives 100"):
+        pull.lent_back(out, slot, pub, data.nbytes, 0, 1)
+    slot, pub = _lend(out, 1, 1, data)
+    found = inbox.take(1, 1)
+    assert found is not None
+    inbox.free(found)  # freed unread: the receive failed
+    with pytest.raises(HetcommError, match="could not read"):
+        pull.lent_back(out, slot, pub, data.nbytes, 0, 1)
+
+
+@needs_cma
+def test_a_withdrawn_message_is_never_taken_as_data(ring):
+    """Withdrawn before the read: the receiver sees GONE; during it (the sender's array
+    changes after its withdrawal): the read says so; the slot comes back once freed."""
+    out, inbox = ring
+    data = np.ones(SLOT_BYTES * 2, np.uint8)
+    slot, pub = _lend(out, 4, 0, data)
+    assert not pull.give_up(out, slot, pub, data.nbytes, 0, 1)
+    found = inbox.take(4, 0)
+    assert found is not None and found.kind == GONE
+    inbox.free(found)
+    slot, pub = _lend(out, 4, 1, data)
+    found = inbox.take(4, 1)
+    assert found is not None and found.kind == PULL
+    out.withdraw(slot)  # as a sender whose wait ran out would, while the receiver reads
+    data[:] = 9
+    dst = np.zeros(data.nbytes, np.uint8)
+    assert not inbox.pull(found, dst.ctypes.data)
+    inbox.free(found)
+    out.release(slot)
+    assert sorted(s for s in (out.claim(out.ticket()) for _ in range(SLOTS)) if s is not None) == [
+        *range(SLOTS)
+    ]
+
+
+@needs_cma
+def test_a_read_of_a_range_the_sender_no_longer_maps_fails(ring):
+    out, inbox = ring
+    data = np.ones(16, np.uint8)
+    slot = out.claim(out.ticket())
+    assert slot is not None
+    out.lend(slot, 0, 0, 1 << 20, 8)  # an address nobody maps
+    found = inbox.take(0, 0)
+    assert found is not None
+    with pytest.raises(OSError):
+        inbox.pull(found, data.ctypes.data)
+    inbox.free(found)
+    assert out.status(slot) == NOT_READ
+
+
+def test_a_receiver_told_not_to_read_says_so():
+    name = f"hetcomm-test-{uuid.uuid4().hex[:12]}"
+    size = segment_bytes(SLOTS, SLOT_BYTES)
+    out = EagerOut(SharedSlots(name, 1, size, create=True), SLOTS, SLOT_BYTES)
+    inbox = EagerIn(SharedSlots(name, 1, size, create=False), SLOTS, SLOT_BYTES, reads=False)
+    out.seg.unlink()
+    try:
+        assert inbox.reads_why == "switched off" and not out.readable
+        assert not pull.lends(out, Region(4, np.zeros(4, np.uint8)))
+    finally:
+        out.close()
+        inbox.close()
+
+
+def test_the_probe_tells_another_process_from_the_one_it_names():
+    word = np.array([12345], np.int64)
+    assert cma.probe(os.getpid(), word.ctypes.data, 12345) in (None, cma.unavailable())
+    if cma.unavailable() is None:
+        assert "another process" in str(cma.probe(os.getpid(), word.ctypes.data, 54321))
+        assert cma.probe(2**22 + 12345, word.ctypes.data, 12345) is not None  # no such pid

@@ -11,20 +11,33 @@ its PUB (the slot's publish count) and last the control row's TOTAL (publishes s
 receiver writes the slot's FREED (the PUB it consumed). A slot is free while PUB == FREED. The
 order of those stores is what a reader relies on (`flags`: x86-64 keeps stores in order).
 
-A send above `slot_bytes` on such a channel publishes a *marker* (KIND RAILS, no data) before
-it waits for its clear-to-send, so that a receive expecting an eager message of that (tag,
-number) learns the sizes disagree instead of waiting for ever; the receive that takes the
-message over the rails frees the marker.
+A send above `slot_bytes` publishes a *marker* in a slot, no data, which tells its receive how
+the message comes (a receive above `slot_bytes` waits for it before anything else, and an eager
+receive that finds one learns that the sizes disagree):
+- KIND PULL: the receiver reads the bytes straight from the sender's array (its address in ADDR,
+  the sender's pid in the control row; `cma.py`), one copy instead of two, writes the byte count
+  it took into STATUS and frees the slot; the send completes then, and fails with
+  MismatchError where STATUS is another count. Host arrays, where the receiver's probe at
+  mapping (READS) found that it may read the sender's memory. A sender that gives up (time
+  out, close) rewrites KIND to GONE before its array may change, and the receiver checks KIND
+  again after its read: under x86-64's store order a read that saw the array change saw GONE
+  too, so a withdrawn message is never taken as data.
+- KIND RAILS: the message follows over the rails behind a clear-to-send (device arrays, or a
+  pair whose receiver cannot read the sender's memory); the receive frees the marker, then
+  posts its clear-to-send.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import secrets
 import threading
 from typing import Any
 
 import numpy as np
 
+from .. import cma
 from ..local import Region
 from ..shm import SharedSlots
 
@@ -41,9 +54,14 @@ EAGER_BYTES = 256 << 10
 EAGER_SLOTS = 8
 
 _ROW = 8  # int64 words per header row
-PUB, TAG, NUMBER, NBYTES, KIND, FREED = 0, 1, 2, 3, 4, 5
-TOTAL = 0  # word of the control row
-DATA, RAILS = 1, 2  # KIND: bytes in the slot; a marker of a message sent over the rails
+PUB, TAG, NUMBER, NBYTES, KIND, FREED, ADDR, STATUS = range(8)  # STATUS, FREED: the receiver's
+# words of the control row: the sender's TOTAL, PID, PROBE_AT (the address of PROBE in its
+# process) and PROBE (a random value); the receiver's READS (1: it can read the sender's memory)
+TOTAL, PID, PROBE_AT, PROBE, READS = range(5)
+# KIND: bytes in the slot; a marker of a message over the rails; of one the receiver reads from
+# the sender's memory; of one its sender withdrew
+DATA, RAILS, PULL, GONE = 1, 2, 3, 4
+NOT_READ = -1  # STATUS of a PULL message freed without a read (the receive failed)
 _ALIGN = 4096
 
 
@@ -93,6 +111,15 @@ class EagerOut(_Ring):
         self._drawn = itertools.count()
         self._serving = 0  # the ticket whose send takes the next slot
         self._skipped: set[int] = set()  # later tickets given up before their turn
+        self._lent: set[int] = set()  # slots of PULL messages whose receiver may read us
+        w = self.words
+        w[PID], w[PROBE] = os.getpid(), secrets.randbits(62) | 1
+        w[PROBE_AT] = self.control.ctypes.data + PROBE * 8
+
+    @property
+    def readable(self) -> bool:
+        """Whether the receiver found that it can read this process's memory (PULL messages)."""
+        return self.words[READS] == 1
 
     def ticket(self) -> int:
         """This send's place in the order of slots (draw it where the send is made)."""
@@ -148,6 +175,45 @@ class EagerOut(_Ring):
         with self.lock:
             self._filling.discard(slot)
 
+    def lend(self, slot: int, tag: int, number: int, nbytes: int, addr: int) -> int:
+        """Publish the claimed `slot` as a PULL message of `nbytes` at `addr` of this process;
+        the slot stays this rank's until `release`. Returns its PUB, for `returned`."""
+        w, row = self.words, (slot + 1) * _ROW
+        w[row + ADDR], w[row + TAG], w[row + NUMBER] = addr, tag, number
+        w[row + NBYTES], w[row + KIND] = nbytes, PULL
+        w[row + PUB] += 1
+        w[TOTAL] += 1
+        with self.lock:
+            self._lent.add(slot)
+        return w[row + PUB]
+
+    def returned(self, slot: int, pub: int) -> bool:
+        """Whether the receiver has freed the message `pub` of `slot`."""
+        return self.words[(slot + 1) * _ROW + FREED] == pub
+
+    def status(self, slot: int) -> int:
+        """What the receiver wrote of a freed PULL message: the bytes its receive took, or
+        NOT_READ."""
+        return self.words[(slot + 1) * _ROW + STATUS]
+
+    def withdraw(self, slot: int) -> None:
+        """Take back the PULL message of `slot` (its send failed): from now on its receiver
+        fails it instead of taking it, even one reading it now (it checks again after)."""
+        self.words[(slot + 1) * _ROW + KIND] = GONE
+
+    def release(self, slot: int) -> None:
+        """The PULL message of `slot` has ended: the slot is free once the receiver frees it."""
+        with self.lock:
+            self._lent.discard(slot)
+            self._filling.discard(slot)
+
+    def withdraw_all(self) -> None:
+        """Withdraw every PULL message not returned yet (the transport closes)."""
+        with self.lock:
+            lent = list(self._lent)
+        for slot in lent:
+            self.withdraw(slot)
+
     def unclaim(self, slot: int) -> None:
         """Give back a claimed slot that was not published (its copy failed)."""
         with self.lock:
@@ -165,15 +231,20 @@ class Found:
 
 
 class Posted:
-    """An eager receive waiting for its message: where it goes, and how it ended (set by the
-    thread that lands it)."""
+    """A receive waiting for its message or marker in the ring: where it goes, and how it
+    ended (set by the thread that lands it: `op`, the receive over the rails that a marker
+    started, for a message larger than a slot)."""
 
-    __slots__ = ("done", "error", "number", "ready", "region", "tag")
+    __slots__ = ("deadline", "done", "error", "number", "op", "ready", "region", "tag")
 
-    def __init__(self, region: Region, tag: int, number: int, ready: Any) -> None:
+    def __init__(
+        self, region: Region, tag: int, number: int, ready: Any, deadline: float = 0.0
+    ) -> None:
         self.region, self.tag, self.number, self.ready = region, tag, number, ready
+        self.deadline = deadline
         self.done = False
         self.error: BaseException | None = None
+        self.op: Any = None
 
 
 class EagerIn(_Ring):
@@ -185,8 +256,14 @@ class EagerIn(_Ring):
     receives nobody waits on yet still drains. `posted`, `_taken` and `_scanned` are guarded
     by `lock`."""
 
-    def __init__(self, seg: SharedSlots, slots: int, slot_bytes: int) -> None:
+    def __init__(self, seg: SharedSlots, slots: int, slot_bytes: int, reads: bool = True) -> None:
         super().__init__(seg, slots, slot_bytes)
+        w = self.words
+        self.pid = w[PID]
+        # whether this rank reads the sender's large host messages from its memory (PULL):
+        # where it may (`cma.probe`) and `reads` asks for it; the sender sees READS
+        self.reads_why = cma.probe(self.pid, w[PROBE_AT], w[PROBE]) if reads else "switched off"
+        w[READS] = 1 if self.reads_why is None else 2
         self._taken: set[int] = set()  # slots a thread of this rank is reading
         self.posted: dict[tuple[int, int], Posted] = {}
         self._scanned = -1  # TOTAL at the last progress
@@ -269,8 +346,19 @@ class EagerIn(_Ring):
         at = found.slot * self.slot_bytes
         dst.data[:] = self._bytes[at : at + found.nbytes]
 
-    def free(self, found: Found) -> None:
-        """Hand a taken slot back to the sender."""
-        self.words[(found.slot + 1) * _ROW + FREED] = found.pub
+    def pull(self, found: Found, local: int) -> bool:
+        """Read a taken PULL message from the sender's memory to address `local` (its
+        NBYTES); False where the sender withdrew it meanwhile (the bytes read are not its
+        message). OSError where the read fails (the sender is gone, or its range is)."""
+        w, row = self.words, (found.slot + 1) * _ROW
+        cma.read(self.pid, w[row + ADDR], local, found.nbytes)
+        return w[row + KIND] == PULL  # read after the data: see the module's docstring
+
+    def free(self, found: Found, status: int = NOT_READ) -> None:
+        """Hand a taken slot back to the sender; `status`: the bytes a receive took of a PULL
+        message."""
+        row = (found.slot + 1) * _ROW
+        self.words[row + STATUS] = status
+        self.words[row + FREED] = found.pub  # after STATUS
         with self.lock:
             self._taken.discard(found.slot)

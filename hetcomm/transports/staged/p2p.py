@@ -2,14 +2,19 @@
 
 Which path a message takes depends on its size and the pair alone, so both ranks agree: a
 message of at most the ring's slot bytes between ranks with a ring (one host) goes eager
-(eager.py), anything else over the rails behind a clear-to-send (transport.py). The sizes of
-a message and its receive may disagree across that line; each way fails with the rails'
-size-mismatch error instead of waiting:
+(eager.py). A larger one between such ranks publishes a marker in the ring first, which its
+receive waits for before anything else: a PULL marker (a host array, to a receiver that can
+read the sender's memory) is read by the receive straight from the sender's array (pull.py),
+a RAILS marker tells the receive to post its clear-to-send for the rails (transport.py).
+Between other ranks, anything larger goes over the rails. The sizes of a message and its
+receive may disagree across that line; each way fails with a size-mismatch error instead of
+waiting:
 
 - an eager message, a receive above the threshold: the receive finds the message in the ring
-  (it looks before posting its clear-to-send, then every 50 ms while it waits);
-- a message over the rails, an eager receive: the sender's marker names its size, and the
-  receive answers with a clear-to-send of its own size, which fails the sender too.
+  where it expects the marker;
+- a marker, an eager receive: the marker names the size; the receive answers a RAILS marker
+  with a clear-to-send of its own size and a PULL marker with its size in the slot, which
+  fail the sender too.
 
 The functions take the transport (`t`) as collectives.py's do; they run on whichever thread
 calls them: the caller's for blocking calls, a driver's for asynchronous ones that must wait.
@@ -20,12 +25,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from ...errors import CommTimeout, HetcommError, MismatchError, PeerLost
+from ...errors import CommTimeout, HetcommError, PeerLost
 from ...work import Work
 from .. import flags
 from ..local import Region
+from . import pull
 from .cts import CTS_P2P
-from .eager import DATA, RAILS, EagerIn, EagerOut, Found, Posted
+from .eager import DATA, GONE, NOT_READ, PULL, RAILS, EagerIn, EagerOut, Found, Posted
 from .ops import PeerTimeout
 from .rails import size_mismatch
 
@@ -33,7 +39,7 @@ if TYPE_CHECKING:
     from .channel import Channel
     from .transport import StagedTransport
 
-# how often a receive over the rails looks into the ring while it waits for its chunks
+# how often a receive over the rails lands the ring's posted receives while it waits
 WATCH_S = 0.05
 
 
@@ -71,8 +77,9 @@ def send(
     ticket: int | None = None,
 ) -> None:
     """Send message `k` of (`dst`, `tag`) to its end: eagerly where the pair has a ring and it
-    fits a slot, else over the rails (a marker in the ring first, unless `marked`). `ticket`:
-    its place in the ring's order, drawn where the send was made (else here)."""
+    fits a slot, as a PULL message where the receiver can read this array, else over the rails
+    (a marker in the ring first, unless `marked`). `ticket`: its place in the ring's order,
+    drawn where the send was made (else here)."""
     ch = channel_to(t, dst, deadline)
     out = ch.eager_out if ch is not None else None
     if ch is not None and out is not None:
@@ -80,6 +87,16 @@ def send(
             ticket = out.ticket()
         if region.nbytes <= out.slot_bytes:
             send_eager(t, ch, region, tag, k, deadline, ready, True, ticket)
+            return
+        if not marked and pull.lends(out, region):
+            slot, pub = lend(t, ch, region, tag, k, deadline, True, ticket)  # type: ignore[misc]
+            what = f"the message (tag {tag}, its #{k})"
+            if not pull.wait_lent(
+                out, slot, pub, region.nbytes, t.rank, ch.peer, deadline, lambda: check_peer(t, ch)
+            ):
+                raise PeerTimeout(
+                    [ch.peer], f"rank {ch.peer} never posted the matching receive of {what}"
+                )
             return
         if not marked:
             mark(t, ch, tag, k, region.nbytes, deadline, True, ticket)
@@ -175,6 +192,27 @@ def mark(
     return True
 
 
+def lend(
+    t: StagedTransport,
+    ch: Channel,
+    region: Region,
+    tag: int,
+    k: int,
+    deadline: float,
+    wait: bool,
+    ticket: int,
+) -> tuple[int, int] | None:
+    """Publish a host array's PULL marker in `ticket`'s turn: its (slot, PUB), or None (no
+    slot now and not `wait`)."""
+    out = ch.eager_out
+    assert out is not None and region.host is not None
+    slot = claim(t, ch, out, deadline, wait, ticket)
+    if slot is None:
+        return None
+    t.paths["send pull"] += 1
+    return slot, out.lend(slot, tag, k, region.nbytes, region.host.ctypes.data)
+
+
 # ---- receives ---------------------------------------------------------------------------------
 
 
@@ -199,23 +237,68 @@ def recv(
         if rec.error is not None:
             raise rec.error
         return
+    found = wait_marker(t, ch, inbox, tag, k, deadline)
+    if not settle(t, ch, found, region, ready):
+        return
     t.paths["recv rails"] += 1
-    marked = rails_watch(t, ch, region, tag, k)
     op = t.post_recv(src, region, CTS_P2P, tag, k, deadline, ready)
     try:
         while not op.done.wait(min(WATCH_S, max(0.0, deadline - time.monotonic()))):
             progress(t, ch, inbox)  # eager receives posted meanwhile may free the ring
-            if not marked:
-                marked = rails_watch(t, ch, region, tag, k)
             if time.monotonic() >= deadline:
                 break
         t.finish_recv(op, deadline)
-    except MismatchError:
-        rails_last(inbox, marked, tag, k)
-        raise
     finally:
         t._forget(op)
-    rails_last(inbox, marked, tag, k)
+
+
+def wait_marker(
+    t: StagedTransport, ch: Channel, inbox: EagerIn, tag: int, k: int, deadline: float
+) -> Found:
+    """Take the marker of message `k` of (`ch`'s peer, `tag`), larger than a slot, waiting on
+    this thread for it (and landing the ring's posted receives meanwhile); PeerTimeout naming
+    the sender when `deadline` passes first."""
+    got: list[Found] = []
+
+    def ready() -> bool:
+        found = inbox.take(tag, k)
+        if found is None:
+            progress(t, ch, inbox)
+            return False
+        got.append(found)
+        return True
+
+    if not flags.wait(ready, deadline, lambda: check_peer(t, ch)):
+        raise PeerTimeout(
+            [ch.peer], f"rank {ch.peer} never sent the matching message (tag {tag}, its #{k})"
+        )
+    return got[0]
+
+
+def settle(t: StagedTransport, ch: Channel, found: Found, region: Region, ready: Any) -> bool:
+    """A receive larger than a slot has taken `found` (its number's marker, or an eager
+    message) and frees it: a PULL message is read into `region`; True where a RAILS marker
+    says the message follows over the rails. Raises where the sizes disagree (the sender of a
+    PULL message fails too) or its sender withdrew it."""
+    inbox = ch.eager_in
+    assert inbox is not None
+    if found.kind == RAILS:
+        inbox.free(found)
+        return True
+    status = NOT_READ
+    try:
+        if found.kind == GONE:
+            raise HetcommError(
+                f"rank {ch.peer} withdrew its message before this receive took it (its send failed)"
+            )
+        if found.nbytes != region.nbytes:
+            if found.kind == PULL:
+                status = region.nbytes
+            raise size_mismatch(ch.peer, found.nbytes, region.nbytes)
+        status = pull.read_into(t, ch, found, region, ready)
+    finally:
+        inbox.free(found, status)
+    return False
 
 
 def progress(t: StagedTransport, ch: Channel, inbox: EagerIn) -> None:
@@ -253,17 +336,38 @@ def wait_posted(
 
 
 def land(t: StagedTransport, ch: Channel, found: Found, rec: Posted) -> None:
-    """Copy a message taken from the ring into its receive's region and free the slot, then
-    mark the receive done (its `error` set where it failed). A message of another size fails
-    with the rails' size-mismatch error; a marker (the message comes over the rails, so it is
-    larger than any slot) fails its sender too, by a clear-to-send of this size."""
+    """Land a message or marker taken from the ring for the posted receive `rec`, free the
+    slot and mark the receive done (its `error` set where it failed). A receive larger than
+    a slot settles its marker (`settle`: a PULL message is read, a RAILS marker starts the
+    receive over the rails, `rec.op`). An eager receive copies its message in; one of another
+    size fails with the size-mismatch error, and a marker (its message is larger than any
+    slot) fails its sender too: a RAILS marker by a clear-to-send of this size, a PULL marker
+    by this size in its slot."""
     inbox = ch.eager_in
     assert inbox is not None
     region = rec.region
+    if region.nbytes > inbox.slot_bytes:
+        try:
+            if settle(t, ch, found, region, rec.ready):
+                t.paths["recv rails"] += 1
+                rec.op = t.post_recv(
+                    ch.peer, region, CTS_P2P, rec.tag, rec.number, rec.deadline, rec.ready
+                )
+        except BaseException as exc:
+            rec.error = exc
+        finally:
+            rec.done = True
+        return
+    status = NOT_READ
     try:
         if found.kind == RAILS:
             t.cts.send(ch.peer, CTS_P2P, rec.tag, rec.number, 0, region.nbytes)
             raise size_mismatch(ch.peer, found.nbytes, region.nbytes)
+        if found.kind == PULL:
+            status = region.nbytes
+            raise size_mismatch(ch.peer, found.nbytes, region.nbytes)
+        if found.kind == GONE:
+            raise HetcommError(f"rank {ch.peer} withdrew its message (its send failed)")
         if found.nbytes != region.nbytes:
             raise size_mismatch(ch.peer, found.nbytes, region.nbytes)
         if found.nbytes:
@@ -276,37 +380,14 @@ def land(t: StagedTransport, ch: Channel, found: Found, rec: Posted) -> None:
     except BaseException as exc:
         rec.error = exc
     finally:
-        inbox.free(found)
+        inbox.free(found, status)
         rec.done = True
-
-
-def rails_watch(t: StagedTransport, ch: Channel, region: Region, tag: int, k: int) -> bool:
-    """A receive over the rails looks into the ring for its number: an eager message there
-    fails it (its size cannot be this one's), a marker is freed (True: seen)."""
-    inbox = ch.eager_in
-    assert inbox is not None
-    found = inbox.take(tag, k)
-    if found is None:
-        return False
-    inbox.free(found)
-    if found.kind == DATA:
-        raise size_mismatch(ch.peer, found.nbytes, region.nbytes)
-    return True
-
-
-def rails_last(inbox: EagerIn, marked: bool, tag: int, k: int) -> None:
-    """A receive over the rails has ended: free its marker, published before the sender's
-    first chunk or error, if it was not seen yet."""
-    if not marked:
-        found = inbox.take(tag, k)
-        if found is not None:
-            inbox.free(found)
 
 
 # ---- asynchronous receives: their Works ---------------------------------------------------------
 
 
-def eager_work(
+def posted_work(
     t: StagedTransport,
     ch: Channel,
     inbox: EagerIn,
@@ -317,19 +398,28 @@ def eager_work(
     deadline: float,
     ready: Any,
 ) -> Work:
-    """The Work of an asynchronous eager receive, posted on the ring: whoever polls it (or
-    any other receive from the peer) lands the message once it is there, with no thread; its
-    waiter waits on the ring's words. It fails with CommTimeout naming the sender at
-    `deadline`, or when the transport closes."""
-    rec = Posted(region, tag, k, ready)
+    """The Work of an asynchronous receive posted on the ring: whoever polls it (or any other
+    receive from the peer) lands its message, or its marker if it is larger than a slot, once
+    it is there; its waiter waits on the ring's words. A large one is watched by the
+    transport's Watcher meanwhile (its sender may wait on it), and where its marker says
+    RAILS it then waits for the receive over the rails (`rec.op`), completed by the thread
+    that lands the last chunk. It fails with CommTimeout naming the sender at `deadline`, or
+    when the transport closes."""
+    rec = Posted(region, tag, k, ready, deadline)
     found = inbox.post(rec)
     if found is not None:
         land(t, ch, found, rec)
+    elif region.nbytes > inbox.slot_bytes:
+        t.watcher.watch(ch, rec)
 
     def look() -> bool:
         if not rec.done:
             progress(t, ch, inbox)
         return rec.done
+
+    def late() -> CommTimeout:
+        why = f"rank {ch.peer} never sent the matching message (tag {tag}, its #{k})"
+        return CommTimeout(t.comm.name, "recv", seq, t.timeout, [ch.peer], why)
 
     def poll() -> bool:
         if not look():
@@ -338,60 +428,32 @@ def eager_work(
                 # closing transport fails its posted receives)
                 return False
             if inbox.unpost(rec):
-                raise CommTimeout(
-                    t.comm.name,
-                    "recv",
-                    seq,
-                    t.timeout,
-                    [ch.peer],
-                    f"rank {ch.peer} never sent the matching message (tag {tag}, its #{k})",
-                )
+                raise late()
             return False  # another thread is landing it
         if rec.error is not None:
             raise rec.error
+        op = rec.op
+        if op is None:
+            return True
+        if not op.done.is_set() and time.monotonic() < deadline:
+            progress(t, ch, inbox)  # eager receives posted meanwhile may free the ring
+            return False
+        try:
+            op.wait(deadline)  # past the deadline it does not block
+        except PeerTimeout as exc:
+            raise CommTimeout(t.comm.name, "recv", seq, t.timeout, exc.ranks, str(exc)) from None
+        finally:
+            t._forget(op)
         return True
 
-    work = Work(
-        t.comm,
-        "recv",
-        seq,
-        poll,
-        waiter=lambda seconds: flags.wait(look, time.monotonic() + seconds),
-    )
+    def waiter(seconds: float) -> bool:
+        if not rec.done:
+            return flags.wait(look, time.monotonic() + seconds)
+        op = rec.op
+        if op is None:
+            return True
+        return op.done.wait(min(seconds, WATCH_S))
+
+    work = Work(t.comm, "recv", seq, poll, waiter=waiter)
     work.info = {"transport": "staged", "bytes": region.nbytes, "stages": 1}
     return work
-
-
-def rails_work(
-    t: StagedTransport,
-    ch: Channel,
-    inbox: EagerIn,
-    region: Region,
-    tag: int,
-    k: int,
-    seq: int,
-    deadline: float,
-    ready: Any,
-) -> Work:
-    """The Work of an asynchronous receive over the rails from a rank with a ring: posted
-    here, completed by the thread that lands its last chunk; its polls watch the ring (an
-    eager message of its number fails it, the marker is freed) and land posted eager
-    receives."""
-    t.paths["recv rails"] += 1
-    marked = [rails_watch(t, ch, region, tag, k)]
-    op = t.post_recv(ch.peer, region, CTS_P2P, tag, k, deadline, ready)
-
-    def watch() -> None:
-        progress(t, ch, inbox)
-        if not marked[0]:
-            try:
-                marked[0] = rails_watch(t, ch, region, tag, k)
-            except MismatchError as exc:
-                op.fail(exc)
-                marked[0] = True
-
-    def cleanup() -> None:
-        t._forget(op)
-        rails_last(inbox, marked[0], tag, k)
-
-    return t._op_work("recv", seq, region, op, deadline, cleanup, watch)

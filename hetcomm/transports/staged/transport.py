@@ -24,7 +24,7 @@ from .. import flags, tags
 from ..base import Context, Transport
 from ..local import Region
 from ..shm import SegmentError, SharedSlots
-from . import links, p2p
+from . import links, p2p, pull
 from .channel import Channel
 from .cts import CTS_COLL, CTS_P2P, ClearToSend
 from .eager import EAGER_BYTES, EAGER_SLOTS, EagerIn, EagerOut, segment_bytes
@@ -80,6 +80,10 @@ class StagedTransport(Transport):
         self.early_chunks = EARLY_CHUNKS
         # eager messages between ranks of one host (eager.py); set before a channel opens
         self.eager_bytes, self.eager_slots = EAGER_BYTES, EAGER_SLOTS
+        # larger host messages between them read by the receiver from the sender's array
+        # where the pair can (pull.py); False sends them over the rails. Set before a
+        # channel opens
+        self.single_copy = True
         self.rail_weights: dict[str, float] = {} if tuned is None else dict(tuned.rail_weights)
         self.timeout = comm.config.timeout
         self.mode, addrs = _rail_addresses(comm)
@@ -113,6 +117,7 @@ class StagedTransport(Transport):
         # which path served each message and operation body (for tests and the benchmark);
         # added to by whichever thread runs it, so an approximate count under contention
         self.paths: collections.Counter[str] = collections.Counter()
+        self.watcher = pull.Watcher(self, self._progress)
         _LIVE.add(self)
 
     @classmethod
@@ -226,7 +231,7 @@ class StagedTransport(Transport):
                 if ring is not None:
                     ename, eslots, ebytes = ring
                     seg = SharedSlots(ename, 1, segment_bytes(eslots, ebytes), create=False)
-                    opened[p].eager_in = EagerIn(seg, eslots, ebytes)
+                    opened[p].eager_in = EagerIn(seg, eslots, ebytes, self.single_copy)
             # both sides have mapped both segments: the names can go
             self._swap({p: None for p in shm}, deadline)
             for p in shm:
@@ -519,6 +524,11 @@ class StagedTransport(Transport):
                 counter = self._p2p_counts.setdefault(key, itertools.count())
         return next(counter)  # one C call: atomic under the interpreter lock
 
+    def _progress(self, ch: Channel) -> None:
+        """Land the posted receives of `ch`'s ring whose messages are there (the Watcher)."""
+        if ch.eager_in is not None:
+            p2p.progress(self, ch, ch.eager_in)
+
     def _on_calling_thread(self, peer: int) -> bool:
         """Whether a send to or receive from `peer` can start on the calling thread: their
         channel is open and rings the shm doorbell, so nothing there blocks (else a driver
@@ -623,6 +633,11 @@ class StagedTransport(Transport):
                     work = Work(self.comm, "send", seq, _true)
                     work.info = {"transport": "staged", "bytes": region.nbytes, "stages": 1}
                     return work
+            elif pull.lends(out, region):
+                lent = p2p.lend(self, ch, region, tag, k, deadline, False, ticket)
+                if lent is not None:
+                    what = f"the message (tag {tag}, its #{k})"
+                    return pull.send_work(self, ch, *lent, region.nbytes, seq, deadline, what)
             else:
                 marked = p2p.mark(self, ch, tag, k, region.nbytes, deadline, False, ticket)
         if (out is None or marked) and self._on_calling_thread(dst):
@@ -701,11 +716,8 @@ class StagedTransport(Transport):
         with no thread where it can be; None where a driver must run it."""
         inbox = ch.eager_in
         if inbox is not None:
-            if region.nbytes <= inbox.slot_bytes:
-                return p2p.eager_work(self, ch, inbox, region, tag, k, seq, deadline, ready)
-            if self._on_calling_thread(ch.peer):
-                return p2p.rails_work(self, ch, inbox, region, tag, k, seq, deadline, ready)
-        elif self._on_calling_thread(ch.peer):
+            return p2p.posted_work(self, ch, inbox, region, tag, k, seq, deadline, ready)
+        if self._on_calling_thread(ch.peer):
             # no driver: the clear-to-send goes out from here, and the Work completes when
             # the thread that lands the last chunk says so
             self.paths["recv rails"] += 1
@@ -955,6 +967,9 @@ class StagedTransport(Transport):
         for ch in self._channels.values():
             if ch.eager_in is not None:
                 ch.eager_in.fail_posted(closed)
+            if ch.eager_out is not None:
+                ch.eager_out.withdraw_all()  # nobody may read our arrays once we return
+        self.watcher.stop()
         for ch, op in self.cts.take_waiting():
             if op.early:
                 ch.drop_early(op)  # their copies end before the segment goes

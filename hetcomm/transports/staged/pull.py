@@ -1,0 +1,235 @@
+"""Large host messages between ranks of one host, in one copy: the receiver reads the sender's
+array from its memory (PULL markers, eager.py; the read, cma.py).
+
+A message larger than a ring slot, from a host array, to a rank that can read this one's
+memory: the sender publishes a PULL marker (its array's address and size) in the pair's ring
+and waits until the receiver frees it; the receive that takes the marker reads the bytes
+straight into its own array, writes the count it took and frees the slot. No clear-to-send,
+no rail, no thread: both ends run on their calling threads, and the wait of each is a wait on
+one word of shared memory. Open MPI's shared-memory transport moves such messages the same
+way (its single-copy CMA path).
+
+A receive posted without anyone waiting on it (asynchronous) must still take its marker, or
+a sender blocked on it could wait for ever on a rank that blocks somewhere else meanwhile (a
+ring of ranks that each post an asynchronous receive, then send): the transport's `Watcher`
+thread looks at the rings with such receives until they have landed, as MPI's progress would
+in any call.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ...errors import CommTimeout, HetcommError, MismatchError, PeerLost
+from ...work import Work
+from .. import flags
+from .eager import NOT_READ, EagerOut, Found, Posted
+
+if TYPE_CHECKING:
+    from ..local import Region
+    from .channel import Channel
+    from .transport import StagedTransport
+
+log = logging.getLogger("hetcomm")
+
+# the copy rate a sender's wait expects of the receiver's read, for how long it yields the
+# core between looks before it naps (flags.wait): a 16 MiB read takes 1.2-1.4 ms on the CPU VM
+READ_RATE = 2e9
+
+
+def lends(out: EagerOut | None, region: Region) -> bool:
+    """Whether a message larger than a slot goes as a PULL marker: a host array, to a
+    receiver that can read this process's memory."""
+    return out is not None and region.host is not None and out.readable
+
+
+def yield_for(nbytes: int) -> float:
+    """How long a wait for the receiver's read of `nbytes` yields before it naps."""
+    return max(flags.YIELD_SECONDS, 2 * nbytes / READ_RATE)
+
+
+def lent_back(out: EagerOut, slot: int, pub: int, nbytes: int, rank: int, peer: int) -> bool:
+    """True once the receiver has freed the PULL message `pub` of `slot` (the slot is then
+    released); raises what the receiver found: MismatchError where its receive takes another
+    size, HetcommError where it could not read the message."""
+    if not out.returned(slot, pub):
+        return False
+    taken = out.status(slot)
+    out.release(slot)
+    if taken == nbytes:
+        return True
+    if taken == NOT_READ:
+        raise HetcommError(f"rank {peer} could not read this rank's message from its memory")
+    raise MismatchError(f"rank {rank} sends {nbytes} bytes, rank {peer} receives {taken}")
+
+
+def give_up(out: EagerOut, slot: int, pub: int, nbytes: int, rank: int, peer: int) -> bool:
+    """Withdraw a PULL message whose send fails (its array may change once this returns);
+    True where the receiver had taken it whole after all (the send succeeded)."""
+    out.withdraw(slot)
+    if out.returned(slot, pub):
+        return lent_back(out, slot, pub, nbytes, rank, peer)
+    out.release(slot)
+    return False
+
+
+def wait_lent(
+    out: EagerOut,
+    slot: int,
+    pub: int,
+    nbytes: int,
+    rank: int,
+    peer: int,
+    deadline: float,
+    check: Callable[[], None],
+) -> bool:
+    """Wait on this thread until the receiver has read the PULL message (True), or until
+    `deadline` (False: withdrawn). `check` as flags.wait's; where it raises, the message is
+    withdrawn first."""
+    try:
+        if flags.wait(lambda: out.returned(slot, pub), deadline, check, yield_for(nbytes)):
+            return lent_back(out, slot, pub, nbytes, rank, peer)
+    except MismatchError:
+        raise
+    except BaseException:
+        if not give_up(out, slot, pub, nbytes, rank, peer):
+            raise
+        return True
+    return give_up(out, slot, pub, nbytes, rank, peer)
+
+
+def read_into(t: StagedTransport, ch: Channel, found: Found, region: Region, ready: Any) -> int:
+    """Read the PULL message `found` of `ch`'s ring into `region` (sizes equal); the STATUS
+    to free it with. Device regions: read into host memory, then copied up after `ready`."""
+    inbox, peer, n = ch.eager_in, ch.peer, found.nbytes
+    assert inbox is not None
+    if region.host is not None:
+        dst = region.host
+    else:
+        dst = np.empty(n, np.uint8)
+    try:
+        whole = inbox.pull(found, dst.ctypes.data) if n else True
+    except OSError as exc:
+        if exc.errno == errno.ESRCH:
+            raise PeerLost(f"rank {peer}: its process is gone ({exc})", [peer]) from None
+        raise HetcommError(f"reading the message of rank {peer}: {exc}") from None
+    if not whole:
+        raise HetcommError(
+            f"rank {peer} withdrew its message while this receive read it (its send failed)"
+        )
+    if region.host is None and n:
+        t.gpu.copy_from_host(region, dst, ready)
+    t.paths["recv pull"] += 1
+    return n
+
+
+def send_work(
+    t: StagedTransport,
+    ch: Channel,
+    slot: int,
+    pub: int,
+    nbytes: int,
+    seq: int,
+    deadline: float,
+    what: str,
+) -> Work:
+    """The Work of an asynchronous send lent as a PULL message: done when the receiver has
+    read it (its waiter waits on the slot's word); CommTimeout naming the receiver at
+    `deadline`, the message withdrawn then."""
+    out = ch.eager_out
+    assert out is not None
+    peer = ch.peer
+
+    def poll() -> bool:
+        if lent_back(out, slot, pub, nbytes, t.rank, peer):
+            return True
+        if time.monotonic() < deadline and not t.closed:
+            return False
+        if give_up(out, slot, pub, nbytes, t.rank, peer):
+            return True
+        if t.closed:
+            raise HetcommError("the staged transport was closed")
+        raise CommTimeout(
+            t.comm.name,
+            "send",
+            seq,
+            t.timeout,
+            [peer],
+            f"rank {peer} never posted the matching receive of {what}",
+        )
+
+    work = Work(
+        t.comm,
+        "send",
+        seq,
+        poll,
+        waiter=lambda seconds: flags.wait(
+            lambda: out.returned(slot, pub), time.monotonic() + seconds, None, yield_for(nbytes)
+        ),
+    )
+    work.info = {"transport": "staged", "bytes": nbytes, "stages": 1}
+    return work
+
+
+class Watcher:
+    """The thread that lands posted receives of large messages while nobody waits on them
+    (`watch`), started on first use; it sleeps while there are none."""
+
+    def __init__(self, t: StagedTransport, progress: Callable[[Channel], None]) -> None:
+        self._t, self._progress = t, progress
+        self._lock = threading.Lock()
+        self._posted: list[tuple[Channel, Posted]] = []
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, ch: Channel, rec: Posted) -> None:
+        """Land `rec` (posted on `ch`'s ring) as soon as its marker is there."""
+        with self._lock:
+            self._posted.append((ch, rec))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, daemon=True, name=f"hetcomm-watch-{self._t.rank}"
+                )
+                self._thread.start()
+        self._wake.set()
+
+    def stop(self) -> None:
+        """End the thread (the transport has closed)."""
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        t = self._t
+        while not t.closed:
+            self._wake.clear()  # before looking: a receive posted after the look wakes it
+            with self._lock:
+                self._posted = [(ch, rec) for ch, rec in self._posted if not rec.done]
+                posted = list(self._posted)
+            if not posted:
+                self._wake.wait(1.0)
+                continue
+            channels = list({id(ch): ch for ch, _ in posted}.values())
+            try:
+                look = functools.partial(self._look, channels, posted)
+                flags.wait(look, time.monotonic() + flags.CHECK_SECONDS)
+            except Exception:
+                # landing fails a receive by its `error`, so this is a fault of the look
+                # itself: logged, and looked at again later rather than not at all
+                log.exception("staged: the watcher's look at the rings failed")
+                time.sleep(flags.CHECK_SECONDS)
+
+    def _look(self, channels: list[Channel], posted: list[tuple[Channel, Posted]]) -> bool:
+        """Land what has come for the posted receives of `channels`; True once one of
+        `posted` has landed, a receive was added, or the transport closed."""
+        for ch in channels:
+            self._progress(ch)
+        return self._t.closed or self._wake.is_set() or any(rec.done for _, rec in posted)
