@@ -139,3 +139,80 @@ def skipped_coalesced(params: dict[str, Any]) -> None:
         time.sleep(params["timeout"] + 1)
     world.close()
     report(ok=first, timed_out=timed_out, untouched=untouched)
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["sender dies", "receiver dies"])
+def test_a_rank_dying_in_a_one_copy_message(
+    hetcomm_mpirun: tuple[list[str], dict[str, str]], victim: int
+) -> None:
+    """Staged, two ranks of one host, large host messages read from the sender's array
+    (staged/pull.py): one rank SIGKILLs itself on a timer while a message is in flight; the
+    survivor, let run on by the launcher, ends with a named HetcommError (PeerLost or
+    CommTimeout) within its timeout instead of waiting, and never with wrong data."""
+    prefix, mpi_env = hetcomm_mpirun
+    if "--oversubscribe" not in prefix:
+        pytest.skip("--enable-recovery is an Open MPI (prterun) option")
+    argv = [
+        *prefix,
+        "--enable-recovery",
+        "-n",
+        "2",
+        "env",
+        "HETCOMM_TIMEOUT=5",
+        "HETCOMM_TRANSPORT=staged",
+        *scenario_command(pull_death, {"victim": victim}),
+    ]
+    result = run(argv, clean_environ(**mpi_env), LIMIT_S)
+    print(f"death in a one-copy message: exit {result.returncode} after {result.seconds:.1f} s")
+    assert result.seconds < DEADLINE_S, result.explain()
+    survivors = [r for r in result.results if r["rank"] != victim]
+    assert len(survivors) == 1, result.explain()
+    got = survivors[0]
+    assert got["pulled"] or got["skip"], result.explain()  # the path under test was taken
+    assert got["wrong"] == 0, result.explain()
+    if not got["skip"]:
+        assert got["hetcomm"] and got["error"] in ("PeerLost", "CommTimeout"), result.explain()
+        assert got["seconds"] < 10, result.explain()
+
+
+def pull_death(params: dict[str, Any]) -> None:
+    """Rank 0 sends 4 MiB host messages to rank 1 in a loop, checked on arrival; rank
+    `victim` SIGKILLs itself 0.5 s in. The survivor reports how its last call ended."""
+    import threading
+
+    from hetcomm import introspect
+
+    world = hetcomm.init(name="pull")
+    rank, peer = my_rank(), 1 - my_rank()
+    x = np.zeros(1 << 20, np.float32)
+    if rank == 0:
+        world.send(x, peer)
+    else:
+        world.recv(x, peer)
+    staged = introspect.transports(world)["staged"]
+    inbox = introspect.channels(staged)[peer].eager_in
+    skip = inbox is None or (rank == 1 and inbox.reads_why is not None)
+    if rank == params["victim"]:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    wrong, error, seconds = 0, None, 0.0
+    start = time.monotonic()
+    try:
+        for i in range(1_000_000):
+            start = time.monotonic()
+            if rank == 0:
+                x.fill(i)
+                world.send(x, peer)
+            else:
+                world.recv(x, peer)
+                wrong += int(not (x == i).all())
+    except hetcomm.HetcommError as exc:
+        error, seconds = type(exc).__name__, time.monotonic() - start
+    pulled = staged.paths["recv pull"] + staged.paths["send pull"] > 0
+    report(
+        error=error,
+        hetcomm=error is not None,
+        seconds=seconds,
+        wrong=wrong,
+        pulled=pulled,
+        skip=skip,
+    )
