@@ -371,3 +371,29 @@ def test_a_send_that_gives_up_is_never_received_as_data(hetcomm_make_comm, error
                     errors.expect((y == -1.0).all(), "the failed receive wrote its array")
     comm.mpi.Barrier()
     errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_async_send_of_an_array_nobody_keeps(hetcomm_make_comm, errors, rng):
+    """An asynchronous large send of an array the caller drops at once (and whose memory it
+    would reuse) delivers the array as it was sent: the Work keeps what the receiver reads."""
+    import gc
+
+    comm = hetcomm_make_comm(transport="staged", timeout=30)
+    peer = _opened(comm)
+    if peer is not None:
+        n = THR32 * 3
+        want = _data(rng, n, "float32")
+        if comm.rank % 2 == 0:
+            work = comm.send(want.copy(), peer, tag=9, async_op=True)
+            gc.collect()
+            scratch = [np.full(n, -5.0, np.float32) for _ in range(4)]  # reuse freed memory
+            comm.mpi.send(None, peer)
+            work.wait()
+            del scratch
+        else:
+            comm.mpi.recv(source=peer)
+            got = np.zeros(n, np.float32)
+            comm.recv(got, peer, tag=9)
+            errors.expect(np.array_equal(got, want), "received other bytes than were sent")
+    errors.verify()

@@ -43,6 +43,7 @@ log = logging.getLogger("hetcomm")
 # the copy rate a sender's wait expects of the receiver's read, for how long it yields the
 # core between looks before it naps (flags.wait): a 16 MiB read takes 1.2-1.4 ms on the CPU VM
 READ_RATE = 2e9
+YIELD_MAX_S = 0.02
 
 
 def lends(out: EagerOut | None, region: Region) -> bool:
@@ -52,8 +53,9 @@ def lends(out: EagerOut | None, region: Region) -> bool:
 
 
 def yield_for(nbytes: int) -> float:
-    """How long a wait for the receiver's read of `nbytes` yields before it naps."""
-    return max(flags.YIELD_SECONDS, 2 * nbytes / READ_RATE)
+    """How long a wait for the receiver's read of `nbytes` yields before it naps (at most
+    YIELD_MAX_S: a longer wait naps rather than hold a core)."""
+    return max(flags.YIELD_SECONDS, min(2 * nbytes / READ_RATE, YIELD_MAX_S))
 
 
 def lent_back(out: EagerOut, slot: int, pub: int, nbytes: int, rank: int, peer: int) -> bool:
@@ -136,17 +138,18 @@ def send_work(
     ch: Channel,
     slot: int,
     pub: int,
-    nbytes: int,
+    region: Region,
     seq: int,
     deadline: float,
     what: str,
 ) -> Work:
-    """The Work of an asynchronous send lent as a PULL message: done when the receiver has
-    read it (its waiter waits on the slot's word); CommTimeout naming the receiver at
-    `deadline`, the message withdrawn then."""
+    """The Work of an asynchronous send lent as a PULL message of `region`: done when the
+    receiver has read it (its waiter waits on the slot's word); CommTimeout naming the
+    receiver at `deadline`, the message withdrawn then. The Work holds `region`, so the
+    array the receiver reads lives until then, whatever the caller keeps."""
     out = ch.eager_out
     assert out is not None
-    peer = ch.peer
+    peer, nbytes = ch.peer, region.nbytes
 
     def poll() -> bool:
         if lent_back(out, slot, pub, nbytes, t.rank, peer):
@@ -176,6 +179,7 @@ def send_work(
         ),
     )
     work.info = {"transport": "staged", "bytes": nbytes, "stages": 1}
+    work._keep = (region,)  # the array the receiver reads, until it has
     return work
 
 

@@ -637,7 +637,7 @@ class StagedTransport(Transport):
                 lent = p2p.lend(self, ch, region, tag, k, deadline, False, ticket)
                 if lent is not None:
                     what = f"the message (tag {tag}, its #{k})"
-                    return pull.send_work(self, ch, *lent, region.nbytes, seq, deadline, what)
+                    return pull.send_work(self, ch, *lent, region, seq, deadline, what)
             else:
                 marked = p2p.mark(self, ch, tag, k, region.nbytes, deadline, False, ticket)
         if (out is None or marked) and self._on_calling_thread(dst):
