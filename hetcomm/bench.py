@@ -31,6 +31,7 @@ STUDIES = {
     "rails": ("bench_rails", "run", "staged send/recv over 1..K emulated tcp rails"),
     "coalesced": ("bench_coalesced", "run", "all_reduce_coalesced vs one all_reduce per array"),
     "ddp": ("bench_ddp", "run", "a DDP training step through hetcomm vs gloo"),
+    "wake": ("bench_wake", "run", "a message after a pause: how soon a long wait sees it"),
 }
 
 
