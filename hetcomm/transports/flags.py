@@ -11,6 +11,8 @@ and 64 reads before the first yield (each a Python call of a microsecond or two)
 8-byte one-way message 109 us against 42 us yielding at once; on 2 ranks the two were alike
 (14-15 us; 2026-12-01, `hetcomm bench --latency --transport staged --op sendrecv`). MPI does
 the same for oversubscribed ranks (Open MPI's yield-when-idle).
+A nap may end early where the writer can say it wrote (`wait`'s `sleep`: a staged ring's wake
+pipe, `EagerIn.doze`).
 
 A reader may trust the data written before a counter once it sees the counter only where the
 CPU makes stores visible in program order (x86-64's total store order) and the writer's
@@ -45,12 +47,14 @@ def wait(
     deadline: float,
     check: Callable[[], None] | None = None,
     yield_s: float = YIELD_SECONDS,
+    sleep: Callable[[float], object] = time.sleep,
 ) -> bool:
     """True once `ready()` holds; False when `time.monotonic()` passes `deadline` first.
 
     `check` (it may raise, e.g. when the writer's process has died) runs every
     CHECK_SECONDS once the wait has gone on past its yielding; `yield_s`: how long it yields
-    before it naps (longer where the writer is known to take longer).
+    before it naps (longer where the writer is known to take longer); `sleep(seconds)`: a
+    nap, which may end early when the writer says it wrote (staged's rings: `EagerIn.doze`).
     """
     if ready():
         return True
@@ -64,7 +68,7 @@ def wait(
     nap = 2e-5
     next_check = now + CHECK_SECONDS
     while now < deadline:
-        time.sleep(min(nap, deadline - now))
+        sleep(min(nap, deadline - now))
         if ready():
             return True
         nap = min(nap * 2, NAP_MAX)

@@ -20,6 +20,7 @@ from hetcomm.transports.shm import SharedSlots
 from hetcomm.transports.staged import pull
 from hetcomm.transports.staged.eager import (
     DATA,
+    DOZING,
     FREED,
     GONE,
     NOT_READ,
@@ -41,8 +42,9 @@ def ring() -> Iterator[tuple[EagerOut, EagerIn]]:
     size = segment_bytes(SLOTS, SLOT_BYTES)
     out = EagerOut(SharedSlots(name, 1, size, create=True), SLOTS, SLOT_BYTES)
     inbox = EagerIn(SharedSlots(name, 1, size, create=False), SLOTS, SLOT_BYTES)
-    out.seg.unlink()
+    out.unlink()
     assert not os.path.exists(f"/dev/shm/{name}")
+    assert not os.path.exists(out.wake_path)
     yield out, inbox
     out.close()
     inbox.close()
@@ -265,7 +267,7 @@ def test_a_receiver_told_not_to_read_says_so():
     size = segment_bytes(SLOTS, SLOT_BYTES)
     out = EagerOut(SharedSlots(name, 1, size, create=True), SLOTS, SLOT_BYTES)
     inbox = EagerIn(SharedSlots(name, 1, size, create=False), SLOTS, SLOT_BYTES, reads=False)
-    out.seg.unlink()
+    out.unlink()
     try:
         assert inbox.reads_why == "switched off" and not out.readable
         assert not pull.lends(out, Region(4, np.zeros(4, np.uint8)))
@@ -280,3 +282,35 @@ def test_the_probe_tells_another_process_from_the_one_it_names():
     if cma.unavailable() is None:
         assert "another process" in str(cma.probe(os.getpid(), word.ctypes.data, 54321))
         assert cma.probe(2**22 + 12345, word.ctypes.data, 12345) is not None  # no such pid
+
+
+def test_a_dozing_receiver_wakes_when_the_sender_publishes(ring):
+    """A doze without a publish lasts its time; one that a publish from another thread
+    interrupts ends at once; DOZING counts the dozers and is 0 again after; once the sender's
+    end has closed, a doze sleeps instead of waking at the pipe's end of file."""
+    import threading
+    import time
+
+    out, inbox = ring
+    t0 = time.monotonic()
+    inbox.doze(0.05)
+    assert time.monotonic() - t0 >= 0.045
+    assert out.words[DOZING] == 0
+
+    def publish_soon() -> None:
+        time.sleep(0.02)
+        _send(out, 1, 0, np.zeros(4, np.uint8))
+
+    thread = threading.Thread(target=publish_soon)
+    t0 = time.monotonic()
+    thread.start()
+    inbox.doze(5.0)
+    woke = time.monotonic() - t0
+    thread.join()
+    assert woke < 1.0, f"slept {woke:.3f} s through the publish"
+    assert out.words[DOZING] == 0
+    out.close()
+    t0 = time.monotonic()
+    for _ in range(3):
+        inbox.doze(0.02)
+    assert time.monotonic() - t0 >= 0.055  # slept each time, no spinning on end of file

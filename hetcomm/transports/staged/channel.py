@@ -469,7 +469,7 @@ class Channel:
                 seg.close()
         for ring in (self.eager_out, self.eager_in):
             if ring is not None:
-                ring.seg.unlink()
+                ring.unlink()
                 ring.close()
 
     def describe(self) -> str:

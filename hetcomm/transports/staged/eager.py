@@ -29,10 +29,13 @@ receive that finds one learns that the sizes disagree):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import secrets
+import select
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -57,7 +60,8 @@ _ROW = 8  # int64 words per header row
 PUB, TAG, NUMBER, NBYTES, KIND, FREED, ADDR, STATUS = range(8)  # STATUS, FREED: the receiver's
 # words of the control row: the sender's TOTAL, PID, PROBE_AT (the address of PROBE in its
 # process) and PROBE (a random value); the receiver's READS (1: it can read the sender's memory)
-TOTAL, PID, PROBE_AT, PROBE, READS = range(5)
+# and DOZING (how many of its threads sleep on the ring's wake pipe)
+TOTAL, PID, PROBE_AT, PROBE, READS, DOZING = range(6)
 # KIND: bytes in the slot; a marker of a message over the rails; of one the receiver reads from
 # the sender's memory; of one its sender withdrew
 DATA, RAILS, PULL, GONE = 1, 2, 3, 4
@@ -90,8 +94,24 @@ class _Ring:
         self.data = seg.array[off : off + slots * slot_bytes].reshape(slots, slot_bytes)
         self._bytes = self.data.reshape(-1).data  # host copies by slice assignment
         self.lock = threading.Lock()  # this rank's threads that take slots of the ring
+        # the ring's wake pipe (a FIFO beside the segment): a receiver whose wait has gone on
+        # past its yielding sleeps on it, and the sender writes a byte when it publishes
+        # while one does (DOZING); None where it could not be made or opened (the waits
+        # then nap, as they would without it)
+        self.wake_path = seg.path + ".wake"
+        self._wake: int | None = None
+
+    def unlink(self) -> None:
+        """Remove the segment's and the wake pipe's names (both ends have opened them)."""
+        self.seg.unlink()
+        with contextlib.suppress(OSError):
+            os.unlink(self.wake_path)
 
     def close(self) -> None:
+        if self._wake is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._wake)
+            self._wake = None
         self.seg.close()
 
 
@@ -115,6 +135,18 @@ class EagerOut(_Ring):
         w = self.words
         w[PID], w[PROBE] = os.getpid(), secrets.randbits(62) | 1
         w[PROBE_AT] = self.control.ctypes.data + PROBE * 8
+        try:
+            os.mkfifo(self.wake_path, 0o600)
+            # read-write: a FIFO so opened never blocks, and writes need no reader yet
+            self._wake = os.open(self.wake_path, os.O_RDWR | os.O_NONBLOCK)
+        except OSError:
+            self._wake = None
+
+    def poke(self) -> None:
+        """Wake the receiver's threads that sleep on the ring (after a publish)."""
+        if self.words[DOZING] and self._wake is not None:
+            with contextlib.suppress(OSError):  # a full pipe has woken them already
+                os.write(self._wake, b"\x01")
 
     @property
     def readable(self) -> bool:
@@ -174,6 +206,7 @@ class EagerOut(_Ring):
         w[TOTAL] += 1  # last: receivers look again when it moves
         with self.lock:
             self._filling.discard(slot)
+        self.poke()
 
     def lend(self, slot: int, tag: int, number: int, nbytes: int, addr: int) -> int:
         """Publish the claimed `slot` as a PULL message of `nbytes` at `addr` of this process;
@@ -185,6 +218,7 @@ class EagerOut(_Ring):
         w[TOTAL] += 1
         with self.lock:
             self._lent.add(slot)
+        self.poke()
         return w[row + PUB]
 
     def returned(self, slot: int, pub: int) -> bool:
@@ -264,6 +298,11 @@ class EagerIn(_Ring):
         # where it may (`cma.probe`) and `reads` asks for it; the sender sees READS
         self.reads_why = cma.probe(self.pid, w[PROBE_AT], w[PROBE]) if reads else "switched off"
         w[READS] = 1 if self.reads_why is None else 2
+        try:
+            self._wake = os.open(self.wake_path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            self._wake = None
+        self._dozers = 0
         self._taken: set[int] = set()  # slots a thread of this rank is reading
         self.posted: dict[tuple[int, int], Posted] = {}
         self._scanned = -1  # TOTAL at the last progress
@@ -345,6 +384,35 @@ class EagerIn(_Ring):
         """Copy a taken message's bytes into host bytes `dst` (flat uint8, its size)."""
         at = found.slot * self.slot_bytes
         dst.data[:] = self._bytes[at : at + found.nbytes]
+
+    def doze(self, seconds: float) -> None:
+        """Sleep up to `seconds` or until the sender publishes (flags.wait's nap, for waits
+        on this ring). A publish in the moment between the waiter's last look and this
+        sleep may go unseen until `seconds` have passed, as a nap's would."""
+        fd = self._wake
+        if fd is None:
+            time.sleep(seconds)
+            return
+        w = self.words
+        seen = w[TOTAL]
+        with self.lock:
+            self._dozers += 1
+            w[DOZING] = self._dozers
+        try:
+            if w[TOTAL] == seen:  # not published since: sleep until poked
+                select.select((fd,), (), (), seconds)
+            try:
+                poked = os.read(fd, 4096)  # the pokes, all at once
+            except BlockingIOError:
+                poked = b"-"
+            if not poked:  # end of file: the sender closed its end, its pokes are over
+                self._wake = None
+                os.close(fd)
+                time.sleep(seconds)
+        finally:
+            with self.lock:
+                self._dozers -= 1
+                w[DOZING] = self._dozers
 
     def pull(self, found: Found, local: int) -> bool:
         """Read a taken PULL message from the sender's memory to address `local` (its

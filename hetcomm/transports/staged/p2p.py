@@ -268,7 +268,7 @@ def wait_marker(
         got.append(found)
         return True
 
-    if not flags.wait(ready, deadline, lambda: check_peer(t, ch)):
+    if not flags.wait(ready, deadline, lambda: check_peer(t, ch), sleep=inbox.doze):
         raise PeerTimeout(
             [ch.peer], f"rank {ch.peer} never sent the matching message (tag {tag}, its #{k})"
         )
@@ -319,7 +319,7 @@ def wait_posted(
         return rec.done
 
     try:
-        if flags.wait(ready, deadline, lambda: check_peer(t, ch)):
+        if flags.wait(ready, deadline, lambda: check_peer(t, ch), sleep=inbox.doze):
             return
     except BaseException:
         inbox.unpost(rec)  # nothing may land in the region once this receive has failed
@@ -448,7 +448,7 @@ def posted_work(
 
     def waiter(seconds: float) -> bool:
         if not rec.done:
-            return flags.wait(look, time.monotonic() + seconds)
+            return flags.wait(look, time.monotonic() + seconds, sleep=inbox.doze)
         op = rec.op
         if op is None:
             return True

@@ -238,7 +238,7 @@ class StagedTransport(Transport):
                 opened[p].shm_out.unlink()  # type: ignore[union-attr]
                 out = opened[p].eager_out
                 if out is not None:
-                    out.seg.unlink()
+                    out.unlink()
 
     def _eager_ring(self, ch: Channel, name: str) -> tuple[str, int, int] | None:
         """Make the eager ring of messages to `ch`'s peer (its name, slots and slot bytes for
