@@ -213,3 +213,19 @@ def test_coalesced_study_checks_its_results(capsys):
     if MPI.COMM_WORLD.Get_rank() == 0:
         assert "wrong elements: 0" in out
         assert "| coalesced |" in out and "| separate |" in out
+
+
+@pytest.mark.mpi(min_size=2)
+def test_wake_study_checks_its_messages(capsys, tmp_path_factory):
+    path = tmp_path_factory.mktemp("wake") / f"wake{MPI.COMM_WORLD.Get_rank()}.json"
+    code = bench.main(
+        ["--study", "wake", "--pause", "1", "--rounds", "1", "-n", "3", "--json", str(path)]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert "wrong messages: 0" in out and "1 ms pause" in out
+        rows = json.loads(path.read_text())["rows"]
+        assert [r["bytes"] for r in rows] == [8, 65536, 1 << 20]
+        # each round trip holds two pauses of at least 1 ms: nothing is left below them
+        assert all(r["hetcomm_us"] >= 0 and r["mpi4py_us"] >= 0 for r in rows), rows
