@@ -286,12 +286,14 @@ def test_the_probe_tells_another_process_from_the_one_it_names():
 
 def test_a_dozing_receiver_wakes_when_the_sender_publishes(ring):
     """A doze without a publish lasts its time; one that a publish from another thread
-    interrupts ends at once; DOZING counts the dozers and is 0 again after; once the sender's
-    end has closed, a doze sleeps instead of waking at the pipe's end of file."""
+    interrupts ends at once, and one after a publish the last look did not see does not sleep;
+    DOZING counts the dozers and is 0 again after; once the sender's end has closed, a doze
+    sleeps instead of waking at the pipe's end of file."""
     import threading
     import time
 
     out, inbox = ring
+    assert inbox.take(9, 9) is None  # a look into the ring, as a wait's makes before it dozes
     t0 = time.monotonic()
     inbox.doze(0.05)
     assert time.monotonic() - t0 >= 0.045
@@ -302,6 +304,7 @@ def test_a_dozing_receiver_wakes_when_the_sender_publishes(ring):
         _send(out, 1, 0, np.zeros(4, np.uint8))
 
     thread = threading.Thread(target=publish_soon)
+    assert inbox.take(9, 9) is None
     t0 = time.monotonic()
     thread.start()
     inbox.doze(5.0)
@@ -309,8 +312,12 @@ def test_a_dozing_receiver_wakes_when_the_sender_publishes(ring):
     thread.join()
     assert woke < 1.0, f"slept {woke:.3f} s through the publish"
     assert out.words[DOZING] == 0
+    t0 = time.monotonic()
+    inbox.doze(0.05)  # published since the last look: no sleep
+    assert time.monotonic() - t0 < 0.04
     out.close()
     t0 = time.monotonic()
     for _ in range(3):
+        assert inbox.take(9, 9) is None
         inbox.doze(0.02)
     assert time.monotonic() - t0 >= 0.055  # slept each time, no spinning on end of file

@@ -303,6 +303,7 @@ class EagerIn(_Ring):
         except OSError:
             self._wake = None
         self._dozers = 0
+        self._looked = -1  # TOTAL at the last look into the ring
         self._taken: set[int] = set()  # slots a thread of this rank is reading
         self.posted: dict[tuple[int, int], Posted] = {}
         self._scanned = -1  # TOTAL at the last progress
@@ -334,7 +335,7 @@ class EagerIn(_Ring):
         """The messages that posted receives wait for, taken (each with its receive) for the
         caller to land; reads one word unless the sender has published since the last look."""
         w = self.words
-        total = w[TOTAL]
+        self._looked = total = w[TOTAL]
         if total == self._scanned:
             return []
         hits: list[tuple[Found, Posted]] = []
@@ -359,6 +360,7 @@ class EagerIn(_Ring):
 
     def _take(self, tag: int, number: int) -> Found | None:
         w, slots = self.words, self.slots
+        self._looked = w[TOTAL]  # before the search: what it may have missed moves TOTAL
         # a slot whose PUB differs from FREED holds a message whose header the sender no
         # longer writes (it wrote the header before PUB); only this rank frees slots, under
         # `lock`. Messages fill the slots in turn, so the search starts after the last one.
@@ -387,19 +389,20 @@ class EagerIn(_Ring):
 
     def doze(self, seconds: float) -> None:
         """Sleep up to `seconds` or until the sender publishes (flags.wait's nap, for waits
-        on this ring). A publish in the moment between the waiter's last look and this
-        sleep may go unseen until `seconds` have passed, as a nap's would."""
+        on this ring): not at all where TOTAL has moved since the last look into the ring
+        (`progress`, `take`), so a wait's `ready()` must end with the look that finds what it
+        waits for. A publish that misses the poke (the sender read DOZING before this rank's
+        store reached it) is seen when `seconds` have passed, as a nap's would be."""
         fd = self._wake
         if fd is None:
             time.sleep(seconds)
             return
         w = self.words
-        seen = w[TOTAL]
         with self.lock:
             self._dozers += 1
             w[DOZING] = self._dozers
         try:
-            if w[TOTAL] == seen:  # not published since: sleep until poked
+            if w[TOTAL] == self._looked:  # nothing published since the last look: sleep
                 select.select((fd,), (), (), seconds)
             try:
                 poked = os.read(fd, 4096)  # the pokes, all at once

@@ -261,9 +261,9 @@ def wait_marker(
     got: list[Found] = []
 
     def ready() -> bool:
+        progress(t, ch, inbox)  # first: the look for this marker is the last (EagerIn.doze)
         found = inbox.take(tag, k)
         if found is None:
-            progress(t, ch, inbox)
             return False
         got.append(found)
         return True
