@@ -8,7 +8,9 @@ without end, holding a core each). Every implementation does the same pauses, so
 difference of their medians per message is what their waits cost beyond each other.
 
 Rows per size: each way's one-way time minus the pause (median of interleaved rounds, the
-slowest rank's time), its spread, and hetcomm minus mpi4py.
+slowest rank's time), its spread, and hetcomm minus mpi4py. Then an 8-byte all_reduce that
+rank 0 reaches `--pause` ms after the others: the call's time past the pause with the default
+check, without it (`Config(check=False)`), and mpi4py's.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -96,6 +99,27 @@ def run(args: argparse.Namespace) -> int:
                 "spread": max(s.spread for s in stats.values()),
             }
         )
+    unchecked = hetcomm.init(config=world.config.with_options(check=False), name="bench-wake-u")
+    v = np.ones(1)
+
+    def late(call: Callable[[], Any]) -> Run:
+        def run_late(n: int) -> None:
+            for _ in range(n):
+                if rank == 0:
+                    time.sleep(pause)
+                call()
+
+        return run_late
+
+    ways = {
+        "hetcomm": late(lambda: world.all_reduce(v)),
+        "unchecked": late(lambda: unchecked.all_reduce(v)),
+        "mpi4py": late(lambda: raw.Allreduce(MPI.IN_PLACE, v)),
+    }
+    stats = timing.measure(ways, calls, warmup=2)
+    collective = {n: (s.median - pause) * 1e6 for n, s in stats.items()}
+    collective_spread = max(s.spread for s in stats.values())
+    unchecked.close()
     bad = ctl.allreduce(wrong, op=MPI.SUM)
     transport = ",".join(sorted({r["transport"] for r in world.routes()})) or "-"
     ctl.Free()
@@ -114,9 +138,15 @@ def run(args: argparse.Namespace) -> int:
                 f"| {r['bytes']} | {r['hetcomm_us']:.1f} us | {r['mpi4py_us']:.1f} us | "
                 f"{r['difference_us']:+.1f} us | {r['spread']:.0%} |"
             )
+        print(
+            f"all_reduce of 8 B, rank 0 {args.pause:g} ms late, past the pause: hetcomm "
+            f"{collective['hetcomm']:.1f} us, unchecked {collective['unchecked']:.1f} us, mpi4py "
+            f"{collective['mpi4py']:.1f} us (spread {collective_spread:.0%})"
+        )
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"ranks": size, "pause_ms": args.pause, "rows": rows}, f)
+                doc = {"ranks": size, "pause_ms": args.pause, "rows": rows}
+                json.dump({**doc, "all_reduce_late_us": collective}, f)
         sys.stdout.flush()
     MPI.COMM_WORLD.Barrier()
     return 0 if bad == 0 else 1
