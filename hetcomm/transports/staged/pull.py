@@ -224,7 +224,10 @@ class Watcher:
             channels = list({id(ch): ch for ch, _ in posted}.values())
             try:
                 look = functools.partial(self._look, channels, posted)
-                flags.wait(look, time.monotonic() + flags.CHECK_SECONDS)
+                # one ring watched (the common case): its naps wake when the peer publishes
+                inbox = channels[0].eager_in if len(channels) == 1 else None
+                sleep = inbox.doze if inbox is not None else time.sleep
+                flags.wait(look, time.monotonic() + flags.CHECK_SECONDS, sleep=sleep)
             except Exception:
                 # landing fails a receive by its `error`, so this is a fault of the look
                 # itself: logged, and looked at again later rather than not at all
