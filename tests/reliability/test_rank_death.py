@@ -35,6 +35,21 @@ def _ended_by_death(job: Job) -> None:
     assert not job.results, job.explain()  # nobody finished
 
 
+def _with_recovery(
+    mpirun: tuple[list[str], dict[str, str]],
+    n: int,
+    scenario: Any,
+    params: dict[str, Any],
+    *variables: str,
+) -> Job:
+    """`scenario` on n ranks, HETCOMM_TIMEOUT=5, the launcher told to let survivors run on."""
+    prefix, mpi_env = mpirun
+    if "--oversubscribe" not in prefix:
+        pytest.skip("--enable-recovery is an Open MPI (prterun) option")
+    argv = [*prefix, "--enable-recovery", "-n", str(n), "env", "HETCOMM_TIMEOUT=5", *variables]
+    return run([*argv, *scenario_command(scenario, params)], clean_environ(**mpi_env), LIMIT_S)
+
+
 def test_rank_death_ends_the_job(job: Any) -> None:
     result = job(4, death, DEATH, LIMIT_S, HETCOMM_TIMEOUT="5")
     print(f"rank death: exit {result.returncode} after {result.seconds:.1f} s")
@@ -43,19 +58,7 @@ def test_rank_death_ends_the_job(job: Any) -> None:
 
 def test_rank_death_survivors_time_out(hetcomm_mpirun: tuple[list[str], dict[str, str]]) -> None:
     """With the launcher told to keep going, the survivors' CommTimeout ends the job."""
-    prefix, mpi_env = hetcomm_mpirun
-    if "--oversubscribe" not in prefix:
-        pytest.skip("--enable-recovery is an Open MPI (prterun) option")
-    argv = [
-        *prefix,
-        "--enable-recovery",
-        "-n",
-        "4",
-        "env",
-        "HETCOMM_TIMEOUT=5",
-        *scenario_command(death, {"victim": 2, "at": 50}),
-    ]
-    result = run(argv, clean_environ(**mpi_env), LIMIT_S)
+    result = _with_recovery(hetcomm_mpirun, 4, death, {"victim": 2, "at": 50})
     print(f"rank death with recovery: exit {result.returncode} after {result.seconds:.1f} s")
     _ended_by_death(result)
     assert "CommTimeout at iteration 50" in result.stdout, result.explain()
@@ -149,20 +152,9 @@ def test_a_rank_dying_in_a_one_copy_message(
     (staged/pull.py): one rank SIGKILLs itself on a timer while a message is in flight; the
     survivor, let run on by the launcher, ends with a named HetcommError (PeerLost or
     CommTimeout) within its timeout instead of waiting, and never with wrong data."""
-    prefix, mpi_env = hetcomm_mpirun
-    if "--oversubscribe" not in prefix:
-        pytest.skip("--enable-recovery is an Open MPI (prterun) option")
-    argv = [
-        *prefix,
-        "--enable-recovery",
-        "-n",
-        "2",
-        "env",
-        "HETCOMM_TIMEOUT=5",
-        "HETCOMM_TRANSPORT=staged",
-        *scenario_command(pull_death, {"victim": victim}),
-    ]
-    result = run(argv, clean_environ(**mpi_env), LIMIT_S)
+    result = _with_recovery(
+        hetcomm_mpirun, 2, pull_death, {"victim": victim}, "HETCOMM_TRANSPORT=staged"
+    )
     print(f"death in a one-copy message: exit {result.returncode} after {result.seconds:.1f} s")
     assert result.seconds < DEADLINE_S, result.explain()
     survivors = [r for r in result.results if r["rank"] != victim]
