@@ -115,9 +115,34 @@ class TestInit:
             self.check_world(errors, "mpi://")
             group = dist.group.WORLD
             errors.expect(group.timeout_s == 120, f"the group's timeout is {group.timeout_s}")
+            self.check_timeout_is_the_communicators(errors, group, 120)
+            sub = dist.new_group(timeout=timedelta(seconds=77))
+            self.check_timeout_is_the_communicators(errors, sub, 77)
         finally:
             dist.destroy_process_group()
         errors.verify()
+
+    @staticmethod
+    def check_timeout_is_the_communicators(errors, group, seconds: float) -> None:
+        """A group's timeout (torch's, set by the user) is its Communicator's own, so blocking
+        calls need no timeout of their own and take their prepared routes (counted), with the
+        right result."""
+        comm = group.comm
+        errors.expect(comm.config.timeout == seconds, f"the communicator's {comm.config.timeout}")
+        before = {r["key"]: r["runs"] for r in comm.routes()}
+        t = torch.ones(3)
+        for _ in range(3):
+            dist.all_reduce(t, group=group)
+        n = dist.get_world_size(group)
+        errors.expect(t.tolist() == [float(n**3)] * 3, f"all_reduce gave {t.tolist()}")
+        runs = {r["key"]: r["runs"] - before.get(r["key"], 0) for r in comm.routes()}
+        errors.expect(
+            any(
+                r["op"] == "all_reduce" and r["prepared"] and runs[r["key"]] >= 3
+                for r in comm.routes()
+            ),
+            f"no prepared all_reduce ran 3 times: {comm.routes()}",
+        )
 
     def test_init_env_with_address(self, errors, monkeypatch) -> None:
         rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
