@@ -189,13 +189,21 @@ class Communicator:
     # ---- sub-communicators ------------------------------------------------------------------
 
     def split(
-        self, color: int | None, key: int | None = None, name: str | None = None
+        self,
+        color: int | None,
+        key: int | None = None,
+        name: str | None = None,
+        *,
+        config: Config | None = None,
     ) -> Communicator | None:
         """Ranks with the same `color` form a new communicator, ordered by `key` (default rank).
 
-        `color=None` (or negative) leaves this rank out: it gets None. Collective.
+        `color=None` (or negative) leaves this rank out: it gets None. `config`: the new
+        communicator's (default: this one's). Collective.
         """
         self._check_open()
+        if config is not None and not isinstance(config, Config):
+            raise InvalidArgument(f"split: config must be a hetcomm.Config, got {config!r}")
         if color is not None and (isinstance(color, bool) or not isinstance(color, int)):
             raise InvalidArgument(f"split: color must be an int or None, got {color!r}")
         if key is not None and (isinstance(key, bool) or not isinstance(key, int)):
@@ -207,7 +215,8 @@ class Communicator:
             return None
         parents = new.allgather(self.rank)
         label = name if name is not None else f"{self.name}.{color}"
-        return Communicator(new, self.config, self.topology.subset(parents), label)
+        chosen = self.config if config is None else config
+        return Communicator(new, chosen, self.topology.subset(parents), label)
 
     def dup(self, name: str | None = None) -> Communicator:
         """A new communicator with the same members and its own message space. Collective."""

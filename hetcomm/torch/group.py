@@ -132,12 +132,12 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             min(members) if inside else None,
             members.index(me) if inside else None,
             name=f"{self.comm.name}.split{self._splits}",
+            config=_with_timeout(self.comm.config, timeout),
         )
         self._splits += 1
         if sub is None:
             return None
-        limit = timeout.total_seconds() if isinstance(timeout, timedelta) else self.timeout_s
-        group = ProcessGroupHetcomm(sub, limit)
+        group = ProcessGroupHetcomm(sub, sub.config.timeout)
         if group_name is not None:
             group.setGroupName(str(group_name))
         if group_desc is not None:

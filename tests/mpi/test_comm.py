@@ -84,6 +84,29 @@ def test_split_leaves_out_none_and_negative_colors(hetcomm_comm, errors):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_split_with_a_config_of_its_own(hetcomm_comm, errors):
+    """`config=` gives the new communicator its own configuration (here a timeout); without
+    it the parent's is inherited; a config that is not a Config is refused before the split."""
+    own = hetcomm_comm.config.with_options(timeout=42.0)
+    sub = hetcomm_comm.split(0, config=own)
+    plain = hetcomm_comm.split(0)
+    try:
+        assert sub is not None and plain is not None
+        errors.expect(sub.config.timeout == 42.0, f"split's timeout {sub.config.timeout}")
+        errors.expect(plain.config is hetcomm_comm.config, "the parent's config not inherited")
+        x = np.ones(2)
+        sub.all_reduce(x)
+        errors.expect((x == hetcomm_comm.size).all(), f"all_reduce on the split: {x}")
+    finally:
+        for c in (sub, plain):
+            if c is not None:
+                c.close()
+    with pytest.raises(hetcomm.InvalidArgument, match=r"config must be a hetcomm\.Config"):
+        hetcomm_comm.split(0, config={"timeout": 1})
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_dup_has_same_members_and_name(hetcomm_comm, errors):
     twin = hetcomm_comm.dup()
     named = hetcomm_comm.dup(name="other")

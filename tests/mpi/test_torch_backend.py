@@ -698,6 +698,7 @@ class TestCollectives:
             and sub.group_name == f"half{me % 2}"
             and sub.group_desc == "halves"
             and sub.timeout_s == 60
+            and sub.comm.config.timeout == 60
         )
         errors.expect(ok, f"split_group gave {sub}")
         if sub is not None:
