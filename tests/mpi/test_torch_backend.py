@@ -125,8 +125,9 @@ class TestInit:
     @staticmethod
     def check_timeout_is_the_communicators(errors, group, seconds: float) -> None:
         """A group's timeout (torch's, set by the user) is its Communicator's own, so blocking
-        calls need no timeout of their own and take their prepared routes (counted), with the
-        right result."""
+        calls need no timeout of their own and take their prepared routes (counted, where the
+        transport prepares the route: on one host's ranks, not over staged's tcp or mpi
+        rails), with the right result."""
         comm = group.comm
         errors.expect(comm.config.timeout == seconds, f"the communicator's {comm.config.timeout}")
         before = {r["key"]: r["runs"] for r in comm.routes()}
@@ -136,13 +137,11 @@ class TestInit:
         n = dist.get_world_size(group)
         errors.expect(t.tolist() == [float(n**3)] * 3, f"all_reduce gave {t.tolist()}")
         runs = {r["key"]: r["runs"] - before.get(r["key"], 0) for r in comm.routes()}
-        errors.expect(
-            any(
-                r["op"] == "all_reduce" and r["prepared"] and runs[r["key"]] >= 3
-                for r in comm.routes()
-            ),
-            f"no prepared all_reduce ran 3 times: {comm.routes()}",
-        )
+        reduces = [r for r in comm.routes() if r["op"] == "all_reduce"]
+        errors.expect(bool(reduces), "no all_reduce route")
+        for r in reduces:
+            if r["prepared"]:
+                errors.expect(runs[r["key"]] >= 3, f"the prepared all_reduce ran {runs[r['key']]}x")
 
     def test_init_env_with_address(self, errors, monkeypatch) -> None:
         rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
