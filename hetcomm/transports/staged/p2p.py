@@ -22,6 +22,7 @@ calls them: the caller's for blocking calls, a driver's for asynchronous ones th
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,11 @@ def channel_to(t: StagedTransport, peer: int, deadline: float) -> Channel | None
     if peer == t.rank:
         return None
     return t._channels.get(peer) or t.channel(peer, deadline)
+
+
+def never_sent(peer: int, tag: int, k: int) -> str:
+    """Why a receive timed out: its message (or marker) never came."""
+    return f"rank {peer} never sent the matching message (tag {tag}, its #{k})"
 
 
 def check_peer(t: StagedTransport, ch: Channel) -> None:
@@ -89,14 +95,11 @@ def send(
             send_eager(t, ch, region, tag, k, deadline, ready, True, ticket)
             return
         if not marked and pull.lends(out, region):
-            slot, pub = lend(t, ch, region, tag, k, deadline, True, ticket)  # type: ignore[misc]
-            what = f"the message (tag {tag}, its #{k})"
-            if not pull.wait_lent(
-                out, slot, pub, region.nbytes, t.rank, ch.peer, deadline, lambda: check_peer(t, ch)
-            ):
-                raise PeerTimeout(
-                    [ch.peer], f"rank {ch.peer} never posted the matching receive of {what}"
-                )
+            lent = lend(t, ch, region, tag, k, deadline, True, ticket)
+            assert lent is not None  # a lend that may wait gets its slot or raises
+            check = functools.partial(check_peer, t, ch)
+            if not pull.wait_lent(out, *lent, region.nbytes, t.rank, ch.peer, deadline, check):
+                raise PeerTimeout([ch.peer], pull.never_received(ch.peer, tag, k))
             return
         if not marked:
             mark(t, ch, tag, k, region.nbytes, deadline, True, ticket)
@@ -269,9 +272,7 @@ def wait_marker(
         return True
 
     if not flags.wait(ready, deadline, lambda: check_peer(t, ch), sleep=inbox.doze):
-        raise PeerTimeout(
-            [ch.peer], f"rank {ch.peer} never sent the matching message (tag {tag}, its #{k})"
-        )
+        raise PeerTimeout([ch.peer], never_sent(ch.peer, tag, k))
     return got[0]
 
 
@@ -288,9 +289,7 @@ def settle(t: StagedTransport, ch: Channel, found: Found, region: Region, ready:
     status = NOT_READ
     try:
         if found.kind == GONE:
-            raise HetcommError(
-                f"rank {ch.peer} withdrew its message before this receive took it (its send failed)"
-            )
+            raise pull.withdrawn(ch.peer, "before this receive took it")
         if found.nbytes != region.nbytes:
             if found.kind == PULL:
                 status = region.nbytes
@@ -329,10 +328,7 @@ def wait_posted(
         flags.wait(lambda: rec.done, time.monotonic() + 1.0)
         if rec.done:
             return
-    raise PeerTimeout(
-        [ch.peer],
-        f"rank {ch.peer} never sent the matching message (tag {rec.tag}, its #{rec.number})",
-    )
+    raise PeerTimeout([ch.peer], never_sent(ch.peer, rec.tag, rec.number))
 
 
 def land(t: StagedTransport, ch: Channel, found: Found, rec: Posted) -> None:
@@ -367,7 +363,7 @@ def land(t: StagedTransport, ch: Channel, found: Found, rec: Posted) -> None:
             status = region.nbytes
             raise size_mismatch(ch.peer, found.nbytes, region.nbytes)
         if found.kind == GONE:
-            raise HetcommError(f"rank {ch.peer} withdrew its message (its send failed)")
+            raise pull.withdrawn(ch.peer, "before this receive took it")
         if found.nbytes != region.nbytes:
             raise size_mismatch(ch.peer, found.nbytes, region.nbytes)
         if found.nbytes:
@@ -417,10 +413,6 @@ def posted_work(
             progress(t, ch, inbox)
         return rec.done
 
-    def late() -> CommTimeout:
-        why = f"rank {ch.peer} never sent the matching message (tag {tag}, its #{k})"
-        return CommTimeout(t.comm.name, "recv", seq, t.timeout, [ch.peer], why)
-
     def poll() -> bool:
         if not look():
             if time.monotonic() < deadline:
@@ -428,7 +420,8 @@ def posted_work(
                 # closing transport fails its posted receives)
                 return False
             if inbox.unpost(rec):
-                raise late()
+                why = never_sent(ch.peer, tag, k)
+                raise CommTimeout(t.comm.name, "recv", seq, t.timeout, [ch.peer], why)
             return False  # another thread is landing it
         if rec.error is not None:
             raise rec.error

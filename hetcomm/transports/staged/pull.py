@@ -58,6 +58,16 @@ def yield_for(nbytes: int) -> float:
     return max(flags.YIELD_SECONDS, min(2 * nbytes / READ_RATE, YIELD_MAX_S))
 
 
+def never_received(peer: int, tag: int, k: int) -> str:
+    """Why a lent message timed out: its receiver never took its marker."""
+    return f"rank {peer} never posted the matching receive of the message (tag {tag}, its #{k})"
+
+
+def withdrawn(peer: int, when: str) -> HetcommError:
+    """The error of a receive whose PULL message its sender withdrew (its send failed)."""
+    return HetcommError(f"rank {peer} withdrew its message {when} (its send failed)")
+
+
 def lent_back(out: EagerOut, slot: int, pub: int, nbytes: int, rank: int, peer: int) -> bool:
     """True once the receiver has freed the PULL message `pub` of `slot` (the slot is then
     released); raises what the receiver found: MismatchError where its receive takes another
@@ -97,14 +107,13 @@ def wait_lent(
     `deadline` (False: withdrawn). `check` as flags.wait's; where it raises, the message is
     withdrawn first."""
     try:
-        if flags.wait(lambda: out.returned(slot, pub), deadline, check, yield_for(nbytes)):
-            return lent_back(out, slot, pub, nbytes, rank, peer)
-    except MismatchError:
-        raise
+        done = flags.wait(lambda: out.returned(slot, pub), deadline, check, yield_for(nbytes))
     except BaseException:
         if not give_up(out, slot, pub, nbytes, rank, peer):
             raise
         return True
+    if done:
+        return lent_back(out, slot, pub, nbytes, rank, peer)
     return give_up(out, slot, pub, nbytes, rank, peer)
 
 
@@ -124,9 +133,7 @@ def read_into(t: StagedTransport, ch: Channel, found: Found, region: Region, rea
             raise PeerLost(f"rank {peer}: its process is gone ({exc})", [peer]) from None
         raise HetcommError(f"reading the message of rank {peer}: {exc}") from None
     if not whole:
-        raise HetcommError(
-            f"rank {peer} withdrew its message while this receive read it (its send failed)"
-        )
+        raise withdrawn(peer, "while this receive read it")
     if region.host is None and n:
         t.gpu.copy_from_host(region, dst, ready)
     t.paths["recv pull"] += 1
@@ -139,13 +146,14 @@ def send_work(
     slot: int,
     pub: int,
     region: Region,
+    tag: int,
+    k: int,
     seq: int,
     deadline: float,
-    what: str,
 ) -> Work:
-    """The Work of an asynchronous send lent as a PULL message of `region`: done when the
-    receiver has read it (its waiter waits on the slot's word); CommTimeout naming the
-    receiver at `deadline`, the message withdrawn then. The Work holds `region`, so the
+    """The Work of asynchronous send `k` of `tag`, lent as a PULL message of `region`: done
+    when the receiver has read it (its waiter waits on the slot's word); CommTimeout naming
+    the receiver at `deadline`, the message withdrawn then. The Work holds `region`, so the
     array the receiver reads lives until then, whatever the caller keeps."""
     out = ch.eager_out
     assert out is not None
@@ -160,14 +168,7 @@ def send_work(
             return True
         if t.closed:
             raise HetcommError("the staged transport was closed")
-        raise CommTimeout(
-            t.comm.name,
-            "send",
-            seq,
-            t.timeout,
-            [peer],
-            f"rank {peer} never posted the matching receive of {what}",
-        )
+        raise CommTimeout(t.comm.name, "send", seq, t.timeout, [peer], never_received(peer, tag, k))
 
     work = Work(
         t.comm,

@@ -546,16 +546,12 @@ class StagedTransport(Transport):
         op: _Op,
         deadline: float,
         cleanup: Callable[[], None],
-        watch: Callable[[], None] | None = None,
     ) -> Work:
         """The Work of a message started on the calling thread: done when `op` is, failing
         with CommTimeout (naming the peer and why) when `deadline` passes first; `cleanup`
-        runs once it ends either way; `watch`, where given, at every poll before then (and
-        the waiter then blocks for at most 50 ms between polls)."""
+        runs once it ends either way."""
 
         def poll() -> bool:
-            if not op.done.is_set() and watch is not None:
-                watch()
             if not op.done.is_set() and time.monotonic() < deadline:
                 return False
             try:
@@ -573,9 +569,7 @@ class StagedTransport(Transport):
             name,
             seq,
             poll,
-            waiter=lambda seconds: op.done.wait(
-                min(seconds, deadline - time.monotonic(), 0.05 if watch else seconds)
-            ),
+            waiter=lambda seconds: op.done.wait(min(seconds, deadline - time.monotonic())),
         )
         work.info = {"transport": "staged", "bytes": x.nbytes, "stages": len(op.spans)}
         return work
@@ -636,8 +630,7 @@ class StagedTransport(Transport):
             elif pull.lends(out, region):
                 lent = p2p.lend(self, ch, region, tag, k, deadline, False, ticket)
                 if lent is not None:
-                    what = f"the message (tag {tag}, its #{k})"
-                    return pull.send_work(self, ch, *lent, region, seq, deadline, what)
+                    return pull.send_work(self, ch, *lent, region, tag, k, seq, deadline)
             else:
                 marked = p2p.mark(self, ch, tag, k, region.nbytes, deadline, False, ticket)
         if (out is None or marked) and self._on_calling_thread(dst):
