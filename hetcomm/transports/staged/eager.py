@@ -200,10 +200,7 @@ class EagerOut(_Ring):
 
     def publish(self, slot: int, tag: int, number: int, nbytes: int, kind: int) -> None:
         """Announce the claimed `slot` (its bytes written already) to the receiver."""
-        w, row = self.words, (slot + 1) * _ROW
-        w[row + TAG], w[row + NUMBER], w[row + NBYTES], w[row + KIND] = tag, number, nbytes, kind
-        w[row + PUB] += 1  # after the header and the data
-        w[TOTAL] += 1  # last: receivers look again when it moves
+        self._announce(slot, tag, number, nbytes, kind)
         with self.lock:
             self._filling.discard(slot)
         self.poke()
@@ -211,15 +208,20 @@ class EagerOut(_Ring):
     def lend(self, slot: int, tag: int, number: int, nbytes: int, addr: int) -> int:
         """Publish the claimed `slot` as a PULL message of `nbytes` at `addr` of this process;
         the slot stays this rank's until `release`. Returns its PUB, for `returned`."""
-        w, row = self.words, (slot + 1) * _ROW
-        w[row + ADDR], w[row + TAG], w[row + NUMBER] = addr, tag, number
-        w[row + NBYTES], w[row + KIND] = nbytes, PULL
-        w[row + PUB] += 1
-        w[TOTAL] += 1
+        self.words[(slot + 1) * _ROW + ADDR] = addr
+        pub = self._announce(slot, tag, number, nbytes, PULL)
         with self.lock:
             self._lent.add(slot)
         self.poke()
-        return w[row + PUB]
+        return pub
+
+    def _announce(self, slot: int, tag: int, number: int, nbytes: int, kind: int) -> int:
+        """Write `slot`'s header, then its PUB, then TOTAL (the order readers rely on)."""
+        w, row = self.words, (slot + 1) * _ROW
+        w[row + TAG], w[row + NUMBER], w[row + NBYTES], w[row + KIND] = tag, number, nbytes, kind
+        w[row + PUB] = pub = w[row + PUB] + 1  # after the header and the data
+        w[TOTAL] += 1  # last: receivers look again when it moves
+        return pub
 
     def returned(self, slot: int, pub: int) -> bool:
         """Whether the receiver has freed the message `pub` of `slot`."""
