@@ -204,9 +204,12 @@ class Channel:
             if op.done.is_set():
                 continue  # failed meanwhile
             try:
-                if self._send_chunk(link, op, idx, off, n):
-                    op.count(idx)
+                sent = self._send_chunk(link, op, idx, off, n)
+                # counted before the chunk may complete the send: a caller that reads the
+                # statistics when its send returns finds every chunk in them
                 self.owner.count_bytes(link, n)
+                if sent:
+                    op.count(idx)
             except (links.RailError, SegmentError) as exc:
                 assert link is not None
                 with link.unacked_lock:
