@@ -46,17 +46,20 @@ def applies(op: str, xb: Buffer | None) -> bool:
     )
 
 
-def run(comm: Communicator, route: Route, xh: np.ndarray) -> bool:
-    """The blocking call of `route` on host array `xh` through the records, entered here; or,
-    where some rank does not take this path, the transport's prepared call (False where it has
-    none: the general path then runs the call with the sequence number entered here)."""
+def run(comm: Communicator, route: Route, xh: np.ndarray, timeout: float | None) -> bool:
+    """The blocking call of `route` on host array `xh` through the records, entered here
+    (within `timeout`, None: the configured one); or, where some rank does not take this path,
+    the transport's prepared call (False where it has none: the general path then runs the
+    call with the sequence number entered here)."""
+    if timeout is not None:
+        return bool(comm._timed(timeout, route.op, run, comm, route, xh, None))
     comm._last_entered = seq = comm._arrive(route)
     if comm._deferred.queue:
-        comm._flush_deferred(route.op, seq)
+        comm._flush_deferred(route.op, seq, comm.call_timeout)
     root = route.root
     # a broadcast's data comes from the root; a reduce's from every rank
     carries = route.op == "reduce" or comm.rank == root
-    check = comm._check_blocking(route, seq, None, xh if carries else False)
+    check = comm._check_blocking(route, seq, comm.call_timeout, xh if carries else False)
     assert isinstance(check, agree.SharedCheck)
     if not check.carried():
         prepared = route.run

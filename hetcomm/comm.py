@@ -67,6 +67,9 @@ class Communicator:
         # can never match the caller's point-to-point traffic
         self.service: MPI.Intracomm = mpi_comm.Dup()
         self.config = config
+        # what the blocking call being issued may take: the configured timeout, or the call's
+        # own while a prepared call with `timeout=` runs (its waits read it; _blocking_run)
+        self.call_timeout: float = config.timeout
         _trace.decide(config)
         self.topology = topology
         self.name = name
@@ -334,9 +337,9 @@ class Communicator:
             # the asynchronous collectives before this one start first: their checks complete
             # once every rank has entered them, and a rank waiting in this one's check may be
             # waiting for them
-            self._flush_deferred(route.op, seq, timeout)
+            self._flush_deferred(route.op, seq, timeout or self.call_timeout)
         if self._checking:
-            self._check_blocking(route, seq, timeout)
+            self._check_blocking(route, seq, timeout or self.call_timeout)
         return seq
 
     def _check_slot(
@@ -565,9 +568,12 @@ class Communicator:
         for transport in self._transports.values():
             transport.drain(op, self._seq)
 
-    def _blocking_run(self, route: Route, *arrays: np.ndarray) -> bool:
-        """The transport's prepared call of `route`, driven here; False where it declined
-        (the general path then runs the call with the sequence number entered here)."""
+    def _blocking_run(self, route: Route, timeout: float | None, *arrays: np.ndarray) -> bool:
+        """The transport's prepared call of `route`, driven here (within `timeout`, None: the
+        configured one); False where it declined (the general path then runs the call with
+        the sequence number entered here)."""
+        if timeout is not None:
+            return self._timed(timeout, route.op, self._blocking_run, route, None, *arrays)
         self._last_entered = seq = self._enter(route)
         assert route.run is not None
         route.runs += 1
@@ -575,6 +581,16 @@ class Communicator:
             return route.run(*arrays, seq)
         except MPI.Exception as exc:
             raise self._mpi_error(route.op, seq, exc) from exc
+
+    def _timed(self, timeout: float, op: str, run: Callable[..., Any], *args: Any) -> Any:
+        """`run(*args)`, a prepared call with a timeout of its own: every wait of the call
+        (the check's, the transport's) reads it as call_timeout meanwhile."""
+        check_timeout(timeout, op)
+        self.call_timeout = float(timeout)
+        try:
+            return run(*args)
+        finally:
+            self.call_timeout = self.config.timeout
 
     # ---- operations ---------------------------------------------------------------------------
 
@@ -600,14 +616,16 @@ class Communicator:
         route = self._routes.get(key) if key is not None else None
         if route is None:
             route = self._route_all_reduce(key, x, op, out, inplace)
-        if route.run is not None and not async_op and timeout is None and not _work.observing:
+        if route.run is not None and not async_op and not _work.observing:
             xh = host_view(x, inplace)
             if xh is not None:
                 oh = xh if inplace else host_view(out, True)
                 if oh is not None and (inplace or not may_share_memory(xh, oh)):
-                    if self._blocking_run(route, xh, oh):
+                    if self._blocking_run(route, timeout, xh, oh):
                         return None
-                    return self._all_reduce(route, x, out, inplace, False, None, self._last_entered)
+                    return self._all_reduce(
+                        route, x, out, inplace, False, timeout, self._last_entered
+                    )
         return self._all_reduce(route, x, out, inplace, async_op, timeout, None)
 
     def _route_all_reduce(
@@ -717,17 +735,16 @@ class Communicator:
             check_op_for_dtype(rop, xb.dtype, "reduce")
             route = self._route(key, "reduce", xb, self._reduce, rop, r)
         at_root = self.rank == route.root
-        if (
-            (route.run is not None or route.carry)
-            and not async_op
-            and timeout is None
-            and not _work.observing
-        ):
+        if (route.run is not None or route.carry) and not async_op and not _work.observing:
             xh = host_view(x, at_root)
             if xh is not None:
-                if carried.run(self, route, xh) if route.carry else self._blocking_run(route, xh):
+                if (
+                    carried.run(self, route, xh, timeout)
+                    if route.carry
+                    else self._blocking_run(route, timeout, xh)
+                ):
                     return None
-                return self._reduce(route, x, False, None, self._last_entered)
+                return self._reduce(route, x, False, timeout, self._last_entered)
         return self._reduce(route, x, async_op, timeout, None)
 
     def _reduce(
@@ -764,17 +781,16 @@ class Communicator:
             xb = as_buffer(x, "broadcast: x")
             r = self._root(root, "broadcast: root")
             route = self._route(key, "broadcast", xb, self._broadcast, None, r)
-        if (
-            (route.run is not None or route.carry)
-            and not async_op
-            and timeout is None
-            and not _work.observing
-        ):
+        if (route.run is not None or route.carry) and not async_op and not _work.observing:
             xh = host_view(x, self.rank != route.root)
             if xh is not None:
-                if carried.run(self, route, xh) if route.carry else self._blocking_run(route, xh):
+                if (
+                    carried.run(self, route, xh, timeout)
+                    if route.carry
+                    else self._blocking_run(route, timeout, xh)
+                ):
                     return None
-                return self._broadcast(route, x, False, None, self._last_entered)
+                return self._broadcast(route, x, False, timeout, self._last_entered)
         return self._broadcast(route, x, async_op, timeout, None)
 
     def _broadcast(
@@ -849,7 +865,7 @@ class Communicator:
         route = self._routes.get(key) if key is not None else None
         if route is None:
             route = self._route_blocks(key, op, out, x, rop, out_blocks, x_blocks, method)
-        if route.run is not None and not async_op and timeout is None and not _work.observing:
+        if route.run is not None and not async_op and not _work.observing:
             xh = host_view(x, False)
             oh = host_view(out, True)
             # a prepared call that serves in-place forms tells overlaps apart itself
@@ -858,9 +874,9 @@ class Communicator:
                 and oh is not None
                 and (getattr(route.run, "in_place", False) or not may_share_memory(xh, oh))
             ):
-                if self._blocking_run(route, xh, oh):
+                if self._blocking_run(route, timeout, xh, oh):
                     return None
-                return route.general(route, out, x, False, None, self._last_entered)
+                return route.general(route, out, x, False, timeout, self._last_entered)
         return route.general(route, out, x, async_op, timeout, None)
 
     def _route_blocks(
@@ -921,13 +937,13 @@ class Communicator:
             xh = host_view(x, False)
             if xh is not None:
                 return self._start_p2p(route, x, xh, dst, tag, timeout)
-        if route.run is not None and not async_op and timeout is None and not _work.observing:
+        if route.run is not None and not async_op and not _work.observing:
             xh = host_view(x, False)
             if xh is not None:
-                seq = self._run_p2p(route, xh, dst, tag)
+                seq = self._run_p2p(route, xh, dst, tag, timeout)
                 if seq is None:
                     return None
-                return self._send(route, x, dst, tag, False, None, seq)
+                return self._send(route, x, dst, tag, False, timeout, seq)
         return self._send(route, x, dst, tag, async_op, timeout, None)
 
     def _p2p_route(self, op: str, x: Any) -> Route:
@@ -939,9 +955,14 @@ class Communicator:
             route = self._route(key, op, as_buffer(x, f"{op}: x"), no_general)
         return route
 
-    def _run_p2p(self, route: Route, xh: np.ndarray, peer: int, tag: int) -> int | None:
-        """A send's or receive's prepared blocking call: None once it ran, else (it declined)
-        the sequence number it took, which the general path then uses."""
+    def _run_p2p(
+        self, route: Route, xh: np.ndarray, peer: int, tag: int, timeout: float | None
+    ) -> int | None:
+        """A send's or receive's prepared blocking call (within `timeout`, None: the configured
+        one): None once it ran, else (it declined) the sequence number it took, which the
+        general path then uses."""
+        if timeout is not None:
+            return self._timed(timeout, route.op, self._run_p2p, route, xh, peer, tag, None)
         assert route.run is not None
         self._p2p_seq = seq = self._p2p_seq + 1
         route.runs += 1
@@ -1062,13 +1083,13 @@ class Communicator:
             xh = host_view(x, True)
             if xh is not None:
                 return self._start_p2p(route, x, xh, src, tag, timeout)
-        if route.run is not None and not async_op and timeout is None and not _work.observing:
+        if route.run is not None and not async_op and not _work.observing:
             xh = host_view(x, True)
             if xh is not None:
-                seq = self._run_p2p(route, xh, src, tag)
+                seq = self._run_p2p(route, xh, src, tag, timeout)
                 if seq is None:
                     return src
-                return self._recv(route, x, src, tag, False, None, seq)
+                return self._recv(route, x, src, tag, False, timeout, seq)
         return self._recv(route, x, src, tag, async_op, timeout, None)
 
     def _recv(
@@ -1195,8 +1216,8 @@ class Communicator:
                 return None
             work = self._admit(route, partial(completed, self, "barrier"))
             return self._finish(work, True, timeout)
-        if route.run is not None and not async_op and timeout is None and not _work.observing:
-            if self._blocking_run(route):
+        if route.run is not None and not async_op and not _work.observing:
+            if self._blocking_run(route, timeout):
                 return None
             seq: int | None = self._last_entered
         else:

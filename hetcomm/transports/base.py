@@ -31,6 +31,9 @@ class Context(Protocol):
     #: hetcomm's control communicator beside it: tags from transports/tags.py only
     service: Any
     config: Config
+    #: the seconds the blocking call being issued may wait: config.timeout, or the call's own
+    #: (`timeout=`) while its prepared call runs on the calling thread
+    call_timeout: float
     topology: Topology
     #: collectives issued so far, the same on every rank
     _seq: int

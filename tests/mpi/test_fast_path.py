@@ -4,6 +4,8 @@ calls, under asynchronous use beside blocking calls, and refuses at once after a
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -87,70 +89,70 @@ def _forms(size: int, rank: int) -> list[_Form]:
             "all_reduce in place",
             "all_reduce",
             ar_build,
-            lambda c, a: c.all_reduce(x(a)),
+            lambda c, a, **kw: c.all_reduce(x(a), **kw),
             lambda s: ("x", s.sum(0)),
         ),
         _Form(
             "all_reduce out of place",
             "all_reduce",
             ar_out_build,
-            lambda c, a: c.all_reduce(x(a), "max", out=out(a)),
+            lambda c, a, **kw: c.all_reduce(x(a), "max", out=out(a), **kw),
             lambda s: ("out", s.max(0)),
         ),
         _Form(
             "reduce",
             "reduce",
             ar_build,
-            lambda c, a: c.reduce(x(a), size - 1, "sum"),
+            lambda c, a, **kw: c.reduce(x(a), size - 1, "sum", **kw),
             lambda s: ("x", s.sum(0) if rank == size - 1 else s[rank]),
         ),
         _Form(
             "broadcast",
             "broadcast",
             ar_build,
-            lambda c, a: c.broadcast(x(a), root=size - 1),
+            lambda c, a, **kw: c.broadcast(x(a), root=size - 1, **kw),
             lambda s: ("x", s[size - 1]),
         ),
         _Form(
             "all_gather",
             "all_gather",
             gather_build,
-            lambda c, a: c.all_gather(out(a), x(a)),
+            lambda c, a, **kw: c.all_gather(out(a), x(a), **kw),
             lambda s: ("out", s.reshape(-1)),
         ),
         _Form(
             "all_gather in place",
             "all_gather",
             gather_inplace_build,
-            lambda c, a: c.all_gather(out(a), out(a)[slice(*a["x_block"])]),
+            lambda c, a, **kw: c.all_gather(out(a), out(a)[slice(*a["x_block"])], **kw),
             lambda s: ("out", s.reshape(-1)),
         ),
         _Form(
             "reduce_scatter",
             "reduce_scatter",
             scatter_build,
-            lambda c, a: c.reduce_scatter(out(a), x(a)),
+            lambda c, a, **kw: c.reduce_scatter(out(a), x(a), **kw),
             lambda s: ("out", s.sum(0)[block(s, rank)]),
         ),
         _Form(
             "reduce_scatter in place",
             "reduce_scatter",
             scatter_inplace_build,
-            lambda c, a: c.reduce_scatter(x(a)[a["block"]], x(a)),
+            lambda c, a, **kw: c.reduce_scatter(x(a)[a["block"]], x(a), **kw),
             lambda s: ("x", scatter_inplace_expect(s)),
         ),
         _Form(
             "all_to_all",
             "all_to_all",
             ar_out_build,
-            lambda c, a: c.all_to_all(out(a), x(a)),
+            lambda c, a, **kw: c.all_to_all(out(a), x(a), **kw),
             lambda s: ("out", a2a_expect(s)),
         ),
         _Form(
             "all_to_all in place",
             "all_to_all",
             a2a_inplace_build,
-            lambda c, a: c.all_to_all(x(a), x(a)),
+            lambda c, a, **kw: c.all_to_all(x(a), x(a), **kw),
             lambda s: ("x", a2a_expect(s)),
         ),
     ]
@@ -166,18 +168,21 @@ def _check(form, arrays, stack, errors, what):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_every_form_repeated_takes_its_route(hetcomm_comm, rng, errors):
+@pytest.mark.parametrize("own", [None, 45.0], ids=["config-timeout", "own-timeout"])
+def test_every_form_repeated_takes_its_route(hetcomm_comm, rng, errors, own):
     """Three calls of each form: one route, made once, serving all three (the prepared call
-    where the transport has one), each result right and nothing outside it touched."""
+    where the transport has one), each result right and nothing outside it touched; a call
+    with a timeout of its own takes the same route."""
     comm = hetcomm_comm
     size, rank = comm.size, comm.rank
     count = 4 * size
+    kw = {} if own is None else {"timeout": own}
     for form in _forms(size, rank):
         keys_before = len(comm.routes())
         for i in range(3):
             stack = _stack(rng, size, count, "float64")
             arrays = form.build(stack)
-            form.call(comm, arrays)
+            form.call(comm, arrays, **kw)
             _check(form, arrays, stack, errors, f"{form.name} call {i}")
         routes = [r for r in comm.routes() if r["op"] == form.op]
         errors.expect(
@@ -291,6 +296,46 @@ def test_cached_routes_refuse_after_an_abort(hetcomm_comm, errors):
                     errors.append(f"{name} on an aborted communicator returned")
         elif lonely.rank == 1:
             lonely.recv(np.zeros(3), 0)
+        # rank 1 closes only after rank 0 timed out (a peer seen closing is PeerLost instead)
+        hetcomm_comm.barrier()
+    finally:
+        lonely.close()
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["all_reduce", "broadcast", "recv"])
+def test_a_prepared_call_keeps_its_own_timeout(hetcomm_comm, errors, op):
+    """A blocking call with `timeout=` that nobody meets ends in CommTimeout after its own
+    seconds, not the group's, and says so; where its route is prepared, the prepared call
+    served it; the shorter limit is not left behind for the calls after it."""
+    lonely = hetcomm_comm.dup(name=f"own-timeout-{op}")
+    try:
+        x = np.ones(3)
+        calls = {
+            "all_reduce": lambda: lonely.all_reduce(x, timeout=0.4),
+            "broadcast": lambda: lonely.broadcast(x, 0, timeout=0.4),
+            "recv": lambda: lonely.recv(x, src=1, tag=5, timeout=0.4),
+        }
+        lonely.all_reduce(x)
+        lonely.broadcast(x, 0)
+        if lonely.rank == 0:
+            t0 = time.monotonic()
+            try:
+                calls[op]()
+            except hetcomm.CommTimeout as exc:
+                took = time.monotonic() - t0
+                errors.expect(exc.waited == 0.4, f"{op}: reported {exc.waited} s, not 0.4")
+                errors.expect(took < 10, f"{op}: timed out after {took:.1f} s, asked 0.4 s")
+                errors.expect(lonely.call_timeout == lonely.config.timeout, "limit left behind")
+            else:
+                errors.append(f"{op} that nobody met returned")
+            route = [r for r in lonely.routes() if r["op"] == op][-1]
+            if route["prepared"]:
+                errors.expect(route["runs"] >= 1, f"{op}: the timed call took the general path")
+        # the others close only after rank 0 timed out (a peer seen closing is PeerLost);
+        # the group's own limit is longer than rank 0's wait
+        hetcomm_comm.barrier()
     finally:
         lonely.close()
     errors.verify()

@@ -40,6 +40,7 @@ def self_comm():
         mpi=mpi,
         name="self",
         config=Config(),
+        call_timeout=Config().timeout,
         _abort=lambda exc: None,
         topology=SimpleNamespace(members=lambda: members),
     )

@@ -551,7 +551,7 @@ class MpiTransport(Transport):
             if test():
                 return
         busy = BusyPoll(test)
-        wait_for(self.comm, op, seq, busy, waiter=busy.wait)
+        wait_for(self.comm, op, seq, busy, self.comm.call_timeout, busy.wait)
 
     def _run_all_reduce_persistent(
         self,
@@ -589,7 +589,7 @@ class MpiTransport(Transport):
             polls -= 1
             if not polls:
                 busy = BusyPoll(slot.test)
-                wait_for(self.comm, "all_reduce", seq, busy, waiter=busy.wait)  # bounded
+                wait_for(self.comm, "all_reduce", seq, busy, self.comm.call_timeout, busy.wait)
                 break
         slot.active = False
         oh[...] = view
@@ -639,7 +639,7 @@ class MpiTransport(Transport):
             if test():
                 return True
         busy = BusyPoll(test)
-        wait_for(self.comm, "recv", seq, busy, waiter=busy.wait)
+        wait_for(self.comm, "recv", seq, busy, self.comm.call_timeout, busy.wait)
         return True
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:

@@ -529,9 +529,10 @@ def prepare(
     group = _segment(t, nbytes)
     if group is None:
         return None
-    timeout = t.timeout
+    comm = t.comm
 
     def drive(name: str, seq: int, fn: Callable[..., None], *args: Any) -> bool:
+        timeout = comm.call_timeout
         deadline = time.monotonic() + timeout
         try:
             return group.run(group.ticket(), deadline, nbytes, fn, *args, deadline)
