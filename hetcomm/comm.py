@@ -67,9 +67,9 @@ class Communicator:
         # can never match the caller's point-to-point traffic
         self.service: MPI.Intracomm = mpi_comm.Dup()
         self.config = config
-        # what the blocking call being issued may take: the configured timeout, or the call's
-        # own while a prepared call with `timeout=` runs (its waits read it; _blocking_run)
-        self.call_timeout: float = config.timeout
+        # the timeout of its own of the blocking call being issued, while its prepared call
+        # runs (its waits read it; _timed), else None: each wait's own default then
+        self.call_timeout: float | None = None
         _trace.decide(config)
         self.topology = topology
         self.name = name
@@ -590,7 +590,7 @@ class Communicator:
         try:
             return run(*args)
         finally:
-            self.call_timeout = self.config.timeout
+            self.call_timeout = None
 
     # ---- operations ---------------------------------------------------------------------------
 

@@ -31,9 +31,9 @@ class Context(Protocol):
     #: hetcomm's control communicator beside it: tags from transports/tags.py only
     service: Any
     config: Config
-    #: the seconds the blocking call being issued may wait: config.timeout, or the call's own
-    #: (`timeout=`) while its prepared call runs on the calling thread
-    call_timeout: float
+    #: the timeout of its own (`timeout=`) of the blocking call being issued, while its
+    #: prepared call runs on the calling thread; None otherwise (the transport's own applies)
+    call_timeout: float | None
     topology: Topology
     #: collectives issued so far, the same on every rank
     _seq: int

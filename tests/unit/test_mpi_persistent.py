@@ -40,7 +40,7 @@ def self_comm():
         mpi=mpi,
         name="self",
         config=Config(),
-        call_timeout=Config().timeout,
+        call_timeout=None,
         _abort=lambda exc: None,
         topology=SimpleNamespace(members=lambda: members),
     )

@@ -532,7 +532,7 @@ def prepare(
     comm = t.comm
 
     def drive(name: str, seq: int, fn: Callable[..., None], *args: Any) -> bool:
-        timeout = comm.call_timeout
+        timeout = comm.call_timeout or t.timeout
         deadline = time.monotonic() + timeout
         try:
             return group.run(group.ticket(), deadline, nbytes, fn, *args, deadline)

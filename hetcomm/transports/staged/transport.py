@@ -809,7 +809,15 @@ class StagedTransport(Transport):
         k = self._p2p_number("send", dst, tag)
         region = _host_region(xh)
         try:
-            p2p.send(self, region, dst, tag, k, time.monotonic() + self.comm.call_timeout, None)
+            p2p.send(
+                self,
+                region,
+                dst,
+                tag,
+                k,
+                time.monotonic() + (self.comm.call_timeout or self.timeout),
+                None,
+            )
         except (PeerTimeout, PeerLost) as exc:
             raise self._fatal("send", seq, exc) from None
         return True
@@ -819,7 +827,15 @@ class StagedTransport(Transport):
         k = self._p2p_number("recv", src, tag)
         region = _host_region(xh)
         try:
-            p2p.recv(self, region, src, tag, k, time.monotonic() + self.comm.call_timeout, None)
+            p2p.recv(
+                self,
+                region,
+                src,
+                tag,
+                k,
+                time.monotonic() + (self.comm.call_timeout or self.timeout),
+                None,
+            )
         except (PeerTimeout, PeerLost) as exc:
             raise self._fatal("recv", seq, exc) from None
         return True
@@ -829,7 +845,7 @@ class StagedTransport(Transport):
         naming the peer, or PeerLost), the communicator aborted with it as a Work would."""
         err: BaseException = exc
         if isinstance(exc, PeerTimeout):
-            limit = self.comm.call_timeout
+            limit = self.comm.call_timeout or self.timeout
             err = CommTimeout(self.comm.name, name, seq, limit, exc.ranks, str(exc))
         self.comm._abort(err)
         return err
