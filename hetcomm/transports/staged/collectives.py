@@ -529,10 +529,9 @@ def prepare(
     group = _segment(t, nbytes)
     if group is None:
         return None
-    comm = t.comm
 
     def drive(name: str, seq: int, fn: Callable[..., None], *args: Any) -> bool:
-        timeout = comm.call_timeout or t.timeout
+        timeout = t.limit()
         deadline = time.monotonic() + timeout
         try:
             return group.run(group.ticket(), deadline, nbytes, fn, *args, deadline)

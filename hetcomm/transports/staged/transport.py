@@ -809,15 +809,7 @@ class StagedTransport(Transport):
         k = self._p2p_number("send", dst, tag)
         region = _host_region(xh)
         try:
-            p2p.send(
-                self,
-                region,
-                dst,
-                tag,
-                k,
-                time.monotonic() + (self.comm.call_timeout or self.timeout),
-                None,
-            )
+            p2p.send(self, region, dst, tag, k, time.monotonic() + self.limit(), None)
         except (PeerTimeout, PeerLost) as exc:
             raise self._fatal("send", seq, exc) from None
         return True
@@ -827,26 +819,22 @@ class StagedTransport(Transport):
         k = self._p2p_number("recv", src, tag)
         region = _host_region(xh)
         try:
-            p2p.recv(
-                self,
-                region,
-                src,
-                tag,
-                k,
-                time.monotonic() + (self.comm.call_timeout or self.timeout),
-                None,
-            )
+            p2p.recv(self, region, src, tag, k, time.monotonic() + self.limit(), None)
         except (PeerTimeout, PeerLost) as exc:
             raise self._fatal("recv", seq, exc) from None
         return True
+
+    def limit(self) -> float:
+        """The seconds a prepared call, issued on this thread, may take: the call's own
+        timeout while it has one (the communicator's call_timeout), else the transport's."""
+        return self.comm.call_timeout or self.timeout
 
     def _fatal(self, name: str, seq: int, exc: PeerTimeout | PeerLost) -> BaseException:
         """The error a prepared call ends with when its peer is late or gone (CommTimeout
         naming the peer, or PeerLost), the communicator aborted with it as a Work would."""
         err: BaseException = exc
         if isinstance(exc, PeerTimeout):
-            limit = self.comm.call_timeout or self.timeout
-            err = CommTimeout(self.comm.name, name, seq, limit, exc.ranks, str(exc))
+            err = CommTimeout(self.comm.name, name, seq, self.limit(), exc.ranks, str(exc))
         self.comm._abort(err)
         return err
 
