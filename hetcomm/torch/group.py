@@ -109,7 +109,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
 
     # ---- what torch asks of a group's C++ backend, and split_group -----------------------------
 
-    def _get_backend(self, device: Any) -> _BackendView:  # type: ignore[override]
+    def _get_backend(self, device: Any) -> _BackendView:
         """torch looks here for splitting support (init_process_group(device_id=...),
         split_group, DeviceMesh on a GPU machine); the group serves every device itself."""
         return _BackendView(self)
@@ -165,9 +165,13 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         timeout: Any = None,
         *,
         inputs: Sequence[torch.Tensor] = (),
-    ) -> _Work:
+    ) -> _Work | None:
         """Start prepared operations (in order, as one torch call) and hand back their Work;
-        `inputs`: the call's input tensors, whose shapes a torch profiler event records."""
+        `inputs`: the call's input tensors, whose shapes a torch profiler event records.
+
+        A call torch waits for at once (its options say asyncOp=False: `dist.<op>` without
+        async_op) is made blocking on this thread and returns None, which torch's own
+        functions take as a call that has completed (as a backend that synchronized in C++)."""
         if self._closed:
             raise DistBackendError(
                 f"hetcomm {name}: process group '{self.comm.name}' is closed (destroyed)"
@@ -177,15 +181,16 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         else:
             limit = self._limit(timeout if isinstance(timeout, timedelta) else opts)
         record = profile.Record(name, inputs) if profile.active() else None
-        if (
-            opts is not None
-            and self._coalesced is None
-            and not getattr(opts, "asyncOp", True)
-            and not any(op.aux for op in ops)
-        ):
-            # (the sends and receives of gather, scatter and uneven all-to-all stay
-            # non-blocking: made one after another blocking, they would wait for each other)
-            return self._run_blocking(name, ops, limit, record)
+        if opts is not None and self._coalesced is None and not getattr(opts, "asyncOp", True):
+            for op in ops:
+                # (the sends and receives of gather, scatter and uneven all-to-all stay
+                # non-blocking: made one after another blocking, they would wait for each
+                # other)
+                if op.aux:
+                    break
+            else:
+                self._run_blocking(name, ops, limit, record)
+                return None
         with self._issue:
             works = []
             try:
@@ -218,25 +223,24 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
 
     def _run_blocking(
         self, name: str, ops: Sequence[_Op], limit: float, record: profile.Record | None
-    ) -> _Work:
-        """A call torch waits for at once (its options say asyncOp=False: `dist.<op>` without
-        async_op): the Communicator's blocking calls, driven on this thread, and a finished
-        Work. The group's timeout bounds them (given per call only where it is not the
-        Communicator's own, since a per-call timeout takes the general path)."""
+    ) -> None:
+        """The Communicator's blocking calls of one torch call, driven on this thread. The
+        group's timeout bounds them (given per call only where it is not the Communicator's
+        own, since a per-call timeout takes the general path)."""
         timeout = None if limit == self.comm.config.timeout else limit
         try:
             with self._issue:
                 for op in ops:
-                    op.call(self.comm, timeout)
+                    if op.method is not None:
+                        getattr(self.comm, op.method)(*op.args, timeout=timeout)
             for op in ops:
                 for step in op.after:
                     step()
         except HetcommError as exc:
-            if record is not None:
-                _PROGRESS.end_record(record)
             raise torch_error(exc, f"{self.comm.name}: {name}") from exc
-        result = ops[0].result if len(ops) == 1 else [t for op in ops for t in op.result]
-        return _Work(_Finished(self.comm.name, name, result, record))
+        finally:
+            if record is not None:
+                _PROGRESS.end_record(record)  # an asynchronous event, as every other one
 
     def _aux_comm(self) -> Communicator:
         # point-to-point traffic of gather, scatter and uneven all-to-all: a communicator of its
@@ -250,13 +254,13 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
     # Each operation is prepared as an _Op (validated, nothing moved yet), then started by _run;
     # the coalesced variants start several _Ops as one torch Work.
 
-    def allreduce(self, tensors: Any, opts: Any = None, timeout: Any = None) -> _Work:
+    def allreduce(self, tensors: Any, opts: Any = None, timeout: Any = None) -> _Work | None:
         op = reduce_op(_opt(opts, "reduceOp"), "allreduce")
         t = _one(_listed(tensors), "allreduce")
         x = _reducible(t, op, "allreduce")
         return self._run("allreduce", [_Op("all_reduce", (x, op), [t])], opts, timeout, inputs=[t])
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work | None:
         op = reduce_op(_opt(opts, "reduceOp"), "allreduce_coalesced")
         _nonempty(tensors, "allreduce_coalesced")
         xs = [_reducible(t, op, "allreduce_coalesced") for t in tensors]
@@ -268,7 +272,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             inputs=tensors,
         )
 
-    def broadcast(self, tensors: Any, opts: Any = None, timeout: Any = None) -> _Work:
+    def broadcast(self, tensors: Any, opts: Any = None, timeout: Any = None) -> _Work | None:
         root = self._rank_arg(_opt(opts, "rootRank", 0), "broadcast: root")
         if _opt(opts, "rootTensor", 0) != 0:
             raise ArgumentError("hetcomm broadcast: rootTensor must be 0 (one tensor per process)")
@@ -278,14 +282,16 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             "broadcast", [_Op("broadcast", (x, root), [t], after)], opts, timeout, inputs=[t]
         )
 
-    def reduce(self, tensors: Any, opts: Any = None, op: Any = None, timeout: Any = None) -> _Work:
+    def reduce(
+        self, tensors: Any, opts: Any = None, op: Any = None, timeout: Any = None
+    ) -> _Work | None:
         rop = reduce_op(op if op is not None else _opt(opts, "reduceOp"), "reduce")
         root = self._rank_arg(_opt(opts, "rootRank", 0), "reduce: root")
         t = _one(_listed(tensors), "reduce")
         x = _reducible(t, rop, "reduce")
         return self._run("reduce", [_Op("reduce", (x, root, rop), [t])], opts, timeout, inputs=[t])
 
-    def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> _Work:
+    def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> _Work | None:
         if isinstance(input_tensors, torch.Tensor):  # the (outputs, input, timeout) form
             output_tensors, input_tensors = [output_tensors], [input_tensors]
         t = _one(input_tensors, "allgather: input")
@@ -297,7 +303,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         output_lists: list[list[torch.Tensor]],
         input_list: list[torch.Tensor],
         opts: Any = None,
-    ) -> _Work:
+    ) -> _Work | None:
         _nonempty(input_list, "allgather_coalesced: input")
         if len(output_lists) != self.comm.size:
             raise ArgumentError(
@@ -318,21 +324,21 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> _Work:
+    ) -> _Work | None:
         return self._run(
             "all_gather_into_tensor", [self._gather_single_op(output, input)], opts, inputs=[input]
         )
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> _Work:
+    ) -> _Work | None:
         _pairs(outputs, inputs, "all_gather_into_tensor_coalesced")
         ops = [self._gather_single_op(o, i) for o, i in zip(outputs, inputs)]
         return self._run("all_gather_into_tensor_coalesced", ops, opts, inputs=inputs)
 
     def reduce_scatter(
         self, output_tensors: Any, input_tensors: Any, opts: Any = None, timeout: Any = None
-    ) -> _Work:
+    ) -> _Work | None:
         if isinstance(output_tensors, torch.Tensor):  # the (output, inputs, op, timeout) form
             output_tensors, input_tensors = [output_tensors], [input_tensors]
         op = reduce_op(_opt(opts, "reduceOp"), "reduce_scatter")
@@ -351,7 +357,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
 
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> _Work:
+    ) -> _Work | None:
         op = reduce_op(_opt(opts, "reduceOp"), "reduce_scatter_tensor")
         return self._run(
             "reduce_scatter_tensor",
@@ -362,7 +368,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> _Work:
+    ) -> _Work | None:
         op = reduce_op(_opt(opts, "reduceOp"), "reduce_scatter_tensor_coalesced")
         _pairs(outputs, inputs, "reduce_scatter_tensor_coalesced")
         ops = [self._scatter_single_op(o, i, op) for o, i in zip(outputs, inputs)]
@@ -375,7 +381,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         output_split_sizes: Sequence[int] | None = None,
         input_split_sizes: Sequence[int] | None = None,
         opts: Any = None,
-    ) -> _Work:
+    ) -> _Work | None:
         n = self.comm.size
         _same_dtype(output, input, "all_to_all_single: output")
         if not output_split_sizes and not input_split_sizes:
@@ -402,7 +408,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         output_tensors: list[torch.Tensor],
         input_tensors: list[torch.Tensor],
         opts: Any = None,
-    ) -> _Work:
+    ) -> _Work | None:
         n = self.comm.size
         for what, ts in (("output", output_tensors), ("input", input_tensors)):
             if len(ts) != n:
@@ -422,7 +428,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
 
     def gather(
         self, output_tensors: Any, input_tensors: Any, opts: Any = None, timeout: Any = None
-    ) -> _Work:
+    ) -> _Work | None:
         if isinstance(input_tensors, torch.Tensor):  # the (outputs, input, root, timeout) form
             output_tensors = [output_tensors] if output_tensors else []
             input_tensors = [input_tensors]
@@ -446,7 +452,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
 
     def scatter(
         self, output_tensors: Any, input_tensors: Any, opts: Any = None, timeout: Any = None
-    ) -> _Work:
+    ) -> _Work | None:
         if isinstance(output_tensors, torch.Tensor):  # the (output, inputs, root, timeout) form
             output_tensors = [output_tensors]
             input_tensors = [input_tensors] if input_tensors else []
@@ -467,7 +473,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             recvs = [t if r == root else None for r in range(n)]
         return self._exchange("scatter", sends, recvs, [t], opts, timeout, inputs=input_tensors)
 
-    def barrier(self, opts: Any = None) -> _Work:
+    def barrier(self, opts: Any = None) -> _Work | None:
         return self._run("barrier", [_Op("barrier", (), [])], opts)
 
     # ---- point to point -----------------------------------------------------------------------
@@ -476,13 +482,13 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         t = _one(tensors, "send")
         dst = self._rank_arg(dstRank, "send: dst")
         x, _ = _movable(t, write=False)
-        return self._run("send", [_Op("send", (x, dst, tag), [t])], inputs=[t])
+        return self._point_to_point("send", _Op("send", (x, dst, tag), [t]), t)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> _Work:
         t = _one(tensors, "recv")
         src = self._rank_arg(srcRank, "recv: src")
         x, after = _movable(t, write=True)
-        return self._run("recv", [_Op("recv", (x, src, tag), [t], after)], inputs=[t])
+        return self._point_to_point("recv", _Op("recv", (x, src, tag), [t], after), t)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> _Work:
         from .. import ANY_SOURCE
@@ -490,9 +496,16 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         t = _one(tensors, "recv")
         x, after = _movable(t, write=True)
         # the Work's _source_rank() is the sender's rank in this group, once complete
-        return self._run(
-            "recv_anysource", [_Op("recv", (x, ANY_SOURCE, tag), [t], after)], inputs=[t]
+        return self._point_to_point(
+            "recv_anysource", _Op("recv", (x, ANY_SOURCE, tag), [t], after), t
         )
+
+    def _point_to_point(self, name: str, op: _Op, t: torch.Tensor) -> _Work:
+        """A send or receive: torch passes it no options, so it always starts and hands back a
+        Work (dist.send and dist.recv wait on it)."""
+        work = self._run(name, [op], inputs=[t])
+        assert work is not None
+        return work
 
     # ---- coalescing (batch_isend_irecv, _coalescing_manager) ----------------------------------
 
@@ -547,7 +560,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         timeout: Any = None,
         *,
         inputs: Sequence[torch.Tensor] = (),
-    ) -> _Work:
+    ) -> _Work | None:
         """Block j of `sends` goes to rank j, block i of `recvs` comes from rank i (p2p)."""
         me = self.comm.rank
         mine_in, mine_out = sends[me], recvs[me]
@@ -668,11 +681,6 @@ class _Op:
         if self.method is None:
             return None
         return getattr(comm, self.method)(*self.args, async_op=True)
-
-    def call(self, comm: Communicator, timeout: float | None) -> None:
-        """The blocking call, on this thread."""
-        if self.method is not None:
-            getattr(comm, self.method)(*self.args, timeout=timeout)
 
 
 def _install_aliases(cls: type) -> None:

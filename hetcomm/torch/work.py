@@ -1,7 +1,8 @@
 """Operations in flight: the torch Work of each, and the thread that completes them.
 
 A call torch waits for at once (asyncOp=False in its options: `dist.<op>` without async_op) runs
-as the Communicator's blocking call and gets a finished Work. Others start at once (non-blocking
+as the Communicator's blocking call and returns None, which torch takes as a call that has
+completed. Others start at once (non-blocking
 hetcomm calls, in issue order) and return a `Work`; the issuing thread drives each for a moment
 (most small ones end there), `Work.wait()` drives it on the waiting thread, and a daemon thread
 polls the rest so that `Work.get_future()` completes without a wait (DDP waits on futures only).
@@ -296,8 +297,8 @@ _PROGRESS = _Progress()
 
 
 class _Finished:
-    """An operation that completed on the calling thread (a blocking call): _Pending's face,
-    without its locks and deadline, which nothing here needs (it is never driven)."""
+    """An operation that completed while it was issued: _Pending's face, without its locks
+    and deadline, which nothing here needs (it is never driven)."""
 
     __slots__ = ("_future", "_group", "_op", "result", "source")
 
@@ -305,14 +306,10 @@ class _Finished:
     error: BaseException | None = None
     limit = 0.0
 
-    def __init__(
-        self, group: str, op: str, result: list[torch.Tensor], record: Record | None = None
-    ) -> None:
+    def __init__(self, group: str, op: str, result: list[torch.Tensor]) -> None:
         self._group, self._op, self.result = group, op, result
         self._future: torch.futures.Future | None = None
         self.source: int | None = None  # a receive's sender
-        if record is not None:
-            _PROGRESS.end_record(record)  # an asynchronous event, as every other one
 
     @property
     def name(self) -> str:
