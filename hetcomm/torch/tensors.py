@@ -40,13 +40,13 @@ _MISSING = object()
 def _opt(opts: Any, name: str, default: Any = None) -> Any:
     """Field `name` of torch's options object; the convenience forms pass the value itself
     (`allreduce(t, op)`, `broadcast(t, root)`)."""
+    value = getattr(opts, name, _MISSING)  # an options object (None and the rest have none)
+    if value is not _MISSING:
+        return value
     if name == "reduceOp" and default is None:
         default = dist.ReduceOp.SUM
     if opts is None or isinstance(opts, timedelta):
         return default
-    value = getattr(opts, name, _MISSING)
-    if value is not _MISSING:
-        return value
     is_rank = isinstance(opts, int) and not isinstance(opts, bool)
     if (name == "rootRank" and is_rank) or (name == "reduceOp" and not is_rank):
         return opts
