@@ -17,12 +17,22 @@ import datetime
 import os
 import platform
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from .bench_impls import Case
+from .bench_latency_calls import (
+    Arrays,
+    Buffers,
+    TorchView,
+    fill,
+    hetcomm_run,
+    mpi4py_run,
+    pingpong_peer,
+    torch_run,
+    wrong,
+)
 from .bench_latency_table import (
     FORMS,
     SECTIONS,
@@ -42,320 +52,7 @@ from .bench_timing import Interleaved, Run, paired_difference, paired_ratio, sha
 #: the Config field that switches off the default mismatch check, where this hetcomm has one
 #: (`Config(check=False)` / HETCOMM_CHECK=0); `--no-mismatch-check` sets it
 MISMATCH_CHECK_FIELD = "check"
-#: arrays of an all_reduce_coalesced row: the row's bytes split into this many arrays
-COALESCED_ARRAYS = 4
 LATENCY_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "float32", "float64")
-_ROOT = 0
-_TOLERANCE = {"float32": 1e-6, "float64": 1e-12}
-
-
-# ---- buffers --------------------------------------------------------------------------------
-
-
-class Arrays:
-    """Allocation and synchronisation for one kind of memory: numpy on the host, CuPy on the
-    GPU of this rank."""
-
-    def __init__(self, device: str) -> None:
-        self.device = device
-        if device == "cuda":
-            import cupy
-
-            self.xp: Any = cupy
-        else:
-            self.xp = np
-
-    def zeros(self, count: int, dtype: str) -> Any:
-        return self.xp.zeros(count, dtype=dtype)
-
-    def put(self, dst: Any, values: np.ndarray) -> None:
-        """Copy float64 `values` into `dst` (converted to dst's dtype)."""
-        dst[...] = self.xp.asarray(values.astype(dst.dtype))
-
-    def host(self, a: Any) -> np.ndarray:
-        return a.get() if self.device == "cuda" else np.asarray(a)
-
-    def sync(self) -> None:
-        """Wait for every queued GPU operation (nothing on the host)."""
-        if self.device == "cuda":
-            self.xp.cuda.runtime.deviceSynchronize()
-
-
-class Buffers:
-    """One buffer set of an (op, form) at `count` elements: `x` the input, `y` the output, and
-    for in-place forms the views the call takes."""
-
-    def __init__(
-        self, arrays: Arrays, op: str, form: str, count: int, dtype: str, rank: int, ranks: int
-    ) -> None:
-        z = arrays.zeros
-        self.op, self.form, self.count, self.rank, self.ranks = op, form, count, rank, ranks
-        self.x: Any = None
-        self.y: Any = None
-        self.pieces: list[Any] = []
-        block = count // ranks
-        self.block = block
-        if op in ("all_reduce", "all_to_all", "sendrecv"):
-            self.x, self.y = z(count, dtype), z(count, dtype)
-        elif op == "all_gather_single":
-            self.x, self.y = z(block, dtype), z(count, dtype)
-        elif op in ("reduce", "broadcast"):
-            self.x = z(count, dtype)
-        elif op == "all_gather":
-            self.y = z(count, dtype)
-            mine = self.y[rank * block : (rank + 1) * block]
-            self.x = mine if form == "in-place" else z(block, dtype)
-        elif op == "reduce_scatter":
-            self.x = z(count, dtype)
-            mine = self.x[rank * block : (rank + 1) * block]
-            self.y = mine if form == "in-place" else z(block, dtype)
-        elif op == "all_reduce_coalesced":
-            sizes = np.array_split(np.arange(count), min(COALESCED_ARRAYS, count))
-            self.pieces = [z(len(s), dtype) for s in sizes]
-        elif op != "barrier":
-            raise ValueError(f"no buffers for op {op!r}")
-
-
-def _case(op: str, count: int, dtype: str, rank: int, ranks: int) -> Case:
-    base = {"all_reduce_coalesced": "all_reduce", "all_gather_single": "all_gather"}
-    return Case(base.get(op, op), count, dtype, "sum", _ROOT, rank, ranks)
-
-
-def fill(arrays: Arrays, b: Buffers, dtype: str) -> None:
-    """Put the check's inputs (bench_impls.Case) into `b`; outputs get -1, a value no result has."""
-    case = _case(b.op, b.count, dtype, b.rank, b.ranks)
-    mine = case.input(b.rank)
-    if b.op == "all_reduce_coalesced":
-        for piece, values in zip(b.pieces, np.array_split(mine, len(b.pieces))):
-            arrays.put(piece, values)
-        return
-    if b.op == "barrier":
-        return
-    if b.y is not None and not (b.op == "reduce_scatter" and b.form == "in-place"):
-        arrays.put(b.y, np.full(b.y.shape, -1.0))
-    arrays.put(b.x, mine)
-
-
-def wrong(arrays: Arrays, b: Buffers, dtype: str, peer: int | None) -> int:
-    """Elements of b's result that differ from the float64 reference."""
-    if b.op == "barrier":
-        return 0
-    case = _case(b.op, b.count, dtype, b.rank, b.ranks)
-    if b.op == "sendrecv":
-        if peer is None:
-            return 0
-        want: np.ndarray | None = case.input(peer)
-    else:
-        want = case.expected()
-    if want is None:
-        return 0
-    if b.op == "all_reduce_coalesced":
-        got = np.concatenate([arrays.host(p) for p in b.pieces]).astype(np.float64)
-    else:
-        got = arrays.host(result(b)).astype(np.float64).ravel()
-    if got.shape != want.shape:
-        return int(max(got.size, want.size))
-    if dtype in _TOLERANCE:
-        return int(np.count_nonzero(~np.isclose(got, want, rtol=_TOLERANCE[dtype], atol=0)))
-    return int(np.count_nonzero(got != want))
-
-
-def result(b: Buffers) -> Any:
-    """The array that holds b's result: x for the in-place forms that write x, else y (for
-    all_gather and reduce_scatter in place, y is the view into the one buffer)."""
-    if b.op in ("reduce", "broadcast") or (
-        b.op in ("all_reduce", "all_to_all") and b.form == "in-place"
-    ):
-        return b.x
-    return b.y
-
-
-# ---- the calls: hetcomm, mpi4py, gloo -------------------------------------------------------
-
-
-def _pair(sets: Sequence[Any]) -> Callable[[int], Any]:
-    a, b = sets
-    return lambda i: b if i & 1 else a
-
-
-def pingpong_peer(rank: int, ranks: int) -> int | None:
-    """The partner of `rank` in the ping-pong (2k with 2k+1); None for a last odd rank."""
-    peer = rank ^ 1
-    return peer if peer < ranks else None
-
-
-def hetcomm_run(
-    comm: Any, op: str, form: str, sets: Sequence[Any], sync: Callable[[], Any], device: bool
-) -> Run:
-    """`calls` calls of one op form on a hetcomm Communicator, alternating the buffer sets."""
-    pick, root = _pair(sets), _ROOT
-    each: Callable[[], Any] = sync if device else (lambda: None)
-    if op == "sendrecv":
-        peer = pingpong_peer(comm.rank, comm.size)
-        first = comm.rank % 2 == 0
-
-        def pingpong(calls: int) -> None:
-            if peer is None:
-                return
-            for i in range(calls):
-                s = pick(i)
-                if first:
-                    comm.send(s.x, peer)
-                    comm.recv(s.y, peer)
-                    each()
-                else:
-                    comm.recv(s.y, peer)
-                    each()
-                    comm.send(s.x, peer)
-
-        return pingpong
-    calls_of: dict[tuple[str, str], Callable[[Buffers], Any]] = {
-        ("all_reduce", "in-place"): lambda s: comm.all_reduce(s.x),
-        ("all_reduce", "out-of-place"): lambda s: comm.all_reduce(s.x, out=s.y),
-        ("reduce", "in-place"): lambda s: comm.reduce(s.x, root),
-        ("broadcast", "in-place"): lambda s: comm.broadcast(s.x, root),
-        ("all_gather", "out-of-place"): lambda s: comm.all_gather(s.y, s.x),
-        ("all_gather", "in-place"): lambda s: comm.all_gather(s.y, s.x),
-        ("reduce_scatter", "out-of-place"): lambda s: comm.reduce_scatter(s.y, s.x),
-        ("reduce_scatter", "in-place"): lambda s: comm.reduce_scatter(s.y, s.x),
-        ("all_to_all", "out-of-place"): lambda s: comm.all_to_all(s.y, s.x),
-        ("all_to_all", "in-place"): lambda s: comm.all_to_all(s.x, s.x),
-        ("all_reduce_coalesced", "in-place"): lambda s: comm.all_reduce_coalesced(s.pieces),
-        ("barrier", "-"): lambda s: comm.barrier(),
-    }
-    one = calls_of[(op, form)]
-
-    def run(calls: int) -> None:
-        for i in range(calls):
-            one(pick(i))
-            each()
-
-    return run
-
-
-def mpi4py_run(raw: Any, op: str, form: str, sets: Sequence[Buffers]) -> Run:
-    """The same op form as raw mpi4py on host buffers: MPI.IN_PLACE in place, two buffers out
-    of place, Send/Recv ping-pong, Barrier; all_reduce_coalesced packs, reduces, unpacks."""
-    from mpi4py import MPI
-
-    pick, root, rank, ranks = _pair(sets), _ROOT, raw.Get_rank(), raw.Get_size()
-    inplace = MPI.IN_PLACE
-    if op == "sendrecv":
-        peer, first = pingpong_peer(rank, ranks), rank % 2 == 0
-
-        def pingpong(calls: int) -> None:
-            if peer is None:
-                return
-            for i in range(calls):
-                s = pick(i)
-                if first:
-                    raw.Send(s.x, peer)
-                    raw.Recv(s.y, peer)
-                else:
-                    raw.Recv(s.y, peer)
-                    raw.Send(s.x, peer)
-
-        return pingpong
-    if op == "all_reduce_coalesced":
-        flats = [np.empty(sum(p.size for p in s.pieces), s.pieces[0].dtype) for s in sets]
-
-        def coalesced(calls: int) -> None:
-            for i in range(calls):
-                s, flat = pick(i), flats[i & 1]
-                np.concatenate(s.pieces, out=flat)
-                raw.Allreduce(inplace, flat)
-                at = 0
-                for p in s.pieces:
-                    p[...] = flat[at : at + p.size]
-                    at += p.size
-
-        return coalesced
-    calls_of: dict[tuple[str, str], Callable[[Buffers], Any]] = {
-        ("all_reduce", "in-place"): lambda s: raw.Allreduce(inplace, s.x),
-        ("all_reduce", "out-of-place"): lambda s: raw.Allreduce(s.x, s.y),
-        ("reduce", "in-place"): (
-            (lambda s: raw.Reduce(inplace, s.x, root=root))
-            if rank == root
-            else (lambda s: raw.Reduce(s.x, None, root=root))
-        ),
-        ("broadcast", "in-place"): lambda s: raw.Bcast(s.x, root=root),
-        ("all_gather", "out-of-place"): lambda s: raw.Allgather(s.x, s.y),
-        ("all_gather", "in-place"): lambda s: raw.Allgather(inplace, s.y),
-        ("reduce_scatter", "out-of-place"): lambda s: raw.Reduce_scatter_block(s.x, s.y),
-        # MPI's in-place reduce_scatter leaves the result in the first block of x
-        ("reduce_scatter", "in-place"): lambda s: raw.Reduce_scatter_block(inplace, s.x),
-        ("all_to_all", "out-of-place"): lambda s: raw.Alltoall(s.x, s.y),
-        ("all_to_all", "in-place"): lambda s: raw.Alltoall(inplace, s.x),
-        ("barrier", "-"): lambda s: raw.Barrier(),
-    }
-    one = calls_of[(op, form)]
-
-    def run(calls: int) -> None:
-        for i in range(calls):
-            one(pick(i))
-
-    return run
-
-
-def torch_run(
-    dist: Any, group: Any, op: str, form: str, sets: Sequence[Any], rank: int, ranks: int
-) -> Run | None:
-    """The op form through torch.distributed on `group` (torch tensors in `sets`), or None where
-    torch has no such form (out-of-place all_reduce, all_reduce_coalesced)."""
-    from .torch import dist_function
-
-    pick, root = _pair(sets), _ROOT
-    if op == "sendrecv":
-        peer, first = pingpong_peer(rank, ranks), rank % 2 == 0
-
-        def pingpong(calls: int) -> None:
-            if peer is None:
-                return
-            for i in range(calls):
-                s = pick(i)
-                if first:
-                    dist.send(s.x, peer, group=group)
-                    dist.recv(s.y, peer, group=group)
-                else:
-                    dist.recv(s.y, peer, group=group)
-                    dist.send(s.x, peer, group=group)
-
-        return pingpong
-    gather, scatter = dist_function("all_gather_single"), dist_function("reduce_scatter_single")
-    calls_of: dict[tuple[str, str], Callable[[Any], Any]] = {
-        ("all_reduce", "in-place"): lambda s: dist.all_reduce(s.x, group=group),
-        ("reduce", "in-place"): lambda s: dist.reduce(s.x, root, group=group),
-        ("broadcast", "in-place"): lambda s: dist.broadcast(s.x, root, group=group),
-        ("all_gather", "out-of-place"): lambda s: gather(s.y, s.x, group=group),
-        ("all_gather_single", "out-of-place"): lambda s: gather(s.y, s.x, group=group),
-        ("all_gather", "in-place"): lambda s: gather(s.y, s.x, group=group),
-        ("reduce_scatter", "out-of-place"): lambda s: scatter(s.y, s.x, group=group),
-        ("reduce_scatter", "in-place"): lambda s: scatter(s.y, s.x, group=group),
-        ("all_to_all", "out-of-place"): lambda s: dist.all_to_all_single(s.y, s.x, group=group),
-        ("barrier", "-"): lambda s: dist.barrier(group=group),
-    }
-    one = calls_of.get((op, form))
-    if one is None:
-        return None
-    fn = one
-
-    def run(calls: int) -> None:
-        for i in range(calls):
-            fn(pick(i))
-
-    return run
-
-
-class _TorchView:
-    """A buffer set's arrays as torch tensors sharing their memory."""
-
-    def __init__(self, b: Buffers) -> None:
-        import torch
-
-        def t(a: Any) -> Any:
-            return None if a is None else torch.from_numpy(a)
-
-        self.x, self.y = t(b.x), t(b.y)
 
 
 # ---- the torch layer: a hetcomm ProcessGroup and a trivial one ------------------------------
@@ -764,7 +461,7 @@ class Study:
         if self.unchecked is not None:
             impls["unchecked"] = hetcomm_run(self.unchecked, op, form, mine, host.sync, False)
         if self.gloo and self.dist is not None and op != "all_reduce_coalesced":
-            views = [_TorchView(b) for b in self._sets(op, form, count, host)]
+            views = [TorchView(b) for b in self._sets(op, form, count, host)]
             gloo = torch_run(self.dist, None, op, form, views, self.rank, self.ranks)
             if gloo is not None and self._agree(self._try(gloo)) is None:
                 impls["gloo"] = gloo
@@ -822,7 +519,7 @@ class Study:
         host = Arrays("cpu")
         base = "all_gather" if op == "all_gather_single" else op
         views = {
-            k: [_TorchView(b) for b in self._sets(op, form, count, host)]
+            k: [TorchView(b) for b in self._sets(op, form, count, host)]
             for k in ("dist", "bare", "trivial")
         }
         on = self._torch_on
@@ -834,7 +531,7 @@ class Study:
         wrong_count = None
         if self.args.check:
             tensors = self._sets(op, form, count, host)
-            check_views = [_TorchView(b) for b in tensors]
+            check_views = [TorchView(b) for b in tensors]
             check_run = on("hetcomm", op, form, check_views)
             wrong_count = self._check(check_run, tensors, host)
         impls = {"dist": dist_run, "bare": bare, "trivial": trivial}

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from hetcomm.bench_latency import Arrays, Buffers, fill, pingpong_peer, result, wrong
+from hetcomm.bench_latency_calls import Arrays, Buffers, fill, pingpong_peer, result, wrong
 from hetcomm.bench_latency_table import (
     COLUMNS,
     FORMS,
