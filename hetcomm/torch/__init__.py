@@ -10,8 +10,9 @@ from ..torch_hint import wrap as _hinted
 from .compat import _FULLY_SHARD_MODULES as _FULLY_SHARD_MODULES
 from .compat import API_NAMES, BACKEND, METHOD_NAMES, dist_function, fully_shard, reduce_op
 from .compat import rendezvous_handlers as rendezvous_handlers
+from .create import create_group
 from .errors import ArgumentError
-from .group import ProcessGroupHetcomm, _create_group
+from .group import ProcessGroupHetcomm
 from .store import _LAUNCHER_VARS as _LAUNCHER_VARS
 from .store import MpiStore, _env_or_mpi, _mpi_rendezvous
 from .tensors import _NATIVE as _NATIVE
@@ -39,9 +40,7 @@ __all__ = [
 
 
 def _register() -> None:
-    dist.Backend.register_backend(
-        BACKEND, _create_group, extended_api=True, devices=["cpu", "cuda"]
-    )
+    dist.Backend.register_backend(BACKEND, create_group, extended_api=True, devices=["cpu", "cuda"])
     handlers = rendezvous_handlers()
     handlers["mpi"] = _mpi_rendezvous
     env = handlers.get("env")
