@@ -22,9 +22,9 @@ COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatte
 # Messages at or below this many bytes form the "small" class; the plan may choose per class.
 SMALL_BYTES = 64 * 1024
 # Device messages above this many bytes go direct (peer mapping) rather than staged where both
-# can serve: on the H200 direct was faster from 8 bytes up (docs/BENCHMARKS.md, "direct"), so
-# the default is 0. A value `hetcomm tune` measured for the topology replaces it, and
-# HETCOMM_DIRECT_MIN overrides both; the plan applies it per size class.
+# can serve: on the H200 direct was faster from 8 bytes up (docs/lab-notes/benchmarks-2026-11.md,
+# "Direct on the GPU"), so the default is 0. A value `hetcomm tune` measured for the topology
+# replaces it, and HETCOMM_DIRECT_MIN overrides both; the plan applies it per size class.
 DIRECT_MIN_BYTES = 0
 SIZE_CLASSES = ("small", "large")
 
