@@ -28,6 +28,7 @@ from _data import (
 )
 
 from hetcomm import DtypeError, InvalidArgument, MismatchError, ReduceOp, Work, introspect
+from hetcomm.coalesced import NODE_MIN
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -290,7 +291,9 @@ def test_one_node_reduces_in_shared_segments(hetcomm_comm, rng, errors):
     t = introspect.transport_of(hetcomm_comm, "all_reduce", np.zeros(4, np.float32))
     if t.name != "mpi" or not t.fits_node(16):
         pytest.skip(f"host all-reduces go through {t.name} here, or the ranks span nodes")
-    for n in (1000, 300_000):  # 2.4 MB of float64 alone: past the first segments (1 MiB)
+    # groups of NODE_MIN bytes and more take the segments; 300_000 float64 (2.4 MB) go past
+    # the first segments (1 MiB)
+    for n in (NODE_MIN // 4, 300_000):
         cases = [
             Case(rng, hetcomm_comm.size, hetcomm_comm.rank, d, lib, (n,), layout)
             for d, lib, layout in (
@@ -348,7 +351,7 @@ def test_without_shared_segments_the_fused_all_reduce_goes_through_mpi(
     for k in range(2):
         cases = [
             Case(rng, c.size, c.rank, d, "numpy", (n,), "contiguous")
-            for d, n in (("float32", 300), ("int64", 50))
+            for d, n in (("float32", NODE_MIN // 4), ("int64", 50))
         ]
         if errors.run(
             f"call {k}", c.all_reduce_coalesced, [x.placed.array for x in cases], ReduceOp.MAX
@@ -358,4 +361,35 @@ def test_without_shared_segments_the_fused_all_reduce_goes_through_mpi(
     errors.expect(t.fits_node(16) is False, "the group's fused all-reduces went back to MPI")
     left = glob.glob(f"/dev/shm/hetcomm-node-{os.getpid()}-*")
     errors.expect(not left, f"segment files left behind: {left}")
+    errors.verify()
+
+
+def test_repeated_small_calls_take_the_prepared_route(hetcomm_comm, rng, errors):
+    """A blocking call whose groups are below NODE_MIN runs each group's fused all_reduce
+    through the transport's prepared call, a route kept per (dtype, count, memory, op) and
+    counted; results stay right when the signature changes between calls."""
+    comm = hetcomm_comm
+    signatures = (
+        [("float32", (5,)), ("float32", (3, 2)), ("int64", (4,))],
+        [("float32", (5,)), ("float32", (3, 2)), ("int64", (4,))],
+        [("float64", (7,)), ("float32", (2,))],
+        [("float32", (5,)), ("float32", (3, 2)), ("int64", (4,))],
+    )
+    for k, signature in enumerate(signatures):
+        cases = [
+            Case(rng, comm.size, comm.rank, d, "numpy", shape, "contiguous")
+            for d, shape in signature
+        ]
+        if errors.run(f"call {k}", comm.all_reduce_coalesced, [c.placed.array for c in cases]):
+            for c in cases:
+                errors += c.check(ReduceOp.SUM, f"call {k}")
+    fused = {r["key"][1:3]: r for r in comm.routes() if r["key"][0] == "all_reduce_coalesced"}
+    errors.expect(
+        set(fused) >= {("float32", 11), ("int64", 4), ("float64", 7), ("float32", 2)},
+        f"fused routes {sorted(fused)}",
+    )
+    for key, r in fused.items():
+        if r["prepared"]:
+            want = 3 if key in (("float32", 11), ("int64", 4)) else 1
+            errors.expect(r["runs"] >= want, f"{key}: the prepared call ran {r['runs']}x")
     errors.verify()
