@@ -16,7 +16,7 @@ from .argcheck import check_timeout, then
 from .arrays import Buffer, storage_dtype
 from .errors import TransportUnavailable
 from .ops import ReduceOp, as_reduce_op
-from .routes import Route, no_general
+from .routes import no_general
 from .transports.base import Transport
 from .transports.mpi.transport import MpiTransport
 from .work import Work, all_of, completed
@@ -52,12 +52,16 @@ def all_reduce_coalesced(
     bufs, groups = fusion.prepare(arrays, rop, what)
     if not groups:
         return completed(comm, "all_reduce", comm._seq) if async_op else None
-    # every group's transport is chosen (and may refuse) before any array is read
+    # every group's transport is chosen (and may refuse) before any array is read; a repeated
+    # signature finds it on the group's route
+    routes = [comm._routes.get(_route_key(g, rop)) for g in groups]
     chosen = []
-    for g in groups:
+    for g, route in zip(groups, routes):
         if g.on_device:
             fusion.check_device(what)
-        chosen.append(comm._transport("all_reduce", g.fused()))
+        chosen.append(
+            route.transport if route is not None else comm._transport("all_reduce", g.fused())
+        )
     if not async_op and all(
         isinstance(t, MpiTransport) and not g.on_device for g, t in zip(groups, chosen)
     ):
@@ -83,10 +87,10 @@ def all_reduce_coalesced(
                 (g.fused(flat[: g.total]), [_unpacker(g, flat), _giver(pool, flat)], flat)
             )
     works: list[Work] = []
-    for fb, steps, holder in packed:
+    for g, found, (fb, steps, holder) in zip(groups, routes, packed):
         # a group on another transport than the one before starts once the groups before it
         # are done (the ordering guard waits for the collectives in flight)
-        route = _fused_route(comm, fb, rop)
+        route = found or comm._route(_route_key(g, rop), "all_reduce", fb, no_general, rop)
         seq: int | None = None
         if route.run is not None and not async_op and fb.host is not None and not _work.observing:
             # blocking, on host memory: the transport's prepared all_reduce of the fused
@@ -119,22 +123,20 @@ def all_reduce_coalesced(
     if async_op:
         work = works[0] if len(works) == 1 else all_of(comm, works)
         return comm._finish(work, True, timeout, (bufs, packed))
-    for work in works:
-        comm._finish(work, False, timeout)
-    # seen complete here: out of the ordering guard's list, which would otherwise keep
-    # every blocking call's arrays alive
-    comm._inflight = [w for w in comm._inflight if not w._done]
+    if works:
+        for work in works:
+            comm._finish(work, False, timeout)
+        # seen complete here: out of the ordering guard's list, which would otherwise keep
+        # every blocking call's arrays alive
+        comm._inflight = [w for w in comm._inflight if not w._done]
     return None
 
 
-def _fused_route(comm: Communicator, fb: Buffer, rop: ReduceOp) -> Route:
-    """The route of one group's fused all_reduce, kept per (dtype, count, memory, op): a
-    repeated call takes the transport's prepared call for that size, as an all_reduce does."""
-    key = ("all_reduce_coalesced", fb.dtype, fb.count, fb.device, fb.device_index, rop)
-    route = comm._routes.get(key)
-    if route is None:
-        route = comm._route(key, "all_reduce", fb, no_general, rop)
-    return route
+def _route_key(g: fusion.Group, rop: ReduceOp) -> tuple[Any, ...]:
+    """What of a group decides its fused all_reduce's route (kept in the communicator's routes
+    as an all_reduce's is): a repeated call takes the transport's prepared call for that
+    size."""
+    return ("all_reduce_coalesced", g.dtype, g.total, g.device, g.device_index, rop)
 
 
 def _on_node(
