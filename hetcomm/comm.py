@@ -31,7 +31,7 @@ from .grouping import Group, Queued
 from .ops import ReduceOp, as_reduce_op, check_op_for_dtype
 from .routes import MAX_ROUTES, OP_TYPES, Route, host_view, key_of, no_general
 from .topology import Topology
-from .transports import registry
+from .transport_set import TransportSet
 from .transports.base import Transport
 from .work import Work, all_of, completed
 
@@ -80,9 +80,9 @@ class Communicator:
         self._debug = config.debug
         self._closed = False
         self._aborted: BaseException | None = None
-        self._transports: dict[str, Transport] = {}
-        self._choices: dict[tuple[str, str, str], planning.Choice] = {}
-        self._by_class: dict[tuple[str, bool, bool], Transport] = {}
+        # the transports, each made on first use, and which serves each operation
+        self._transports = TransportSet(self, exclude)
+        self._transport = self._transports.for_op
         self._routes: dict[Hashable, Route] = {}
         # the signature check and the table of where each rank has got to (hetcomm.agree)
         self._agree = agree.Agreement(
@@ -103,11 +103,6 @@ class Communicator:
         # collectives not yet seen complete (see _order)
         self._last: Transport | None = None
         self._inflight: list[Work] = []
-        self._available: dict[str, type[Transport]] = registry()
-        self._unavailable = {n: cls.unavailable(topology) for n, cls in self._available.items()}
-        # transports this communicator must not use, with the reason the plan shows (the parts
-        # of a hier transport exclude hier itself)
-        self._unavailable.update(exclude or {})
 
     # ---- life cycle -------------------------------------------------------------------------
 
@@ -122,9 +117,7 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
-        for transport in self._transports.values():
-            transport.close()
-        self._transports.clear()
+        self._transports.close()
         self._routes.clear()
         # The MPI communicators are kept, not freed, until MPI_Finalize (about 10 KB each).
         # MPI gives a freed communicator's context id to the next one made, and Open MPI hands
@@ -232,55 +225,7 @@ class Communicator:
     @property
     def plan(self) -> planning.PlanTable:
         """The transport chosen for each operation, memory kind and size class, with reasons."""
-        return planning.plan_table(
-            self.topology.members(),
-            requested=self.config.transport_for(self.name),
-            unavailable=self._unavailable,
-            group=self.name,
-            direct_min=self.config.direct_min,
-        )
-
-    def _transport(self, op: str, buf: Buffer | None) -> Transport:
-        """The transport of `op` on `buf`'s memory and size class (planned once per class)."""
-        if buf is None:
-            cls = (op, False, True)
-        else:
-            cls = (op, buf.device != "cpu", buf.count * buf.itemsize <= planning.SMALL_BYTES)
-        found = self._by_class.get(cls)
-        if found is None:
-            found = self._by_class[cls] = self._resolve(op, buf)
-        return found
-
-    def _resolve(self, op: str, buf: Buffer | None) -> Transport:
-        memory = "device" if buf is not None and buf.on_device else "host"
-        nbytes = buf.nbytes if buf is not None else 0
-        key = (op, memory, planning.size_class(nbytes))
-        choice = self._choices.get(key)
-        if choice is None:
-            choice = planning.choose(
-                self.topology.members(),
-                op=op,
-                memory=memory,
-                nbytes=nbytes,
-                requested=self.config.transport_for(self.name),
-                unavailable=self._unavailable,
-                group=self.name,
-                direct_min=self.config.direct_min,
-            )
-            self._choices[key] = choice
-            log.info(
-                "group '%s': %s on %s %s buffers -> %s (%s)",
-                self.name,
-                op,
-                key[2],
-                memory,
-                choice.transport,
-                choice.reason,
-            )
-        transport = self._transports.get(choice.transport)
-        if transport is None:
-            transport = self._transports[choice.transport] = self._available[choice.transport](self)
-        return transport
+        return self._transports.plan_table()
 
     # ---- routes -----------------------------------------------------------------------------
 
@@ -565,7 +510,7 @@ class Communicator:
         are called in)."""
         if self._deferred:
             self._flush_deferred(op, self._seq)
-        for transport in self._transports.values():
+        for transport in self._transports:
             transport.drain(op, self._seq)
 
     def _blocking_run(self, route: Route, timeout: float | None, *arrays: np.ndarray) -> bool:

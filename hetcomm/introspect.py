@@ -46,7 +46,7 @@ __all__ = [
 
 def transports(comm: Communicator) -> Mapping[str, Transport]:
     """The transports `comm` has made so far, by name (a transport is made on first use)."""
-    return MappingProxyType(comm._transports)
+    return MappingProxyType(comm._transports.live)
 
 
 def transport_of(comm: Communicator, op: str, array: Any = None, name: str = "x") -> Transport:
@@ -75,7 +75,7 @@ def finished(work: Work) -> bool:
 
 def unavailable(comm: Communicator) -> Mapping[str, str | None]:
     """Per transport name, why `comm`'s plan may not pick it (None: it may)."""
-    return MappingProxyType(comm._unavailable)
+    return MappingProxyType(comm._transports.unavailable)
 
 
 def check_form(comm: Communicator) -> str:

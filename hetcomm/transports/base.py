@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from ..config import Config
     from ..ops import ReduceOp
     from ..topology import Topology
+    from ..transport_set import TransportSet
     from ..work import Work
 
 
@@ -39,11 +40,9 @@ class Context(Protocol):
     _seq: int
     #: the error the communicator was aborted with, None while it is usable
     _aborted: BaseException | None
-    #: the group's transports made so far, the registry, and why each one cannot serve it:
-    #: hier picks the group's point-to-point transport from them
-    _transports: dict[str, Transport]
-    _available: dict[str, type[Transport]]
-    _unavailable: dict[str, str | None]
+    #: the group's transports, made on first use, and why each one cannot serve it: hier
+    #: picks the group's point-to-point transport there
+    _transports: TransportSet
 
     def _abort(self, exc: BaseException) -> None:
         """Abort the communicator with `exc`: later calls raise CommAborted at once."""

@@ -321,7 +321,7 @@ def test_staged_blocking_and_async_calls_meet_in_the_segment(staged, rng, errors
     errors.expect(np.array_equal(out, np.repeat(np.arange(n, dtype=np.int32), 5)), "all_gather")
     runs = sum(rt["runs"] for rt in _routes(staged, "all_reduce"))
     errors.expect(runs >= 1, f"no all_reduce took the prepared call ({staged.routes()})")
-    errors.expect(staged._transports["staged"]._driver.submitted >= 2, "no driver ran a body")
+    errors.expect(staged._transports.live["staged"]._driver.submitted >= 2, "no driver ran a body")
     errors.verify()
 
 
@@ -353,7 +353,7 @@ def test_staged_timeout_names_the_missing_rank(staged, errors):
     staged.all_reduce(np.ones(1000))  # the segment made (too large to travel in the check)
     creator = staged.mpi.bcast(os.getpid(), root=0)
     staged._checking = False
-    staged._transports["staged"].timeout = 1.0  # read when a signature's call is prepared
+    staged._transports.live["staged"].timeout = 1.0  # read when a signature's call is prepared
     if staged.rank != 0:
         try:
             staged.all_reduce(np.ones(1001))
@@ -413,7 +413,7 @@ def test_staged_device_bodies_copy_through_the_segment(staged, rng, errors, monk
     segment registered with the device, the result copied back; every op right."""
     n, r = staged.size, staged.rank
     staged.all_reduce(np.ones(3))  # the transport made
-    t = staged._transports["staged"]
+    t = staged._transports.live["staged"]
     gpu = HostMemoryGpu()
     registered = []
     monkeypatch.setattr(t, "gpu", gpu)

@@ -20,12 +20,12 @@ def test_switching_transport_finishes_the_earlier_collectives_first(
     hand: the plan sends every host buffer to one transport); issued asynchronously and
     interleaved, each switch must find the other transport's collectives complete, and every
     result is right."""
-    staged = hetcomm_comm._transports["staged"] = StagedTransport(hetcomm_comm)
-    hetcomm_comm._by_class[("all_reduce", False, False)] = staged
+    staged = hetcomm_comm._transports.live["staged"] = StagedTransport(hetcomm_comm)
+    hetcomm_comm._transports.by_class[("all_reduce", False, False)] = staged
     # the small ones through mpi, whatever --hetcomm-transport says for this run
-    hetcomm_comm._by_class[("all_reduce", False, True)] = hetcomm_comm._transports["mpi"] = (
-        MpiTransport(hetcomm_comm)
-    )
+    hetcomm_comm._transports.by_class[("all_reduce", False, True)] = hetcomm_comm._transports.live[
+        "mpi"
+    ] = MpiTransport(hetcomm_comm)
     rng = np.random.default_rng(hetcomm_shared_seed)
     n, r = hetcomm_comm.size, hetcomm_comm.rank
     big = [rng.standard_normal((n, 40_000)) for _ in range(3)]
@@ -78,11 +78,11 @@ def test_coalesced_groups_on_two_transports(hetcomm_comm, hetcomm_shared_seed, e
     """A fused call whose groups go through two transports (a large float64 group through
     staged, a small int64 group through mpi, routes set by hand): the second starts only once
     the first has completed, and both results are right."""
-    staged = hetcomm_comm._transports["staged"] = StagedTransport(hetcomm_comm)
-    hetcomm_comm._by_class[("all_reduce", False, False)] = staged
-    hetcomm_comm._by_class[("all_reduce", False, True)] = hetcomm_comm._transports["mpi"] = (
-        MpiTransport(hetcomm_comm)
-    )
+    staged = hetcomm_comm._transports.live["staged"] = StagedTransport(hetcomm_comm)
+    hetcomm_comm._transports.by_class[("all_reduce", False, False)] = staged
+    hetcomm_comm._transports.by_class[("all_reduce", False, True)] = hetcomm_comm._transports.live[
+        "mpi"
+    ] = MpiTransport(hetcomm_comm)
     rng = np.random.default_rng(hetcomm_shared_seed)
     n, r = hetcomm_comm.size, hetcomm_comm.rank
     big, small = rng.standard_normal((n, 30_000)), rng.integers(-9, 9, (n, 7))

@@ -72,7 +72,7 @@ class _Counting:
 
 def counted(comm: Any) -> tuple[MpiTransport, Counter[str]]:
     """The communicator's mpi transport, made here so that its MPI calls are counted."""
-    transport = comm._transports["mpi"] = MpiTransport(comm)
+    transport = comm._transports.live["mpi"] = MpiTransport(comm)
     counting = _Counting(transport._mpi)
     transport._mpi = transport.requests._mpi = counting
     return transport, counting.calls

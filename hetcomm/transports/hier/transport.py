@@ -462,20 +462,10 @@ class HierTransport(Transport):
         """The transport the group's plan picks for `op` when hier is left out. It is made on
         the group itself, by whichever rank gets here first (none needs its peers to be made),
         and the caller's tags keep their meaning: the message space is the group's own."""
-        comm = self.comm
-        choice = planning.choose(
-            comm.topology.members(),
-            op=op,
-            memory="device" if buf.on_device else "host",
-            nbytes=buf.nbytes,
-            requested="auto",
-            unavailable={**comm._unavailable, **EXCLUDED},
-            group=comm.name,
-        )
-        found = comm._transports.get(choice.transport)
-        if found is None:
-            found = comm._transports[choice.transport] = comm._available[choice.transport](comm)
-        return found
+        transports = self.comm._transports
+        memory = "device" if buf.on_device else "host"
+        choice = transports.choose(op, memory, buf.nbytes, "auto", EXCLUDED)
+        return transports.make(choice.transport)
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
         """On the group's own point-to-point transport."""
