@@ -36,9 +36,11 @@ def add_arguments(group: Any) -> None:
 
 def rail_bytes(comm: Any) -> dict[str, int]:
     """Bytes each rail of `comm`'s staged transport carried ({} where it cannot tell): the
-    transport's own counters, read through the one private reach of the benchmarks (hetcomm
-    has no public rail statistics yet)."""
-    transport = getattr(comm, "_transports", {}).get("staged")
+    transport's own counters, read through hetcomm.introspect (hetcomm has no public rail
+    statistics yet)."""
+    from . import introspect
+
+    transport = introspect.transports(comm).get("staged")
     stats = getattr(transport, "stats", None)
     return dict(stats) if isinstance(stats, dict) else {}
 
