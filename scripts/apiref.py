@@ -69,9 +69,11 @@ def _member(cls: type, name: str, value: Any) -> list[str]:
     fn = fn.__func__ if isinstance(fn, (staticmethod, classmethod)) else fn
     doc = _first(fn)
     if doc == "(no docstring)":
-        # an override of a torch class's method, documented there
-        base = next((b for b in cls.__mro__[1:] if hasattr(b, name)), None)
-        if base is not None and not base.__module__.startswith("hetcomm"):
+        # an override of a method of the torch class the class derives from, documented there;
+        # named without asking the installed torch, whose classes have other methods in other
+        # versions (the file would depend on it)
+        base = next((b for b in cls.__mro__[1:] if b.__module__.startswith("torch")), None)
+        if base is not None:
             doc = f"implements torch's `{base.__name__}.{name}` (its documentation applies)"
     if isinstance(value, property):
         return [f"- `{cls.__name__}.{name}` (property): {doc}"]
