@@ -5,6 +5,7 @@ form (hetcomm, raw mpi4py, torch.distributed), alternating two buffer sets."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -154,6 +155,32 @@ def pingpong_peer(rank: int, ranks: int) -> int | None:
     return peer if peer < ranks else None
 
 
+def _pingpong(
+    send: Callable[[Any, int], Any],
+    recv: Callable[[Any, int], Any],
+    sets: Sequence[Any],
+    rank: int,
+    ranks: int,
+) -> Run:
+    """The sendrecv row: ranks 2k and 2k+1 send each other `x` and receive `y` in turn (2k
+    first), alternating the buffer sets; a last odd rank sits out."""
+    pick, peer, first = _pair(sets), pingpong_peer(rank, ranks), rank % 2 == 0
+
+    def pingpong(calls: int) -> None:
+        if peer is None:
+            return
+        for i in range(calls):
+            s = pick(i)
+            if first:
+                send(s.x, peer)
+                recv(s.y, peer)
+            else:
+                recv(s.y, peer)
+                send(s.x, peer)
+
+    return pingpong
+
+
 def hetcomm_run(
     comm: Any, op: str, form: str, sets: Sequence[Any], sync: Callable[[], Any], device: bool
 ) -> Run:
@@ -161,24 +188,13 @@ def hetcomm_run(
     pick, root = _pair(sets), ROOT
     each: Callable[[], Any] = sync if device else (lambda: None)
     if op == "sendrecv":
-        peer = pingpong_peer(comm.rank, comm.size)
-        first = comm.rank % 2 == 0
 
-        def pingpong(calls: int) -> None:
-            if peer is None:
-                return
-            for i in range(calls):
-                s = pick(i)
-                if first:
-                    comm.send(s.x, peer)
-                    comm.recv(s.y, peer)
-                    each()
-                else:
-                    comm.recv(s.y, peer)
-                    each()
-                    comm.send(s.x, peer)
+        def received(y: Any, peer: int) -> None:
+            comm.recv(y, peer)
+            sync()  # the device's copy is done before the next message
 
-        return pingpong
+        recv = received if device else comm.recv
+        return _pingpong(comm.send, recv, sets, comm.rank, comm.size)
     calls_of: dict[tuple[str, str], Callable[[Buffers], Any]] = {
         ("all_reduce", "in-place"): lambda s: comm.all_reduce(s.x),
         ("all_reduce", "out-of-place"): lambda s: comm.all_reduce(s.x, out=s.y),
@@ -211,21 +227,7 @@ def mpi4py_run(raw: Any, op: str, form: str, sets: Sequence[Buffers]) -> Run:
     pick, root, rank, ranks = _pair(sets), ROOT, raw.Get_rank(), raw.Get_size()
     inplace = MPI.IN_PLACE
     if op == "sendrecv":
-        peer, first = pingpong_peer(rank, ranks), rank % 2 == 0
-
-        def pingpong(calls: int) -> None:
-            if peer is None:
-                return
-            for i in range(calls):
-                s = pick(i)
-                if first:
-                    raw.Send(s.x, peer)
-                    raw.Recv(s.y, peer)
-                else:
-                    raw.Recv(s.y, peer)
-                    raw.Send(s.x, peer)
-
-        return pingpong
+        return _pingpong(raw.Send, raw.Recv, sets, rank, ranks)
     if op == "all_reduce_coalesced":
         flats = [np.empty(sum(p.size for p in s.pieces), s.pieces[0].dtype) for s in sets]
 
@@ -276,21 +278,9 @@ def torch_run(
 
     pick, root = _pair(sets), ROOT
     if op == "sendrecv":
-        peer, first = pingpong_peer(rank, ranks), rank % 2 == 0
-
-        def pingpong(calls: int) -> None:
-            if peer is None:
-                return
-            for i in range(calls):
-                s = pick(i)
-                if first:
-                    dist.send(s.x, peer, group=group)
-                    dist.recv(s.y, peer, group=group)
-                else:
-                    dist.recv(s.y, peer, group=group)
-                    dist.send(s.x, peer, group=group)
-
-        return pingpong
+        return _pingpong(
+            partial(dist.send, group=group), partial(dist.recv, group=group), sets, rank, ranks
+        )
     gather, scatter = dist_function("all_gather_single"), dist_function("reduce_scatter_single")
     calls_of: dict[tuple[str, str], Callable[[Any], Any]] = {
         ("all_reduce", "in-place"): lambda s: dist.all_reduce(s.x, group=group),
