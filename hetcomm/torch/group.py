@@ -182,10 +182,9 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             limit = self._limit(timeout if isinstance(timeout, timedelta) else opts)
         record = profile.Record(name, inputs) if profile.active() else None
         if opts is not None and self._coalesced is None and not getattr(opts, "asyncOp", True):
+            # (the sends and receives of gather, scatter and uneven all-to-all stay
+            # non-blocking: made one after another blocking, they would wait for each other)
             for op in ops:
-                # (the sends and receives of gather, scatter and uneven all-to-all stay
-                # non-blocking: made one after another blocking, they would wait for each
-                # other)
                 if op.aux:
                     break
             else:

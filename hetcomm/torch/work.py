@@ -2,11 +2,11 @@
 
 A call torch waits for at once (asyncOp=False in its options: `dist.<op>` without async_op) runs
 as the Communicator's blocking call and returns None, which torch takes as a call that has
-completed. Others start at once (non-blocking
-hetcomm calls, in issue order) and return a `Work`; the issuing thread drives each for a moment
-(most small ones end there), `Work.wait()` drives it on the waiting thread, and a daemon thread
-polls the rest so that `Work.get_future()` completes without a wait (DDP waits on futures only).
-A torch future is made only when asked for.
+completed. Others start at once (non-blocking hetcomm calls, in issue order) and return a
+`Work`; the issuing thread drives each for a moment (most small ones end there), `Work.wait()`
+drives it on the waiting thread, and a daemon thread polls the rest so that `Work.get_future()`
+completes without a wait (DDP waits on futures only). A torch future is made only when asked
+for.
 """
 
 from __future__ import annotations
