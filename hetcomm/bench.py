@@ -32,6 +32,7 @@ STUDIES = {
     "coalesced": ("bench_coalesced", "run", "all_reduce_coalesced vs one all_reduce per array"),
     "ddp": ("bench_ddp", "run", "a DDP training step through hetcomm vs gloo"),
     "wake": ("bench_wake", "run", "a message after a pause: how soon a long wait sees it"),
+    "lane": ("bench_lane", "run", "large host collectives: blocking, on a thread, non-blocking"),
 }
 
 

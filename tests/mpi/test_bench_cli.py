@@ -229,3 +229,33 @@ def test_wake_study_checks_its_messages(capsys, tmp_path_factory):
         assert [r["bytes"] for r in rows] == [8, 65536, 1 << 20]
         # each round trip holds two pauses of at least 1 ms: nothing is left below them
         assert all(r["hetcomm_us"] >= 0 and r["mpi4py_us"] >= 0 for r in rows), rows
+
+
+@pytest.mark.mpi(min_size=2)
+def test_lane_study_checks_every_way(capsys, tmp_path_factory):
+    path = tmp_path_factory.mktemp("lane") / f"lane{MPI.COMM_WORLD.Get_rank()}.json"
+    argv = ["--study", "lane", "--op", "all_reduce,reduce,broadcast,reduce_scatter"]
+    argv += ["-b", "64K", "-e", "1M", "-f", "16", "--rounds", "1", "-n", "2", "--json", str(path)]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert "wrong elements: 0" in out and "| hetcomm's way |" in out
+        data = json.loads(path.read_text())
+        rows = data["rows"]
+        n = MPI.COMM_WORLD.Get_size()
+        ops = ("all_reduce", "reduce", "broadcast", "reduce_scatter")
+        # reduce_scatter's input holds whole blocks of float32, one per rank
+        sizes = {op: (65536, 1 << 20) for op in ops[:3]}
+        sizes["reduce_scatter"] = tuple(b // 4 // n * n * 4 for b in (65536, 1 << 20))
+        assert [(r["op"], r["bytes"]) for r in rows] == [(op, b) for op in ops for b in sizes[op]]
+        # 1 MiB all_reduces and reduces take the lane (LANE_MIN), 64 KiB ones the calling thread
+        ways = {(r["op"], r["bytes"]): r["way"] for r in rows}
+        assert ways[("all_reduce", 1 << 20)] == ways[("reduce", 1 << 20)] == "lane", ways
+        assert {ways[(op, sizes[op][0])] for op in ops} == {"calling thread"}, ways
+        assert all(r["direct_us"] > 0 and r["thread/direct"] > 0 for r in rows), rows
+
+
+@pytest.mark.mpi(min_size=2)
+def test_lane_study_refuses_an_unknown_op():
+    with pytest.raises(SystemExit, match="--op takes all_reduce"):
+        bench.main(["--study", "lane", "--op", "all_gather"])
