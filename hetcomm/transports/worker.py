@@ -32,6 +32,7 @@ class InOrderWorker:
         self.name = name
         self.lock = threading.Lock()
         self.pending = 0  # jobs queued or running; raised by the issuer, lowered by the thread
+        self.submitted = 0  # jobs queued so far
         self._refuse = refuse
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -49,6 +50,7 @@ class InOrderWorker:
         """Queue `call`; its Job is set once it has returned or raised (call with `lock` held)."""
         job = Job(call)
         self.pending += 1
+        self.submitted += 1
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
             self._thread.start()

@@ -155,11 +155,14 @@ def _own_reducer(dtype: str, op: ReduceOp) -> Callable[[Any, Any, Any], None]:
 # another); all_reduce 1.2-1.8x on 5.0 from 64 KiB (about 1.0 on 4.1.6) and reduce 2.6-4.5x on
 # 5.0 from 64 KiB, where a hand-off costs less than the difference from 256 KiB. `hetcomm tune`
 # measures both forms of each op on the machine at hand and its values replace these
-# (Tuning.lane_min).
+# (Tuning.lane_min). Reduces past 128 KiB: on 2 ranks, Open MPI 5.0 (VM) and 4.1.6 (H200
+# host), the non-blocking reduce took 3.2-4.9x the blocking one from 128 KiB, the blocking one
+# on a bare thread 1.7-2.2x (`hetcomm bench --study lane`, docs/BENCHMARKS.md), and `hetcomm
+# tune` put the lane past 128 KiB on both.
 LANE_BYTES = 256 * 1024
 LANE_MIN: dict[str, int | None] = {
     "all_reduce": LANE_BYTES,
-    "reduce": LANE_BYTES,
+    "reduce": 128 * 1024,
     "broadcast": 2 * 1024 * 1024,
     "reduce_scatter": 4 * 1024 * 1024,
 }
@@ -425,8 +428,9 @@ class MpiTransport(Transport):
         signature (which calls those are depends on the signature alone, so every rank's calls
         match whichever path each rank takes). A prepared call returns False, having moved
         nothing, when the lane has jobs queued (the general path then queues behind them).
-        None where the general path must run: device memory, counts cut into several calls,
-        collectives that run blocking on the lane (see LANE_MIN)."""
+        A collective that runs blocking on the lane (see LANE_MIN) is queued there and waited
+        for here, bounded, behind whatever the lane has queued (see _prepare_laned). None where
+        the general path must run: device memory, counts cut into several calls."""
         if x is not None and (x.host is None or len(_spans(x)) > 1):
             return None
         if out is not None and (out.host is None or len(_spans(out)) > 1):
@@ -450,7 +454,7 @@ class MpiTransport(Transport):
                     self._run_all_reduce_persistent, kind, x.count, self._divisor(x, rop)
                 )
         if laned(self.lane_min, op, nbytes):
-            return None
+            return self._prepare_laned(op, x, rop, root)
         dt = _DATATYPES[x.dtype]
         mpi = self._mpi
         if op == "all_reduce":
@@ -534,6 +538,68 @@ class MpiTransport(Transport):
 
         run_blocks.in_place = True  # type: ignore[attr-defined]
         return run_blocks
+
+    def _prepare_laned(
+        self, op: str, x: Buffer, rop: ReduceOp | None, root: int
+    ) -> Callable[..., bool] | None:
+        """The prepared call of a collective that runs blocking on the lane: the general path's
+        blocking MPI call, queued on the lane (in issue order, behind its jobs) and waited for
+        by the calling thread within the call's timeout, without the general path's Buffers
+        and Work. None for the all_gather and all_to_all (their in-place forms are the general
+        path's; `hetcomm tune` lanes them rarely, neither machine measured so)."""
+        dt, mpi, lane = _DATATYPES[x.dtype], self._mpi, self._lane
+        after: Callable[[np.ndarray], None] | None = None
+        if op == "all_reduce":
+            assert rop is not None
+            mop, after = mpi_op(x.dtype, rop), self._divisor(x, rop)
+
+            def call(xh: np.ndarray, oh: np.ndarray) -> None:
+                mpi.Allreduce(_IN_PLACE if xh is oh else (xh, dt), (oh, dt), mop)
+
+        elif op == "reduce":
+            assert rop is not None
+            mop = mpi_op(x.dtype, rop)
+            if mpi.Get_rank() == root:
+                after = self._divisor(x, rop)
+
+                def call(xh: np.ndarray) -> None:
+                    mpi.Reduce(_IN_PLACE, (xh, dt), mop, root)
+
+            else:
+
+                def call(xh: np.ndarray) -> None:
+                    mpi.Reduce((xh, dt), None, mop, root)
+
+        elif op == "broadcast":
+
+            def call(xh: np.ndarray) -> None:
+                mpi.Bcast((xh, dt), root)
+
+        elif op == "reduce_scatter":
+            assert rop is not None
+            self._reducible(x)
+            mop, after = mpi_op(x.dtype, rop), self._divisor(x, rop)
+
+            def call(xh: np.ndarray, oh: np.ndarray) -> None:
+                # out inside x: reduce a copy of x (as the non-blocking form does)
+                send = xh.copy() if may_share_memory(xh, oh) else xh
+                mpi.Reduce_scatter_block((send, dt), (oh, dt), mop)
+
+        else:
+            return None
+
+        def run_laned(*arrays_and_seq: Any) -> bool:
+            *arrays, seq = arrays_and_seq
+            with lane.lock:
+                job = lane.submit(partial(call, *arrays))
+            wait_for(self.comm, op, seq, job.is_set, self.comm.call_timeout, job.wait)
+            job.check()
+            if after is not None:
+                after(arrays[-1])  # the result: out, or x at a reduce's root
+            return True
+
+        run_laned.in_place = op == "reduce_scatter"  # type: ignore[attr-defined]
+        return run_laned
 
     def _divisor(self, x: Buffer, rop: ReduceOp) -> Callable[[np.ndarray], None] | None:
         """AVG's division of a result on the host (None for the other ops)."""
