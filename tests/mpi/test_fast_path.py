@@ -439,3 +439,31 @@ def test_a_large_async_collective_moves_while_nobody_polls(hetcomm_comm, rng, er
     work.wait()
     errors.expect(np.array_equal(out, stack.reshape(-1)), "all_gather result")
     errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_laned_in_place_reduce_scatter_reads_a_copy_of_its_input(hetcomm_comm, rng, errors):
+    """A reduce_scatter past 4 MiB of input runs on the lane (the built-in table); its output
+    inside its input (this rank's block) gets the sum of every rank's block, and the rest of
+    the input stays as it was, call after call."""
+    from hetcomm import introspect
+    from hetcomm.transports.mpi.transport import LANE_MIN
+
+    comm = hetcomm_comm
+    size, rank = comm.size, comm.rank
+    block = (5 << 20) // 8 // size  # 5 MiB of float64 input per rank
+    transport = introspect.transport_of(comm, "reduce_scatter", np.zeros(block * size))
+    jobs = introspect.lane(transport).submitted if transport.name == "mpi" else 0
+    for i in range(2):
+        stack = _stack(rng, size, block * size, "float64")
+        x = stack[rank].copy()
+        comm.reduce_scatter(x[rank * block : (rank + 1) * block], x)
+        want = stack.sum(axis=0, dtype=np.float64)[rank * block : (rank + 1) * block]
+        mine = x[rank * block : (rank + 1) * block]
+        errors.expect(np.array_equal(mine, want), f"call {i}: the block sums")
+        rest = np.delete(np.arange(size * block), np.s_[rank * block : (rank + 1) * block])
+        errors.expect(np.array_equal(x[rest], stack[rank][rest]), f"call {i}: x outside out")
+    if transport.name == "mpi" and transport.lane_min == LANE_MIN:
+        queued = introspect.lane(transport).submitted - jobs
+        errors.expect(queued == 2, f"{queued} lane jobs for 2 calls")
+    errors.verify()
