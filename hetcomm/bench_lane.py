@@ -28,6 +28,7 @@ import queue
 import sys
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
             direct, nonblocking, call = _forms(op, raw, world, x, out, rank)
             ways = {
                 "direct": _repeat(direct),
-                "thread": _repeat(lambda direct=direct: helper.call(direct)),
+                "thread": _repeat(partial(helper.call, direct)),
                 "nonblocking": _repeat(nonblocking),
                 "hetcomm": _repeat(call),
             }
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
                 row[f"{way}_us"] = stat.median * 1e6
                 row[f"{way}/direct"] = paired_ratio(stat, stats["direct"])
             row["spread"] = max(s.spread for s in stats.values())
-            lane_min = transport_of(world, op, x).lane_min
+            lane_min = getattr(transport_of(world, op, x), "lane_min", {})  # the mpi transport's
             row["way"] = "lane" if laned(lane_min, op, x.nbytes) else "calling thread"
             rows.append(row)
     bad = ctl.allreduce(wrong, op=MPI.SUM)
@@ -186,8 +187,10 @@ def _wrong(op: str, way: Run, x: np.ndarray, out: np.ndarray, rank: int, size: i
     data = [np.random.default_rng([9, q]).integers(-8, 8, x.size) for q in range(size)]
     x[...] = data[rank]
     out[...] = np.nan
-    total = np.sum(data, axis=0, dtype=np.float64)
+    total = np.asarray(np.sum(data, axis=0, dtype=np.float64))
     way(1)
+    got: np.ndarray
+    want: np.ndarray
     if op == "all_reduce":
         got, want = x, total
     elif op == "reduce":

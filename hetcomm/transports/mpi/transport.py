@@ -549,12 +549,15 @@ class MpiTransport(Transport):
         path's; `hetcomm tune` lanes them rarely, neither machine measured so)."""
         dt, mpi, lane = _DATATYPES[x.dtype], self._mpi, self._lane
         after: Callable[[np.ndarray], None] | None = None
+        call: Callable[..., None]  # the blocking MPI call on the route's arrays
         if op == "all_reduce":
             assert rop is not None
             mop, after = mpi_op(x.dtype, rop), self._divisor(x, rop)
 
-            def call(xh: np.ndarray, oh: np.ndarray) -> None:
+            def all_reduce(xh: np.ndarray, oh: np.ndarray) -> None:
                 mpi.Allreduce(_IN_PLACE if xh is oh else (xh, dt), (oh, dt), mop)
+
+            call = all_reduce
 
         elif op == "reduce":
             assert rop is not None
@@ -562,38 +565,44 @@ class MpiTransport(Transport):
             if mpi.Get_rank() == root:
                 after = self._divisor(x, rop)
 
-                def call(xh: np.ndarray) -> None:
+                def reduce_root(xh: np.ndarray) -> None:
                     mpi.Reduce(_IN_PLACE, (xh, dt), mop, root)
 
+                call = reduce_root
             else:
 
-                def call(xh: np.ndarray) -> None:
+                def reduce(xh: np.ndarray) -> None:
                     mpi.Reduce((xh, dt), None, mop, root)
+
+                call = reduce
 
         elif op == "broadcast":
 
-            def call(xh: np.ndarray) -> None:
+            def broadcast(xh: np.ndarray) -> None:
                 mpi.Bcast((xh, dt), root)
+
+            call = broadcast
 
         elif op == "reduce_scatter":
             assert rop is not None
             self._reducible(x)
             mop, after = mpi_op(x.dtype, rop), self._divisor(x, rop)
 
-            def call(xh: np.ndarray, oh: np.ndarray) -> None:
+            def reduce_scatter(xh: np.ndarray, oh: np.ndarray) -> None:
                 mpi.Reduce_scatter_block((xh, dt), (oh, dt), mop)
+
+            call = reduce_scatter
 
         else:
             return None
 
         def run_laned(*arrays_and_seq: Any) -> bool:
             *arrays, seq = arrays_and_seq
-            if len(arrays) == 2 and arrays[0] is not arrays[1]:
-                if may_share_memory(*arrays):
-                    # reduce_scatter's out inside x: reduce a copy of x (as the non-blocking
-                    # form does), made here: made on the lane, a 16 MiB in-place call took
-                    # twice as long (17-18 against 8.5-9.3 ms, 2 ranks, CPU VM)
-                    arrays[0] = arrays[0].copy()
+            if len(arrays) == 2 and arrays[0] is not arrays[1] and may_share_memory(*arrays):
+                # reduce_scatter's out inside x: reduce a copy of x (as the non-blocking form
+                # does), made here: made on the lane, a 16 MiB in-place call took twice as
+                # long (17-18 against 8.5-9.3 ms, 2 ranks, CPU VM)
+                arrays[0] = arrays[0].copy()
             with lane.lock:
                 job = lane.submit(partial(call, *arrays))
             wait_for(self.comm, op, seq, job.is_set, self.comm.call_timeout, job.wait)
