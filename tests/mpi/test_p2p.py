@@ -204,3 +204,36 @@ def test_staged_send_without_a_receive_times_out_naming_it(hetcomm_make_comm, er
             pass
     comm.mpi.Barrier()
     errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("form", ["blocking", "async", "any source"])
+def test_mpi_receive_of_another_size_names_both_sizes(hetcomm_make_comm, rng, errors, form):
+    """On the mpi transport a receive smaller than its message and one larger raise
+    MismatchError naming the sizes, through the prepared call, a Work and a receive from any
+    source alike; the next message of the right size still lands."""
+    comm = hetcomm_make_comm(transport="mpi")
+    data = rng.standard_normal(12).astype(np.float32)
+    if comm.rank == 0:
+        for tag, n in ((1, 5), (2, 3), (3, 4)):
+            comm.send(data[:n], 1, tag=tag)
+    elif comm.rank == 1:
+        src = hetcomm.ANY_SOURCE if form == "any source" else 0
+
+        def receive(y, tag):
+            if form == "async":
+                comm.recv(y, src, tag=tag, async_op=True).wait()
+            else:
+                comm.recv(y, src, tag=tag)
+
+        for tag, said in ((1, "has more than 16 bytes"), (2, "has 12 bytes")):
+            try:
+                receive(np.zeros(4, np.float32), tag)
+                errors.expect(False, f"tag {tag}: no MismatchError")
+            except hetcomm.MismatchError as exc:
+                errors.expect(said in str(exc), f"tag {tag} said: {exc}")
+                errors.expect("rank 0" in str(exc), f"tag {tag} names no sender: {exc}")
+        y = np.zeros(4, np.float32)
+        receive(y, 3)
+        errors += compare(y, data[:4], "the message after")
+    errors.verify()
