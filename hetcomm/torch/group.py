@@ -210,15 +210,29 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             finished = _finished_now(works, self.comm.name, name, result)
             if finished is not None:
                 return _Work(finished)
+        pending = self._pending(name, works, after, result, limit, record)
+        if self._coalesced is not None:
+            self._coalesced.append(pending)
+        return _Work(pending)
+
+    def _pending(
+        self,
+        name: str,
+        works: list[HetcommWork],
+        after: list[Callable[[], None]],
+        result: list[torch.Tensor],
+        limit: float,
+        record: profile.Record | None = None,
+    ) -> _Pending:
+        """The operation of started Works, driven here for a moment, then (still running)
+        by the progress thread, or to its end where MPI cannot take calls from two threads."""
         pending = _Pending(f"{self.comm.name}: {name}", works, after, result, limit)
         pending.record = record
         if _synchronous():
             pending.wait()
         elif not pending.settle():
             _PROGRESS.add(id(self), pending)
-        if self._coalesced is not None:
-            self._coalesced.append(pending)
-        return _Work(pending)
+        return pending
 
     def _run_blocking(
         self, name: str, ops: Sequence[_Op], limit: float, record: profile.Record | None
@@ -481,13 +495,13 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         t = _one(tensors, "send")
         dst = self._rank_arg(dstRank, "send: dst")
         x, _ = _movable(t, write=False)
-        return self._point_to_point("send", _Op("send", (x, dst, tag), [t]), t)
+        return self._point_to_point("send", "send", (x, dst, tag), t)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> _Work:
         t = _one(tensors, "recv")
         src = self._rank_arg(srcRank, "recv: src")
         x, after = _movable(t, write=True)
-        return self._point_to_point("recv", _Op("recv", (x, src, tag), [t], after), t)
+        return self._point_to_point("recv", "recv", (x, src, tag), t, after)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> _Work:
         from .. import ANY_SOURCE
@@ -495,16 +509,33 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         t = _one(tensors, "recv")
         x, after = _movable(t, write=True)
         # the Work's _source_rank() is the sender's rank in this group, once complete
-        return self._point_to_point(
-            "recv_anysource", _Op("recv", (x, ANY_SOURCE, tag), [t], after), t
-        )
+        return self._point_to_point("recv_anysource", "recv", (x, ANY_SOURCE, tag), t, after)
 
-    def _point_to_point(self, name: str, op: _Op, t: torch.Tensor) -> _Work:
+    def _point_to_point(
+        self,
+        name: str,
+        method: str,
+        args: tuple,
+        t: torch.Tensor,
+        after: Sequence[Callable[[], None]] = (),
+    ) -> _Work:
         """A send or receive: torch passes it no options, so it always starts and hands back a
-        Work (dist.send and dist.recv wait on it)."""
-        work = self._run(name, [op], inputs=[t])
-        assert work is not None
-        return work
+        Work (dist.send and dist.recv wait on it). Started here, it is one call into the
+        Communicator; _run takes those that join a coalesced block, need steps after them or
+        are recorded for the profiler."""
+        if self._closed or self._coalesced is not None or after or profile.active():
+            work = self._run(name, [_Op(method, args, [t], after)], inputs=[t])
+            assert work is not None
+            return work
+        with self._issue:
+            try:
+                started = getattr(self.comm, method)(*args, async_op=True)
+            except HetcommError as exc:
+                raise torch_error(exc, f"{self.comm.name}: {name}") from exc
+        finished = _finished_now([started], self.comm.name, name, [t])
+        if finished is not None:
+            return _Work(finished)
+        return _Work(self._pending(name, [started], [], [t], self.timeout_s))
 
     # ---- coalescing (batch_isend_irecv, _coalescing_manager) ----------------------------------
 
