@@ -8,7 +8,9 @@ needs no address, port, rank or world size: they come from MPI. docs/torch.md is
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -34,7 +36,7 @@ from .tensors import (
     _same_dtype,
     split_rows,
 )
-from .work import _PROGRESS, _Finished, _joined, _Pending, _synchronous, _Work
+from .work import _PROGRESS, SETTLE_S, _Finished, _joined, _Pending, _synchronous, _Work
 
 if TYPE_CHECKING:
     from ..comm import Communicator
@@ -206,11 +208,13 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         else:
             result = [t for op in ops for t in op.result]
             after = [step for op in ops for step in op.after]
+        settle = True
         if record is None and self._coalesced is None and not after:
             finished = _finished_now(works, self.comm.name, name, result)
             if finished is not None:
                 return _Work(finished)
-        pending = self._pending(name, works, after, result, limit, record)
+            settle = False  # it was, and did not end
+        pending = self._pending(name, works, after, result, limit, record, settle)
         if self._coalesced is not None:
             self._coalesced.append(pending)
         return _Work(pending)
@@ -223,14 +227,16 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         result: list[torch.Tensor],
         limit: float,
         record: profile.Record | None = None,
+        settle: bool = True,
     ) -> _Pending:
-        """The operation of started Works, driven here for a moment, then (still running)
-        by the progress thread, or to its end where MPI cannot take calls from two threads."""
+        """The operation of started Works, driven here for a moment (unless `settle` is
+        False: it was), then (still running) by the progress thread, or to its end where MPI
+        cannot take calls from two threads."""
         pending = _Pending(f"{self.comm.name}: {name}", works, after, result, limit)
         pending.record = record
         if _synchronous():
             pending.wait()
-        elif not pending.settle():
+        elif not (settle and pending.settle()):
             _PROGRESS.add(id(self), pending)
         return pending
 
@@ -535,7 +541,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
         finished = _finished_now([started], self.comm.name, name, [t])
         if finished is not None:
             return _Work(finished)
-        return _Work(self._pending(name, [started], [], [t], self.timeout_s))
+        return _Work(self._pending(name, [started], [], [t], self.timeout_s, settle=False))
 
     # ---- coalescing (batch_isend_irecv, _coalescing_manager) ----------------------------------
 
@@ -674,13 +680,20 @@ class _BackendView:
 def _finished_now(
     works: list[HetcommWork], group: str, name: str, result: list[torch.Tensor]
 ) -> _Finished | None:
-    """The finished Work of operations that completed as they were started (small ones among
-    ranks in step), or None: then a _Pending follows them, which also reports their errors."""
+    """The finished Work of operations just started, driven on this thread for a moment (up
+    to SETTLE_S in all, yielding the core between polls; small ones among ranks in step end
+    within it), or None: then a _Pending follows them, which also reports their errors."""
     source = None
+    until = 0.0
     try:
         for work in works:
-            if not work.test():
-                return None
+            while not work.test():
+                now = time.monotonic()
+                if not until:
+                    until = now + SETTLE_S
+                elif now >= until:
+                    return None
+                os.sched_yield()  # the peer may need this core (more ranks than cores)
             if work.source is not None:
                 source = work.source
     except BaseException:

@@ -108,12 +108,12 @@ class _Pending:
             self._lock.release()
 
     def settle(self) -> bool:
-        """Drive the operation on the calling thread for a moment (up to _SETTLE_S): whether
+        """Drive the operation on the calling thread for a moment (up to SETTLE_S): whether
         it completed. Small operations among ranks in step do, and their Work and future are
         complete before torch sees them, with no hand-off to the progress thread."""
         if self.poll():
             return True
-        until = time.monotonic() + _SETTLE_S
+        until = time.monotonic() + SETTLE_S
         while not self.poll():
             if time.monotonic() >= until:
                 return False
@@ -292,7 +292,7 @@ _SPIN_S = 100e-6
 # how long the issuing thread drives an operation before the progress thread takes it over:
 # long enough for a small collective among ranks in step, short enough not to hold back a
 # caller that overlaps communication with compute
-_SETTLE_S = 50e-6
+SETTLE_S = 50e-6
 _PROGRESS = _Progress()
 
 
