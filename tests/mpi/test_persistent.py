@@ -24,7 +24,8 @@ from mpi4py import MPI
 
 from hetcomm import ReduceOp, introspect
 from hetcomm.transports.mpi import persistent as mpi_persistent
-from hetcomm.transports.mpi.transport import _PERSISTENT, LANE_BYTES, MpiTransport
+from hetcomm.transports.mpi.datatypes import PERSISTENT
+from hetcomm.transports.mpi.transport import LANE_BYTES, MpiTransport
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -131,7 +132,7 @@ class Call:
     def persistent(self) -> bool:
         """Whether the mpi transport runs this one as a persistent request: MPI reduces its
         (dtype, op) with a predefined operation (every size of _COUNTS is within _LIMIT)."""
-        return (self.dtype, self.op.value) in _PERSISTENT
+        return (self.dtype, self.op.value) in PERSISTENT
 
 
 def _large(comm: Any, rng: np.random.Generator) -> tuple[Any, np.ndarray, np.ndarray]:

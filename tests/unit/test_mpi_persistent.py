@@ -21,15 +21,16 @@ from hetcomm.ops import ReduceOp
 from hetcomm.plan import Member
 from hetcomm.transports.mpi import persistent as mpi_persistent
 from hetcomm.transports.mpi import transport as mpi_transport
+from hetcomm.transports.mpi.datatypes import KINDS, PERSISTENT
 from hetcomm.transports.mpi.persistent import Requests
-from hetcomm.transports.mpi.transport import _KINDS, _PERSISTENT, MpiTransport
+from hetcomm.transports.mpi.transport import MpiTransport
 
 pytestmark = pytest.mark.skipif(
     mpi_persistent.unavailable() is not None, reason=f"{mpi_persistent.unavailable()}"
 )
 
-F32_SUM = _PERSISTENT[("float32", "sum")]
-I64_MAX = _PERSISTENT[("int64", "max")]
+F32_SUM = PERSISTENT[("float32", "sum")]
+I64_MAX = PERSISTENT[("int64", "max")]
 
 
 @pytest.fixture
@@ -59,7 +60,7 @@ def _run(requests: Requests, kind, count: int) -> mpi_persistent.Slot:
 
 
 def test_the_least_recently_used_request_is_freed(self_comm):
-    requests = Requests(self_comm, self_comm.mpi, _KINDS, capacity=3)
+    requests = Requests(self_comm, self_comm.mpi, KINDS, capacity=3)
     a, b, c = (_run(requests, F32_SUM, n) for n in (1, 2, 3))
     assert _run(requests, F32_SUM, 1) is a  # a is now the most recent
     d = _run(requests, I64_MAX, 2)  # full: b, the least recently used, goes
@@ -75,7 +76,7 @@ def test_the_least_recently_used_request_is_freed(self_comm):
 def test_a_request_given_up_on_is_neither_reused_nor_freed(self_comm, monkeypatch):
     stranded: list[mpi_persistent.Slot] = []
     monkeypatch.setattr(mpi_persistent, "_STRANDED", stranded)
-    requests = Requests(self_comm, self_comm.mpi, _KINDS)
+    requests = Requests(self_comm, self_comm.mpi, KINDS)
     slot = _run(requests, F32_SUM, 4)
     slot.active = True  # as if started and its wait had timed out
     fresh = requests.take(F32_SUM, 4)
@@ -91,7 +92,7 @@ def test_a_request_given_up_on_is_neither_reused_nor_freed(self_comm, monkeypatc
 
 
 def test_the_call_in_flight_is_delivered_before_its_request_is_reused(self_comm):
-    requests = Requests(self_comm, self_comm.mpi, _KINDS)
+    requests = Requests(self_comm, self_comm.mpi, KINDS)
     slot = requests.take(F32_SUM, 3)
     delivered = []
     slot.scratch[...] = [1, 2, 3]

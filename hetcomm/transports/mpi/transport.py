@@ -10,135 +10,21 @@ import numpy as np
 from mpi4py import MPI
 
 from ...arrays import may_share_memory
-from ...dtypes import BOOL_AS_MINMAX, TABLE
-from ...errors import MismatchError, TransportUnavailable
+from ...errors import TransportUnavailable
 from ...ops import ReduceOp
 from ...work import BusyPoll, Work, wait_for
 from ..base import Context, Transport
 from ..worker import InOrderWorker
 from . import node, persistent, schedule
+from .datatypes import DATATYPES, KINDS, PERSISTENT, mpi_op
+from .receive import OneReceive, Receive
 
 if TYPE_CHECKING:
     from ...arrays import Buffer
     from ...topology import Topology
 
-_NATIVE_OPS = {
-    ReduceOp.SUM: MPI.SUM,
-    ReduceOp.AVG: MPI.SUM,
-    ReduceOp.PROD: MPI.PROD,
-    ReduceOp.MIN: MPI.MIN,
-    ReduceOp.MAX: MPI.MAX,
-}
-# the MPI datatype each dtype travels as (dtypes.Dtype.mpi)
-_DATATYPES = {name: getattr(MPI, d.mpi) for name, d in TABLE.items()}
-_INTS = tuple(n for n, d in TABLE.items() if d.kind in ("int", "uint"))
-
-
-def _bool_as(op: ReduceOp) -> ReduceOp:
-    """The MAX or MIN that reduces bool's 0/1 as `op` (dtypes.BOOL_AS_MINMAX)."""
-    return ReduceOp(BOOL_AS_MINMAX[op.value])
-
-
-def _wrong_integer_ops() -> frozenset[tuple[str, str]]:
-    """(dtype, op) pairs that this MPI library does not reduce the way C integers wrap.
-
-    Open MPI 5.0's vectorized operations (the op/avx component) saturate SUM of 8- and 16-bit
-    integers (127 + 1 gives 127, not -128) once an array holds 16 elements or more. One local
-    MPI_Reduce_local per pair, at import, finds out; hetcomm's own kernels reduce those pairs.
-    """
-    wrong = set()
-    for name in _INTS:
-        dtype = np.dtype(name)
-        big = np.iinfo(dtype).max - 1
-        for op, mpi in ((ReduceOp.SUM, MPI.SUM), (ReduceOp.PROD, MPI.PROD)):
-            a, b = np.full(64, big, dtype), np.full(64, big, dtype)
-            want = a.astype(np.int64) * b if op is ReduceOp.PROD else a.astype(np.int64) + b
-            mpi.Reduce_local((a, _DATATYPES[name]), (b, _DATATYPES[name]))
-            if not np.array_equal(b, want.astype(dtype)):
-                wrong.add((name, op.value))
-                if op is ReduceOp.SUM:
-                    wrong.add((name, ReduceOp.AVG.value))
-    return frozenset(wrong)
-
-
-# MPI has no bfloat16 (and float16 only as an extension): those are reduced by hetcomm's own
-# kernels inside user-defined MPI operations, one per (dtype, op), created on first use; so are
-# the integer reductions that the MPI library gets wrong.
-_OWN_OPS: dict[tuple[str, ReduceOp], MPI.Op] = {}
-_WRONG = _wrong_integer_ops()
 _IN_PLACE = MPI.IN_PLACE
 _AVG = ReduceOp.AVG
-
-
-def _persistent_kinds() -> dict[tuple[str, str], persistent.Kind]:
-    """(dtype name, op) -> the kind of persistent all-reduce that serves it, for every pair MPI
-    reduces with a predefined operation (bool as uint8; AVG reduces as SUM, then divides, and
-    shares SUM's kind)."""
-    kinds: dict[tuple[str, str], persistent.Kind] = {}
-    made = 0
-    for name, datatype in _DATATYPES.items():
-        if name in ("float16", "bfloat16"):
-            continue
-        for op in ReduceOp:
-            reduce_as = ReduceOp.SUM if op is _AVG else op
-            if (name, reduce_as.value) in _WRONG or (name == "bool" and op is _AVG):
-                continue
-            kind = kinds.get((name, reduce_as.value))
-            if kind is None:
-                mop = _NATIVE_OPS[_bool_as(reduce_as)] if name == "bool" else _NATIVE_OPS[reduce_as]
-                kind = persistent.Kind(made, np.dtype(name), datatype, mop)
-                made += 1
-            kinds[(name, op.value)] = kinds[(name, reduce_as.value)] = kind
-    return kinds
-
-
-_PERSISTENT = _persistent_kinds()
-_KINDS = len({kind.index for kind in _PERSISTENT.values()})
-# (numpy dtype, op) -> kind, for the pairs of the short path: those MPI reduces itself, AVG and
-# bool aside; kind.op and kind.datatype serve its Iallreduce too
-_FAST = {
-    (kind.dtype, op): kind
-    for (name, op), kind in _PERSISTENT.items()
-    if name != "bool" and op != _AVG.value
-}
-_OPS = {
-    (d, op.value): mpi
-    for d in _DATATYPES
-    if d not in ("bool", "float16", "bfloat16")
-    for op, mpi in _NATIVE_OPS.items()
-    if (d, op.value) not in _WRONG
-}
-
-
-def mpi_op(dtype: str, op: ReduceOp) -> MPI.Op:
-    """The MPI operation that reduces `dtype` with `op` (AVG reduces as SUM, then divides)."""
-    found = _OPS.get((dtype, op._value_))
-    if found is not None:
-        return found
-    if dtype == "bool":
-        return _NATIVE_OPS[_bool_as(op)]
-    key = (dtype, op)
-    found = _OWN_OPS.get(key)
-    if found is None:
-        found = _OWN_OPS[key] = MPI.Op.Create(_own_reducer(dtype, op), commute=True)
-    return found
-
-
-def _own_reducer(dtype: str, op: ReduceOp) -> Callable[[Any, Any, Any], None]:
-    from ...kernels import reduce
-
-    kind = "sum" if op is ReduceOp.AVG else op.value
-    combine, storage = reduce.combine, reduce.storage_dtype(dtype)
-
-    def reducer(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-        combine(
-            np.frombuffer(inoutbuf, dtype=storage),
-            np.frombuffer(inbuf, dtype=storage),
-            kind,
-            dtype,
-        )
-
-    return reducer
 
 
 # The collectives that run as blocking MPI calls on the communicator's lane thread: those of an
@@ -206,7 +92,7 @@ class MpiTransport(Transport):
         self.persistent_off = persistent.unavailable()
         limit = min(comm.config.persistent_max, LANE_BYTES)
         self._persistent_max = 0 if self.persistent_off else limit
-        self.requests = persistent.Requests(comm, self._mpi, _KINDS)
+        self.requests = persistent.Requests(comm, self._mpi, KINDS)
         # fused host all-reduces through shared memory, where the group is one node's ranks
         self._one_node: bool | None = None  # known at the first fused all-reduce
         self._node: node.NodeReduce | None = None
@@ -353,10 +239,10 @@ class MpiTransport(Transport):
         """A cached persistent request when small, else MPI_Allreduce (AVG divides after)."""
         self._reducible(x)
         if 0 < out.nbytes <= self._persistent_max:
-            kind = _PERSISTENT.get((x.dtype, op._value_))
+            kind = PERSISTENT.get((x.dtype, op._value_))
             if kind is not None:
                 return self._all_reduce_persistent(x, out, op, seq, kind)
-        dt = _DATATYPES[x.dtype]
+        dt = DATATYPES[x.dtype]
         mop, mpi = mpi_op(x.dtype, op), self._mpi
         finish = self._average(out) if op is _AVG else ()
         spans = _spans(out)
@@ -436,9 +322,9 @@ class MpiTransport(Transport):
         if out is not None and (out.host is None or len(_spans(out)) > 1):
             return None
         if op == "send":
-            return partial(self._run_send, _DATATYPES[x.dtype]) if x is not None else None
+            return partial(self._run_send, DATATYPES[x.dtype]) if x is not None else None
         if op == "recv":
-            return partial(self._run_recv, _DATATYPES[x.dtype]) if x is not None else None
+            return partial(self._run_recv, DATATYPES[x.dtype]) if x is not None else None
         if op == "barrier":
             return self._run_barrier
         assert x is not None
@@ -448,14 +334,14 @@ class MpiTransport(Transport):
             nbytes = x.nbytes
             assert rop is not None
             self._reducible(x)
-            kind = _PERSISTENT.get((x.dtype, rop._value_))
+            kind = PERSISTENT.get((x.dtype, rop._value_))
             if kind is not None and 0 < nbytes <= self._persistent_max:
                 return partial(
                     self._run_all_reduce_persistent, kind, x.count, self._divisor(x, rop)
                 )
         if laned(self.lane_min, op, nbytes):
             return self._prepare_laned(op, x, rop, root)
-        dt = _DATATYPES[x.dtype]
+        dt = DATATYPES[x.dtype]
         mpi = self._mpi
         if op == "all_reduce":
             assert rop is not None
@@ -547,7 +433,7 @@ class MpiTransport(Transport):
         by the calling thread within the call's timeout, without the general path's Buffers
         and Work. None for the all_gather and all_to_all (their in-place forms are the general
         path's; `hetcomm tune` lanes them rarely, neither machine measured so)."""
-        dt, mpi, lane = _DATATYPES[x.dtype], self._mpi, self._lane
+        dt, mpi, lane = DATATYPES[x.dtype], self._mpi, self._lane
         after: Callable[[np.ndarray], None] | None = None
         call: Callable[..., None]  # the blocking MPI call on the route's arrays
         if op == "all_reduce":
@@ -690,7 +576,7 @@ class MpiTransport(Transport):
         if op not in ("send", "recv") or x is None or x.host is None or len(_spans(x)) > 1:
             return None
         start = self._start_send if op == "send" else self._start_recv
-        return partial(start, _DATATYPES[x.dtype])
+        return partial(start, DATATYPES[x.dtype])
 
     def _start_send(self, dt: MPI.Datatype, xh: np.ndarray, dst: int, tag: int, seq: int) -> Work:
         busy = BusyPoll(self._mpi.Isend((xh, dt), dst, tag).Test)
@@ -699,7 +585,7 @@ class MpiTransport(Transport):
         return work
 
     def _start_recv(self, dt: MPI.Datatype, xh: np.ndarray, src: int, tag: int, seq: int) -> Work:
-        receive = _OneReceive(self._mpi.Irecv((xh, dt), src, tag), src, xh.nbytes)
+        receive = OneReceive(self._mpi.Irecv((xh, dt), src, tag), src, xh.nbytes)
         busy = BusyPoll(receive.poll)
         work = receive.work = Work(self.comm, "recv", seq, busy, waiter=busy.wait)
         work.info = {"transport": "mpi", "bytes": xh.nbytes, "stages": 1}
@@ -710,7 +596,7 @@ class MpiTransport(Transport):
         return True
 
     def _run_recv(self, dt: MPI.Datatype, xh: np.ndarray, src: int, tag: int, seq: int) -> bool:
-        test = _OneReceive(self._mpi.Irecv((xh, dt), src, tag), src, xh.nbytes).poll
+        test = OneReceive(self._mpi.Irecv((xh, dt), src, tag), src, xh.nbytes).poll
         for _ in range(_QUICK_TESTS):
             if test():
                 return True
@@ -721,7 +607,7 @@ class MpiTransport(Transport):
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
         """MPI_Reduce into the root's `x` (AVG divides after)."""
         self._reducible(x)
-        dt, mpi = _DATATYPES[x.dtype], self._mpi
+        dt, mpi = DATATYPES[x.dtype], self._mpi
         mop = mpi_op(x.dtype, op)
         at_root = mpi.Get_rank() == root
         finish = self._average(x) if at_root and op is _AVG else ()
@@ -752,7 +638,7 @@ class MpiTransport(Transport):
 
     def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
         """MPI_Bcast, in spans past MPI's count limit."""
-        dt, mpi = _DATATYPES[x.dtype], self._mpi
+        dt, mpi = DATATYPES[x.dtype], self._mpi
         spans = _spans(x)
         if len(spans) > 1:
             xs = _flat(x)
@@ -765,7 +651,7 @@ class MpiTransport(Transport):
 
     def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
         """MPI_Allgather, in spans past MPI's count limit."""
-        dt, mpi = _DATATYPES[x.dtype], self._mpi
+        dt, mpi = DATATYPES[x.dtype], self._mpi
         spans = _spans(x, mpi.Get_size())
         if len(spans) > 1:
             # share [s, s+n) of every rank's x lands at s of its block of out: one derived
@@ -792,7 +678,7 @@ class MpiTransport(Transport):
     def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
         """MPI_Reduce_scatter_block (AVG divides after)."""
         self._reducible(x)
-        dt, mpi = _DATATYPES[x.dtype], self._mpi
+        dt, mpi = DATATYPES[x.dtype], self._mpi
         mop = mpi_op(x.dtype, op)
         finish = self._average(out) if op is _AVG else ()
         size, me = mpi.Get_size(), mpi.Get_rank()
@@ -826,7 +712,7 @@ class MpiTransport(Transport):
 
     def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
         """MPI_Alltoall, in spans past MPI's count limit."""
-        dt, mpi = _DATATYPES[x.dtype], self._mpi
+        dt, mpi = DATATYPES[x.dtype], self._mpi
         size = mpi.Get_size()
         spans = _spans(out, size, size)
         if len(spans) > 1:
@@ -851,7 +737,7 @@ class MpiTransport(Transport):
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
         """MPI_Isend on the group's own communicator, with the caller's tag."""
-        dt, spans = _DATATYPES[x.dtype], _spans(x)
+        dt, spans = DATATYPES[x.dtype], _spans(x)
         if len(spans) == 1:
             busy = BusyPoll(self._mpi.Isend((self._mem(x), dt), dst, tag).Test)
             work = Work(self.comm, "send", seq, busy, waiter=busy.wait)
@@ -868,11 +754,11 @@ class MpiTransport(Transport):
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
         """MPI_Irecv on the group's own communicator, with the caller's tag."""
         spans = _spans(x)
-        dt, mpi = _DATATYPES[x.dtype], self._mpi
+        dt, mpi = DATATYPES[x.dtype], self._mpi
         source = MPI.ANY_SOURCE if src < 0 else src  # src < 0: hetcomm.ANY_SOURCE
-        receive: _OneReceive | _Receive
+        receive: OneReceive | Receive
         if len(spans) == 1:
-            receive = _OneReceive(mpi.Irecv((self._mem(x), dt), source, tag), src, x.nbytes)
+            receive = OneReceive(mpi.Irecv((self._mem(x), dt), source, tag), src, x.nbytes)
         else:
             # MPI keeps messages of one sender, tag and communicator in order: the receiver's
             # pieces match the sender's one by one. From any source, the first piece is posted
@@ -883,7 +769,7 @@ class MpiTransport(Transport):
                 reqs, rest = [mpi.Irecv((pieces[0], dt), source, tag)], pieces[1:]
             else:
                 reqs, rest = [mpi.Irecv((piece, dt), src, tag) for piece in pieces], []
-            receive = _Receive(src, x.nbytes, x.itemsize, reqs, spans)
+            receive = Receive(src, x.nbytes, x.itemsize, reqs, spans)
             if rest:
                 receive.then_from_sender(mpi, dt, tag, rest)
         busy = BusyPoll(receive.poll)
@@ -895,121 +781,6 @@ class MpiTransport(Transport):
         """MPI_Ibarrier, or MPI_Barrier on the lane."""
         mpi = self._mpi
         return self._start("barrier", seq, 0, mpi.Ibarrier, mpi.Barrier)
-
-
-class _Receive:
-    """A receive that checks the size of what arrived: a sender of another size raises
-    MismatchError naming both sizes (MPI itself accepts a shorter message silently and fails a
-    longer one with MPI_ERR_TRUNCATE). The data goes straight into the caller's array, so on a
-    mismatch it may hold the first part of the message; probing each message first would keep
-    it untouched, at the price of posting every receive late (measured: slower).
-
-    `src` < 0 (hetcomm.ANY_SOURCE): the requests were posted with MPI.ANY_SOURCE; the status
-    names the sender, which the Work (`work`, when set) carries as `source` on completion."""
-
-    def __init__(
-        self,
-        src: int,
-        nbytes: int,
-        itemsize: int,
-        reqs: list[MPI.Request],
-        spans: list[tuple[int, int]],
-    ) -> None:
-        self.src, self.nbytes, self.itemsize = src, nbytes, itemsize
-        self.reqs = reqs
-        self.spans = spans
-        self.statuses = [MPI.Status() for _ in spans]
-        self.work: Work | None = None
-        self._later: tuple[MPI.Intracomm, MPI.Datatype, int, list[Any]] | None = None
-
-    def then_from_sender(
-        self, mpi: MPI.Intracomm, dt: MPI.Datatype, tag: int, pieces: list[Any]
-    ) -> None:
-        """Post `pieces` from the sender of the first piece, once it has matched."""
-        self._later = (mpi, dt, tag, pieces)
-
-    def poll(self) -> bool:
-        try:
-            statuses = self.statuses[: len(self.reqs)]
-            if not MPI.Request.Testall(self.reqs, statuses):
-                return False
-            if self.src < 0:
-                self.src = statuses[0].Get_source()
-                if self._later is not None:
-                    mpi, dt, tag, pieces = self._later
-                    self._later = None
-                    self.reqs += [mpi.Irecv((piece, dt), self.src, tag) for piece in pieces]
-                    return self.poll()
-        except MPI.Exception as exc:
-            # one request fails with ERR_TRUNCATE; Testall says ERR_IN_STATUS and the status
-            # holds the reason
-            errors = {
-                exc.Get_error_class(),
-                *(MPI.Get_error_class(st.Get_error()) for st in self.statuses),
-            }
-            if MPI.ERR_TRUNCATE not in errors:
-                raise
-            raise _truncated(self.src, self.nbytes) from None
-        for (_, n), status in zip(self.spans, self.statuses):
-            got = status.Get_count(MPI.BYTE)
-            if got != n * self.itemsize:
-                sent = got if len(self.spans) == 1 else f"a piece of {got}"
-                raise MismatchError(
-                    f"receive from {_sender(self.src)}: the sender has {sent} "
-                    f"bytes, this receive takes {n * self.itemsize}"
-                )
-        if self.work is not None:
-            self.work.source = self.src
-        return True
-
-
-class _OneReceive:
-    """A receive of one MPI call (any receive below MAX_CALL_BYTES), checked as _Receive
-    checks its pieces, at a third of its cost per call: one request, one status, no lists."""
-
-    __slots__ = ("nbytes", "request", "src", "status", "work")
-
-    def __init__(self, request: MPI.Request, src: int, nbytes: int) -> None:
-        self.request, self.src, self.nbytes = request, src, nbytes
-        self.status = MPI.Status()
-        self.work: Work | None = None
-
-    def poll(self) -> bool:
-        status = self.status
-        try:
-            if not self.request.Test(status):
-                return False
-        except MPI.Exception as exc:
-            if MPI.ERR_TRUNCATE not in (
-                exc.Get_error_class(),
-                MPI.Get_error_class(status.Get_error()),
-            ):
-                raise
-            if self.src < 0 and status.Get_source() >= 0:
-                self.src = status.Get_source()  # the status names the sender all the same
-            raise _truncated(self.src, self.nbytes) from None
-        if self.src < 0:
-            self.src = status.Get_source()
-        got = status.Get_count(MPI.BYTE)
-        if got != self.nbytes:
-            raise MismatchError(
-                f"receive from {_sender(self.src)}: the sender has {got} "
-                f"bytes, this receive takes {self.nbytes}"
-            )
-        if self.work is not None:
-            self.work.source = self.src
-        return True
-
-
-def _sender(src: int) -> str:
-    return f"rank {src}" if src >= 0 else "any source"
-
-
-def _truncated(src: int, nbytes: int) -> MismatchError:
-    return MismatchError(
-        f"receive from {_sender(src)}: the sender has more than "
-        f"{nbytes} bytes, this receive takes {nbytes}"
-    )
 
 
 def _spans(buf: Buffer, blocks: int = 1, parts: int = 1) -> list[tuple[int, int]]:
