@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from functools import partial
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -16,7 +17,7 @@ from .argcheck import check_timeout, then
 from .arrays import Buffer, storage_dtype
 from .errors import TransportUnavailable
 from .ops import ReduceOp, as_reduce_op
-from .routes import no_general
+from .routes import MAX_ROUTES, Route, no_general
 from .transports.base import Transport
 from .transports.mpi.transport import MpiTransport
 from .work import Work, all_of, completed
@@ -49,6 +50,14 @@ def all_reduce_coalesced(
     rop = op if op.__class__ is ReduceOp else as_reduce_op(op, f"{what}: op")
     if timeout is not None:
         check_timeout(timeout, what)
+    entered: int | None = None  # the sequence number a declined prepared call entered
+    key = None if async_op or _work.observing else _arrays_key(arrays, rop)
+    if key is not None:
+        resolved = comm._routes.get(key)
+        if resolved is not None:
+            if comm._blocking_run(resolved, timeout, arrays):
+                return None
+            entered = comm._last_entered
     bufs, groups = fusion.prepare(arrays, rop, what)
     if not groups:
         return completed(comm, "all_reduce", comm._seq) if async_op else None
@@ -62,8 +71,10 @@ def all_reduce_coalesced(
         chosen.append(
             route.transport if route is not None else comm._transport("all_reduce", g.fused())
         )
-    if not async_op and all(
-        isinstance(t, MpiTransport) and not g.on_device for g, t in zip(groups, chosen)
+    if (
+        entered is None
+        and not async_op
+        and all(isinstance(t, MpiTransport) and not g.on_device for g, t in zip(groups, chosen))
     ):
         sizes = [g.total * storage_dtype(g.dtype).itemsize for g in groups]
         mpi = chosen[0]  # the communicator's one mpi transport
@@ -91,13 +102,21 @@ def all_reduce_coalesced(
         # a group on another transport than the one before starts once the groups before it
         # are done (the ordering guard waits for the collectives in flight)
         route = found or comm._route(_route_key(g, rop), "all_reduce", fb, no_general, rop)
-        seq: int | None = None
-        if route.run is not None and not async_op and fb.host is not None and not _work.observing:
+        seq, entered = entered, None
+        if (
+            seq is None
+            and route.run is not None
+            and not async_op
+            and fb.host is not None
+            and not _work.observing
+        ):
             # blocking, on host memory: the transport's prepared all_reduce of the fused
             # buffer, on this thread, as a plain all_reduce of that size runs
             if comm._blocking_run(route, timeout, fb.host, fb.host):
                 for step in steps:
                     step()
+                if key is not None and len(groups) == 1:
+                    _resolve(comm, key, route, g, arrays)
                 continue
             seq = comm._last_entered  # declined: the general path, with the number entered
         transport = route.transport
@@ -130,6 +149,65 @@ def all_reduce_coalesced(
         # every blocking call's arrays alive
         comm._inflight = [w for w in comm._inflight if not w._done]
     return None
+
+
+def _arrays_key(arrays: Any, rop: ReduceOp) -> tuple[Any, ...] | None:
+    """The key of a resolved call (see _resolve) for a list of plain numpy arrays of one dtype,
+    each C-contiguous, writable and owning its memory, given once each (arrays that own their
+    memory cannot overlap); None for any other call. Read at every call: a few C-level maps."""
+    if arrays.__class__ not in _SEQUENCES or not arrays:
+        return None
+    if set(map(type, arrays)) != _NDARRAY:
+        return None
+    dtypes = set(map(_DTYPE, arrays))
+    if len(dtypes) != 1 or any(bits & _PLAIN != _PLAIN for bits in set(map(_FLAGS, arrays))):
+        return None
+    if len(set(map(id, arrays))) != len(arrays):
+        return None  # an array given twice: the general path says which
+    return ("all_reduce_coalesced(arrays)", rop, dtypes.pop(), tuple(map(_SHAPE, arrays)))
+
+
+_SEQUENCES = (list, tuple)
+_NDARRAY = {np.ndarray}
+_DTYPE, _FLAGS, _SHAPE = attrgetter("dtype"), attrgetter("flags.num"), attrgetter("shape")
+# numpy's NPY_ARRAY_C_CONTIGUOUS, NPY_ARRAY_OWNDATA and NPY_ARRAY_WRITEABLE
+_PLAIN = 0x0001 | 0x0004 | 0x0400
+
+
+def _resolve(
+    comm: Communicator, key: tuple[Any, ...], fused: Route, g: fusion.Group, arrays: Any
+) -> None:
+    """Keep, under `key`, the route of a blocking call of plain numpy arrays of one dtype whose
+    fused all_reduce just ran as the prepared call `fused`: a repeated call packs its arrays
+    into a buffer of the route's own, runs that prepared call on it and unpacks, without a
+    grouping or a Buffer per array. Its signature vector is the fused all_reduce's (the same
+    object): ranks that take either path agree, as they make the same MPI calls."""
+    assert fused.run is not None
+    flat = np.empty(g.total, storage_dtype(g.dtype))
+    pieces = [flat[off : off + a.size].reshape(a.shape) for off, a in zip(g.offsets, arrays)]
+    inner = fused.run
+    state = {"busy": False}
+
+    def run(xs: Sequence[np.ndarray], seq: int) -> bool:
+        if state["busy"]:  # another thread's call in this buffer: the general path
+            return False
+        state["busy"] = True
+        try:
+            np.concatenate(xs, axis=None, out=flat)
+            if not inner(flat, flat, seq):
+                return False
+            fused.runs += 1
+            for x, piece in zip(xs, pieces):
+                x[...] = piece
+        finally:
+            state["busy"] = False
+        return True
+
+    route = Route("all_reduce", fused.transport, fused.vec, no_general, fused.rop, -1, run)
+    route.dtype = fused.dtype
+    if len(comm._routes) >= MAX_ROUTES:
+        comm._routes.clear()
+    comm._routes[key] = route
 
 
 def _route_key(g: fusion.Group, rop: ReduceOp) -> tuple[Any, ...]:

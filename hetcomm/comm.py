@@ -513,7 +513,7 @@ class Communicator:
         for transport in self._transports:
             transport.drain(op, self._seq)
 
-    def _blocking_run(self, route: Route, timeout: float | None, *arrays: np.ndarray) -> bool:
+    def _blocking_run(self, route: Route, timeout: float | None, *arrays: Any) -> bool:
         """The transport's prepared call of `route`, driven here (within `timeout`, None: the
         configured one); False where it declined (the general path then runs the call with
         the sequence number entered here)."""

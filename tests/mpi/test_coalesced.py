@@ -393,3 +393,54 @@ def test_repeated_small_calls_take_the_prepared_route(hetcomm_comm, rng, errors)
             want = 3 if key in (("float32", 11), ("int64", 4)) else 1
             errors.expect(r["runs"] >= want, f"{key}: the prepared call ran {r['runs']}x")
     errors.verify()
+
+
+def test_repeated_calls_of_plain_arrays_resolve_once(hetcomm_comm, rng, errors):
+    """Plain numpy arrays of one dtype, each owning its memory: a repeated blocking call takes
+    the route resolved at its first call (counted), and stays right when the shapes, dtype or
+    op change between calls, when one rank passes views (the general path there, with the
+    same MPI calls), and after an array given twice is refused."""
+    comm = hetcomm_comm
+    plain = [(5,), (3, 2), (1,)]
+    calls = [
+        ("float32", plain, ReduceOp.SUM, False),
+        ("float32", plain, ReduceOp.SUM, False),
+        ("float32", plain, ReduceOp.SUM, True),  # views on rank 1
+        ("float64", [(7,)], ReduceOp.MAX, False),
+        ("float32", plain, ReduceOp.AVG, False),
+        ("int32", [(4,), (4,)], ReduceOp.SUM, False),
+        ("float32", plain, ReduceOp.SUM, False),
+    ]
+    for k, (dtype, shapes, op, views) in enumerate(calls):
+        stacks = [draw(rng, dtype, shape, comm.size) for shape in shapes]
+        if views and comm.rank == 1:
+            # each array a view of a buffer of its own: not a plain array
+            arrays = [np.repeat(s[comm.rank][None], 2, axis=0).astype(dtype)[0] for s in stacks]
+        else:
+            arrays = [np.array(s[comm.rank], dtype=dtype) for s in stacks]
+        bystander = rng.standard_normal(6)
+        before = bystander.copy()
+        if errors.run(f"call {k}", comm.all_reduce_coalesced, arrays, op):
+            for i, (a, s) in enumerate(zip(arrays, stacks)):
+                want = reference(s, op, dtype)
+                errors += compare(a, want, f"call {k} array {i}", stack=s, op=op, dtype=dtype)
+        errors.expect(np.array_equal(bystander, before), f"call {k}: another array changed")
+    twice = np.zeros(3, np.float32)
+    expect_raises(
+        errors,
+        InvalidArgument,
+        {"an array given twice": (lambda: comm.all_reduce_coalesced([twice, twice]), [])},
+    )
+    resolved = {
+        r["key"][1:3]: r["runs"]
+        for r in comm.routes()
+        if r["key"][0] == "all_reduce_coalesced(arrays)"
+    }
+    # float32 SUM: resolved at call 0, taken at calls 1, 2 (not on rank 1: views) and 6
+    want = 2 if comm.rank == 1 else 3
+    got = resolved.get((ReduceOp.SUM, np.dtype("float32")), 0)
+    errors.expect(got == want, f"float32 SUM took its resolved route {got}x, expected {want}")
+    errors.expect(
+        (ReduceOp.AVG, np.dtype("float32")) in resolved, f"resolved routes {list(resolved)}"
+    )
+    errors.verify()
