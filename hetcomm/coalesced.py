@@ -51,11 +51,11 @@ def all_reduce_coalesced(
     if timeout is not None:
         check_timeout(timeout, what)
     entered: int | None = None  # the sequence number a declined prepared call entered
-    key = None if async_op or _work.observing else _arrays_key(arrays, rop)
+    key, views = (None, None) if async_op or _work.observing else _arrays_key(arrays, rop)
     if key is not None:
         resolved = comm._routes.get(key)
         if resolved is not None:
-            if comm._blocking_run(resolved, timeout, arrays):
+            if comm._blocking_run(resolved, timeout, views):
                 return None
             entered = comm._last_entered
     bufs, groups = fusion.prepare(arrays, rop, what)
@@ -116,7 +116,7 @@ def all_reduce_coalesced(
                 for step in steps:
                     step()
                 if key is not None and len(groups) == 1:
-                    _resolve(comm, key, route, g, arrays)
+                    _resolve(comm, key, route, g, views)
                 continue
             seq = comm._last_entered  # declined: the general path, with the number entered
         transport = route.transport
@@ -151,20 +151,45 @@ def all_reduce_coalesced(
     return None
 
 
-def _arrays_key(arrays: Any, rop: ReduceOp) -> tuple[Any, ...] | None:
-    """The key of a resolved call (see _resolve) for a list of plain numpy arrays of one dtype,
-    each C-contiguous, writable and owning its memory, given once each (arrays that own their
-    memory cannot overlap); None for any other call. Read at every call: a few C-level maps."""
+def _arrays_key(arrays: Any, rop: ReduceOp) -> tuple[tuple[Any, ...] | None, Any]:
+    """The key of a resolved call (see _resolve) and the numpy arrays it packs: for plain numpy
+    arrays of one dtype, each C-contiguous, writable and owning its memory, given once each
+    (arrays that own their memory cannot overlap), the arrays themselves; for CPU torch tensors
+    of one dtype, contiguous, needing no grad, each on a storage of its own, their numpy views.
+    (None, None) for any other call. Read at every call: a few C-level maps."""
     if arrays.__class__ not in _SEQUENCES or not arrays:
-        return None
-    if set(map(type, arrays)) != _NDARRAY:
-        return None
-    dtypes = set(map(_DTYPE, arrays))
-    if len(dtypes) != 1 or any(bits & _PLAIN != _PLAIN for bits in set(map(_FLAGS, arrays))):
-        return None
-    if len(set(map(id, arrays))) != len(arrays):
-        return None  # an array given twice: the general path says which
-    return ("all_reduce_coalesced(arrays)", rop, dtypes.pop(), tuple(map(_SHAPE, arrays)))
+        return None, None
+    types = set(map(type, arrays))
+    if types == _NDARRAY:
+        dtypes = set(map(_DTYPE, arrays))
+        if len(dtypes) != 1 or any(bits & _PLAIN != _PLAIN for bits in set(map(_FLAGS, arrays))):
+            return None, None
+        if len(set(map(id, arrays))) != len(arrays):
+            return None, None  # an array given twice: the general path says which
+        key = ("all_reduce_coalesced(arrays)", rop, dtypes.pop(), tuple(map(_SHAPE, arrays)))
+        return key, arrays
+    if len(types) == 1:
+        (cls,) = types
+        if cls.__name__ == "Tensor" and cls.__module__ == "torch":
+            return _tensors_key(arrays, rop)
+    return None, None
+
+
+def _tensors_key(ts: Sequence[Any], rop: ReduceOp) -> tuple[tuple[Any, ...] | None, Any]:
+    """_arrays_key for torch tensors."""
+    dtypes = set(map(_DTYPE, ts))
+    if len(dtypes) != 1:
+        return None, None
+    for t in ts:
+        if not t.is_cpu or t.requires_grad or not t.is_contiguous():
+            return None, None
+    if len({t.untyped_storage().data_ptr() for t in ts}) != len(ts):
+        return None, None  # views of one storage (or a tensor given twice): the general path
+    try:
+        views = [t.numpy() for t in ts]
+    except (TypeError, RuntimeError):  # bfloat16 and the like: the general path packs those
+        return None, None
+    return ("all_reduce_coalesced(tensors)", rop, dtypes.pop(), tuple(map(_SHAPE, ts))), views
 
 
 _SEQUENCES = (list, tuple)

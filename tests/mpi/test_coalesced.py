@@ -395,12 +395,15 @@ def test_repeated_small_calls_take_the_prepared_route(hetcomm_comm, rng, errors)
     errors.verify()
 
 
-def test_repeated_calls_of_plain_arrays_resolve_once(hetcomm_comm, rng, errors):
-    """Plain numpy arrays of one dtype, each owning its memory: a repeated blocking call takes
-    the route resolved at its first call (counted), and stays right when the shapes, dtype or
-    op change between calls, when one rank passes views (the general path there, with the
-    same MPI calls), and after an array given twice is refused."""
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_repeated_calls_of_plain_arrays_resolve_once(hetcomm_comm, rng, errors, lib):
+    """Plain numpy arrays of one dtype, each owning its memory (or CPU tensors, each on a
+    storage of its own): a repeated blocking call takes the route resolved at its first call
+    (counted), and stays right when the shapes, dtype or op change between calls, when one
+    rank passes views (the general path there, with the same MPI calls), and after an array
+    given twice is refused."""
     comm = hetcomm_comm
+    as_lib = torch.from_numpy if lib == "torch" else (lambda a: a)
     plain = [(5,), (3, 2), (1,)]
     calls = [
         ("float32", plain, ReduceOp.SUM, False),
@@ -414,33 +417,42 @@ def test_repeated_calls_of_plain_arrays_resolve_once(hetcomm_comm, rng, errors):
     for k, (dtype, shapes, op, views) in enumerate(calls):
         stacks = [draw(rng, dtype, shape, comm.size) for shape in shapes]
         if views and comm.rank == 1:
-            # each array a view of a buffer of its own: not a plain array
-            arrays = [np.repeat(s[comm.rank][None], 2, axis=0).astype(dtype)[0] for s in stacks]
+            # views of one buffer: neither plain arrays nor tensors of storages of their own
+            flat = np.concatenate([s[comm.rank].reshape(-1) for s in stacks]).astype(dtype)
+            cuts = np.cumsum([0] + [int(np.prod(shape)) for shape in shapes])
+            whole = as_lib(flat)
+            arrays = [whole[a:b].reshape(shape) for a, b, shape in zip(cuts, cuts[1:], shapes)]
         else:
-            arrays = [np.array(s[comm.rank], dtype=dtype) for s in stacks]
+            arrays = [as_lib(np.array(s[comm.rank], dtype=dtype)) for s in stacks]
         bystander = rng.standard_normal(6)
         before = bystander.copy()
         if errors.run(f"call {k}", comm.all_reduce_coalesced, arrays, op):
             for i, (a, s) in enumerate(zip(arrays, stacks)):
                 want = reference(s, op, dtype)
-                errors += compare(a, want, f"call {k} array {i}", stack=s, op=op, dtype=dtype)
+                got = a.numpy() if lib == "torch" else a
+                errors += compare(got, want, f"call {k} array {i}", stack=s, op=op, dtype=dtype)
         errors.expect(np.array_equal(bystander, before), f"call {k}: another array changed")
-    twice = np.zeros(3, np.float32)
+    twice = as_lib(np.zeros(3, np.float32))
     expect_raises(
         errors,
         InvalidArgument,
         {"an array given twice": (lambda: comm.all_reduce_coalesced([twice, twice]), [])},
     )
-    resolved = {
-        r["key"][1:3]: r["runs"]
+    name = "all_reduce_coalesced(tensors)" if lib == "torch" else "all_reduce_coalesced(arrays)"
+    resolved = {r["key"][1:3]: r["runs"] for r in comm.routes() if r["key"][0] == name}
+    f32 = torch.float32 if lib == "torch" else np.dtype("float32")
+    # only where the fused all_reduce (float32, 12 elements, SUM) has a prepared call
+    fused = [
+        r
         for r in comm.routes()
-        if r["key"][0] == "all_reduce_coalesced(arrays)"
-    }
-    # float32 SUM: resolved at call 0, taken at calls 1, 2 (not on rank 1: views) and 6
-    want = 2 if comm.rank == 1 else 3
-    got = resolved.get((ReduceOp.SUM, np.dtype("float32")), 0)
-    errors.expect(got == want, f"float32 SUM took its resolved route {got}x, expected {want}")
-    errors.expect(
-        (ReduceOp.AVG, np.dtype("float32")) in resolved, f"resolved routes {list(resolved)}"
-    )
+        if r["key"][:3] == ("all_reduce_coalesced", "float32", 12) and r["key"][-1] is ReduceOp.SUM
+    ]
+    if fused and fused[0]["prepared"]:
+        # float32 SUM: resolved at call 0, taken at calls 1, 2 (not on rank 1: views) and 6
+        want = 2 if comm.rank == 1 else 3
+        got = resolved.get((ReduceOp.SUM, f32), 0)
+        errors.expect(got == want, f"float32 SUM took its resolved route {got}x, expected {want}")
+        errors.expect((ReduceOp.AVG, f32) in resolved, f"resolved routes {list(resolved)}")
+    else:
+        errors.expect(not resolved, f"resolved routes {list(resolved)} without a prepared call")
     errors.verify()
