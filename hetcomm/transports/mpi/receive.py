@@ -71,10 +71,7 @@ class Receive:
             got = status.Get_count(MPI.BYTE)
             if got != n * self.itemsize:
                 sent = got if len(self.spans) == 1 else f"a piece of {got}"
-                raise MismatchError(
-                    f"receive from {_sender(self.src)}: the sender has {sent} "
-                    f"bytes, this receive takes {n * self.itemsize}"
-                )
+                raise _other_size(self.src, sent, n * self.itemsize)
         if self.work is not None:
             self.work.source = self.src
         return True
@@ -110,10 +107,7 @@ class OneReceive:
             self.src = status.Get_source()
         got = status.Get_count(MPI.BYTE)
         if got != self.nbytes:
-            raise MismatchError(
-                f"receive from {_sender(self.src)}: the sender has {got} "
-                f"bytes, this receive takes {self.nbytes}"
-            )
+            raise _other_size(self.src, got, self.nbytes)
         if self.work is not None:
             self.work.source = self.src
         return True
@@ -121,6 +115,12 @@ class OneReceive:
 
 def _sender(src: int) -> str:
     return f"rank {src}" if src >= 0 else "any source"
+
+
+def _other_size(src: int, sent: object, takes: int) -> MismatchError:
+    return MismatchError(
+        f"receive from {_sender(src)}: the sender has {sent} bytes, this receive takes {takes}"
+    )
 
 
 def _truncated(src: int, nbytes: int) -> MismatchError:
