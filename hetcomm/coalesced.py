@@ -16,6 +16,7 @@ from . import work as _work
 from .argcheck import check_timeout, then
 from .arrays import Buffer, storage_dtype
 from .errors import TransportUnavailable
+from .fusion import _DTYPE, _FLAGS, _PLAIN  # what fusion's own fast check reads
 from .ops import ReduceOp, as_reduce_op
 from .routes import MAX_ROUTES, Route, no_general
 from .transports.base import Transport
@@ -194,9 +195,7 @@ def _tensors_key(ts: Sequence[Any], rop: ReduceOp) -> tuple[tuple[Any, ...] | No
 
 _SEQUENCES = (list, tuple)
 _NDARRAY = {np.ndarray}
-_DTYPE, _FLAGS, _SHAPE = attrgetter("dtype"), attrgetter("flags.num"), attrgetter("shape")
-# numpy's NPY_ARRAY_C_CONTIGUOUS, NPY_ARRAY_OWNDATA and NPY_ARRAY_WRITEABLE
-_PLAIN = 0x0001 | 0x0004 | 0x0400
+_SHAPE = attrgetter("shape")
 
 
 def _resolve(
@@ -211,12 +210,13 @@ def _resolve(
     flat = np.empty(g.total, storage_dtype(g.dtype))
     pieces = [flat[off : off + a.size].reshape(a.shape) for off, a in zip(g.offsets, arrays)]
     inner = fused.run
-    state = {"busy": False}
+    busy = False
 
     def run(xs: Sequence[np.ndarray], seq: int) -> bool:
-        if state["busy"]:  # another thread's call in this buffer: the general path
+        nonlocal busy
+        if busy:  # another thread's call in this buffer: the general path
             return False
-        state["busy"] = True
+        busy = True
         try:
             np.concatenate(xs, axis=None, out=flat)
             if not inner(flat, flat, seq):
@@ -225,7 +225,7 @@ def _resolve(
             for x, piece in zip(xs, pieces):
                 x[...] = piece
         finally:
-            state["busy"] = False
+            busy = False
         return True
 
     route = Route("all_reduce", fused.transport, fused.vec, no_general, fused.rop, -1, run)
