@@ -56,7 +56,7 @@ def all_reduce_coalesced(
     if key is not None:
         resolved = comm._routes.get(key)
         if resolved is not None:
-            if comm._blocking_run(resolved, timeout, views):
+            if comm._blocking_run(resolved, timeout, _host_views(arrays, views)):
                 return None
             entered = comm._last_entered
     bufs, groups = fusion.prepare(arrays, rop, what)
@@ -117,7 +117,7 @@ def all_reduce_coalesced(
                 for step in steps:
                     step()
                 if key is not None and len(groups) == 1:
-                    _resolve(comm, key, route, g, views)
+                    _resolve(comm, key, route, g, arrays, views)
                 continue
             seq = comm._last_entered  # declined: the general path, with the number entered
         transport = route.transport
@@ -156,8 +156,9 @@ def _arrays_key(arrays: Any, rop: ReduceOp) -> tuple[tuple[Any, ...] | None, Any
     """The key of a resolved call (see _resolve) and the numpy arrays it packs: for plain numpy
     arrays of one dtype, each C-contiguous, writable and owning its memory, given once each
     (arrays that own their memory cannot overlap), the arrays themselves; for CPU torch tensors
-    of one dtype, contiguous, needing no grad, each on a storage of its own, their numpy views.
-    (None, None) for any other call. Read at every call: a few C-level maps."""
+    of one dtype, contiguous, needing no grad, each on a storage of its own, None (their numpy
+    views are made where a route uses them: _host_views). (None, None) for any other call.
+    Read at every call: a few C-level maps."""
     if arrays.__class__ not in _SEQUENCES or not arrays:
         return None, None
     types = set(map(type, arrays))
@@ -186,11 +187,13 @@ def _tensors_key(ts: Sequence[Any], rop: ReduceOp) -> tuple[tuple[Any, ...] | No
             return None, None
     if len({t.untyped_storage().data_ptr() for t in ts}) != len(ts):
         return None, None  # views of one storage (or a tensor given twice): the general path
-    try:
-        views = [t.numpy() for t in ts]
-    except (TypeError, RuntimeError):  # bfloat16 and the like: the general path packs those
-        return None, None
-    return ("all_reduce_coalesced(tensors)", rop, dtypes.pop(), tuple(map(_SHAPE, ts))), views
+    return ("all_reduce_coalesced(tensors)", rop, dtypes.pop(), tuple(map(_SHAPE, ts))), None
+
+
+def _host_views(arrays: Sequence[Any], views: Any) -> Sequence[np.ndarray]:
+    """The numpy arrays a resolved call packs: `views` where _arrays_key gave them, else the
+    numpy views of CPU tensors (their dtype converted when the route was made, so it does)."""
+    return views if views is not None else [t.numpy() for t in arrays]
 
 
 _SEQUENCES = (list, tuple)
@@ -199,7 +202,12 @@ _SHAPE = attrgetter("shape")
 
 
 def _resolve(
-    comm: Communicator, key: tuple[Any, ...], fused: Route, g: fusion.Group, arrays: Any
+    comm: Communicator,
+    key: tuple[Any, ...],
+    fused: Route,
+    g: fusion.Group,
+    arrays: Sequence[Any],
+    views: Any,
 ) -> None:
     """Keep, under `key`, the route of a blocking call of plain numpy arrays of one dtype whose
     fused all_reduce just ran as the prepared call `fused`: a repeated call packs its arrays
@@ -207,8 +215,12 @@ def _resolve(
     grouping or a Buffer per array. Its signature vector is the fused all_reduce's (the same
     object): ranks that take either path agree, as they make the same MPI calls."""
     assert fused.run is not None
+    try:
+        hosts = _host_views(arrays, views)
+    except (TypeError, RuntimeError):  # bfloat16 and the like: the general path packs those
+        return
     flat = np.empty(g.total, storage_dtype(g.dtype))
-    pieces = [flat[off : off + a.size].reshape(a.shape) for off, a in zip(g.offsets, arrays)]
+    pieces = [flat[off : off + a.size].reshape(a.shape) for off, a in zip(g.offsets, hosts)]
     inner = fused.run
     busy = False
 
