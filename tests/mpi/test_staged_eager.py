@@ -289,6 +289,42 @@ def test_signature_changes_between_calls(hetcomm_make_comm, errors, rng):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_arrays_of_every_shape(hetcomm_make_comm, errors, rng, blocking):
+    """0-d, 2-d, empty and 1-d arrays of several dtypes, sent and received blocking or not
+    between ranks of one host: each arrives whole and nothing past it is written; every one
+    with bytes goes eager."""
+    comm = hetcomm_make_comm(transport="staged", timeout=60)
+    peer = _opened(comm)
+    staged = _staged(comm)
+    if peer is not None:
+        for shape in ((), (3, 4), (0, 3), (2, 0), (5,), (1, 1, 7)):
+            for dtype in ("int8", "float16", "int64"):
+                n = int(np.prod(shape))
+                mine = _data(rng, n, dtype).reshape(shape)
+                theirs = _data(rng, n, dtype).reshape(shape)
+                if comm.rank % 2:
+                    mine, theirs = theirs, mine
+                back = np.full(n + 2, SENTINEL, dtype)
+                got = back[:n].reshape(shape)
+                before = staged.paths["recv eager"]
+                if blocking:
+                    _exchange(comm, peer, mine, got, tag=3)
+                else:
+                    works = [comm.recv(got, peer, tag=3, async_op=True)]
+                    works.append(comm.send(mine, peer, tag=3, async_op=True))
+                    for work in works:
+                        assert work is not None
+                        work.wait()
+                what = f"{shape} x {dtype}"
+                errors.expect(np.array_equal(got, theirs), f"{what}: received wrong data")
+                errors.expect((back[n:] == SENTINEL).all(), f"{what}: wrote past the message")
+                eager = staged.paths["recv eager"] - before
+                errors.expect(eager == 1, f"{what}: recv eager counted {eager}, expected 1")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_after_an_abort(hetcomm_make_comm, errors):
     """A receive whose message never comes times out naming its peer and aborts the
     communicator (later calls raise CommAborted); a new communicator then sends eagerly."""

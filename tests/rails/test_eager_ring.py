@@ -177,6 +177,75 @@ def test_an_unpublished_slot_is_not_seen(ring):
     assert out.claim(out.ticket()) == slot
 
 
+def test_a_message_sent_and_received_in_one_step(ring):
+    """EagerOut.send claims, fills and publishes the slot after the last one taken in one
+    step, EagerIn.receive copies it out and frees it; each does nothing, and says so, where
+    the general path must run (another ticket's turn, a busy slot; another message, size or
+    kind in that slot), and the general path then finds what is there."""
+    out, inbox = ring
+    rng = np.random.default_rng()
+    data = [rng.integers(0, 255, 20 + i, dtype=np.uint8) for i in range(SLOTS + 1)]
+    assert out.send(data[0].data, 1, 0, out.ticket())
+    got = np.full(data[0].nbytes + 4, 7, np.uint8)
+    assert not inbox.receive(got[:-4].data, 1, 1)  # another number
+    assert not inbox.receive(got[:-4].data, 2, 0)  # another tag
+    assert not inbox.receive(got[:-3].data, 1, 0)  # another size
+    assert (got == 7).all() and out.head[0, PUB] != out.head[0, FREED]  # nothing taken
+    assert inbox.receive(got[:-4].data, 1, 0)
+    assert np.array_equal(got[:-4], data[0]) and (got[-4:] == 7).all()
+    assert out.head[0, PUB] == out.head[0, FREED]
+    # not its turn: an earlier ticket has not taken its slot
+    first, later = out.ticket(), out.ticket()
+    assert not out.send(data[1].data, 1, 1, later)
+    assert out.send(data[1].data, 1, 1, first) and out.send(data[2].data, 1, 2, later)
+    # a marker in the next slot: the receive declines, take finds it
+    slot = out.claim(out.ticket())
+    assert slot is not None
+    out.publish(slot, 1, 3, 8, RAILS)
+    for k in (1, 2):
+        got = np.zeros(data[k].nbytes, np.uint8)
+        assert inbox.receive(got.data, 1, k) and np.array_equal(got, data[k])
+    assert not inbox.receive(np.zeros(8, np.uint8).data, 1, 3)
+    marker = inbox.take(1, 3)
+    assert marker is not None and marker.kind == RAILS
+    inbox.free(marker)
+    # the next slot busy, another free: send declines, claim finds the free one
+    for k in range(SLOTS):
+        assert out.send(data[k].data, 2, k, out.ticket())
+    found = inbox.take(2, 1)  # the second slot of the four
+    assert found is not None
+    inbox.free(found)
+    ticket = out.ticket()
+    assert not out.send(data[SLOTS].data, 3, 0, ticket)
+    assert out.claim(ticket) == found.slot
+
+
+def test_searches_stop_at_the_messages_not_taken(ring):
+    """A search of the ring ends once it has seen every message not taken yet, wherever they
+    lie (the slots wrap, freed out of order), and progress and take still find every one."""
+    out, inbox = ring
+    for k in range(SLOTS):
+        _send(out, 4, k, np.full(4, k, np.uint8))
+    for k in (2, 0):
+        _take_one(inbox, 4, k)
+    assert inbox.take(4, 9) is None
+    recs = [Posted(Region(4, np.zeros(4, np.uint8)), 4, k, None) for k in (4, 5)]
+    for rec in recs:
+        assert inbox.post(rec) is None
+    for k in (4, 5):  # into the two freed slots
+        _send(out, 4, k, np.full(4, k, np.uint8))
+    hits = inbox.progress()
+    assert sorted(rec.number for _, rec in hits) == [4, 5]
+    for found, rec in hits:
+        assert np.array_equal(inbox.view(found), np.full(4, rec.number, np.uint8))
+        inbox.free(found)
+    assert not inbox.posted and inbox.progress() == []
+    for k in (3, 1):
+        _take_one(inbox, 4, k)
+    assert inbox.take(4, 1) is None
+    assert (out.head[:, PUB] == out.head[:, FREED]).all()
+
+
 needs_cma = pytest.mark.skipif(cma.unavailable() is not None, reason=f"{cma.unavailable()}")
 
 

@@ -174,6 +174,30 @@ class EagerOut(_Ring):
                     return s
         return None
 
+    def send(self, src: memoryview, tag: int, number: int, ticket: int) -> bool:
+        """Send host bytes `src` as message (`tag`, `number`) in `ticket`'s turn through the
+        slot after the last one taken, claimed, filled and published in one hold of the lock;
+        False (nothing done, the ticket still to be served) where it is not the ticket's turn
+        or that slot is in use: `claim` then searches every slot, and may wait for one. The
+        lock is held over the copy (at most `slot_bytes`), so no other thread of this rank
+        sees the slot half made and the copy needs no mark of its own (`_filling`)."""
+        w = self.words
+        with self.lock:
+            s = self._next
+            row = (s + 1) * _ROW
+            if ticket != self._serving or w[row + PUB] != w[row + FREED] or s in self._filling:
+                return False
+            n = len(src)
+            if n:
+                at = s * self.slot_bytes
+                self._bytes[at : at + n] = src
+            self._next = (s + 1) % self.slots
+            self._advance()
+            self._announce(s, tag, number, n, DATA)
+        if w[DOZING]:
+            self.poke()
+        return True
+
     def skip(self, ticket: int) -> None:
         """Give up `ticket` without a slot (its send failed before it took one)."""
         with self.lock:
@@ -184,7 +208,7 @@ class EagerOut(_Ring):
 
     def _advance(self) -> None:
         self._serving += 1
-        while self._serving in self._skipped:
+        while self._skipped and self._serving in self._skipped:
             self._skipped.discard(self._serving)
             self._serving += 1
 
@@ -310,6 +334,9 @@ class EagerIn(_Ring):
         self.posted: dict[tuple[int, int], Posted] = {}
         self._scanned = -1  # TOTAL at the last progress
         self._next = 0  # where searches start: the slot after the last message taken
+        # messages taken so far: TOTAL less this many are published and not taken yet, so a
+        # search stops once it has seen that many (each publish is taken once)
+        self._took = 0
 
     def post(self, rec: Posted) -> Found | None:
         """The message of `rec`, taken, if it is here; else `rec` is posted for `progress`."""
@@ -345,13 +372,22 @@ class EagerIn(_Ring):
             self._scanned = total
             if not self.posted:
                 return hits
-            for s in range(self.slots):
+            # the messages not taken yet; one published after TOTAL was read may be seen in
+            # their place, and the rest are seen at the look after TOTAL moves again
+            untaken, slots, start = total - self._took, self.slots, self._next
+            i = 0
+            while untaken > 0 and i < slots:
+                s = (start + i) % slots
+                i += 1
                 row = (s + 1) * _ROW
                 if w[row + PUB] == w[row + FREED] or s in self._taken:
                     continue
+                untaken -= 1
                 rec = self.posted.pop((w[row + TAG], w[row + NUMBER]), None)
                 if rec is not None:
                     self._taken.add(s)
+                    self._took += 1
+                    self._next = (s + 1) % slots
                     hits.append((Found(s, w[row + KIND], w[row + NBYTES], w[row + PUB]), rec))
         return hits
 
@@ -362,23 +398,56 @@ class EagerIn(_Ring):
 
     def _take(self, tag: int, number: int) -> Found | None:
         w, slots = self.words, self.slots
-        self._looked = w[TOTAL]  # before the search: what it may have missed moves TOTAL
+        self._looked = total = w[TOTAL]  # before the search: what it misses moves TOTAL
         # a slot whose PUB differs from FREED holds a message whose header the sender no
         # longer writes (it wrote the header before PUB); only this rank frees slots, under
-        # `lock`. Messages fill the slots in turn, so the search starts after the last one.
-        for i in range(slots):
-            s = (self._next + i) % slots
+        # `lock`. Messages fill the slots in turn, so the search starts after the last one,
+        # and it ends once it has seen every message not taken yet (see progress).
+        untaken, start = total - self._took, self._next
+        i = 0
+        while untaken > 0 and i < slots:
+            s = (start + i) % slots
+            i += 1
             row = (s + 1) * _ROW
-            if (
-                w[row + PUB] != w[row + FREED]
-                and w[row + TAG] == tag
-                and w[row + NUMBER] == number
-                and s not in self._taken
-            ):
+            if w[row + PUB] == w[row + FREED] or s in self._taken:
+                continue
+            if w[row + TAG] == tag and w[row + NUMBER] == number:
                 self._taken.add(s)
+                self._took += 1
                 self._next = (s + 1) % slots
                 return Found(s, w[row + KIND], w[row + NBYTES], w[row + PUB])
+            untaken -= 1
         return None
+
+    def receive(self, dst: memoryview, tag: int, number: int) -> bool:
+        """Copy message (`tag`, `number`) into host bytes `dst` and free its slot, where it is
+        the message in the slot after the last one taken, of `dst`'s size and eager, in one
+        hold of the lock; False (nothing done) otherwise, and the general path (`take` or
+        `post`, then its landing) finds it wherever it is, markers and mismatches included."""
+        w = self.words
+        n = len(dst)
+        with self.lock:
+            self._looked = w[TOTAL]  # as _take's look
+            s = self._next
+            row = (s + 1) * _ROW
+            pub = w[row + PUB]
+            if (
+                pub == w[row + FREED]
+                or w[row + NUMBER] != number
+                or w[row + TAG] != tag
+                or w[row + KIND] != DATA
+                or w[row + NBYTES] != n
+                or s in self._taken
+            ):
+                return False
+            if n:
+                at = s * self.slot_bytes
+                dst[:] = self._bytes[at : at + n]
+            self._took += 1
+            self._next = (s + 1) % self.slots
+            w[row + STATUS] = NOT_READ
+            w[row + FREED] = pub  # after the copy out and STATUS
+        return True
 
     def view(self, found: Found) -> np.ndarray:
         """The bytes of a taken message."""

@@ -26,8 +26,10 @@ import functools
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ...errors import CommTimeout, HetcommError, PeerLost
-from ...work import Work
+from ...work import Work, completed
 from .. import flags
 from ..local import Region
 from . import pull
@@ -154,6 +156,9 @@ def send_eager(
     the slot is published."""
     out = ch.eager_out
     assert out is not None
+    if region.host is not None and out.send(region.host.data, tag, k, ticket):
+        t.paths["send eager"] += 1
+        return True
     slot = claim(t, ch, out, deadline, wait, ticket)
     if slot is None:
         return False
@@ -231,6 +236,9 @@ def recv(
         t.finish_recv(t.post_recv(src, region, CTS_P2P, tag, k, deadline, ready), deadline)
         return
     if region.nbytes <= inbox.slot_bytes:
+        if region.host is not None:
+            wait_eager(t, ch, inbox, region.host.data, tag, k, deadline)
+            return
         rec = Posted(region, tag, k, ready)
         found = inbox.post(rec)
         if found is not None:
@@ -240,7 +248,8 @@ def recv(
         if rec.error is not None:
             raise rec.error
         return
-    found = wait_marker(t, ch, inbox, tag, k, deadline)
+    found = wait_take(t, ch, inbox, tag, k, deadline)
+    assert found is not None
     if not settle(t, ch, found, region, ready):
         return
     t.paths["recv rails"] += 1
@@ -255,17 +264,50 @@ def recv(
         t._forget(op)
 
 
-def wait_marker(
-    t: StagedTransport, ch: Channel, inbox: EagerIn, tag: int, k: int, deadline: float
-) -> Found:
-    """Take the marker of message `k` of (`ch`'s peer, `tag`), larger than a slot, waiting on
-    this thread for it (and landing the ring's posted receives meanwhile); PeerTimeout naming
-    the sender when `deadline` passes first."""
+def wait_eager(
+    t: StagedTransport,
+    ch: Channel,
+    inbox: EagerIn,
+    dst: memoryview,
+    tag: int,
+    k: int,
+    deadline: float,
+) -> None:
+    """Receive message `k` of (`ch`'s peer, `tag`) into host bytes `dst` (at most a slot) on
+    this thread, no receive posted (so only this thread takes it): the message in the slot
+    after the last one taken, eager and of this size (the rule), is copied and freed in one
+    step (EagerIn.receive); anything else (a marker, another size, another slot) is landed as
+    a posted receive's would be."""
+    found = wait_take(t, ch, inbox, tag, k, deadline, dst)
+    if found is None:
+        t.paths["recv eager"] += 1
+        return
+    rec = Posted(Region(len(dst), np.frombuffer(dst, np.uint8)), tag, k, None, deadline)
+    land(t, ch, found, rec)
+    if rec.error is not None:
+        raise rec.error
+
+
+def wait_take(
+    t: StagedTransport,
+    ch: Channel,
+    inbox: EagerIn,
+    tag: int,
+    k: int,
+    deadline: float,
+    dst: memoryview | None = None,
+) -> Found | None:
+    """Take message or marker `k` of (`ch`'s peer, `tag`), waiting on this thread for it and
+    landing the ring's posted receives meanwhile; PeerTimeout naming the sender when
+    `deadline` passes first. With `dst`, an eager message of its size in the ring's next
+    slot is received into it at once instead (None returned)."""
     got: list[Found] = []
 
     def ready() -> bool:
-        progress(t, ch, inbox)  # first: the look for this marker is the last (EagerIn.doze)
-        found = inbox.take(tag, k)
+        progress(t, ch, inbox)
+        if dst is not None and inbox.receive(dst, tag, k):
+            return True
+        found = inbox.take(tag, k)  # the look for it, last (EagerIn.doze)
         if found is None:
             return False
         got.append(found)
@@ -273,7 +315,7 @@ def wait_marker(
 
     if not flags.wait(ready, deadline, lambda: check_peer(t, ch), sleep=inbox.doze):
         raise PeerTimeout([ch.peer], never_sent(ch.peer, tag, k))
-    return got[0]
+    return got[0] if got else None
 
 
 def settle(t: StagedTransport, ch: Channel, found: Found, region: Region, ready: Any) -> bool:
@@ -401,6 +443,15 @@ def posted_work(
     RAILS it then waits for the receive over the rails (`rec.op`), completed by the thread
     that lands the last chunk. It fails with CommTimeout naming the sender at `deadline`, or
     when the transport closes."""
+    if (
+        region.host is not None
+        and region.nbytes <= inbox.slot_bytes
+        and inbox.receive(region.host.data, tag, k)
+    ):
+        t.paths["recv eager"] += 1
+        work = completed(t.comm, "recv", seq)
+        work.info = {"transport": "staged", "bytes": region.nbytes, "stages": 1}
+        return work
     rec = Posted(region, tag, k, ready, deadline)
     found = inbox.post(rec)
     if found is not None:

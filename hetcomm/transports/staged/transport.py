@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 from ...errors import CommTimeout, HetcommError, MismatchError, PeerLost, TransportUnavailable
 from ...ops import ReduceOp
-from ...work import Work, take_blocking
+from ...work import Work, completed, take_blocking
 from .. import flags, tags
 from ..base import Context, Transport
 from ..local import Region
@@ -624,7 +624,7 @@ class StagedTransport(Transport):
             ticket = out.ticket()  # its place among the sends that take slots, kept if it waits
             if region.nbytes <= out.slot_bytes:
                 if p2p.send_eager(self, ch, region, tag, k, deadline, ready, False, ticket):
-                    work = Work(self.comm, "send", seq, _true)
+                    work = completed(self.comm, "send", seq)
                     work.info = {"transport": "staged", "bytes": region.nbytes, "stages": 1}
                     return work
             elif pull.lends(out, region):
@@ -805,21 +805,41 @@ class StagedTransport(Transport):
         return work
 
     def _run_send(self, xh: np.ndarray, dst: int, tag: int, seq: int) -> bool:
-        """The prepared blocking send of a host array."""
+        """The prepared blocking send of a host array: into the ring's next slot where it can
+        go there at once (EagerOut.send), else p2p.send (in the same ticket's turn)."""
         k = self._p2p_number("send", dst, tag)
-        region = _host_region(xh)
+        ch = self._channels.get(dst)
+        out = ch.eager_out if ch is not None else None
+        ticket = None
+        if out is not None and 0 < xh.nbytes <= out.slot_bytes and not self.closed:
+            ticket = out.ticket()
+            if out.send(xh.data.cast("B"), tag, k, ticket):
+                self.paths["send eager"] += 1
+                return True
         try:
-            p2p.send(self, region, dst, tag, k, time.monotonic() + self.limit(), None)
+            deadline = time.monotonic() + self.limit()
+            p2p.send(self, _host_region(xh), dst, tag, k, deadline, None, ticket=ticket)
         except (PeerTimeout, PeerLost) as exc:
             raise self._fatal("send", seq, exc) from None
         return True
 
     def _run_recv(self, xh: np.ndarray, src: int, tag: int, seq: int) -> bool:
-        """The prepared blocking receive into a host array."""
+        """The prepared blocking receive into a host array: from the ring on this thread
+        where the message fits a slot (p2p.wait_eager), else p2p.recv."""
         k = self._p2p_number("recv", src, tag)
-        region = _host_region(xh)
+        ch = self._channels.get(src)
+        inbox = ch.eager_in if ch is not None else None
         try:
-            p2p.recv(self, region, src, tag, k, time.monotonic() + self.limit(), None)
+            deadline = time.monotonic() + self.limit()
+            if (
+                ch is not None
+                and inbox is not None
+                and 0 < xh.nbytes <= inbox.slot_bytes
+                and not self.closed
+            ):
+                p2p.wait_eager(self, ch, inbox, xh.data.cast("B"), tag, k, deadline)
+            else:
+                p2p.recv(self, _host_region(xh), src, tag, k, deadline, None)
         except (PeerTimeout, PeerLost) as exc:
             raise self._fatal("recv", seq, exc) from None
         return True
@@ -992,10 +1012,6 @@ class StagedTransport(Transport):
 def _host_region(xh: np.ndarray) -> Region:
     """The bytes of a contiguous host array, as the Region its prepared calls move."""
     return Region(xh.nbytes, xh.reshape(-1).view(np.uint8))
-
-
-def _true() -> bool:
-    return True
 
 
 # Transports not closed by their communicator are closed when the interpreter exits, before
