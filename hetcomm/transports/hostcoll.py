@@ -165,8 +165,11 @@ class HostGroup:
         self._turns = threading.Condition()
         self._issued = 0  # tickets drawn
         self._ended = 0  # the last ticket whose turn has ended
+        self._waiting = 0  # threads waiting for their turn
         self._broken: BaseException | None = None
         self._spare = np.empty(0, np.uint8)  # _scratch's buffer
+        # _reducer's work by (dtype, op value)
+        self._reducers: dict[tuple[str, str], Callable[[np.ndarray, int, int], None]] = {}
 
     # ---- turns ----------------------------------------------------------------------------
 
@@ -182,12 +185,17 @@ class HostGroup:
         """In `ticket`'s turn: `fn(*args)` where the segment takes an operation of `nbytes`
         (grown first where needed); False, with nothing moved, where it does not (every rank
         says the same at the same turn)."""
-        with self._turns:
-            while self._ended != ticket - 1:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise Late([], "an earlier operation on the shared segment did not end")
-                self._turns.wait(left)
+        if self._ended != ticket - 1:  # read unlocked: only this turn's end moves it on
+            with self._turns:
+                while self._ended != ticket - 1:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise Late([], "an earlier operation on the shared segment did not end")
+                    self._waiting += 1
+                    try:
+                        self._turns.wait(left)
+                    finally:
+                        self._waiting -= 1
         try:
             if self._broken is not None:
                 raise HetcommError(f"the shared segment failed earlier: {self._broken}")
@@ -205,7 +213,8 @@ class HostGroup:
         finally:
             with self._turns:
                 self._ended = ticket
-                self._turns.notify_all()
+                if self._waiting:
+                    self._turns.notify_all()
 
     # ---- the segment --------------------------------------------------------------------
 
@@ -398,7 +407,7 @@ class HostGroup:
 
     def _stage(self, x: np.ndarray | None) -> None:
         if x is not None and x.nbytes:
-            np.copyto(self._half(self.rank)[: x.nbytes], x)
+            self._half(self.rank)[: x.nbytes] = x
 
     # ---- collectives (host memory; x=None: the input is in `mine()` already) ---------------
 
@@ -543,20 +552,36 @@ class HostGroup:
 
     def _reduce_into(self, dst: np.ndarray, lo: int, hi: int, dtype: str, op: ReduceOp) -> None:
         """dst = bytes [lo, hi) of every rank's half reduced in rank order (AVG divided)."""
-        if hi <= lo:
-            return
+        if hi > lo:
+            (self._reducers.get((dtype, op._value_)) or self._reducer(dtype, op))(dst, lo, hi)
+
+    def _reducer(self, dtype: str, op: ReduceOp) -> Callable[[np.ndarray, int, int], None]:
+        """_reduce_into's work for (dtype, op), resolved at its first use: the storage dtype,
+        the kernel and the steps, looked up once instead of at every small reduction."""
         from ..kernels import reduce
 
         storage = reduce.storage_dtype(dtype)
-        values = dst[: hi - lo].view(storage)
-        if dtype in _STEPWISE:
+        average = op is ReduceOp.AVG
+        size = self.size
+
+        def stepwise(dst: np.ndarray, lo: int, hi: int) -> None:
+            values = dst[: hi - lo].view(storage)
             np.copyto(values, self._half(0)[lo:hi].view(storage))
-            for q in range(1, self.size):
+            for q in range(1, size):
                 combine_host(values, self._half(q)[lo:hi].view(storage), dtype, op)
-        else:
+            if average:
+                divide_host(values, size, dtype)
+
+        reduce_rows, kind = reduce.reduce_rows, "sum" if average else op.value
+
+        def rows(dst: np.ndarray, lo: int, hi: int) -> None:
             # one kernel call over the rows, where a combine per rank costs numpy's dispatch
             # and error-state switch each time (microseconds at small sizes)
-            rows = self._rows[self._ops & 1][:, lo:hi].view(storage)
-            reduce.reduce_rows(rows, values, "sum" if op is ReduceOp.AVG else op.value)
-        if op is ReduceOp.AVG:
-            divide_host(values, self.size, dtype)
+            values = dst[: hi - lo].view(storage)
+            reduce_rows(self._rows[self._ops & 1][:, lo:hi].view(storage), values, kind)
+            if average:
+                divide_host(values, size, dtype)
+
+        run = stepwise if dtype in _STEPWISE else rows
+        self._reducers[(dtype, op._value_)] = run
+        return run

@@ -11,6 +11,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 from test_topology import rank_info
 
 from hetcomm.ops import ReduceOp
@@ -49,17 +50,30 @@ def _solo() -> hostcoll.HostGroup:
 
 
 def test_turns_run_in_ticket_order_whatever_thread_comes_first():
+    """Turns taken by threads in any order run in ticket order, each woken when the one
+    before it ends; a turn whose predecessor never ends fails at its deadline."""
     group = _solo()
-    first, second = group.ticket(), group.ticket()
+    first, second, third = group.ticket(), group.ticket(), group.ticket()
     ran: list[int] = []
     deadline = time.monotonic() + 30
-    late = threading.Thread(target=group.run, args=(second, deadline, 64, ran.append, 2))
-    late.start()
+    threads = [
+        threading.Thread(target=group.run, args=(ticket, deadline, 64, ran.append, ticket))
+        for ticket in (third, second)
+    ]
+    for thread in threads:
+        thread.start()
     time.sleep(0.05)
-    assert ran == []  # the second turn waits for the first
-    assert group.run(first, deadline, 64, ran.append, 1)
-    late.join(10)
-    assert ran == [1, 2]
+    assert ran == []  # the later turns wait for the first
+    assert group.run(first, deadline, 64, ran.append, first)
+    for thread in threads:
+        thread.join(10)
+    assert ran == [first, second, third]
+    group.ticket()  # a turn drawn and never run
+    stuck = group.ticket()
+    t0 = time.monotonic()
+    with pytest.raises(hostcoll.Late, match="earlier operation"):
+        group.run(stuck, time.monotonic() + 0.2, 64, ran.append, stuck)
+    assert 0.15 < time.monotonic() - t0 < 5 and ran == [first, second, third]
     group.close()
 
 

@@ -548,8 +548,9 @@ def prepare(
         assert rop is not None
 
         def run_all_reduce(xh: np.ndarray, oh: np.ndarray, seq: int) -> bool:
-            fn = group.all_reduce
-            return drive("all_reduce", seq, fn, _flat(xh), _flat(oh), nbytes, dtype, rop)
+            fx = _flat(xh)
+            fo = fx if oh is xh else _flat(oh)
+            return drive("all_reduce", seq, group.all_reduce, fx, fo, nbytes, dtype, rop)
 
         return run_all_reduce
     if op == "reduce":
