@@ -39,6 +39,7 @@ message, and operations of that size or more take the transport's other path fro
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -163,7 +164,7 @@ class HostGroup:
         self._me = rank * _WORDS
         self._others = [q * _WORDS for q in range(size) if q != rank]
         self._turns = threading.Condition()
-        self._issued = 0  # tickets drawn
+        self._drawn = itertools.count(1)  # the tickets, from 1 (the first turn's)
         self._ended = 0  # the last ticket whose turn has ended
         self._waiting = 0  # threads waiting for their turn
         self._broken: BaseException | None = None
@@ -175,9 +176,7 @@ class HostGroup:
 
     def ticket(self) -> int:
         """The next turn at the segment (draw it where the operation is issued, in order)."""
-        with self._turns:
-            self._issued += 1
-            return self._issued
+        return next(self._drawn)  # one C call: atomic under the interpreter lock
 
     def run(
         self, ticket: int, deadline: float, nbytes: int, fn: Callable[..., None], *args: Any
