@@ -679,18 +679,7 @@ class Communicator:
             rop = as_reduce_op(op, "reduce: op")
             check_op_for_dtype(rop, xb.dtype, "reduce")
             route = self._route(key, "reduce", xb, self._reduce, rop, r)
-        at_root = self.rank == route.root
-        if (route.run is not None or route.carry) and not async_op and not _work.observing:
-            xh = host_view(x, at_root)
-            if xh is not None:
-                if (
-                    carried.run(self, route, xh, timeout)
-                    if route.carry
-                    else self._blocking_run(route, timeout, xh)
-                ):
-                    return None
-                return self._reduce(route, x, False, timeout, self._last_entered)
-        return self._reduce(route, x, async_op, timeout, None)
+        return self._one_array(route, x, self.rank == route.root, async_op, timeout)
 
     def _reduce(
         self, route: Route, x: Any, async_op: bool, timeout: float | None, seq: int | None
@@ -726,8 +715,17 @@ class Communicator:
             xb = as_buffer(x, "broadcast: x")
             r = self._root(root, "broadcast: root")
             route = self._route(key, "broadcast", xb, self._broadcast, None, r)
+        return self._one_array(route, x, self.rank != route.root, async_op, timeout)
+
+    def _one_array(
+        self, route: Route, x: Any, write: bool, async_op: bool, timeout: float | None
+    ) -> Work | None:
+        """A rooted collective of one array (reduce, broadcast) on its route: the prepared
+        call (or the carried one) of a blocking call on a host array (`write`: this rank's
+        array receives), else the route's general path, with the sequence number the
+        prepared call took where it declined."""
         if (route.run is not None or route.carry) and not async_op and not _work.observing:
-            xh = host_view(x, self.rank != route.root)
+            xh = host_view(x, write)
             if xh is not None:
                 if (
                     carried.run(self, route, xh, timeout)
@@ -735,8 +733,8 @@ class Communicator:
                     else self._blocking_run(route, timeout, xh)
                 ):
                     return None
-                return self._broadcast(route, x, False, timeout, self._last_entered)
-        return self._broadcast(route, x, async_op, timeout, None)
+                return route.general(route, x, False, timeout, self._last_entered)
+        return route.general(route, x, async_op, timeout, None)
 
     def _broadcast(
         self, route: Route, x: Any, async_op: bool, timeout: float | None, seq: int | None
