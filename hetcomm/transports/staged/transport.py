@@ -590,17 +590,33 @@ class StagedTransport(Transport):
         """Eagerly through a shared slot (a small message to a rank of this host), else chunks
         over every rail to `dst` once its clear-to-send names this message. A blocking send
         runs here to its end; an asynchronous one starts here where nothing must wait."""
+        return self._message("send", x, dst, tag, seq, p2p.send, self._send_start)
+
+    def _message(
+        self,
+        op: str,
+        x: Buffer,
+        peer: int,
+        tag: int,
+        seq: int,
+        run: Callable[..., None],
+        start: Callable[..., Work],
+    ) -> Work:
+        """The general path of a send or receive (`op`) of `x`: numbered, its region and
+        ready event made, then run here to its end where the call is blocking
+        (`run(self, region, peer, tag, k, deadline, ready)`: p2p.send or p2p.recv), else
+        started (`start(region, peer, tag, k, seq, ready, bufs)`)."""
         blocking = take_blocking()
-        stamp("send")
+        stamp(op)
         region = self._region(x)
-        k = self._p2p_number("send", dst, tag)
+        k = self._p2p_number(op, peer, tag)
         ready = self._ready([x])
         stamp("ready")
         if blocking:
             return self._inline(
-                "send", seq, x.nbytes, lambda d: p2p.send(self, region, dst, tag, k, d, ready)
+                op, seq, x.nbytes, lambda d: run(self, region, peer, tag, k, d, ready)
             )
-        return self._send_start(region, dst, tag, k, seq, ready, [x])
+        return start(region, peer, tag, k, seq, ready, [x])
 
     def _send_start(
         self,
@@ -655,16 +671,7 @@ class StagedTransport(Transport):
         """Take the eager message of this number from its shared slot, else post a
         clear-to-send to `src` and copy the chunks in as they land. A blocking receive runs
         here to its end; an asynchronous one is polled by its Work where it can be."""
-        blocking = take_blocking()
-        stamp("recv")
-        region = self._region(x)
-        k = self._p2p_number("recv", src, tag)
-        ready = self._ready([x])
-        if blocking:
-            return self._inline(
-                "recv", seq, x.nbytes, lambda d: p2p.recv(self, region, src, tag, k, d, ready)
-            )
-        return self._recv_start(region, src, tag, k, seq, ready, [x])
+        return self._message("recv", x, src, tag, seq, p2p.recv, self._recv_start)
 
     def _recv_start(
         self,
