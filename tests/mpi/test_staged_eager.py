@@ -325,6 +325,39 @@ def test_arrays_of_every_shape(hetcomm_make_comm, errors, rng, blocking):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_blocking_receive_lands_the_posted_ones_while_it_waits(hetcomm_make_comm, errors, rng):
+    """Three rings' worth of asynchronous receives nobody waits on, all posted before their
+    messages come, then a blocking receive of another tag: the sender's blocking sends fill
+    the ring, and only the waiting receive's looks land the posted ones to free its slots;
+    every message arrives where it belongs."""
+    comm = hetcomm_make_comm(transport="staged", timeout=30)
+    peer = _opened(comm)
+    n = 3 * EAGER_SLOTS
+    msgs = [_data(rng, 5, "float32") for _ in range(n)]
+    last = _data(rng, 3, "int64")
+    got = np.full((n, 6), -1.0, np.float32)
+    receiving = peer is not None and comm.rank % 2 == 1
+    works = []
+    if receiving:
+        works = [comm.recv(got[i, :5], peer, tag=1, async_op=True) for i in range(n)]
+    comm.barrier()  # every receive is posted before the first message is sent
+    if peer is not None and not receiving:
+        for x in msgs:
+            comm.send(x, peer, tag=1)
+        comm.send(last, peer, tag=2)
+    elif receiving:
+        back = np.zeros(3, np.int64)
+        comm.recv(back, peer, tag=2)
+        errors.expect(np.array_equal(back, last), "the blocking receive: wrong data")
+        for work in works:
+            assert work is not None
+            work.wait()
+        errors.expect(np.array_equal(got[:, :5], np.stack(msgs)), "posted receives: wrong data")
+        errors.expect((got[:, 5] == -1.0).all(), "a posted receive wrote past its message")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_after_an_abort(hetcomm_make_comm, errors):
     """A receive whose message never comes times out naming its peer and aborts the
     communicator (later calls raise CommAborted); a new communicator then sends eagerly."""

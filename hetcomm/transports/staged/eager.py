@@ -192,8 +192,13 @@ class EagerOut(_Ring):
                 at = s * self.slot_bytes
                 self._bytes[at : at + n] = src
             self._next = (s + 1) % self.slots
-            self._advance()
-            self._announce(s, tag, number, n, DATA)
+            self._serving = ticket + 1
+            if self._skipped:
+                self._advance_skipped()
+            # _announce's stores, inline: the header, then PUB, then TOTAL
+            w[row + TAG], w[row + NUMBER], w[row + NBYTES], w[row + KIND] = tag, number, n, DATA
+            w[row + PUB] += 1
+            w[TOTAL] += 1
         if w[DOZING]:
             self.poke()
         return True
@@ -208,6 +213,10 @@ class EagerOut(_Ring):
 
     def _advance(self) -> None:
         self._serving += 1
+        self._advance_skipped()
+
+    def _advance_skipped(self) -> None:
+        """Past the tickets given up before their turn."""
         while self._skipped and self._serving in self._skipped:
             self._skipped.discard(self._serving)
             self._serving += 1

@@ -34,7 +34,7 @@ from .. import flags
 from ..local import Region
 from . import pull
 from .cts import CTS_P2P
-from .eager import DATA, GONE, NOT_READ, PULL, RAILS, EagerIn, EagerOut, Found, Posted
+from .eager import DATA, GONE, NOT_READ, PULL, RAILS, TOTAL, EagerIn, EagerOut, Found, Posted
 from .ops import PeerTimeout
 from .rails import size_mismatch
 
@@ -302,11 +302,19 @@ def wait_take(
     `deadline` passes first. With `dst`, an eager message of its size in the ring's next
     slot is received into it at once instead (None returned)."""
     got: list[Found] = []
+    words, seen = inbox.words, -1
 
     def ready() -> bool:
-        progress(t, ch, inbox)
+        # a look only where the sender has published since this wait's last one: a poll of
+        # one word, where a look takes the ring's lock three times
+        nonlocal seen
+        total = words[TOTAL]
+        if total == seen:
+            return False
+        seen = total
         if dst is not None and inbox.receive(dst, tag, k):
             return True
+        progress(t, ch, inbox)
         found = inbox.take(tag, k)  # the look for it, last (EagerIn.doze)
         if found is None:
             return False

@@ -837,7 +837,7 @@ class StagedTransport(Transport):
         ch = self._channels.get(src)
         inbox = ch.eager_in if ch is not None else None
         try:
-            deadline = time.monotonic() + self.limit()
+            deadline = time.monotonic() + (self.comm.call_timeout or self.timeout)  # limit()
             if (
                 ch is not None
                 and inbox is not None
