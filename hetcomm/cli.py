@@ -63,8 +63,8 @@ def tuning_report(world: Any) -> str:
 
 
 def persistent_report(limit: int) -> str:
-    """Whether small all-reduces of the mpi transport run as persistent requests, and why not."""
-    from .transports.mpi.persistent import unavailable
+    """Whether small collectives of the mpi transport run as persistent requests, and why not."""
+    from .transports.mpi.persistent import INITS, missing, unavailable
     from .transports.mpi.transport import LANE_BYTES
 
     why = unavailable()
@@ -72,9 +72,12 @@ def persistent_report(limit: int) -> str:
         return f"no: {why}"
     if limit == 0:
         return "off (HETCOMM_PERSISTENT_MAX=0)"
+    lacking = missing()
+    ops = ", ".join(op for op in INITS if op not in lacking)
+    without = f" (this MPI has no persistent {', '.join(sorted(lacking))})" if lacking else ""
     return (
-        f"mpi all-reduces up to {min(limit, LANE_BYTES)} bytes run as cached MPI-4 "
-        "persistent requests"
+        f"mpi {ops} up to {min(limit, LANE_BYTES)} bytes run as cached MPI-4 persistent "
+        f"requests{without}"
     )
 
 

@@ -42,8 +42,8 @@ OPTIONS: dict[str, tuple[str, str]] = {
     ),
     "persistent_max": (
         "HETCOMM_PERSISTENT_MAX",
-        "bytes up to which host all-reduces of the mpi transport run as cached MPI-4 persistent "
-        "requests (0: off; set the same on every rank)",
+        "bytes up to which the small collectives of the mpi transport run as cached MPI-4 "
+        "persistent requests (0: off; set the same on every rank)",
     ),
     "tune_dir": (
         "HETCOMM_TUNE_DIR",

@@ -109,7 +109,7 @@ def free_slots(slots: SharedSlots) -> int:
 def persistent_requests(transport: Transport) -> tuple[Any, ...]:
     """Every cached persistent-collective slot of an mpi transport (each with its `request`)."""
     requests = _attr(transport, "requests", "mpi")
-    return tuple(slot for by_count in requests._by_kind for slot in by_count.values())
+    return tuple(requests._slots.values())
 
 
 def lane(transport: Transport) -> InOrderWorker:

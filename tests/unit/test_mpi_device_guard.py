@@ -22,6 +22,9 @@ class _Calls:
     def Get_size(self):
         return 2
 
+    def Get_rank(self):
+        return 0
+
     def __getattr__(self, name):
         def call(*args, **kwargs):
             raise AssertionError(f"MPI.{name} was called with a device buffer")

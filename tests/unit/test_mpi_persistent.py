@@ -21,8 +21,8 @@ from hetcomm.ops import ReduceOp
 from hetcomm.plan import Member
 from hetcomm.transports.mpi import persistent as mpi_persistent
 from hetcomm.transports.mpi import transport as mpi_transport
-from hetcomm.transports.mpi.datatypes import KINDS, PERSISTENT
-from hetcomm.transports.mpi.persistent import Requests
+from hetcomm.transports.mpi.datatypes import PERSISTENT
+from hetcomm.transports.mpi.persistent import Recipe, Requests
 from hetcomm.transports.mpi.transport import MpiTransport
 
 pytestmark = pytest.mark.skipif(
@@ -49,9 +49,20 @@ def self_comm():
     mpi.Free()
 
 
+def _all_reduce(kind, count: int) -> Recipe:
+    """The recipe of an in-place persistent all-reduce of `count` elements of `kind`."""
+
+    def init(mpi: MPI.Intracomm, scratch: np.ndarray, out: np.ndarray) -> MPI.Prequest:
+        return mpi.Allreduce_init(MPI.IN_PLACE, (scratch, kind.datatype), kind.op)
+
+    return Recipe(
+        ("all_reduce", kind.dtype.name, id(kind), count, -1), kind.dtype, count, None, init
+    )
+
+
 def _run(requests: Requests, kind, count: int) -> mpi_persistent.Slot:
     """take() a slot and run one call through it, as the short path does."""
-    slot = requests.take(kind, count)
+    slot = requests.take(_all_reduce(kind, count))
     slot.active = True
     slot.make().Start()
     while not slot.test():
@@ -60,7 +71,7 @@ def _run(requests: Requests, kind, count: int) -> mpi_persistent.Slot:
 
 
 def test_the_least_recently_used_request_is_freed(self_comm):
-    requests = Requests(self_comm, self_comm.mpi, KINDS, capacity=3)
+    requests = Requests(self_comm, self_comm.mpi, capacity=3)
     a, b, c = (_run(requests, F32_SUM, n) for n in (1, 2, 3))
     assert _run(requests, F32_SUM, 1) is a  # a is now the most recent
     d = _run(requests, I64_MAX, 2)  # full: b, the least recently used, goes
@@ -76,10 +87,10 @@ def test_the_least_recently_used_request_is_freed(self_comm):
 def test_a_request_given_up_on_is_neither_reused_nor_freed(self_comm, monkeypatch):
     stranded: list[mpi_persistent.Slot] = []
     monkeypatch.setattr(mpi_persistent, "_STRANDED", stranded)
-    requests = Requests(self_comm, self_comm.mpi, KINDS)
+    requests = Requests(self_comm, self_comm.mpi)
     slot = _run(requests, F32_SUM, 4)
     slot.active = True  # as if started and its wait had timed out
-    fresh = requests.take(F32_SUM, 4)
+    fresh = requests.take(_all_reduce(F32_SUM, 4))
     assert fresh is not slot and stranded == [slot] and slot.request != MPI.REQUEST_NULL
     other = _run(requests, F32_SUM, 5)
     other.active = True
@@ -92,13 +103,15 @@ def test_a_request_given_up_on_is_neither_reused_nor_freed(self_comm, monkeypatc
 
 
 def test_the_call_in_flight_is_delivered_before_its_request_is_reused(self_comm):
-    requests = Requests(self_comm, self_comm.mpi, KINDS)
-    slot = requests.take(F32_SUM, 3)
+    requests = Requests(self_comm, self_comm.mpi)
+    slot = requests.take(_all_reduce(F32_SUM, 3))
     delivered = []
     slot.scratch[...] = [1, 2, 3]
     number = slot.begin(lambda: delivered.append(slot.scratch.copy()), seq=7)
     slot.make().Start()
-    assert requests.take(F32_SUM, 3) is slot  # waits for call 1, which copies its result out
+    assert (
+        requests.take(_all_reduce(F32_SUM, 3)) is slot
+    )  # waits for call 1, which copies its result out
     assert slot.delivered == number == 1 and [d.tolist() for d in delivered] == [[1, 2, 3]]
     assert slot.poll(number)  # the call's own Work: done, nothing delivered twice
     assert len(delivered) == 1

@@ -1,6 +1,6 @@
 """What MPI is given for each hetcomm dtype and reduce op: its datatype, the MPI operation
 that reduces it (a predefined one, or hetcomm's own kernel inside a user-defined one where the
-library has none or gets it wrong), and the persistent all-reduce kind that serves the pair."""
+library has none or gets it wrong), and the persistent reduction kind that serves the pair."""
 
 from __future__ import annotations
 
@@ -62,11 +62,10 @@ _AVG = ReduceOp.AVG
 
 
 def _persistent_kinds() -> dict[tuple[str, str], persistent.Kind]:
-    """(dtype name, op) -> the kind of persistent all-reduce that serves it, for every pair MPI
+    """(dtype name, op) -> the kind of persistent reduction that serves it, for every pair MPI
     reduces with a predefined operation (bool as uint8; AVG reduces as SUM, then divides, and
     shares SUM's kind)."""
     kinds: dict[tuple[str, str], persistent.Kind] = {}
-    made = 0
     for name, datatype in DATATYPES.items():
         if name in ("float16", "bfloat16"):
             continue
@@ -77,14 +76,12 @@ def _persistent_kinds() -> dict[tuple[str, str], persistent.Kind]:
             kind = kinds.get((name, reduce_as.value))
             if kind is None:
                 mop = _NATIVE_OPS[_bool_as(reduce_as)] if name == "bool" else _NATIVE_OPS[reduce_as]
-                kind = persistent.Kind(made, np.dtype(name), datatype, mop)
-                made += 1
+                kind = persistent.Kind(np.dtype(name), datatype, mop)
             kinds[(name, op.value)] = kinds[(name, reduce_as.value)] = kind
     return kinds
 
 
 PERSISTENT = _persistent_kinds()
-KINDS = len({kind.index for kind in PERSISTENT.values()})
 _OPS = {
     (d, op.value): mpi
     for d in DATATYPES

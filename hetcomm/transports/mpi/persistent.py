@@ -1,17 +1,20 @@
-"""Cached MPI-4 persistent all-reduces: the small all-reduces of the mpi transport.
+"""Cached MPI-4 persistent collectives: the small collectives of the mpi transport.
 
 Open MPI builds the schedule of a non-blocking collective on every call; a persistent request
 builds it once, at its init, and each Start only runs it. A 2-rank all-reduce of 8 bytes on one
-host took 2.6-2.9 us as Iallreduce + Test polls and 1.1 us as Start + Test polls (Open MPI 5.0).
+host took 2.6-2.9 us as Iallreduce + Test polls and 1.1 us as Start + Test polls (Open MPI 5.0);
+a hetcomm broadcast of 8 bytes 2.6-2.9 us with Ibcast, 1.8-2.2 us with a persistent Bcast
+(2026-12-04).
 
 MPI's rules shape the cache. Persistent collective inits and starts must come in the same order
-on every rank, and a persistent all-reduce matches only the same persistent all-reduce on the
-other ranks, never an Iallreduce or an Allreduce. So whether an all-reduce goes this way depends
-only on what every rank must agree on anyway (dtype, element count, op, and the byte limit of the
-configuration), never on this rank's buffer address, layout, in-place or not, or the state of the
-lane; and each request is bound to a scratch array of the cache, not to the caller's array (whose
-address changes from call to call): the data is copied in and out. The cache's inits, reuses and
-evictions follow the sequence of calls, which is the same on every rank.
+on every rank, and a persistent collective matches only the same persistent collective on the
+other ranks, never a non-blocking or a blocking one. So whether a collective goes this way
+depends only on what every rank must agree on anyway (the op, dtype, element count, reduction,
+root, and the byte limit of the configuration: a `Recipe`), never on this rank's buffer
+address, layout, in-place or not, or the state of the lane; and each request is bound to
+scratch arrays of the cache, not to the caller's arrays (whose addresses change from call to
+call): the data is copied in and out. The cache's inits, reuses and evictions follow the
+sequence of calls, which is the same on every rank.
 
 Open MPI numbers each persistent request at its init, and each non-blocking collective at its
 call, from one counter per communicator; messages of two collectives are told apart by those
@@ -34,7 +37,7 @@ from ...work import Work
 if TYPE_CHECKING:
     from ..base import Context, Job
 
-# persistent all-reduces kept per transport; beyond this the least recently used one is freed
+# persistent collectives kept per transport; beyond this the least recently used one is freed
 CAPACITY = 64
 # Tests of the request per poll of a call's Work (see Slot.poll)
 _TESTS_PER_POLL = 8
@@ -67,6 +70,50 @@ def unavailable() -> str | None:
     return None
 
 
+# the persistent form of each collective the mpi transport runs so (mpi4py's names)
+INITS = {
+    "all_reduce": "Allreduce_init",
+    "reduce": "Reduce_init",
+    "broadcast": "Bcast_init",
+    "all_gather": "Allgather_init",
+    "reduce_scatter": "Reduce_scatter_block_init",
+    "all_to_all": "Alltoall_init",
+    "barrier": "Barrier_init",
+}
+
+
+@cache
+def missing() -> frozenset[str]:
+    """The collectives of INITS that this MPI library has no persistent form of: every one
+    where `unavailable()` says why, else those whose init or start fails on COMM_SELF (a
+    property of the library, the same on every rank)."""
+    if unavailable() is not None:
+        return frozenset(INITS)
+    self_comm = MPI.COMM_SELF
+    a, b = np.zeros(2), np.zeros(2)
+    tries = {
+        "all_reduce": lambda: self_comm.Allreduce_init(MPI.IN_PLACE, a, MPI.SUM),
+        "reduce": lambda: self_comm.Reduce_init(MPI.IN_PLACE, a, MPI.SUM, 0),
+        "broadcast": lambda: self_comm.Bcast_init(a, 0),
+        "all_gather": lambda: self_comm.Allgather_init(a, b),
+        "reduce_scatter": lambda: self_comm.Reduce_scatter_block_init(a, b, MPI.SUM),
+        "all_to_all": lambda: self_comm.Alltoall_init(a, b),
+        "barrier": lambda: self_comm.Barrier_init(),
+    }
+    lacking = set()
+    for op, init in tries.items():
+        try:
+            request = init()
+            try:
+                request.Start()
+                request.Wait()
+            finally:
+                request.Free()
+        except (AttributeError, NotImplementedError, MPI.Exception):
+            lacking.add(op)
+    return frozenset(lacking)
+
+
 def _mpi4py_version() -> str:
     import mpi4py
 
@@ -74,17 +121,41 @@ def _mpi4py_version() -> str:
 
 
 class Kind:
-    """What selects a request besides the element count: the numpy dtype of its scratch and the
-    MPI datatype and operation it reduces with. Each is made once, at import, and numbered."""
+    """What a persistent reduction reduces with: the numpy dtype of its scratch and the MPI
+    datatype and operation. Each is made once, at import."""
 
-    __slots__ = ("datatype", "dtype", "index", "op")
+    __slots__ = ("datatype", "dtype", "op")
 
-    def __init__(self, index: int, dtype: np.dtype, datatype: MPI.Datatype, op: MPI.Op) -> None:
-        self.index, self.dtype, self.datatype, self.op = index, dtype, datatype, op
+    def __init__(self, dtype: np.dtype, datatype: MPI.Datatype, op: MPI.Op) -> None:
+        self.dtype, self.datatype, self.op = dtype, datatype, op
+
+
+Init = Callable[[MPI.Intracomm, np.ndarray, np.ndarray], MPI.Prequest]
+
+
+class Recipe:
+    """One persistent collective of a signature: `key`, what every rank agrees on (op, dtype,
+    reduction, element count, root), and what its request is bound to and made by: `count_in`
+    elements of `dtype` that the input is copied into, `count_out` more that the result is
+    copied out of (None: the result lands in the input's scratch), and `init(mpi, scratch,
+    out)`, which makes the request."""
+
+    __slots__ = ("count_in", "count_out", "dtype", "init", "key", "op")
+
+    def __init__(
+        self,
+        key: tuple,
+        dtype: np.dtype,
+        count_in: int,
+        count_out: int | None,
+        init: Init,
+    ) -> None:
+        self.key, self.op, self.dtype = key, key[0], dtype
+        self.count_in, self.count_out, self.init = count_in, count_out, init
 
 
 class Slot:
-    """One persistent all-reduce: its request, the scratch array it is bound to, its state.
+    """One persistent collective: its request, the scratch arrays it is bound to, its state.
 
     A call of the general path is numbered; its Work polls `poll(number)`, which copies the
     result out once the request completes. Another thread may poll an earlier call's Work at
@@ -98,9 +169,12 @@ class Slot:
         "delivered",
         "job",
         "key",
-        "kind",
         "lock",
         "mpi",
+        "op",
+        "out",
+        "oview",
+        "recipe",
         "request",
         "scratch",
         "seq",
@@ -109,16 +183,18 @@ class Slot:
         "view",
     )
 
-    def __init__(self, key: tuple[int, int], kind: Kind, mpi: MPI.Intracomm) -> None:
-        self.key = key  # (kind index, element count)
-        self.kind, self.mpi = kind, mpi
-        self.scratch = np.zeros(key[1], kind.dtype)
+    def __init__(self, recipe: Recipe, mpi: MPI.Intracomm) -> None:
+        self.recipe, self.key, self.op, self.mpi = recipe, recipe.key, recipe.op, mpi
+        self.scratch = np.zeros(recipe.count_in, recipe.dtype)
+        count_out = recipe.count_out
+        self.out = self.scratch if count_out is None else np.zeros(count_out, recipe.dtype)
         # made at the first start (see the module's docstring)
         self.request: MPI.Prequest | None = None
         self.used = 0  # the cache's clock at the latest use: the least recent goes first
-        # the scratch in the shape of the latest caller's array: copies between arrays of one
-        # shape are numpy's cheapest
+        # the scratch and the result in the shapes of the latest caller's arrays: copies
+        # between arrays of one shape are numpy's cheapest
         self.view = self.scratch
+        self.oview = self.out
         # started (or queued on the lane to start) and its completion not yet seen: such a
         # request may be neither started again nor freed
         self.active = False
@@ -136,10 +212,7 @@ class Slot:
         """The request, made now if not yet: call where it is about to be started."""
         request = self.request
         if request is None:
-            kind = self.kind
-            request = self.request = self.mpi.Allreduce_init(
-                MPI.IN_PLACE, (self.scratch, kind.datatype), kind.op
-            )
+            request = self.request = self.recipe.init(self.mpi, self.scratch, self.out)
         return request
 
     def copy_in(self, x: np.ndarray) -> np.ndarray:
@@ -157,7 +230,16 @@ class Slot:
             view[...] = x
         return view
 
-    def begin(self, deliver: Callable[[], None], seq: int) -> int:
+    def copy_out(self, o: np.ndarray) -> None:
+        """Copy the result into `o` (of the result's element count), as copy_in does."""
+        oview = self.oview
+        try:
+            o[...] = oview
+        except ValueError:
+            oview = self.oview = self.out.reshape(o.shape)
+            o[...] = oview
+
+    def begin(self, deliver: Callable[[], None] | None, seq: int) -> int:
         """Number a call of the general path that is about to start; the scratch holds its
         input, `deliver` copies its result out."""
         self.started += 1
@@ -215,17 +297,14 @@ class Slot:
 
 
 class Requests:
-    """The persistent all-reduces of one transport's communicator, evicted least recently used
-    first. Requests are found by kind, then by element count: two small dict lookups."""
+    """The persistent collectives of one transport's communicator, found by their recipe's key
+    and evicted least recently used first."""
 
-    def __init__(
-        self, comm: Context, mpi: MPI.Intracomm, kinds: int, capacity: int = CAPACITY
-    ) -> None:
+    def __init__(self, comm: Context, mpi: MPI.Intracomm, capacity: int = CAPACITY) -> None:
         self._comm = comm
         self._mpi = mpi
         self._capacity = capacity
-        self._by_kind: list[dict[int, Slot]] = [{} for _ in range(kinds)]
-        self._count = 0
+        self._slots: dict[tuple, Slot] = {}
         # calls served so far (also the clock of the LRU order), slots made (each makes its
         # request at its first start), requests freed
         self.uses = 0
@@ -233,18 +312,18 @@ class Requests:
         self.freed = 0
 
     def __len__(self) -> int:
-        return self._count
+        return len(self._slots)
 
-    def take(self, kind: Kind, count: int) -> Slot:
-        """The request for (kind, count), free to start: made (evicting the least recently used
-        one when full) on first use, after the previous call with it is delivered otherwise."""
-        slot = self._by_kind[kind.index].get(count)
+    def take(self, recipe: Recipe) -> Slot:
+        """The request of `recipe`, free to start: made (evicting the least recently used one
+        when full) on first use, after the previous call with it is delivered otherwise."""
+        slot = self._slots.get(recipe.key)
         if slot is None or slot.active or slot.delivered < slot.started:
-            slot = self._settle(kind, count, slot)
+            slot = self._settle(recipe, slot)
         self.uses = slot.used = self.uses + 1
         return slot
 
-    def _settle(self, kind: Kind, count: int, slot: Slot | None) -> Slot:
+    def _settle(self, recipe: Recipe, slot: Slot | None) -> Slot:
         if slot is not None and slot.delivered < slot.started:
             self._deliver(slot)
         if slot is not None and not slot.active:
@@ -254,7 +333,7 @@ class Requests:
             # interrupted, which leaves the communicator unusable anyway): never reused
             self._drop(slot)
             _STRANDED.append(slot)
-        return self._add(kind, count)
+        return self._add(recipe)
 
     def _deliver(self, slot: Slot) -> None:
         """Wait for the slot's call in flight and copy its result out. That call was issued
@@ -262,29 +341,26 @@ class Requests:
         job = slot.job
         Work(
             self._comm,
-            "all_reduce",
+            slot.op,
             slot.seq,
             partial(slot.poll, slot.started),
             waiter=None if job is None else job.wait,
         ).wait()
 
     def _drop(self, slot: Slot) -> None:
-        index, count = slot.key
-        del self._by_kind[index][count]
-        self._count -= 1
+        del self._slots[slot.key]
 
-    def _add(self, kind: Kind, count: int) -> Slot:
-        if self._count >= self._capacity:
+    def _add(self, recipe: Recipe) -> Slot:
+        if len(self._slots) >= self._capacity:
             self._evict()
-        slot = self._by_kind[kind.index][count] = Slot((kind.index, count), kind, self._mpi)
-        self._count += 1
+        slot = self._slots[recipe.key] = Slot(recipe, self._mpi)
         self.made += 1
         return slot
 
     def _evict(self) -> None:
         """Free the least recently used request. Which one that is follows from the sequence
         of calls alone, so every rank evicts the same one."""
-        old = min((s for slots in self._by_kind for s in slots.values()), key=_used)
+        old = min(self._slots.values(), key=_used)
         self._drop(old)
         try:
             if old.delivered < old.started:
@@ -304,10 +380,8 @@ class Requests:
 
     def close(self) -> None:
         """Free every request (one still active is kept, never freed: see _STRANDED)."""
-        slots = [s for slots in self._by_kind for s in slots.values()]
-        for slots_of_kind in self._by_kind:
-            slots_of_kind.clear()
-        self._count = 0
+        slots = list(self._slots.values())
+        self._slots.clear()
         for slot in slots:
             self._free(slot)
 

@@ -16,7 +16,7 @@ from ...work import BusyPoll, Work, wait_for
 from ..base import Context, Transport
 from ..worker import InOrderWorker
 from . import node, persistent, schedule
-from .datatypes import DATATYPES, KINDS, PERSISTENT, mpi_op
+from .datatypes import DATATYPES, PERSISTENT, mpi_op
 from .receive import OneReceive, Receive
 
 if TYPE_CHECKING:
@@ -69,8 +69,8 @@ class MpiTransport(Transport):
     """Every operation as MPI calls on the communicator's own MPI communicator: non-blocking,
     made and polled by the calling thread for blocking calls and small asynchronous ones, by a
     lane thread for larger asynchronous ones (see _start); blocking on the lane for the large
-    all-reduces, reduces, broadcasts and reduce-scatters (see LANE_MIN); small all-reduces
-    through cached persistent requests (see mpi_persistent)."""
+    all-reduces, reduces, broadcasts and reduce-scatters (see LANE_MIN); small collectives
+    through cached persistent requests where the MPI library has them (see _recipe)."""
 
     name: ClassVar[str] = "mpi"
     memory: ClassVar[tuple[str, ...]] = ("host", "device")
@@ -86,13 +86,15 @@ class MpiTransport(Transport):
         self.lane_min = {**LANE_MIN, **(tuned.lane_min if tuned is not None else {})}
         members = comm.topology.members()
         self._not_aware = [m.rank for m in members if not m.gpu_aware]
-        # all-reduces up to this many bytes run as cached persistent requests (0: none); the
-        # configuration and the MPI library are the same on every rank, so is this. Larger
-        # ones run blocking on the lane (see LANE_MIN).
+        # collectives up to this many bytes run as cached persistent requests (0: none), those
+        # of `_persistent_ops`; the configuration and the MPI library are the same on every
+        # rank, so are these. Larger ones run blocking on the lane (see LANE_MIN).
         self.persistent_off = persistent.unavailable()
         limit = min(comm.config.persistent_max, LANE_BYTES)
         self._persistent_max = 0 if self.persistent_off else limit
-        self.requests = persistent.Requests(comm, self._mpi, KINDS)
+        self._persistent_ops = frozenset(persistent.INITS) - persistent.missing()
+        self._recipes: dict[tuple, persistent.Recipe | None] = {}
+        self.requests = persistent.Requests(comm, self._mpi)
         # fused host all-reduces through shared memory, where the group is one node's ranks
         self._one_node: bool | None = None  # known at the first fused all-reduce
         self._node: node.NodeReduce | None = None
@@ -238,10 +240,10 @@ class MpiTransport(Transport):
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
         """A cached persistent request when small, else MPI_Allreduce (AVG divides after)."""
         self._reducible(x)
-        if 0 < out.nbytes <= self._persistent_max:
-            kind = PERSISTENT.get((x.dtype, op._value_))
-            if kind is not None:
-                return self._all_reduce_persistent(x, out, op, seq, kind)
+        recipe = self._recipe("all_reduce", x.dtype, x.count, op, -1)
+        if recipe is not None:
+            finish = self._average(out) if op is _AVG else ()
+            return self._start_persistent(recipe, seq, x, out, finish)
         dt = DATATYPES[x.dtype]
         mop, mpi = mpi_op(x.dtype, op), self._mpi
         finish = self._average(out) if op is _AVG else ()
@@ -269,35 +271,188 @@ class MpiTransport(Transport):
             finish,
         )
 
-    def _all_reduce_persistent(
-        self, x: Buffer, out: Buffer, op: ReduceOp, seq: int, kind: persistent.Kind
-    ) -> Work:
-        """A small all-reduce through the cached persistent request of (dtype, count, op):
-        started from this thread while the lane is idle, else queued on the lane behind its
-        jobs, so that it keeps its place in issue order either way."""
-        if x.host is None:
-            # refuses device memory where the MPI is not GPU-aware (the same answer as the
-            # other operations), else waits for the work queued on the array's stream
-            self._mem(x)
-        slot = self.requests.take(kind, x.count)
-        if x.host is None:
-            _device_copy(_address(slot.scratch), x.ptr, x.nbytes)
+    # ---- persistent collectives (mpi/persistent.py) ----------------------------------------
+
+    def _recipe(
+        self, op: str, dtype: str | None, count: int, rop: ReduceOp | None, root: int
+    ) -> persistent.Recipe | None:
+        """The persistent collective that serves this signature (x's dtype and element count),
+        or None: a choice of the signature, the configuration and the MPI library alone, so
+        every rank makes the same one, whatever its memory, layout or path. Up to the
+        configured bytes (an all_gather's output, the others' input) of a dtype numpy and MPI
+        both hold (not float16 and bfloat16, whose numpy storage is their bits), reductions of
+        a kind MPI reduces itself; the barrier always, where the library has the form."""
+        if not self._persistent_max or op not in self._persistent_ops:
+            return None
+        # AVG reduces as SUM (then divides), through SUM's request
+        reduction = None if rop is None else rop._value_
+        if reduction is not None and (dtype, reduction) not in PERSISTENT:
+            return None  # reduced by hetcomm's own kernels: not in a persistent request
+        if rop is _AVG:
+            reduction = ReduceOp.SUM._value_
+        key = (op, dtype, reduction, count, root)
+        try:
+            return self._recipes[key]
+        except KeyError:
+            pass
+        if len(self._recipes) >= 4096:
+            self._recipes.clear()  # recipes are values: made again alike where needed
+        recipe = self._recipes[key] = self._make_recipe(key)
+        return recipe
+
+    def _make_recipe(self, key: tuple) -> persistent.Recipe | None:
+        op, dtype, rop, count, root = key
+        mpi = self._mpi
+        if op == "barrier":
+            return persistent.Recipe(key, np.dtype(np.uint8), 0, None, _barrier_init)
+        size = mpi.Get_size()
+        if dtype in ("float16", "bfloat16"):
+            return None
+        kind = PERSISTENT[(dtype, rop)] if rop is not None else None
+        dt = DATATYPES[dtype] if kind is None else kind.datatype
+        npdtype = np.dtype(dtype) if kind is None else kind.dtype
+        mop = MPI.OP_NULL if kind is None else kind.op  # OP_NULL: nothing is reduced
+        nbytes = count * npdtype.itemsize * (size if op == "all_gather" else 1)
+        if not 0 < nbytes <= self._persistent_max:
+            return None
+        out: int | None = None  # the result in the input's scratch
+        init: persistent.Init
+        if op == "all_reduce":
+
+            def init(m: MPI.Intracomm, s: np.ndarray, o: np.ndarray) -> MPI.Prequest:
+                return m.Allreduce_init(_IN_PLACE, (s, dt), mop)
+
+        elif op == "reduce":
+            if mpi.Get_rank() == root:
+
+                def init(m: MPI.Intracomm, s: np.ndarray, o: np.ndarray) -> MPI.Prequest:
+                    return m.Reduce_init(_IN_PLACE, (s, dt), mop, root)
+
+            else:
+
+                def init(m: MPI.Intracomm, s: np.ndarray, o: np.ndarray) -> MPI.Prequest:
+                    return m.Reduce_init((s, dt), None, mop, root)
+
+        elif op == "broadcast":
+
+            def init(m: MPI.Intracomm, s: np.ndarray, o: np.ndarray) -> MPI.Prequest:
+                return m.Bcast_init((s, dt), root)
+
+        elif op == "all_gather":
+            out = count * size
+
+            def init(m: MPI.Intracomm, s: np.ndarray, o: np.ndarray) -> MPI.Prequest:
+                return m.Allgather_init((s, dt), (o, dt))
+
+        elif op == "reduce_scatter":
+            out = count // size
+
+            def init(m: MPI.Intracomm, s: np.ndarray, o: np.ndarray) -> MPI.Prequest:
+                return m.Reduce_scatter_block_init((s, dt), (o, dt), mop)
+
+        elif op == "all_to_all":
+            out = count
+
+            def init(m: MPI.Intracomm, s: np.ndarray, o: np.ndarray) -> MPI.Prequest:
+                return m.Alltoall_init((s, dt), (o, dt))
+
         else:
-            slot.scratch[...] = x.host
-        number = slot.begin(partial(_copy_out, slot.scratch, out), seq)
+            return None
+        return persistent.Recipe(key, npdtype, count, out, init)
+
+    def _start_persistent(
+        self,
+        recipe: persistent.Recipe,
+        seq: int,
+        src: Buffer | None,
+        dst: Buffer | None,
+        finish: Sequence[Callable[[], None]] = (),
+    ) -> Work:
+        """The general path of a small collective: its cached persistent request, `src`
+        copied into its scratch and the result out into `dst` once complete (None: nothing
+        goes in or out on this rank); started from this thread while the lane is idle, else
+        queued on the lane behind its jobs, so that it keeps its place in issue order either
+        way. Device buffers (a GPU-aware MPI) go through the host scratch."""
+        for buf in (src, dst):
+            if buf is not None and buf.host is None:
+                # refuses device memory where the MPI is not GPU-aware (the same answer as the
+                # other operations), else waits for the work queued on the array's stream
+                self._mem(buf)
+        slot = self.requests.take(recipe)
+        if src is not None:
+            if src.host is None:
+                _device_copy(_address(slot.scratch), src.ptr, src.nbytes)
+            else:
+                slot.scratch[...] = src.host
+        number = slot.begin(None if dst is None else partial(_copy_out, slot.out, dst), seq)
         poll = partial(slot.poll, number)
-        finish = self._average(out) if op is _AVG else ()
-        lane = self._lane
+        op, lane = recipe.op, self._lane
         with lane.lock:
             if lane.idle():
                 slot.make().Start()
                 busy = BusyPoll(poll)
-                work = Work(self.comm, "all_reduce", seq, busy, finish, waiter=busy.wait)
+                work = Work(self.comm, op, seq, busy, finish, waiter=busy.wait)
             else:
                 job = slot.job = lane.submit(slot.run)
-                work = Work(self.comm, "all_reduce", seq, poll, finish, waiter=job.wait)
-        work.info = {"transport": "mpi", "bytes": out.nbytes, "stages": 1, "persistent": True}
+                work = Work(self.comm, op, seq, poll, finish, waiter=job.wait)
+        moved = dst if dst is not None else src
+        nbytes = moved.nbytes if moved is not None else 0
+        work.info = {"transport": "mpi", "bytes": nbytes, "stages": 1, "persistent": True}
         return work
+
+    def _run_persistent(
+        self,
+        recipe: persistent.Recipe,
+        takes: bool,
+        gives: bool,
+        div: Callable[[np.ndarray], None] | None,
+        *arrays_and_seq: Any,
+    ) -> bool:
+        """The prepared blocking call of a small collective through its cached persistent
+        request, inline: the input (the first array, where `takes`) copied into the request's
+        scratch, started, polled, the result copied out (into the last array, where `gives`).
+        The general path goes through the same request, so declining (the lane is busy)
+        changes nothing the other ranks can see. Any shapes will do: the copies take the
+        callers' shapes as they are. Every input is copied in before anything is written out,
+        so in-place forms need nothing of their own."""
+        # lane.idle(), inline and without the lock: only the issuing thread queues jobs, so a
+        # lane seen idle stays idle until it queues one, and a lane seen busy sends the call to
+        # the general path, which looks again under the lock
+        if self._lane.pending:
+            return False
+        slot = self.requests.take(recipe)
+        if takes:
+            view = slot.view
+            try:
+                view[...] = arrays_and_seq[0]
+            except ValueError:  # another shape than the latest call's
+                slot.copy_in(arrays_and_seq[0])
+        request = slot.request
+        if request is None:
+            request = slot.make()
+        slot.active = True
+        request.Start()
+        # most small collectives end within a few polls (a `while` calling the method directly
+        # costs half of a `for` over a bound method)
+        polls = _QUICK_TESTS
+        while not request.Test():
+            polls -= 1
+            if not polls:
+                busy = BusyPoll(slot.test)
+                seq = arrays_and_seq[-1]
+                wait_for(self.comm, recipe.op, seq, busy, self.comm.call_timeout, busy.wait)
+                break
+        slot.active = False
+        if gives:
+            o = arrays_and_seq[-2]
+            oview = slot.oview
+            try:
+                o[...] = oview
+            except ValueError:
+                slot.copy_out(o)
+            if div is not None:
+                div(o)
+        return True
 
     # ---- prepared blocking calls (hetcomm.comm.Route) -----------------------------------
 
@@ -326,19 +481,24 @@ class MpiTransport(Transport):
         if op == "recv":
             return partial(self._run_recv, DATATYPES[x.dtype]) if x is not None else None
         if op == "barrier":
-            return self._run_barrier
+            recipe = self._recipe("barrier", None, 0, None, -1)
+            if recipe is None:
+                return self._run_barrier
+            return partial(self._run_persistent, recipe, False, False, None)
         assert x is not None
+        if op in ("all_reduce", "reduce_scatter"):
+            self._reducible(x)
+        recipe = self._recipe(op, x.dtype, x.count, rop, root)
+        if recipe is not None:
+            at_root = self._mpi.Get_rank() == root
+            takes = op != "broadcast" or at_root
+            gives = {"broadcast": not at_root, "reduce": at_root}.get(op, True)
+            div = self._divisor(x, rop) if rop is not None and gives else None
+            cached = partial(self._run_persistent, recipe, takes, gives, div)
+            cached.in_place = True  # type: ignore[attr-defined]
+            return cached
         # the byte counts the general path sizes each collective by (see _start)
         nbytes = {"all_gather": out.nbytes if out is not None else 0}.get(op, x.nbytes)
-        if op == "all_reduce":
-            nbytes = x.nbytes
-            assert rop is not None
-            self._reducible(x)
-            kind = PERSISTENT.get((x.dtype, rop._value_))
-            if kind is not None and 0 < nbytes <= self._persistent_max:
-                return partial(
-                    self._run_all_reduce_persistent, kind, x.count, self._divisor(x, rop)
-                )
         if laned(self.lane_min, op, nbytes):
             return self._prepare_laned(op, x, rop, root)
         dt = DATATYPES[x.dtype]
@@ -518,50 +678,6 @@ class MpiTransport(Transport):
         busy = BusyPoll(test)
         wait_for(self.comm, op, seq, busy, self.comm.call_timeout, busy.wait)
 
-    def _run_all_reduce_persistent(
-        self,
-        kind: persistent.Kind,
-        count: int,
-        div: Callable[[np.ndarray], None] | None,
-        xh: np.ndarray,
-        oh: np.ndarray,
-        seq: int,
-    ) -> bool:
-        """A small all-reduce through its cached persistent request, inline: copied into the
-        request's scratch, started, polled, copied out. The general path goes through the same
-        request, so declining (the lane is busy) changes nothing the other ranks can see. Any
-        shape will do: the copies take the caller's shape as it is."""
-        # lane.idle(), inline and without the lock: only the issuing thread queues jobs, so a
-        # lane seen idle stays idle until it queues one, and a lane seen busy sends the call to
-        # the general path, which looks again under the lock
-        if self._lane.pending:
-            return False
-        slot = self.requests.take(kind, count)
-        view = slot.view
-        try:
-            view[...] = xh
-        except ValueError:  # another shape than the latest call's
-            view = slot.copy_in(xh)
-        request = slot.request
-        if request is None:
-            request = slot.make()
-        slot.active = True
-        request.Start()
-        # most small reductions end within a few polls (a `while` calling the method directly
-        # costs half of a `for` over a bound method)
-        polls = _QUICK_TESTS
-        while not request.Test():
-            polls -= 1
-            if not polls:
-                busy = BusyPoll(slot.test)
-                wait_for(self.comm, "all_reduce", seq, busy, self.comm.call_timeout, busy.wait)
-                break
-        slot.active = False
-        oh[...] = view
-        if div is not None:
-            div(oh)
-        return True
-
     def _run_barrier(self, seq: int) -> bool:
         if self._lane.pending:
             return False
@@ -608,9 +724,12 @@ class MpiTransport(Transport):
         """MPI_Reduce into the root's `x` (AVG divides after)."""
         self._reducible(x)
         dt, mpi = DATATYPES[x.dtype], self._mpi
-        mop = mpi_op(x.dtype, op)
         at_root = mpi.Get_rank() == root
         finish = self._average(x) if at_root and op is _AVG else ()
+        recipe = self._recipe("reduce", x.dtype, x.count, op, root)
+        if recipe is not None:
+            return self._start_persistent(recipe, seq, x, x if at_root else None, finish)
+        mop = mpi_op(x.dtype, op)
         spans = _spans(x)
         if len(spans) > 1:
             xs = _flat(x)
@@ -639,6 +758,12 @@ class MpiTransport(Transport):
     def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
         """MPI_Bcast, in spans past MPI's count limit."""
         dt, mpi = DATATYPES[x.dtype], self._mpi
+        recipe = self._recipe("broadcast", x.dtype, x.count, None, root)
+        if recipe is not None:
+            at_root = mpi.Get_rank() == root
+            return self._start_persistent(
+                recipe, seq, x if at_root else None, None if at_root else x
+            )
         spans = _spans(x)
         if len(spans) > 1:
             xs = _flat(x)
@@ -652,6 +777,9 @@ class MpiTransport(Transport):
     def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
         """MPI_Allgather, in spans past MPI's count limit."""
         dt, mpi = DATATYPES[x.dtype], self._mpi
+        recipe = self._recipe("all_gather", x.dtype, x.count, None, -1)
+        if recipe is not None:
+            return self._start_persistent(recipe, seq, x, out)
         spans = _spans(x, mpi.Get_size())
         if len(spans) > 1:
             # share [s, s+n) of every rank's x lands at s of its block of out: one derived
@@ -679,8 +807,11 @@ class MpiTransport(Transport):
         """MPI_Reduce_scatter_block (AVG divides after)."""
         self._reducible(x)
         dt, mpi = DATATYPES[x.dtype], self._mpi
-        mop = mpi_op(x.dtype, op)
         finish = self._average(out) if op is _AVG else ()
+        recipe = self._recipe("reduce_scatter", x.dtype, x.count, op, -1)
+        if recipe is not None:
+            return self._start_persistent(recipe, seq, x, out, finish)
+        mop = mpi_op(x.dtype, op)
         size, me = mpi.Get_size(), mpi.Get_rank()
         spans = _spans(out, size)
         if len(spans) > 1:
@@ -713,6 +844,9 @@ class MpiTransport(Transport):
     def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
         """MPI_Alltoall, in spans past MPI's count limit."""
         dt, mpi = DATATYPES[x.dtype], self._mpi
+        recipe = self._recipe("all_to_all", x.dtype, x.count, None, -1)
+        if recipe is not None:
+            return self._start_persistent(recipe, seq, x, out)
         size = mpi.Get_size()
         spans = _spans(out, size, size)
         if len(spans) > 1:
@@ -778,7 +912,10 @@ class MpiTransport(Transport):
         return work
 
     def barrier(self, seq: int) -> Work:
-        """MPI_Ibarrier, or MPI_Barrier on the lane."""
+        """Its persistent request, else MPI_Ibarrier, or MPI_Barrier on the lane."""
+        recipe = self._recipe("barrier", None, 0, None, -1)
+        if recipe is not None:
+            return self._start_persistent(recipe, seq, None, None)
         mpi = self._mpi
         return self._start("barrier", seq, 0, mpi.Ibarrier, mpi.Barrier)
 
@@ -794,6 +931,10 @@ def _spans(buf: Buffer, blocks: int = 1, parts: int = 1) -> list[tuple[int, int]
 def _to_the_end(start: Callable[[], MPI.Request]) -> None:
     """Start a non-blocking call and wait for it (on the lane, as its blocking calls do)."""
     start().Wait()
+
+
+def _barrier_init(m: MPI.Intracomm, s: np.ndarray, o: np.ndarray) -> MPI.Prequest:
+    return m.Barrier_init()
 
 
 def _copy_out(scratch: np.ndarray, out: Buffer) -> None:
