@@ -64,7 +64,8 @@ def unavailable() -> str | None:
         finally:
             request.Free()
     except (NotImplementedError, MPI.Exception) as exc:
-        return f"this MPI library has no persistent collectives (MPI-4): {exc}"
+        why = str(exc) or type(exc).__name__  # mpi4py's NotImplementedError says nothing
+        return f"this MPI library has no persistent collectives (MPI-4): {why}"
     if buf.tolist() != [1.0, 2.0]:
         return f"a persistent all-reduce on one rank changed its data: {buf.tolist()}"
     return None
