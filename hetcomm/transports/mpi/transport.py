@@ -15,8 +15,8 @@ from ...ops import ReduceOp
 from ...work import BusyPoll, Work, wait_for
 from ..base import Context, Transport
 from ..worker import InOrderWorker
-from . import node, persistent, schedule
-from .datatypes import DATATYPES, PERSISTENT, mpi_op
+from . import node, persistent, recipes, schedule
+from .datatypes import DATATYPES, mpi_op
 from .receive import OneReceive, Receive
 
 if TYPE_CHECKING:
@@ -277,88 +277,23 @@ class MpiTransport(Transport):
         self, op: str, dtype: str | None, count: int, rop: ReduceOp | None, root: int
     ) -> persistent.Recipe | None:
         """The persistent collective that serves this signature (x's dtype and element count),
-        or None: a choice of the signature, the configuration and the MPI library alone, so
-        every rank makes the same one, whatever its memory, layout or path. Up to the
-        configured bytes (an all_gather's output, the others' input) of a dtype numpy and MPI
-        both hold (not float16 and bfloat16, whose numpy storage is their bits), reductions of
-        a kind MPI reduces itself; the barrier always, where the library has the form."""
+        or None: mpi/recipes.py, for the forms this MPI library has, up to the configured
+        bytes. Recipes are kept per key (they are values, made alike again where dropped)."""
         if not self._persistent_max or op not in self._persistent_ops:
             return None
-        # AVG reduces as SUM (then divides), through SUM's request
-        reduction = None if rop is None else rop._value_
-        if reduction is not None and (dtype, reduction) not in PERSISTENT:
-            return None  # reduced by hetcomm's own kernels: not in a persistent request
-        if rop is _AVG:
-            reduction = ReduceOp.SUM._value_
-        key = (op, dtype, reduction, count, root)
+        key = recipes.key(op, dtype, count, rop, root)
+        if key is None:
+            return None
         try:
             return self._recipes[key]
         except KeyError:
             pass
         if len(self._recipes) >= 4096:
-            self._recipes.clear()  # recipes are values: made again alike where needed
-        recipe = self._recipes[key] = self._make_recipe(key)
-        return recipe
-
-    def _make_recipe(self, key: tuple) -> persistent.Recipe | None:
-        op, dtype, rop, count, root = key
+            self._recipes.clear()
         mpi = self._mpi
-        if op == "barrier":
-            return persistent.Recipe(key, np.dtype(np.uint8), 0, None, _barrier_init)
-        size = mpi.Get_size()
-        if dtype in ("float16", "bfloat16"):
-            return None
-        kind = PERSISTENT[(dtype, rop)] if rop is not None else None
-        dt = DATATYPES[dtype] if kind is None else kind.datatype
-        npdtype = np.dtype(dtype) if kind is None else kind.dtype
-        mop = MPI.OP_NULL if kind is None else kind.op  # OP_NULL: nothing is reduced
-        nbytes = count * npdtype.itemsize * (size if op == "all_gather" else 1)
-        if not 0 < nbytes <= self._persistent_max:
-            return None
-        out: int | None = None  # the result in the input's scratch
-        init: persistent.Init
-        if op == "all_reduce":
-
-            def init(m: MPI.Intracomm, s: np.ndarray, o: np.ndarray) -> MPI.Prequest:
-                return m.Allreduce_init(_IN_PLACE, (s, dt), mop)
-
-        elif op == "reduce":
-            if mpi.Get_rank() == root:
-
-                def init(m: MPI.Intracomm, s: np.ndarray, o: np.ndarray) -> MPI.Prequest:
-                    return m.Reduce_init(_IN_PLACE, (s, dt), mop, root)
-
-            else:
-
-                def init(m: MPI.Intracomm, s: np.ndarray, o: np.ndarray) -> MPI.Prequest:
-                    return m.Reduce_init((s, dt), None, mop, root)
-
-        elif op == "broadcast":
-
-            def init(m: MPI.Intracomm, s: np.ndarray, o: np.ndarray) -> MPI.Prequest:
-                return m.Bcast_init((s, dt), root)
-
-        elif op == "all_gather":
-            out = count * size
-
-            def init(m: MPI.Intracomm, s: np.ndarray, o: np.ndarray) -> MPI.Prequest:
-                return m.Allgather_init((s, dt), (o, dt))
-
-        elif op == "reduce_scatter":
-            out = count // size
-
-            def init(m: MPI.Intracomm, s: np.ndarray, o: np.ndarray) -> MPI.Prequest:
-                return m.Reduce_scatter_block_init((s, dt), (o, dt), mop)
-
-        elif op == "all_to_all":
-            out = count
-
-            def init(m: MPI.Intracomm, s: np.ndarray, o: np.ndarray) -> MPI.Prequest:
-                return m.Alltoall_init((s, dt), (o, dt))
-
-        else:
-            return None
-        return persistent.Recipe(key, npdtype, count, out, init)
+        recipe = recipes.make(key, mpi.Get_rank(), mpi.Get_size(), self._persistent_max)
+        self._recipes[key] = recipe
+        return recipe
 
     def _start_persistent(
         self,
@@ -931,10 +866,6 @@ def _spans(buf: Buffer, blocks: int = 1, parts: int = 1) -> list[tuple[int, int]
 def _to_the_end(start: Callable[[], MPI.Request]) -> None:
     """Start a non-blocking call and wait for it (on the lane, as its blocking calls do)."""
     start().Wait()
-
-
-def _barrier_init(m: MPI.Intracomm, s: np.ndarray, o: np.ndarray) -> MPI.Prequest:
-    return m.Barrier_init()
 
 
 def _copy_out(scratch: np.ndarray, out: Buffer) -> None:
