@@ -177,6 +177,31 @@ def _behind_the_lane(comm: Any, rng: np.random.Generator, count: int, what: str)
     return found + compare(b, sent, f"{what}: asynchronous broadcast from {root}")
 
 
+def _settle(pending: list[tuple[Any, Any]], errors: Any) -> None:
+    """Wait for the asynchronous calls issued so far and check each."""
+    for work, done in pending:
+        if work is not None:
+            errors.run(f"wait: {done.what}", work.wait)
+        errors.extend(done.check())
+    pending.clear()
+
+
+def _check_larges(larges: list[tuple[Any, np.ndarray, np.ndarray]], errors: Any) -> None:
+    """Wait for the large all-reduces of _large and check each."""
+    for j, (work, x, stack) in enumerate(larges):
+        work.wait()
+        errors.extend(
+            compare(
+                x,
+                stack.sum(0),
+                f"large all_reduce {j}",
+                stack=stack,
+                op=ReduceOp.SUM,
+                dtype="float64",
+            )
+        )
+
+
 def test_every_rank_its_own_form(hetcomm_make_comm, hetcomm_shared_seed, errors):
     """Small all-reduces of every kind, each rank in forms of its own, among broadcasts,
     float16 all-reduces (not persistent) and large ones on the lane (see the module's
@@ -207,20 +232,9 @@ def test_every_rank_its_own_form(hetcomm_make_comm, hetcomm_shared_seed, errors)
             continue
         # each rank waits for its asynchronous calls at moments of its own
         if pending and mine.random() < 0.3:
-            for work, done in pending:
-                if work is not None:
-                    errors.run(f"wait: {done.what}", work.wait)
-                errors += done.check()
-            pending.clear()
-    for work, done in pending:
-        if work is not None:
-            errors.run(f"wait: {done.what}", work.wait)
-        errors += done.check()
-    for j, (work, x, stack) in enumerate(larges):
-        work.wait()
-        errors += compare(
-            x, stack.sum(0), f"large all_reduce {j}", stack=stack, op=ReduceOp.SUM, dtype="float64"
-        )
+            _settle(pending, errors)
+    _settle(pending, errors)
+    _check_larges(larges, errors)
     if _NO_PERSISTENT is None:  # else: the same sequence on the non-persistent path
         # every small one of a kind MPI reduces itself went through a persistent request
         plain = calls["Iallreduce"] + calls["Allreduce"]
@@ -565,20 +579,9 @@ def test_every_collective_its_own_form(hetcomm_make_comm, hetcomm_shared_seed, e
         ):
             continue
         if pending and mine.random() < 0.3:
-            for work, done in pending:
-                if work is not None:
-                    errors.run(f"wait: {done.what}", work.wait)
-                errors += done.check()
-            pending.clear()
-    for work, done in pending:
-        if work is not None:
-            errors.run(f"wait: {done.what}", work.wait)
-        errors += done.check()
-    for j, (work, x, stack) in enumerate(larges):
-        work.wait()
-        errors += compare(
-            x, stack.sum(0), f"large all_reduce {j}", stack=stack, op=ReduceOp.SUM, dtype="float64"
-        )
+            _settle(pending, errors)
+    _settle(pending, errors)
+    _check_larges(larges, errors)
     for op, name in _NONBLOCKING.items():
         carried = check and op in ("reduce", "broadcast")
         errors.expect(
