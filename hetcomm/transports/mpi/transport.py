@@ -330,8 +330,10 @@ class MpiTransport(Transport):
             else:
                 job = slot.job = lane.submit(slot.run)
                 work = Work(self.comm, op, seq, poll, finish, waiter=job.wait)
-        moved = dst if dst is not None else src
-        nbytes = moved.nbytes if moved is not None else 0
+        # the bytes the general path sizes each collective by (see _start): an all_gather's
+        # output, the others' input
+        sized = dst if op == "all_gather" or src is None else src
+        nbytes = sized.nbytes if sized is not None else 0
         work.info = {"transport": "mpi", "bytes": nbytes, "stages": 1, "persistent": True}
         return work
 
