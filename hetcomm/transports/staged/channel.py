@@ -204,10 +204,15 @@ class Channel:
             if op.done.is_set():
                 continue  # failed meanwhile
             try:
-                sent = self._send_chunk(link, op, idx, off, n)
-                # counted before the chunk may complete the send: a caller that reads the
-                # statistics when its send returns finds every chunk in them
+                # counted before the chunk goes: a tcp rail's acknowledgement, read on another
+                # thread, may complete the send before this thread runs on, and a caller that
+                # reads the statistics when its send returns must find every chunk in them
                 self.owner.count_bytes(link, n)
+                try:
+                    sent = self._send_chunk(link, op, idx, off, n)
+                except BaseException:
+                    self.owner.count_bytes(link, -n)  # not sent over this rail after all
+                    raise
                 if sent:
                     op.count(idx)
             except (links.RailError, SegmentError) as exc:
