@@ -171,8 +171,12 @@ class SharedCheck:
         "_done",
         "_fields",
         "_flagged",
+        "_flags",
+        "_headers",
+        "_i",
         "_mine_at",
-        "_others",
+        "_other_fields",
+        "_other_tags",
         "_others_done",
         "_payload_at",
         "_plain",
@@ -198,11 +202,17 @@ class SharedCheck:
         self._records = records
         self._raw, self._q, self._segment = records.raw, records.words, records.segment
         rank, at, i = records.rank, records.record, i % records.ring
+        self._i = i
         self._tag = at(rank, i)  # this rank's record: its sequence word, then its fields
         self._mine_at = 8 * self._tag + 8
         others = [q for q in range(records.size) if q != rank]
-        # (sequence word, where the fields start in the segment) of each other rank's record
-        self._others = [(at(q, i), records.start + 8 * at(q, i) + 8) for q in others]
+        # each other rank's record: its sequence word, where its fields start in the segment,
+        # its flag word
+        self._other_tags = tuple(at(q, i) for q in others)
+        self._other_fields = tuple(records.start + 8 * at(q, i) + 8 for q in others)
+        self._flags = tuple(at(q, i) + _FLAG for q in others)
+        # what this rank's record i holds (several slots of the Agreement's ring share it)
+        self._headers = records.headers
         # where each rank's payload starts in the segment (rank 0's: the first of rows())
         self._payload_at = [
             records.start + 8 * at(q, i) + records.HEAD for q in range(records.size)
@@ -239,22 +249,27 @@ class SharedCheck:
     def quick(self, seq: int, carry: Any = None) -> bool:
         """start(seq, carry), then one Test: whether the check is already complete. The
         common case (nothing carried, the record free) inline: a check costs a few of these
-        steps, and each call of a method more is a tenth of a microsecond."""
-        self._seq = seq
-        self._carried = carry is not None
-        self._complete = False
-        self.busy = True
+        steps, and each step more is tens of nanoseconds, a method call a tenth of a
+        microsecond."""
         records = self._records
         if carry is not None or records.others_done < seq - records.ring:
-            self._carry, self._written = carry, False
-            return self._write() and self.Test()
-        at, q = self._mine_at, self._q
-        self._raw[at : at + _HEAD_BYTES] = self._plain
+            return self.start(seq, carry)._written and self.Test()
+        self._seq = seq
+        self.busy = True
+        q = self._q
+        plain = self._plain
+        headers, i = self._headers, self._i
+        if headers[i] is not plain:  # the record holds another signature's header
+            at = self._mine_at
+            self._raw[at : at + _HEAD_BYTES] = plain
+            headers[i] = plain
         q[self._tag] = seq  # after the rest: a reader that sees it sees them
         self._written = True
-        for tag, _ in self._others:
+        for tag in self._other_tags:
             if q[tag] != seq:
+                self._carried = self._complete = False
                 return False
+        self._carried = False
         self._finish(q, seq)
         return True
 
@@ -275,7 +290,9 @@ class SharedCheck:
             data = memoryview(carry).cast("B")
             raw[at : at + len(data)] = data
         at = self._mine_at
-        raw[at : at + _HEAD_BYTES] = self._plain if carry is None else self._flagged
+        header = self._plain if carry is None else self._flagged
+        raw[at : at + _HEAD_BYTES] = header
+        self._headers[self._i] = header
         q[self._tag] = self._seq  # after the rest: a reader that sees it sees them
         self._written = True
         self._carry = None  # not kept past the write
@@ -289,9 +306,13 @@ class SharedCheck:
         if not self._written and not self._write():
             return False
         q, seq = self._q, self._seq
-        for tag, _ in self._others:
+        for tag in self._other_tags:
             if q[tag] != seq:
-                self._idle()
+                # _idle, inline: this is the poll a waiting rank repeats
+                records = self._records
+                records.idle += 1
+                if not records.idle & 63:
+                    records.progress()
                 return False
         self._finish(q, seq)
         return True
@@ -302,13 +323,14 @@ class SharedCheck:
         fields says whether every rank takes the carried path."""
         segment, mine, width = self._segment, self._fields, _WIDTH
         agreed = True
-        carried = self._carried
-        for tag, at in self._others:
+        for at in self._other_fields:
             if segment[at : at + width] != mine:
                 agreed = False
-            if q[tag + _FLAG] != 1:
-                carried = False
-        self._agreed, self._carried = agreed, carried
+        if self._carried:
+            for flag in self._flags:
+                if q[flag] != 1:
+                    self._carried = False
+        self._agreed = agreed
         if q[self._done] < seq:
             q[self._done] = seq
         self._complete = True
@@ -375,6 +397,9 @@ class SharedRecords:
         self.words = self.raw.cast("q")
         self.rank, self.size, self.ring = rank, size, ring
         self.others_done = 0  # the least done word of the other ranks, as last read
+        # the header bytes this rank last wrote into each of its records (None: not yet): a
+        # record that holds the header a check would write is not written again
+        self.headers: list[bytes | None] = [None] * ring
         # a call into MPI that lets it progress (set by Agreement), and Tests that found a
         # check not complete
         self.progress: Callable[[], Any] = lambda: None

@@ -76,6 +76,31 @@ def test_a_record_is_written_again_only_once_every_rank_has_read_it():
     assert a[3].agreed() and b[3].agreed()
 
 
+def test_slots_that_share_a_record_write_it_again_after_each_other():
+    """A record is written only where it does not hold the header already; slots of the
+    Agreement's ring that share one record (collectives `ring` apart) must see each other's
+    writes: a slot that skipped its write after another slot wrote the record would compare
+    the other signature."""
+    records = _ranks(2, ring=2)
+    # a ring of 4 slots over the 2 records, as Agreement.RING slots share SHARED_RING records
+    slots = [[agree.SharedCheck(r, i) for r in records] for i in range(4)]
+    a, b = _sig(5), _sig(9)
+    for seq in range(1, 25):
+        vec = a if seq % 4 in (1, 2) else b  # slots i and i + 2 hold a and b in turn
+        checks = slots[seq % 4]
+        for c in checks:
+            c.load(vec)
+            c.quick(seq)
+        assert all(c.Test() for c in checks), seq
+        assert [c.agreed() for c in checks] == [True, True], seq
+    checks = slots[25 % 4]  # and a difference is still seen
+    for c, vec in zip(checks, (a, b), strict=True):
+        c.load(vec)
+        c.quick(25)
+    assert all(c.Test() for c in checks)
+    assert [c.agreed() for c in checks] == [False, False]
+
+
 def test_the_carried_path_is_taken_only_where_every_rank_takes_it():
     records = _ranks(3)
     vec = _sig(4, "broadcast")
