@@ -9,26 +9,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..dtypes import DTYPES
 from ..errors import DtypeError
 from ..ops import ReduceOp
 from .errors import ArgumentError
 
-# the dtypes hetcomm knows: it reduces these (and complex ones as real views) and moves the rest
-# as bytes
-_NATIVE = frozenset(
-    (
-        "bool",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint8",
-        "float16",
-        "bfloat16",
-        "float32",
-        "float64",
-    )
-)
+# the dtypes hetcomm knows (hetcomm.dtypes): it reduces these (and complex ones as real views)
+# and moves the rest as bytes
+_NATIVE = frozenset(DTYPES)
 
 # the same as torch dtypes (a set lookup where a name would be built per call)
 _NATIVE_DTYPES = frozenset(getattr(torch, name) for name in _NATIVE)

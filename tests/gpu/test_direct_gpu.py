@@ -10,25 +10,14 @@ import pytest
 from _refs import reference as _ref
 from _refs import wrapped as _wrap
 
-from hetcomm import InvalidArgument, ReduceOp, introspect
+from hetcomm import InvalidArgument, ReduceOp, dtypes, introspect
 from hetcomm.testing import assert_all_ranks
 from hetcomm.transports.direct import schedule as direct_schedule
 
 cupy = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")
 
-DTYPES = (
-    "bool",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-)
+DTYPES = dtypes.DTYPES  # every dtype of the API (tests/unit/test_dtypes.py pins them)
 OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX)
 SMALL, LARGE = 37, direct_schedule.ONE_SHOT_BYTES // 2 + 1001  # one-shot and two-shot counts
 

@@ -14,24 +14,13 @@ from _refs import reference as _ref
 from _refs import small_values as _values
 from _refs import wrapped as _wrap
 
-from hetcomm import ReduceOp, TransportUnavailable
+from hetcomm import ReduceOp, TransportUnavailable, dtypes
 from hetcomm.testing import assert_all_ranks
 
 cupy = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")
 
-DTYPES = (
-    "bool",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-)
+DTYPES = dtypes.DTYPES  # every dtype of the API (tests/unit/test_dtypes.py pins them)
 OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX)
 
 

@@ -18,20 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from hetcomm import ReduceOp
+from hetcomm import ReduceOp, dtypes
 
-DTYPES = (
-    "bool",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-)
+DTYPES = dtypes.DTYPES  # every dtype of the API (tests/unit/test_dtypes.py pins them)
 INTS = ("int8", "int16", "int32", "int64", "uint8")
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 REDUCE_OPS = tuple(ReduceOp)
