@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     import hetcomm
 
     from .introspect import transport_of
-    from .transports.mpi.transport import laned
+    from .transports.mpi.schedule import laned
 
     ops = tuple(args.op.split(",")) if args.op else OPS
     unknown = [op for op in ops if op not in OPS]

@@ -65,7 +65,7 @@ def tuning_report(world: Any) -> str:
 def persistent_report(limit: int) -> str:
     """Whether small collectives of the mpi transport run as persistent requests, and why not."""
     from .transports.mpi.persistent import INITS, missing, unavailable
-    from .transports.mpi.transport import LANE_BYTES
+    from .transports.mpi.schedule import LANE_BYTES
 
     why = unavailable()
     if why is not None:

@@ -384,7 +384,7 @@ def test_large_forms_take_the_prepared_call_on_the_lane_or_here(hetcomm_comm, rn
     and the broadcast here run on the calling thread, the all-reduces and the reduce on the
     lane (one job per call)."""
     from hetcomm import introspect
-    from hetcomm.transports.mpi.transport import LANE_MIN, laned
+    from hetcomm.transports.mpi.schedule import LANE_MIN, laned
 
     comm = hetcomm_comm
     size, rank = comm.size, comm.rank
@@ -447,7 +447,7 @@ def test_a_laned_in_place_reduce_scatter_reads_a_copy_of_its_input(hetcomm_comm,
     inside its input (this rank's block) gets the sum of every rank's block, and the rest of
     the input stays as it was, call after call."""
     from hetcomm import introspect
-    from hetcomm.transports.mpi.transport import LANE_MIN
+    from hetcomm.transports.mpi.schedule import LANE_MIN
 
     comm = hetcomm_comm
     size, rank = comm.size, comm.rank

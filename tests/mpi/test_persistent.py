@@ -25,7 +25,8 @@ from mpi4py import MPI
 from hetcomm import ReduceOp, introspect
 from hetcomm.transports.mpi import persistent as mpi_persistent
 from hetcomm.transports.mpi.datatypes import PERSISTENT
-from hetcomm.transports.mpi.transport import LANE_BYTES, MpiTransport
+from hetcomm.transports.mpi.schedule import LANE_BYTES
+from hetcomm.transports.mpi.transport import MpiTransport
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -75,7 +76,7 @@ def counted(comm: Any) -> tuple[MpiTransport, Counter[str]]:
     """The communicator's mpi transport, made here so that its MPI calls are counted."""
     transport = comm._transports.live["mpi"] = MpiTransport(comm)
     counting = _Counting(transport._mpi)
-    transport._mpi = transport.requests._mpi = counting
+    transport._mpi = transport.requests._mpi = transport._prepared._mpi = counting
     return transport, counting.calls
 
 

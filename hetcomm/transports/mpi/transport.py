@@ -9,15 +9,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 from mpi4py import MPI
 
-from ...arrays import may_share_memory
 from ...errors import TransportUnavailable
 from ...ops import ReduceOp
-from ...work import BusyPoll, Work, wait_for
+from ...work import BusyPoll, Work
 from ..base import Context, Transport
 from ..worker import InOrderWorker
 from . import node, persistent, recipes, schedule
 from .datatypes import DATATYPES, mpi_op
+from .prepared import Prepared, address
 from .receive import OneReceive, Receive
+from .schedule import LANE_BYTES, LANE_MIN, laned
 
 if TYPE_CHECKING:
     from ...arrays import Buffer
@@ -25,44 +26,6 @@ if TYPE_CHECKING:
 
 _IN_PLACE = MPI.IN_PLACE
 _AVG = ReduceOp.AVG
-
-
-# The collectives that run as blocking MPI calls on the communicator's lane thread: those of an
-# op in LANE_MIN of more bytes than its entry. Every other collective is one non-blocking MPI
-# call: made and polled by the calling thread where the caller waits for it (no thread
-# hand-off, about 40 us a call on a 2-core VM), else as _start says. MPI never matches
-# a blocking collective with a non-blocking one (Open MPI 5 waits forever), so which kind a call
-# is depends on its op and size, which every rank agrees on, and never on the state of this
-# rank's lane. Measured blocking against non-blocking, 64 KiB-16 MiB on 2 and 4 ranks, Open MPI
-# 5.0 (2-core VM) and 4.1.6 (16-core host): the non-blocking forms of all_gather and all_to_all
-# took 0.65-1.05x the time of the blocking ones (one all_gather outlier of 5x did not repeat);
-# reduce_scatter too up to 4 MiB of input, but about 2x at 16 MiB on both libraries (3 runs);
-# broadcast up to 1 MiB, and 1.27-1.38x from 4 MiB on 4 ranks of 4.1.6 in one run (not in
-# another); all_reduce 1.2-1.8x on 5.0 from 64 KiB (about 1.0 on 4.1.6) and reduce 2.6-4.5x on
-# 5.0 from 64 KiB, where a hand-off costs less than the difference from 256 KiB. `hetcomm tune`
-# measures both forms of each op on the machine at hand and its values replace these
-# (Tuning.lane_min). Reduces past 128 KiB: on 2 ranks, Open MPI 5.0 (VM) and 4.1.6 (H200
-# host), the non-blocking reduce took 3.2-4.9x the blocking one from 128 KiB, the blocking one
-# on a bare thread 1.7-2.2x (`hetcomm bench --study lane`, docs/BENCHMARKS.md), and `hetcomm
-# tune` put the lane past 128 KiB on both.
-LANE_BYTES = 256 * 1024
-LANE_MIN: dict[str, int | None] = {
-    "all_reduce": LANE_BYTES,
-    "reduce": 128 * 1024,
-    "broadcast": 2 * 1024 * 1024,
-    "reduce_scatter": 4 * 1024 * 1024,
-}
-
-
-def laned(lane_min: dict[str, int | None], op: str, nbytes: int) -> bool:
-    """Whether a collective `op` of `nbytes` (the byte count _start is given) runs as a
-    blocking MPI call on the lane, by `lane_min` (LANE_MIN and what `hetcomm tune` measured)."""
-    least = lane_min.get(op)
-    return least is not None and nbytes > least
-
-
-# polls of a small in-place all-reduce before it is handed to a Work and its bounded wait
-_QUICK_TESTS = 32
 
 
 class MpiTransport(Transport):
@@ -95,6 +58,7 @@ class MpiTransport(Transport):
         self._persistent_ops = frozenset(persistent.INITS) - persistent.missing()
         self._recipes: dict[tuple, persistent.Recipe | None] = {}
         self.requests = persistent.Requests(comm, self._mpi)
+        self._prepared = Prepared(self)
         # fused host all-reduces through shared memory, where the group is one node's ranks
         self._one_node: bool | None = None  # known at the first fused all-reduce
         self._node: node.NodeReduce | None = None
@@ -247,7 +211,7 @@ class MpiTransport(Transport):
         dt = DATATYPES[x.dtype]
         mop, mpi = mpi_op(x.dtype, op), self._mpi
         finish = self._average(out) if op is _AVG else ()
-        spans = _spans(out)
+        spans = schedule.spans(out)
         if len(spans) > 1:
             xs, os_ = _flat(x), _flat(out)
             calls = [
@@ -316,7 +280,7 @@ class MpiTransport(Transport):
         slot = self.requests.take(recipe)
         if src is not None:
             if src.host is None:
-                _device_copy(_address(slot.scratch), src.ptr, src.nbytes)
+                _device_copy(address(slot.scratch), src.ptr, src.nbytes)
             else:
                 slot.scratch[...] = src.host
         number = slot.begin(None if dst is None else partial(_copy_out, slot.out, dst), seq)
@@ -337,325 +301,21 @@ class MpiTransport(Transport):
         work.info = {"transport": "mpi", "bytes": nbytes, "stages": 1, "persistent": True}
         return work
 
-    def _run_persistent(
-        self,
-        recipe: persistent.Recipe,
-        takes: bool,
-        gives: bool,
-        div: Callable[[np.ndarray], None] | None,
-        *arrays_and_seq: Any,
-    ) -> bool:
-        """The prepared blocking call of a small collective through its cached persistent
-        request, inline: the input (the first array, where `takes`) copied into the request's
-        scratch, started, polled, the result copied out (into the last array, where `gives`).
-        The general path goes through the same request, so declining (the lane is busy)
-        changes nothing the other ranks can see. Any shapes will do: the copies take the
-        callers' shapes as they are. Every input is copied in before anything is written out,
-        so in-place forms need nothing of their own."""
-        # lane.idle(), inline and without the lock: only the issuing thread queues jobs, so a
-        # lane seen idle stays idle until it queues one, and a lane seen busy sends the call to
-        # the general path, which looks again under the lock
-        if self._lane.pending:
-            return False
-        slot = self.requests.take(recipe)
-        if takes:
-            view = slot.view
-            try:
-                view[...] = arrays_and_seq[0]
-            except ValueError:  # another shape than the latest call's
-                slot.copy_in(arrays_and_seq[0])
-        request = slot.request
-        if request is None:
-            request = slot.make()
-        slot.active = True
-        request.Start()
-        # most small collectives end within a few polls (a `while` calling the method directly
-        # costs half of a `for` over a bound method)
-        polls = _QUICK_TESTS
-        while not request.Test():
-            polls -= 1
-            if not polls:
-                busy = BusyPoll(slot.test)
-                seq = arrays_and_seq[-1]
-                wait_for(self.comm, recipe.op, seq, busy, self.comm.call_timeout, busy.wait)
-                break
-        slot.active = False
-        if gives:
-            o = arrays_and_seq[-2]
-            oview = slot.oview
-            try:
-                o[...] = oview
-            except ValueError:
-                slot.copy_out(o)
-            if div is not None:
-                div(o)
-        return True
-
-    # ---- prepared blocking calls (hetcomm.comm.Route) -----------------------------------
+    # ---- prepared calls (hetcomm.routes.Route, mpi/prepared.py) ---------------------------
 
     def prepare(
-        self,
-        op: str,
-        x: Buffer | None,
-        out: Buffer | None,
-        rop: ReduceOp | None,
-        root: int,
+        self, op: str, x: Buffer | None, out: Buffer | None, rop: ReduceOp | None, root: int
     ) -> Callable[..., bool] | None:
         """The blocking call of one signature on host arrays, made and waited for on the
-        calling thread, with no Work: the same MPI calls the general path makes for that
-        signature (which calls those are depends on the signature alone, so every rank's calls
-        match whichever path each rank takes). A prepared call returns False, having moved
-        nothing, when the lane has jobs queued (the general path then queues behind them).
-        A collective that runs blocking on the lane (see LANE_MIN) is queued there and waited
-        for here, bounded, behind whatever the lane has queued (see _prepare_laned). None where
-        the general path must run: device memory, counts cut into several calls."""
-        if x is not None and (x.host is None or len(_spans(x)) > 1):
-            return None
-        if out is not None and (out.host is None or len(_spans(out)) > 1):
-            return None
-        if op == "send":
-            return partial(self._run_send, DATATYPES[x.dtype]) if x is not None else None
-        if op == "recv":
-            return partial(self._run_recv, DATATYPES[x.dtype]) if x is not None else None
-        if op == "barrier":
-            recipe = self._recipe("barrier", None, 0, None, -1)
-            if recipe is None:
-                return self._run_barrier
-            return partial(self._run_persistent, recipe, False, False, None)
-        assert x is not None
-        if op in ("all_reduce", "reduce_scatter"):
-            self._reducible(x)
-        recipe = self._recipe(op, x.dtype, x.count, rop, root)
-        if recipe is not None:
-            at_root = self._mpi.Get_rank() == root
-            takes = op != "broadcast" or at_root
-            gives = {"broadcast": not at_root, "reduce": at_root}.get(op, True)
-            div = self._divisor(x, rop) if rop is not None and gives else None
-            cached = partial(self._run_persistent, recipe, takes, gives, div)
-            cached.in_place = True  # type: ignore[attr-defined]
-            return cached
-        # the byte counts the general path sizes each collective by (see _start)
-        nbytes = {"all_gather": out.nbytes if out is not None else 0}.get(op, x.nbytes)
-        if laned(self.lane_min, op, nbytes):
-            return self._prepare_laned(op, x, rop, root)
-        dt = DATATYPES[x.dtype]
-        mpi = self._mpi
-        if op == "all_reduce":
-            assert rop is not None
-            mop, div = mpi_op(x.dtype, rop), self._divisor(x, rop)
-
-            def run(xh: np.ndarray, oh: np.ndarray, seq: int) -> bool:
-                if self._lane.pending:
-                    return False
-                send = _IN_PLACE if xh is oh else (xh, dt)
-                self._drive(mpi.Iallreduce(send, (oh, dt), mop), "all_reduce", seq)
-                if div is not None:
-                    div(oh)
-                return True
-
-            return run
-        if op == "reduce":
-            assert rop is not None
-            mop, div = mpi_op(x.dtype, rop), self._divisor(x, rop)
-            at_root = mpi.Get_rank() == root
-
-            def run_reduce(xh: np.ndarray, seq: int) -> bool:
-                if self._lane.pending:
-                    return False
-                if at_root:
-                    self._drive(mpi.Ireduce(_IN_PLACE, (xh, dt), mop, root), "reduce", seq)
-                    if div is not None:
-                        div(xh)
-                else:
-                    self._drive(mpi.Ireduce((xh, dt), None, mop, root), "reduce", seq)
-                return True
-
-            return run_reduce
-        if op == "broadcast":
-
-            def run_broadcast(xh: np.ndarray, seq: int) -> bool:
-                if self._lane.pending:
-                    return False
-                self._drive(mpi.Ibcast((xh, dt), root), "broadcast", seq)
-                return True
-
-            return run_broadcast
-        if op == "reduce_scatter":
-            assert rop is not None
-            self._reducible(x)
-            mop, div = mpi_op(x.dtype, rop), self._divisor(x, rop)
-
-            def run_scatter(xh: np.ndarray, oh: np.ndarray, seq: int) -> bool:
-                if self._lane.pending:
-                    return False
-                if may_share_memory(xh, oh):
-                    # out inside x (this rank's block, say): MPI's in-place form leaves the
-                    # result in the first block, so reduce a copy of x into out instead
-                    xh = xh.copy()
-                request = mpi.Ireduce_scatter_block((xh, dt), (oh, dt), mop)
-                self._drive(request, "reduce_scatter", seq)
-                if div is not None:
-                    div(oh)
-                return True
-
-            run_scatter.in_place = True  # type: ignore[attr-defined]
-            return run_scatter
-        start = {"all_gather": mpi.Iallgather, "all_to_all": mpi.Ialltoall}.get(op)
-        if start is None:
-            return None
-        # where x lies in place (all_gather: x is this rank's block of out; all_to_all: x is
-        # out), MPI_IN_PLACE; any other overlap the general path takes (it packs)
-        offset = mpi.Get_rank() * x.nbytes if op == "all_gather" else 0
-
-        def run_blocks(xh: np.ndarray, oh: np.ndarray, seq: int) -> bool:
-            if self._lane.pending:
-                return False
-            if not may_share_memory(xh, oh):
-                send: Any = (xh, dt)
-            elif _address(xh) == _address(oh) + offset:
-                send = _IN_PLACE
-            else:
-                return False
-            self._drive(start(send, (oh, dt)), op, seq)
-            return True
-
-        run_blocks.in_place = True  # type: ignore[attr-defined]
-        return run_blocks
-
-    def _prepare_laned(
-        self, op: str, x: Buffer, rop: ReduceOp | None, root: int
-    ) -> Callable[..., bool] | None:
-        """The prepared call of a collective that runs blocking on the lane: the general path's
-        blocking MPI call, queued on the lane (in issue order, behind its jobs) and waited for
-        by the calling thread within the call's timeout, without the general path's Buffers
-        and Work. None for the all_gather and all_to_all (their in-place forms are the general
-        path's; `hetcomm tune` lanes them rarely, neither machine measured so)."""
-        dt, mpi, lane = DATATYPES[x.dtype], self._mpi, self._lane
-        after: Callable[[np.ndarray], None] | None = None
-        call: Callable[..., None]  # the blocking MPI call on the route's arrays
-        if op == "all_reduce":
-            assert rop is not None
-            mop, after = mpi_op(x.dtype, rop), self._divisor(x, rop)
-
-            def all_reduce(xh: np.ndarray, oh: np.ndarray) -> None:
-                mpi.Allreduce(_IN_PLACE if xh is oh else (xh, dt), (oh, dt), mop)
-
-            call = all_reduce
-
-        elif op == "reduce":
-            assert rop is not None
-            mop = mpi_op(x.dtype, rop)
-            if mpi.Get_rank() == root:
-                after = self._divisor(x, rop)
-
-                def reduce_root(xh: np.ndarray) -> None:
-                    mpi.Reduce(_IN_PLACE, (xh, dt), mop, root)
-
-                call = reduce_root
-            else:
-
-                def reduce(xh: np.ndarray) -> None:
-                    mpi.Reduce((xh, dt), None, mop, root)
-
-                call = reduce
-
-        elif op == "broadcast":
-
-            def broadcast(xh: np.ndarray) -> None:
-                mpi.Bcast((xh, dt), root)
-
-            call = broadcast
-
-        elif op == "reduce_scatter":
-            assert rop is not None
-            self._reducible(x)
-            mop, after = mpi_op(x.dtype, rop), self._divisor(x, rop)
-
-            def reduce_scatter(xh: np.ndarray, oh: np.ndarray) -> None:
-                mpi.Reduce_scatter_block((xh, dt), (oh, dt), mop)
-
-            call = reduce_scatter
-
-        else:
-            return None
-
-        def run_laned(*arrays_and_seq: Any) -> bool:
-            *arrays, seq = arrays_and_seq
-            if len(arrays) == 2 and arrays[0] is not arrays[1] and may_share_memory(*arrays):
-                # reduce_scatter's out inside x: reduce a copy of x (as the non-blocking form
-                # does), made here: made on the lane, a 16 MiB in-place call took twice as
-                # long (17-18 against 8.5-9.3 ms, 2 ranks, CPU VM)
-                arrays[0] = arrays[0].copy()
-            with lane.lock:
-                job = lane.submit(partial(call, *arrays))
-            wait_for(self.comm, op, seq, job.is_set, self.comm.call_timeout, job.wait)
-            job.check()
-            if after is not None:
-                after(arrays[-1])  # the result: out, or x at a reduce's root
-            return True
-
-        run_laned.in_place = op == "reduce_scatter"  # type: ignore[attr-defined]
-        return run_laned
-
-    def _divisor(self, x: Buffer, rop: ReduceOp) -> Callable[[np.ndarray], None] | None:
-        """AVG's division of a result on the host (None for the other ops)."""
-        if rop is not _AVG:
-            return None
-        from ...kernels import reduce
-
-        storage, dtype, n = reduce.storage_dtype(x.dtype), x.dtype, self._mpi.Get_size()
-        return lambda a: reduce.divide(a.reshape(-1).view(storage), n, dtype)
-
-    def _drive(self, request: MPI.Request, op: str, seq: int) -> None:
-        """Wait here for a request started here: a few quick Tests, then the bounded wait."""
-        test = request.Test
-        for _ in range(_QUICK_TESTS):
-            if test():
-                return
-        busy = BusyPoll(test)
-        wait_for(self.comm, op, seq, busy, self.comm.call_timeout, busy.wait)
-
-    def _run_barrier(self, seq: int) -> bool:
-        if self._lane.pending:
-            return False
-        self._drive(self._mpi.Ibarrier(), "barrier", seq)
-        return True
+        calling thread with no Work (mpi/prepared.py); None where the general path runs."""
+        return self._prepared.prepare(op, x, out, rop, root)
 
     def prepare_async(
         self, op: str, x: Buffer | None, out: Buffer | None, rop: ReduceOp | None, root: int
     ) -> Callable[..., Work] | None:
-        """The asynchronous start of a send or receive of one signature on host arrays: the
-        general path's MPI call on the array itself, and its Work (None: the general path)."""
-        if op not in ("send", "recv") or x is None or x.host is None or len(_spans(x)) > 1:
-            return None
-        start = self._start_send if op == "send" else self._start_recv
-        return partial(start, DATATYPES[x.dtype])
-
-    def _start_send(self, dt: MPI.Datatype, xh: np.ndarray, dst: int, tag: int, seq: int) -> Work:
-        busy = BusyPoll(self._mpi.Isend((xh, dt), dst, tag).Test)
-        work = Work(self.comm, "send", seq, busy, waiter=busy.wait)
-        work.info = {"transport": "mpi", "bytes": xh.nbytes, "stages": 1}
-        return work
-
-    def _start_recv(self, dt: MPI.Datatype, xh: np.ndarray, src: int, tag: int, seq: int) -> Work:
-        receive = OneReceive(self._mpi.Irecv((xh, dt), src, tag), src, xh.nbytes)
-        busy = BusyPoll(receive.poll)
-        work = receive.work = Work(self.comm, "recv", seq, busy, waiter=busy.wait)
-        work.info = {"transport": "mpi", "bytes": xh.nbytes, "stages": 1}
-        return work
-
-    def _run_send(self, dt: MPI.Datatype, xh: np.ndarray, dst: int, tag: int, seq: int) -> bool:
-        self._drive(self._mpi.Isend((xh, dt), dst, tag), "send", seq)
-        return True
-
-    def _run_recv(self, dt: MPI.Datatype, xh: np.ndarray, src: int, tag: int, seq: int) -> bool:
-        test = OneReceive(self._mpi.Irecv((xh, dt), src, tag), src, xh.nbytes).poll
-        for _ in range(_QUICK_TESTS):
-            if test():
-                return True
-        busy = BusyPoll(test)
-        wait_for(self.comm, "recv", seq, busy, self.comm.call_timeout, busy.wait)
-        return True
+        """The asynchronous start of a send or receive of one signature on host arrays
+        (mpi/prepared.py); None where the general path runs."""
+        return self._prepared.prepare_async(op, x, out, rop, root)
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
         """MPI_Reduce into the root's `x` (AVG divides after)."""
@@ -667,7 +327,7 @@ class MpiTransport(Transport):
         if recipe is not None:
             return self._start_persistent(recipe, seq, x, x if at_root else None, finish)
         mop = mpi_op(x.dtype, op)
-        spans = _spans(x)
+        spans = schedule.spans(x)
         if len(spans) > 1:
             xs = _flat(x)
             calls = [
@@ -701,7 +361,7 @@ class MpiTransport(Transport):
             return self._start_persistent(
                 recipe, seq, x if at_root else None, None if at_root else x
             )
-        spans = _spans(x)
+        spans = schedule.spans(x)
         if len(spans) > 1:
             xs = _flat(x)
             calls = [partial(mpi.Bcast, (xs[s : s + n], dt), root) for s, n in spans]
@@ -717,7 +377,7 @@ class MpiTransport(Transport):
         recipe = self._recipe("all_gather", x.dtype, x.count, None, -1)
         if recipe is not None:
             return self._start_persistent(recipe, seq, x, out)
-        spans = _spans(x, mpi.Get_size())
+        spans = schedule.spans(x, mpi.Get_size())
         if len(spans) > 1:
             # share [s, s+n) of every rank's x lands at s of its block of out: one derived
             # datatype per share, its extent one block, so that rank i's share goes to block i
@@ -750,7 +410,7 @@ class MpiTransport(Transport):
             return self._start_persistent(recipe, seq, x, out, finish)
         mop = mpi_op(x.dtype, op)
         size, me = mpi.Get_size(), mpi.Get_rank()
-        spans = _spans(out, size)
+        spans = schedule.spans(out, size)
         if len(spans) > 1:
             # a built-in MPI operation cannot reduce a derived datatype: each share of block i
             # is reduced into rank i's out by a reduce rooted there (x and out never overlap:
@@ -785,7 +445,7 @@ class MpiTransport(Transport):
         if recipe is not None:
             return self._start_persistent(recipe, seq, x, out)
         size = mpi.Get_size()
-        spans = _spans(out, size, size)
+        spans = schedule.spans(out, size, size)
         if len(spans) > 1:
             # share [s, s+n) of every block, on both sides: one derived datatype per share
             xs, o, block = _flat(x), _flat(out), x.count // size
@@ -808,7 +468,7 @@ class MpiTransport(Transport):
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
         """MPI_Isend on the group's own communicator, with the caller's tag."""
-        dt, spans = DATATYPES[x.dtype], _spans(x)
+        dt, spans = DATATYPES[x.dtype], schedule.spans(x)
         if len(spans) == 1:
             busy = BusyPoll(self._mpi.Isend((self._mem(x), dt), dst, tag).Test)
             work = Work(self.comm, "send", seq, busy, waiter=busy.wait)
@@ -824,7 +484,7 @@ class MpiTransport(Transport):
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
         """MPI_Irecv on the group's own communicator, with the caller's tag."""
-        spans = _spans(x)
+        spans = schedule.spans(x)
         dt, mpi = DATATYPES[x.dtype], self._mpi
         source = MPI.ANY_SOURCE if src < 0 else src  # src < 0: hetcomm.ANY_SOURCE
         receive: OneReceive | Receive
@@ -857,14 +517,6 @@ class MpiTransport(Transport):
         return self._start("barrier", seq, 0, mpi.Ibarrier, mpi.Barrier)
 
 
-def _spans(buf: Buffer, blocks: int = 1, parts: int = 1) -> list[tuple[int, int]]:
-    """The calls `buf` (of `parts` equal parts, moved `blocks` at a time) is cut into: one,
-    unless an MPI count would pass 2^31 (see mpi_chunks). Device buffers are not cut."""
-    if buf.nbytes * blocks // parts <= schedule.MAX_CALL_BYTES or buf.host is None:
-        return [(0, buf.count // parts)]
-    return schedule.element_spans(buf.count // parts, buf.itemsize, blocks)
-
-
 def _to_the_end(start: Callable[[], MPI.Request]) -> None:
     """Start a non-blocking call and wait for it (on the lane, as its blocking calls do)."""
     start().Wait()
@@ -872,7 +524,7 @@ def _to_the_end(start: Callable[[], MPI.Request]) -> None:
 
 def _copy_out(scratch: np.ndarray, out: Buffer) -> None:
     if out.host is None:
-        _device_copy(out.ptr, _address(scratch), out.nbytes)
+        _device_copy(out.ptr, address(scratch), out.nbytes)
     else:
         out.host[...] = scratch
 
@@ -884,11 +536,6 @@ def _device_copy(dst: int, src: int, nbytes: int) -> None:
 
     rt = cupy.cuda.runtime
     rt.memcpy(dst, src, nbytes, rt.memcpyDefault)
-
-
-def _address(arr: np.ndarray) -> int:
-    # MPI_Get_address: a C call, where numpy's __array_interface__ builds a dict (1.2 us)
-    return int(MPI.Get_address(arr))
 
 
 def _flat(buf: Buffer) -> np.ndarray:
