@@ -169,7 +169,8 @@ def open_fails(params: dict[str, Any]) -> dict[str, Any]:
     mine = f"/dev/shm/hetcomm-{t.token.hex()[:12]}-{comm.rank}-{peer}"
     result: dict[str, Any] = {"error": None}
     if comm.rank == 1:
-        swap, calls = t._swap, []
+        opener = t._opener  # the channel-opening exchange (staged/connect.py)
+        swap, calls = opener._swap, []
 
         def failing(values: dict[int, Any], deadline: float) -> dict[int, Any]:
             calls.append(values)
@@ -178,7 +179,7 @@ def open_fails(params: dict[str, Any]) -> dict[str, Any]:
                 raise RuntimeError("injected failure while opening the channel")
             return swap(values, deadline)
 
-        t._swap = failing
+        opener._swap = failing
     data = np.zeros(1024, np.uint8)
     if comm.rank == 0:
         timed(lambda: comm.send(data, 1), result, "error", "failed_after_s")

@@ -20,17 +20,17 @@ from mpi4py import MPI
 from ...errors import CommTimeout, HetcommError, MismatchError, PeerLost, TransportUnavailable
 from ...ops import ReduceOp
 from ...work import Work, completed, take_blocking
-from .. import flags, tags
+from .. import tags
 from ..base import Context, Transport
 from ..local import Region
-from ..shm import SegmentError, SharedSlots
 from . import links, p2p, pull
 from .channel import Channel
+from .connect import Opener
 from .cts import CTS_COLL, CTS_P2P, ClearToSend
-from .eager import EAGER_BYTES, EAGER_SLOTS, EagerIn, EagerOut, segment_bytes
+from .eager import EAGER_BYTES, EAGER_SLOTS
 from .ops import _STOP, PeerTimeout, _Drivers, _Op, stamp
 from .rails import ERROR_MPI, MpiRail, size_mismatch
-from .schedule import choose_rails, chunk_spans, rail_key, slots_that_fit
+from .schedule import chunk_spans, rail_key
 
 if TYPE_CHECKING:
     from ...arrays import Buffer
@@ -101,8 +101,8 @@ class StagedTransport(Transport):
             "token": self.token,
         }
         self._channels: dict[int, Channel] = {}
-        self._lock = threading.Lock()  # the peer locks' creation and the p2p message counts
-        self._peer_locks: dict[int, threading.Lock] = {}
+        self._lock = threading.Lock()  # the p2p message counts
+        self._opener = Opener(self)
         self.receives: dict[int, _Op] = {}
         self._op_ids = itertools.count(1)
         self.cts = ClearToSend(self.rank, self.svc, self._channels, self._queue_send)
@@ -125,135 +125,15 @@ class StagedTransport(Transport):
         """Always None: host memory always works; device memory needs cupy (checked per call)."""
         return None  # host memory always works; device memory needs cupy (checked per call)
 
-    # ---- channels ----------------------------------------------------------------------------
+    # ---- channels (connect.py) ----------------------------------------------------------
 
     def channel(self, peer: int, deadline: float) -> Channel:
         """The channel to `peer`, opened on first use (both ranks reach this together)."""
-        return self.channels([peer], deadline)[0]
+        return self._opener.open([peer], deadline)[0]
 
     def channels(self, peers: list[int], deadline: float) -> list[Channel]:
-        """Channels to `peers`, the missing ones opened together.
-
-        Each peer must ask for a set that holds this rank at the same point (collectives do):
-        every rank then posts its hellos to all of them before waiting for any, so no order of
-        opening can wait in a circle (a ring whose ranks each greet their left first would).
-        """
-        wanted = sorted({p for p in peers if p != self.rank})
-        with self._lock:
-            locks = [self._peer_locks.setdefault(p, threading.Lock()) for p in wanted]
-        # one lock per peer, taken in rank order: opens of disjoint peer sets (a send to the
-        # right while receiving from the left) run side by side, and none waits in a circle
-        for lock in locks:
-            lock.acquire()
-        try:
-            missing = [p for p in wanted if p not in self._channels]
-            if missing:
-                self._open(missing, deadline)
-        finally:
-            for lock in reversed(locks):
-                lock.release()
-        return [self._channels[p] for p in peers if p != self.rank]
-
-    def _swap(self, values: dict[int, Any], deadline: float) -> dict[int, Any]:
-        """Send values[p] to every p and receive one object from each, all at once."""
-        sends = [self.svc.isend(v, dest=p, tag=tags.STAGED_HELLO) for p, v in values.items()]
-        recvs = {p: self.svc.irecv(source=p, tag=tags.STAGED_HELLO) for p in values}
-        got: dict[int, Any] = {}
-        while len(got) < len(recvs):
-            for p, req in recvs.items():
-                if p not in got:
-                    done, msg = req.test()
-                    if done:
-                        got[p] = msg
-            if len(got) < len(recvs):
-                if self.closed:
-                    raise HetcommError("the staged transport was closed while opening channels")
-                if time.monotonic() > deadline:
-                    late = sorted(set(recvs) - set(got))
-                    raise PeerTimeout(late, f"ranks {late} did not open their staged channels")
-                time.sleep(50e-6)
-        MPI.Request.waitall(sends)
-        return got
-
-    def _open(self, peers: list[int], deadline: float) -> None:
-        cards = self._swap({p: self.card for p in peers}, deadline)
-        opened: dict[int, Channel] = {}
-        try:
-            self._connect(peers, cards, opened, deadline)
-        except BaseException:
-            # a peer that fails or dies while the channels open: nothing of them stays behind
-            # (a shared segment left in /dev/shm would hold its memory until the next boot)
-            for ch in opened.values():
-                ch.release()
-            raise
-        for peer, ch in opened.items():
-            log.info("staged: rank %d <-> rank %d over %s", self.rank, peer, ch.describe())
-            ch.start()
-            self._channels[peer] = ch
-
-    def _connect(
-        self, peers: list[int], cards: dict[int, Any], opened: dict[int, Channel], deadline: float
-    ) -> None:
-        """The links and shared segments of a channel to each of `peers`, into `opened` as they
-        are made."""
-        # ascending peers: a rank connects to higher ranks (their listeners always accept) and
-        # takes from lower ones, which never wait on it, so the connections cannot deadlock
-        for peer in peers:
-            theirs = cards[peer]
-            specs = choose_rails(self.card, theirs, self.mode)
-            ch = opened[peer] = Channel(self, self.cts, peer, specs)
-            for spec in ch.specs:
-                if spec.kind == "mpi":
-                    continue
-                if self.rank < peer:
-                    sock = links.connect(
-                        spec, peer, theirs["token"], self.rank, theirs["unix"], deadline
-                    )
-                else:
-                    sock = self.listener.take(peer, spec.index, deadline)
-                ch.links.append(links.Link(sock, spec, peer))
-        shm = [p for p, ch in opened.items() if any(s.kind == "shm" for s in ch.specs)]
-        if shm:
-            base = f"hetcomm-{self.token.hex()[:12]}"
-            slots = slots_that_fit(self.slots, self.chunk_bytes, 2 * len(shm))
-            for p in shm:
-                opened[p].shm_out = SharedSlots(
-                    f"{base}-{self.rank}-{p}", slots, self.chunk_bytes, create=True
-                )
-            rings = {p: self._eager_ring(opened[p], f"{base}-e{self.rank}-{p}") for p in shm}
-            names = self._swap(
-                {p: (f"{base}-{self.rank}-{p}", slots, self.chunk_bytes, rings[p]) for p in shm},
-                deadline,
-            )
-            for p in shm:
-                name, count, slot_bytes, ring = names[p]
-                opened[p].shm_in = SharedSlots(name, count, slot_bytes, create=False)
-                if ring is not None:
-                    ename, eslots, ebytes = ring
-                    seg = SharedSlots(ename, 1, segment_bytes(eslots, ebytes), create=False)
-                    opened[p].eager_in = EagerIn(seg, eslots, ebytes, self.single_copy)
-            # both sides have mapped both segments: the names can go
-            self._swap({p: None for p in shm}, deadline)
-            for p in shm:
-                opened[p].shm_out.unlink()  # type: ignore[union-attr]
-                out = opened[p].eager_out
-                if out is not None:
-                    out.unlink()
-
-    def _eager_ring(self, ch: Channel, name: str) -> tuple[str, int, int] | None:
-        """Make the eager ring of messages to `ch`'s peer (its name, slots and slot bytes for
-        the peer to map), or None where this host cannot order messages through shared words,
-        eager messages are off, or /dev/shm has no room (the pair then uses the rails only)."""
-        if self.eager_bytes <= 0 or self.eager_slots <= 0 or flags.unsupported() is not None:
-            return None
-        size = segment_bytes(self.eager_slots, self.eager_bytes)
-        try:
-            seg = SharedSlots(name, 1, size, create=True)
-        except SegmentError as exc:
-            log.warning("staged: no eager messages to rank %d (%s)", ch.peer, exc)
-            return None
-        ch.eager_out = EagerOut(seg, self.eager_slots, self.eager_bytes)
-        return name, self.eager_slots, self.eager_bytes
+        """Channels to `peers`, the missing ones opened together (connect.Opener.open)."""
+        return self._opener.open(peers, deadline)
 
     # ---- messages: the building block of every operation -----------------------------------
 
