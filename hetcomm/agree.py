@@ -165,6 +165,8 @@ class SharedCheck:
 
     __slots__ = (
         "_agreed",
+        "_block",
+        "_block_key",
         "_carried",
         "_carry",
         "_complete",
@@ -218,6 +220,8 @@ class SharedCheck:
             records.start + 8 * at(q, i) + records.HEAD for q in range(records.size)
         ]
         self._rows: np.ndarray | None = None
+        self._block: np.ndarray | None = None
+        self._block_key: tuple[np.dtype, int, int, int] | None = None
         self._done = records.done(rank)
         self._others_done = [records.done(q) for q in others]
         # the fields, and the header written: the fields and the flag word (0 or 1)
@@ -376,6 +380,15 @@ class SharedCheck:
             strides=(records.ring * records.RECORD, dtype.itemsize),
         )
         return rows
+
+    def block(self, dtype: np.dtype, count: int, start: int, stop: int) -> np.ndarray:
+        """After completion: columns [start, stop) of `rows(dtype, count)` (every rank's block
+        of its carried input), kept for the next call alike as rows are."""
+        key = (dtype, count, start, stop)
+        if self._block_key != key or self._block is None:
+            self._block = self.rows(dtype, count)[:, start:stop]
+            self._block_key = key
+        return self._block
 
     def free(self) -> None:
         """Nothing to free: the records go with the arrivals table."""

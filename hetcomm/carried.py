@@ -1,15 +1,20 @@
-"""Small broadcasts and reduces carried in the default check's shared records.
+"""Small collectives carried in the default check's shared records.
 
 Where every rank of a communicator is on one host, the check goes through a shared segment
 (hetcomm.agree.SharedCheck): each rank writes its signature into its own record and waits until
-every rank has. That is a synchronisation of every rank, which a broadcast's or a reduce's own
-messages would only follow (the root sends once the others are known to agree). So a blocking
-one of at most `agree.SharedRecords.PAYLOAD` bytes of host memory carries its data in the
-records instead: the root's input for a broadcast, every rank's for a reduce, which the root
-reduces in rank order with one kernel call (`kernels.reduce.reduce_rows`, as hostcoll's
-reductions go). Each record's flag word says whether its rank takes this path; where one does
-not (an asynchronous call, a timeout of its own, device memory, tracing), every rank reads so
-and runs the operation through its transport, as it would have.
+every rank has. That is a synchronisation of every rank, which the operation's own messages
+would only follow. So a blocking collective of at most `agree.SharedRecords.PAYLOAD` bytes of
+host input carries its data in the records instead, and the check is the whole operation: the
+root's input for a broadcast, every rank's input for the others. Once every record holds the
+collective, each rank lands what it needs from the records: a broadcast copies the root's
+bytes, a reduce (at the root), an all_reduce and a reduce_scatter (this rank's block) reduce
+the ranks' rows in rank order with one kernel call (`kernels.reduce.reduce_rows`, as hostcoll's
+reductions go, so every rank of an all_reduce gets the same bits), an all_gather and an
+all_to_all copy rows or blocks of rows. Every rank's input is in the records before any output
+is written, so in-place forms need nothing of their own. Each record's flag word says whether
+its rank takes this path; where one does not (an asynchronous call, device memory, tracing, a
+layout the prepared call cannot take) every rank reads so and runs the operation through its
+transport, as it would have.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import agree
+from .arrays import may_share_memory
 from .ops import ReduceOp
 
 if TYPE_CHECKING:
@@ -28,72 +34,171 @@ if TYPE_CHECKING:
     from .comm import Communicator
     from .routes import Route
 
-OPS = frozenset(("broadcast", "reduce"))
-_reduce_rows: Callable[[np.ndarray, np.ndarray, str], None] | None = None  # kernels.reduce's
+# what each op's rank carries: the root's input (broadcast), or every rank's (the others)
+OPS = frozenset(("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all"))
+_REDUCING = frozenset(("reduce", "all_reduce", "reduce_scatter"))
 
 
 def applies(op: str, xb: Buffer | None) -> bool:
-    """Whether blocking calls of `op` on `xb` ride in the records (where the check has them)."""
+    """Whether blocking calls of `op` with input `xb` ride in the records (where the check has
+    them)."""
     return (
         op in OPS
         and xb is not None
         and not xb.on_device
         # nothing to carry: an empty 2-D array has no byte view to copy by
         and 0 < xb.nbytes <= agree.SharedRecords.PAYLOAD
-        # host bfloat16 arrays have no buffer format to copy by; a reduce of halves rounds at
-        # each step, which reduce_rows does not
-        and xb.dtype not in (("float16", "bfloat16") if op == "reduce" else ("bfloat16",))
+        # host bfloat16 arrays have no buffer format to copy by; a reduction of halves rounds
+        # at each step, which reduce_rows does not
+        and xb.dtype not in (("float16", "bfloat16") if op in _REDUCING else ("bfloat16",))
     )
 
 
-def run(comm: Communicator, route: Route, xh: np.ndarray, timeout: float | None) -> bool:
-    """The blocking call of `route` on host array `xh` through the records, entered here
-    (within `timeout`, None: the configured one); or, where some rank does not take this path,
-    the transport's prepared call (False where it has none: the general path then runs the
-    call with the sequence number entered here)."""
+def lander(op: str, rop: ReduceOp | None, dtype: str, rank: int, size: int, root: int) -> Land:
+    """What this rank makes of the records of one route's carried calls, once every rank's
+    input is there: `land(check, xh, oh)`, with what the signature fixes (the reduction's
+    kernel, this rank's block) worked out here, once."""
+    if op == "broadcast":
+        return _nothing if rank == root else _copy_root(root)
+    if op == "all_gather":
+        return _all_gather(size)
+    if op == "all_to_all":
+        return _all_to_all(rank, size)
+    assert rop is not None
+    from .kernels.reduce import rows_reducer  # numba's import waits for a carried reduction
+
+    reducer = rows_reducer("sum" if rop is ReduceOp.AVG else rop.value)
+    divide = _divide(size, dtype) if rop is ReduceOp.AVG else None
+    if op == "reduce":
+        return _reduce_rows(reducer, divide, False) if rank == root else _nothing
+    if op == "all_reduce":
+        return _reduce_rows(reducer, divide, True)
+    return _reduce_blocks(reducer, divide, rank, size)  # reduce_scatter
+
+
+def run(
+    comm: Communicator,
+    route: Route,
+    xh: np.ndarray,
+    timeout: float | None,
+    oh: np.ndarray | None = None,
+) -> bool:
+    """The blocking call of `route` on host array `xh` (its input; for all_reduce,
+    all_gather, reduce_scatter and all_to_all `oh` is the output) through the records, entered
+    here (within `timeout`, None: the configured one); or, where some rank does not take this
+    path, the transport's prepared call (False where it has none or cannot take these arrays:
+    the general path then runs the call with the sequence number entered here)."""
     if timeout is not None:
-        return bool(comm._timed(timeout, route.op, run, comm, route, xh, None))
+        return bool(comm._timed(timeout, route.op, run, comm, route, xh, None, oh))
     comm._last_entered = seq = comm._arrive(route)
     if comm._deferred.queue:
         comm._flush_deferred(route.op, seq, comm.call_timeout)
-    root = route.root
-    # a broadcast's data comes from the root; a reduce's from every rank
-    carries = route.op == "reduce" or comm.rank == root
+    # a broadcast's data comes from the root, the others' from every rank
+    carries = route.op != "broadcast" or comm.rank == route.root
     check = comm._check_blocking(route, seq, comm.call_timeout, xh if carries else False)
     assert isinstance(check, agree.SharedCheck)
     if not check.carried():
-        prepared = route.run
-        if prepared is None:
-            return False
-        route.runs += 1
-        try:
-            return prepared(xh, seq)
-        except MPI.Exception as exc:
-            raise comm._mpi_error(route.op, seq, exc) from exc
+        return _transport(comm, route, xh, oh, seq)
     route.runs += 1
     route.carried += 1
-    if route.op == "broadcast":
-        if not carries:
-            xh.data.cast("B")[:] = check.payload(root, xh.nbytes)
-    elif comm.rank == root:
-        _reduce(comm.size, route, check, xh)
+    assert route.land is not None
+    route.land(check, xh, oh)
     return True
 
 
-def _reduce(size: int, route: Route, check: agree.SharedCheck, xh: np.ndarray) -> None:
-    """The root's part of a carried reduce: every rank's input (the root's own included:
-    every rank carries it) reduced in rank order into `xh`."""
-    global _reduce_rows
-    if _reduce_rows is None:  # numba's import waits for the first carried reduce
-        from .kernels.reduce import reduce_rows
+def _transport(
+    comm: Communicator, route: Route, xh: np.ndarray, oh: np.ndarray | None, seq: int
+) -> bool:
+    """Some rank did not take the carried path: the transport's prepared call, where it has
+    one that takes these arrays (an output overlapping the input only where it says so)."""
+    prepared = route.run
+    if prepared is None:
+        return False
+    if oh is None:
+        arrays: tuple[np.ndarray, ...] = (xh,)
+    elif oh is xh or getattr(prepared, "in_place", False) or not may_share_memory(xh, oh):
+        arrays = (xh, oh)
+    else:
+        return False
+    route.runs += 1
+    try:
+        return prepared(*arrays, seq)
+    except MPI.Exception as exc:
+        raise comm._mpi_error(route.op, seq, exc) from exc
 
-        _reduce_rows = reduce_rows
-    flat, rop = xh if xh.ndim == 1 else xh.reshape(-1), route.rop
-    assert rop is not None and route.dtype is not None
-    _reduce_rows(
-        check.rows(flat.dtype, flat.size), flat, "sum" if rop is ReduceOp.AVG else rop.value
-    )
-    if rop is ReduceOp.AVG:
-        from .transports.local import divide_host
 
-        divide_host(flat, size, route.dtype)
+# ---- landers (see lander) ----------------------------------------------------------------------
+
+Land = Callable[[agree.SharedCheck, np.ndarray, "np.ndarray | None"], None]
+Reducer = Callable[[np.ndarray, np.ndarray], None]
+
+
+def _nothing(check: agree.SharedCheck, xh: np.ndarray, oh: np.ndarray | None) -> None:
+    """A rank whose arrays the operation leaves as they are (a broadcast's or reduce's root
+    and non-root respectively)."""
+
+
+def _copy_root(root: int) -> Land:
+    def land(check: agree.SharedCheck, xh: np.ndarray, oh: np.ndarray | None) -> None:
+        xh.data.cast("B")[:] = check.payload(root, xh.nbytes)
+
+    return land
+
+
+def _divide(size: int, dtype: str) -> Callable[[np.ndarray], None]:
+    from .transports.local import divide_host
+
+    return lambda flat: divide_host(flat, size, dtype)
+
+
+def _reduce_rows(
+    reducer: Reducer, divide: Callable[[np.ndarray], None] | None, into_out: bool
+) -> Land:
+    """Every rank's input reduced in rank order into `oh` (all_reduce) or `xh` (reduce)."""
+
+    def land(check: agree.SharedCheck, xh: np.ndarray, oh: np.ndarray | None) -> None:
+        dst = oh if into_out else xh
+        assert dst is not None
+        flat = dst if dst.ndim == 1 else dst.reshape(-1)
+        reducer(check.rows(xh.dtype, xh.size), flat)
+        if divide is not None:
+            divide(flat)
+
+    return land
+
+
+def _reduce_blocks(
+    reducer: Reducer, divide: Callable[[np.ndarray], None] | None, rank: int, size: int
+) -> Land:
+    """Block `rank` of every rank's input reduced in rank order into `oh` (reduce_scatter)."""
+
+    def land(check: agree.SharedCheck, xh: np.ndarray, oh: np.ndarray | None) -> None:
+        assert oh is not None
+        count = xh.size
+        block = count // size
+        flat = oh if oh.ndim == 1 else oh.reshape(-1)
+        reducer(check.block(xh.dtype, count, rank * block, rank * block + block), flat)
+        if divide is not None:
+            divide(flat)
+
+    return land
+
+
+def _all_gather(size: int) -> Land:
+    def land(check: agree.SharedCheck, xh: np.ndarray, oh: np.ndarray | None) -> None:
+        assert oh is not None
+        oh.reshape(size, xh.size)[...] = check.rows(xh.dtype, xh.size)
+
+    return land
+
+
+def _all_to_all(rank: int, size: int) -> Land:
+    def land(check: agree.SharedCheck, xh: np.ndarray, oh: np.ndarray | None) -> None:
+        assert oh is not None
+        count = xh.size
+        block = count // size
+        oh.reshape(size, block)[...] = check.block(
+            xh.dtype, count, rank * block, rank * block + block
+        )
+
+    return land

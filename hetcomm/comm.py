@@ -252,6 +252,9 @@ class Communicator:
         route = Route(op, transport, vec, general, rop, root, run)
         route.dtype = dtype
         route.carry = self._agree.records is not None and carried.applies(op, xb)
+        if route.carry:
+            assert dtype is not None
+            route.land = carried.lander(op, rop, dtype, self.rank, self.size, root)
         prepare_async = getattr(transport, "prepare_async", None)
         if prepare_async is not None and key is not None:
             route.start = prepare_async(op, xb, out, rop, root)
@@ -561,12 +564,16 @@ class Communicator:
         route = self._routes.get(key) if key is not None else None
         if route is None:
             route = self._route_all_reduce(key, x, op, out, inplace)
-        if route.run is not None and not async_op and not _work.observing:
+        if (route.run is not None or route.carry) and not async_op and not _work.observing:
             xh = host_view(x, inplace)
             if xh is not None:
                 oh = xh if inplace else host_view(out, True)
                 if oh is not None and (inplace or not may_share_memory(xh, oh)):
-                    if self._blocking_run(route, timeout, xh, oh):
+                    if (
+                        carried.run(self, route, xh, timeout, oh)
+                        if route.carry
+                        else self._blocking_run(route, timeout, xh, oh)
+                    ):
                         return None
                     return self._all_reduce(
                         route, x, out, inplace, False, timeout, self._last_entered
@@ -808,18 +815,21 @@ class Communicator:
         route = self._routes.get(key) if key is not None else None
         if route is None:
             route = self._route_blocks(key, op, out, x, rop, out_blocks, x_blocks, method)
-        if route.run is not None and not async_op and not _work.observing:
+        if (route.run is not None or route.carry) and not async_op and not _work.observing:
             xh = host_view(x, False)
             oh = host_view(out, True)
-            # a prepared call that serves in-place forms tells overlaps apart itself
-            if (
-                xh is not None
-                and oh is not None
-                and (getattr(route.run, "in_place", False) or not may_share_memory(xh, oh))
-            ):
-                if self._blocking_run(route, timeout, xh, oh):
-                    return None
-                return route.general(route, out, x, False, timeout, self._last_entered)
+            if xh is not None and oh is not None:
+                # the carried path takes any overlap (every input is in the records before an
+                # output is written); a prepared call that serves in-place forms tells
+                # overlaps apart itself
+                if route.carry:
+                    if carried.run(self, route, xh, timeout, oh):
+                        return None
+                    return route.general(route, out, x, False, timeout, self._last_entered)
+                if getattr(route.run, "in_place", False) or not may_share_memory(xh, oh):
+                    if self._blocking_run(route, timeout, xh, oh):
+                        return None
+                    return route.general(route, out, x, False, timeout, self._last_entered)
         return route.general(route, out, x, async_op, timeout, None)
 
     def _route_blocks(

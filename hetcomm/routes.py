@@ -39,6 +39,7 @@ class Route:
         "carry",
         "dtype",
         "general",
+        "land",
         "op",
         "root",
         "rop",
@@ -68,6 +69,9 @@ class Route:
         # and how many did
         self.carry = False
         self.carried = 0
+        # where it does, what this rank makes of the records once every rank's input is there
+        # (hetcomm.carried.lander)
+        self.land: Callable[..., None] | None = None
         self.dtype: str | None = None
         # calls served by the prepared call, and by the general path (for tests and stats)
         self.runs = 0

@@ -318,7 +318,7 @@ def combine(inout: np.ndarray, other: np.ndarray, op: str, dtype: str) -> None:
 
 
 @_jit
-def _reduce_rows(rows: np.ndarray, out: np.ndarray, op: int) -> None:  # pragma: no cover (jit)
+def _reduce_rows(op: int, rows: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover (jit)
     n, m = rows.shape
     for j in range(m):
         acc = rows[0, j]
@@ -342,7 +342,15 @@ def reduce_rows(rows: np.ndarray, out: np.ndarray, op: str) -> None:
     per row (each paying numpy's dispatch and error-state switch, microseconds at small sizes).
     numpy dtypes only (not the halves' bit patterns); integers wrap, and on bool sum and max are
     "or", prod and min "and", as `combine` makes them. The caller has checked the arguments."""
-    _reduce_rows(rows, out, _OP_CODE[op])
+    _reduce_rows(_OP_CODE[op], rows, out)
+
+
+def rows_reducer(op: str) -> Callable[[np.ndarray, np.ndarray], None]:
+    """`reduce_rows(rows, out, op)` as `f(rows, out)`, the op looked up once: one jitted call
+    for callers that reduce with one op again and again (a carried collective's route)."""
+    if op not in _OP_CODE:
+        raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
+    return functools.partial(_reduce_rows, _OP_CODE[op])
 
 
 def divide(inout: np.ndarray, n: int, dtype: str) -> None:

@@ -1,13 +1,15 @@
 """The default check's two forms (hetcomm.agree): through shared memory where every rank is on
 one host, an MPI all-reduce otherwise; both catch a mismatch on every rank. And small
-broadcasts and reduces on host memory, whose data rides in the shared form's records: right
-for every dtype, root and reduce op, nothing outside the buffer touched, and the same result
+collectives on host memory, whose data rides in the shared form's records: right for every
+dtype, root, form and reduce op, nothing outside the buffers touched, and the same result
 when some rank does not take that path (every rank then takes the transport's).
 
 Runs on whichever transport the run's --hetcomm-transport picks; scripts/test also runs this
 folder with two simulated hosts, where the check takes its MPI form."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 import pytest
@@ -167,6 +169,109 @@ def test_small_broadcasts_and_reduces_are_right(hetcomm_make_comm, hetcomm_share
     errors.verify()
 
 
+def _form(comm, op: str, form: str, every: np.ndarray):
+    """(call, output view, backing bytes of the output, what the output must hold) of one form
+    of `op` on this rank's row of `every` (size x count)."""
+    size, me = comm.size, comm.rank
+    count = every.shape[1]
+    block = count // size
+    if op == "all_gather":
+        backing, flat = _placed(np.zeros(size * count, every.dtype))
+        out, want = flat.reshape(size, count), every
+        if form == "in-place":
+            out[me] = every[me]
+            return (lambda: comm.all_gather(out, out[me])), out, backing, want
+        x = every[me].copy()
+        return (lambda: comm.all_gather(out, x)), out, backing, want
+    if op == "all_to_all":
+        want = every[:, me * block : (me + 1) * block].reshape(-1)
+        if form == "in-place":
+            backing, out = _placed(every[me])
+            return (lambda: comm.all_to_all(out, out)), out, backing, want
+        backing, out = _placed(np.zeros(count, every.dtype))
+        x = every[me].copy()
+        return (lambda: comm.all_to_all(out, x)), out, backing, want
+    raise AssertionError(op)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_small_collectives_of_every_rank_are_right(hetcomm_make_comm, hetcomm_shared_seed, errors):
+    """all_reduce, reduce_scatter, all_gather and all_to_all of every dtype at sizes that ride
+    in the records and just past them, in place and out of place: right against numpy, nothing
+    outside the outputs written, and an all_reduce's bits the same on every rank (each rank
+    reduces the rows in rank order)."""
+    comm = hetcomm_make_comm(name="carried-all", timeout=30)
+    rng = np.random.default_rng(hetcomm_shared_seed)
+    carrying = introspect.check_form(comm) == "shared memory"
+    size, me = comm.size, comm.rank
+    for dtype in _DTYPES:
+        itemsize = np.dtype(dtype).itemsize
+        fits = SharedRecords.PAYLOAD // itemsize // size * size  # whole blocks per rank
+        for count in (size, fits, fits + size):
+            nan = carrying and count <= fits and dtype != "float16"
+            every = _inputs(rng, size, count, dtype, nan)
+            ops = [ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX]
+            if np.dtype(dtype).kind == "f":
+                ops.append(ReduceOp.AVG)
+            for op in ops:
+                want = _reference(every, op, dtype)
+                for form in ("in-place", "out-of-place"):
+                    what = f"all_reduce {op} {dtype} x{count} {form}"
+                    backing, x = _placed(every[me])
+                    if form == "in-place":
+                        ok = errors.run(what, comm.all_reduce, x, op)
+                        got, outside = x, backing
+                    else:
+                        outside, got = _placed(np.zeros(count, dtype))
+                        ok = errors.run(what, comm.all_reduce, x, op, out=got)
+                        errors.expect(np.array_equal(x, every[me], equal_nan=True), f"{what}: x")
+                    if ok:
+                        errors.expect(_close(got, want, dtype), f"{what}: got {got}, want {want}")
+                        # the same bits on every rank
+                        bits = comm.mpi.allgather(got.tobytes())
+                        errors.expect(len(set(bits)) == 1, f"{what}: ranks differ")
+                    errors.expect(_ends_untouched(outside), f"{what}: outside the output")
+                block = count // size
+                mine = want[me * block : (me + 1) * block]
+                for form in ("in-place", "out-of-place"):
+                    what = f"reduce_scatter {op} {dtype} x{count} {form}"
+                    backing, x = _placed(every[me])
+                    if form == "in-place":  # out is this rank's block of x
+                        out, outside = x[me * block : (me + 1) * block], backing
+                    else:
+                        outside, out = _placed(np.zeros(block, dtype))
+                    if errors.run(what, comm.reduce_scatter, out, x, op):
+                        errors.expect(_close(out, mine, dtype), f"{what}: got {out}, want {mine}")
+                    errors.expect(_ends_untouched(outside), f"{what}: outside the output")
+            for op_name in ("all_gather", "all_to_all"):
+                for form in ("in-place", "out-of-place"):
+                    what = f"{op_name} {dtype} x{count} {form}"
+                    call, out, backing, want = _form(comm, op_name, form, every)
+                    if errors.run(what, call):
+                        errors.expect(
+                            np.array_equal(out, want, equal_nan=True), f"{what}: got {out}"
+                        )
+                    errors.expect(_ends_untouched(backing), f"{what}: outside the output")
+    carried = {r["op"]: 0 for r in comm.routes()}
+    for r in comm.routes():
+        carried[r["op"]] += r["carried"]
+    if carrying:
+        for op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all"):
+            errors.expect(carried.get(op, 0) > 0, f"no {op} was carried: {comm.routes()}")
+    else:
+        errors.expect(not any(carried.values()), f"carried without the shared form: {carried}")
+    errors.verify()
+
+
+def _close(got: np.ndarray, want: np.ndarray, dtype: str) -> bool:
+    """Equal (NaNs alike), or within float rounding for an AVG of float16/float32."""
+    if np.array_equal(got, want, equal_nan=True):
+        return True
+    return dtype in ("float16", "float32") and bool(
+        np.allclose(got, want, rtol=1e-3, equal_nan=True)
+    )
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("odd_one", ["async", "timeout", "strided"])
 def test_a_rank_off_the_carried_path_takes_every_rank_off_it(
@@ -177,33 +282,44 @@ def test_a_rank_off_the_carried_path_takes_every_rank_off_it(
     records, and the transport's path gives the same results."""
     comm = hetcomm_make_comm(name="offpath", timeout=30)
     rng = np.random.default_rng(hetcomm_shared_seed)
+    size, me = comm.size, comm.rank
+    count = 2 * size  # two elements of every rank's block
     for round_ in range(3):
-        for op in ("broadcast", "reduce"):
-            root = round_ % comm.size
-            every = rng.integers(-9, 10, (comm.size, 5)).astype(np.float64)
-            wide = np.zeros(10)
-            x = wide[::2] if (odd_one == "strided" and comm.rank == 0) else np.zeros(5)
-            x[...] = every[comm.rank]
+        for op in ("broadcast", "reduce", "all_reduce", "reduce_scatter", "all_gather"):
+            root = round_ % size
+            every = rng.integers(-9, 10, (size, count)).astype(np.float64)
+            wide = np.zeros(2 * count)
+            x = wide[::2] if (odd_one == "strided" and me == 0) else np.zeros(count)
+            x[...] = every[me]
             kwargs = {}
-            if comm.rank == 0:
+            if me == 0:
                 kwargs = {"async_op": True} if odd_one == "async" else {}
                 if odd_one == "timeout":
                     kwargs = {"timeout": 30}
-            call = comm.broadcast if op == "broadcast" else comm.reduce
+            out = np.zeros(size * count if op == "all_gather" else 2)
+            if op == "broadcast":
+                call, want = partial(comm.broadcast, x, root), every[root]
+                got = x
+            elif op == "reduce":
+                call, got = partial(comm.reduce, x, root), x
+                want = every.sum(axis=0) if me == root else every[me]
+            elif op == "all_reduce":
+                call, got, want = partial(comm.all_reduce, x), x, every.sum(axis=0)
+            elif op == "reduce_scatter":
+                call, got = partial(comm.reduce_scatter, out, x), out
+                want = every.sum(axis=0)[2 * me : 2 * me + 2]
+            else:
+                call, got, want = partial(comm.all_gather, out, x), out, every.reshape(-1)
 
-            def go(call=call, x=x, root=root, kwargs=kwargs):
-                work = call(x, root, **kwargs)
+            def go(call=call, kwargs=kwargs):
+                work = call(**kwargs)
                 if work is not None:
                     work.wait()
 
             what = f"{op} root {root}, rank 0 {odd_one}"
             if not errors.run(what, go):
                 continue
-            if op == "broadcast":
-                want = every[root]
-            else:
-                want = every.sum(axis=0) if comm.rank == root else every[comm.rank]
-            errors.expect(np.array_equal(x, want), f"{what}: got {x}, want {want}")
+            errors.expect(np.array_equal(got, want), f"{what}: got {got}, want {want}")
     errors.verify()
 
 
