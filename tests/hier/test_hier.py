@@ -196,7 +196,12 @@ def _all_reduce(
     # out of place: x unchanged, nothing written around out
     x = array(stack[me], dtype)
     out = Placed(draw(rng, dtype, 1, count)[0], dtype)
+    carried = _carried(world)
     world.all_reduce(x, op, out=out.array)
+    # a small blocking call may ride in the check's records, which reduce in rank order: its
+    # bits then need not be those of the transport's algorithm (both are checked against the
+    # reference; each is the same on every rank)
+    rode = _carried(world) > carried
     errors += check(logical(out.array), stack, op, dtype, f"all_reduce out= {case}")
     errors += check(logical(x), stack[me], None, dtype, f"all_reduce out= {case}: x changed")
     if not out.intact():
@@ -208,9 +213,14 @@ def _all_reduce(
     errors += check(logical(y.array), stack, op, dtype, f"all_reduce in place {case}")
     if not y.intact():
         errors.append(f"all_reduce in place {case}: wrote outside x")
-    if raw(y.array) != raw(out.array):
+    if not rode and raw(y.array) != raw(out.array):
         errors.append(f"all_reduce {case}: in place and out= differ in their bits")
     return errors
+
+
+def _carried(world: Any) -> int:
+    """The calls of `world` that rode in the check's records so far (hetcomm.carried)."""
+    return sum(r["carried"] for r in world.routes())
 
 
 def _reduce_scatter(
