@@ -474,6 +474,10 @@ class Agreement:
             self.records.progress = partial(self.mpi.Iprobe, MPI.ANY_SOURCE, MPI.ANY_TAG)
         # the form the check takes, the same on every rank
         self.form = "shared memory" if self.records is not None else "MPI all-reduce"
+        # more of the group's ranks on this host than it has cores: a rank waiting for the
+        # others must give up its core between looks, since the rank it waits for may need
+        # that very core (Open MPI yields when idle on such a host for the same reason)
+        self.crowded = len(self.arrivals.local_ranks) > (os.cpu_count() or 1)
 
     def slot(self, seq: int) -> Check | SharedCheck:
         """The check slot of collective `seq`, made (collectively, in number order on every

@@ -89,6 +89,10 @@ class Communicator:
             mpi_comm, config.check or config.debug, config.debug, len(topology.hosts()) == 1
         )
         self._checking = self._agree.enabled
+        # a blocking check's polls before it waits yielding the core between looks; none
+        # where the ranks of this host outnumber its cores (4 ranks on the 2-core VM, 8 B
+        # checked all_reduce: 29 -> 20 us, barrier 22 -> 13 us)
+        self._quick_polls = 0 if self._agree.crowded else _QUICK_POLLS
         self._arrived = self._agree.arrivals.table
         self._last_entered = 0  # the sequence number _blocking_run entered
         # the point-to-point calls queued by an open `with comm.group():` block, else None
@@ -321,7 +325,7 @@ class Communicator:
         try:
             if not check.quick(seq, carry):
                 test = check.request.Test
-                for _ in range(_QUICK_POLLS):
+                for _ in range(self._quick_polls):
                     if test():
                         break
                 else:
