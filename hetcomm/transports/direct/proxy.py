@@ -64,7 +64,7 @@ _IDLE_S = 0.05
 # 1502 -> 1685 GB/s with it; at 64 KiB - 16 MiB it made each operation 30-70 us slower
 _YIELD_BYTES = 64 << 20
 # the steps of direct operations (what the proxy waited for, ...), stamped while stamp.marks is
-# a list (bench_direct.py profile)
+# a list (direct_profile.py in docs/BENCHMARKS.md)
 stamp = Stamps()
 
 
