@@ -312,11 +312,7 @@ class SharedCheck:
         q, seq = self._q, self._seq
         for tag in self._other_tags:
             if q[tag] != seq:
-                # _idle, inline: this is the poll a waiting rank repeats
-                records = self._records
-                records.idle += 1
-                if not records.idle & 63:
-                    records.progress()
+                self._idle()
                 return False
         self._finish(q, seq)
         return True

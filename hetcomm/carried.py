@@ -101,8 +101,9 @@ def run(
         return _transport(comm, route, xh, oh, seq)
     route.runs += 1
     route.carried += 1
-    assert route.land is not None
-    route.land(check, xh, oh)
+    land = route.land
+    assert land is not None
+    land(check, xh, oh)
     return True
 
 
@@ -174,10 +175,8 @@ def _reduce_blocks(
 
     def land(check: agree.SharedCheck, xh: np.ndarray, oh: np.ndarray | None) -> None:
         assert oh is not None
-        count = xh.size
-        block = count // size
         flat = oh if oh.ndim == 1 else oh.reshape(-1)
-        reducer(check.block(xh.dtype, count, rank * block, rank * block + block), flat)
+        reducer(_own_blocks(check, xh, rank, size), flat)
         if divide is not None:
             divide(flat)
 
@@ -195,10 +194,12 @@ def _all_gather(size: int) -> Land:
 def _all_to_all(rank: int, size: int) -> Land:
     def land(check: agree.SharedCheck, xh: np.ndarray, oh: np.ndarray | None) -> None:
         assert oh is not None
-        count = xh.size
-        block = count // size
-        oh.reshape(size, block)[...] = check.block(
-            xh.dtype, count, rank * block, rank * block + block
-        )
+        oh.reshape(size, -1)[...] = _own_blocks(check, xh, rank, size)
 
     return land
+
+
+def _own_blocks(check: agree.SharedCheck, xh: np.ndarray, rank: int, size: int) -> np.ndarray:
+    """Block `rank` (of `size`) of every rank's carried input, one row per rank."""
+    block = xh.size // size
+    return check.block(xh.dtype, xh.size, rank * block, rank * block + block)

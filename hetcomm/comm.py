@@ -255,8 +255,7 @@ class Communicator:
             run = prepare(op, xb, out, rop, root)
         route = Route(op, transport, vec, general, rop, root, run)
         route.dtype = dtype
-        route.carry = self._agree.records is not None and carried.applies(op, xb)
-        if route.carry:
+        if self._agree.records is not None and carried.applies(op, xb):
             assert dtype is not None
             route.land = carried.lander(op, rop, dtype, self.rank, self.size, root)
         prepare_async = getattr(transport, "prepare_async", None)
@@ -568,14 +567,14 @@ class Communicator:
         route = self._routes.get(key) if key is not None else None
         if route is None:
             route = self._route_all_reduce(key, x, op, out, inplace)
-        if (route.run is not None or route.carry) and not async_op and not _work.observing:
+        if (route.run or route.land) is not None and not async_op and not _work.observing:
             xh = host_view(x, inplace)
             if xh is not None:
                 oh = xh if inplace else host_view(out, True)
                 if oh is not None and (inplace or not may_share_memory(xh, oh)):
                     if (
                         carried.run(self, route, xh, timeout, oh)
-                        if route.carry
+                        if route.land is not None
                         else self._blocking_run(route, timeout, xh, oh)
                     ):
                         return None
@@ -735,12 +734,12 @@ class Communicator:
         call (or the carried one) of a blocking call on a host array (`write`: this rank's
         array receives), else the route's general path, with the sequence number the
         prepared call took where it declined."""
-        if (route.run is not None or route.carry) and not async_op and not _work.observing:
+        if (route.run or route.land) is not None and not async_op and not _work.observing:
             xh = host_view(x, write)
             if xh is not None:
                 if (
                     carried.run(self, route, xh, timeout)
-                    if route.carry
+                    if route.land is not None
                     else self._blocking_run(route, timeout, xh)
                 ):
                     return None
@@ -819,21 +818,24 @@ class Communicator:
         route = self._routes.get(key) if key is not None else None
         if route is None:
             route = self._route_blocks(key, op, out, x, rop, out_blocks, x_blocks, method)
-        if (route.run is not None or route.carry) and not async_op and not _work.observing:
+        if (route.run or route.land) is not None and not async_op and not _work.observing:
             xh = host_view(x, False)
             oh = host_view(out, True)
-            if xh is not None and oh is not None:
-                # the carried path takes any overlap (every input is in the records before an
-                # output is written); a prepared call that serves in-place forms tells
-                # overlaps apart itself
-                if route.carry:
-                    if carried.run(self, route, xh, timeout, oh):
-                        return None
-                    return route.general(route, out, x, False, timeout, self._last_entered)
-                if getattr(route.run, "in_place", False) or not may_share_memory(xh, oh):
-                    if self._blocking_run(route, timeout, xh, oh):
-                        return None
-                    return route.general(route, out, x, False, timeout, self._last_entered)
+            # the carried path takes any overlap (every input is in the records before an output
+            # is written); a prepared call that serves in-place forms tells overlaps apart itself
+            carry = route.land is not None
+            if (
+                xh is not None
+                and oh is not None
+                and (carry or getattr(route.run, "in_place", False) or not may_share_memory(xh, oh))
+            ):
+                if (
+                    carried.run(self, route, xh, timeout, oh)
+                    if carry
+                    else self._blocking_run(route, timeout, xh, oh)
+                ):
+                    return None
+                return route.general(route, out, x, False, timeout, self._last_entered)
         return route.general(route, out, x, async_op, timeout, None)
 
     def _route_blocks(

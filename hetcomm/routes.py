@@ -36,7 +36,6 @@ class Route:
 
     __slots__ = (
         "carried",
-        "carry",
         "dtype",
         "general",
         "land",
@@ -65,13 +64,11 @@ class Route:
         self.rop, self.root, self.run = rop, root, run
         # the transport's prepared asynchronous start for host arrays (sends and receives)
         self.start: Callable[..., Work] | None = None
-        # whether its blocking calls on host memory ride in the check (hetcomm.carried),
-        # and how many did
-        self.carry = False
-        self.carried = 0
-        # where it does, what this rank makes of the records once every rank's input is there
-        # (hetcomm.carried.lander)
+        # where its blocking calls on host memory ride in the check (hetcomm.carried), what
+        # this rank makes of the records once every rank's input is there (carried.lander),
+        # else None; and how many calls did
         self.land: Callable[..., None] | None = None
+        self.carried = 0
         self.dtype: str | None = None
         # calls served by the prepared call, and by the general path (for tests and stats)
         self.runs = 0
