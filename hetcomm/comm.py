@@ -11,7 +11,7 @@ from typing import Any, Literal, overload
 import numpy as np
 from mpi4py import MPI
 
-from . import ANY_SOURCE, agree, carried, coalesced
+from . import ANY_SOURCE, agree, carried, coalesced, grouping
 from . import plan as planning
 from . import trace as _trace
 from . import work as _work
@@ -890,7 +890,7 @@ class Communicator:
         if tag.__class__ is not int or not 0 <= tag <= self._tag_ub:
             tag = self._tag(tag, "send")
         if self._group is not None:
-            return self._queue("send", x, dst, tag, async_op, timeout)
+            return grouping.queue(self, "send", x, dst, tag, async_op, timeout)
         route = self._p2p_route("send", x)
         if async_op and route.start is not None:
             xh = host_view(x, False)
@@ -1024,7 +1024,7 @@ class Communicator:
         if tag.__class__ is not int or not 0 <= tag <= self._tag_ub:
             tag = self._tag(tag, "recv")
         if self._group is not None:
-            queued = self._queue("recv", x, src, tag, async_op, timeout)
+            queued = grouping.queue(self, "recv", x, src, tag, async_op, timeout)
             return queued if queued is not None else src
         route = self._p2p_route("recv", x)
         if anywhere:
@@ -1115,47 +1115,6 @@ class Communicator:
             return None
         assert sent is not None and isinstance(got, Work)
         return all_of(self, [got, sent], "sendrecv")
-
-    def _queue(
-        self,
-        op: str,
-        x: Any,
-        peer: int,
-        tag: int,
-        async_op: bool,
-        timeout: float | None,
-    ) -> Work | None:
-        """A send or recv inside `with comm.group():`, validated now and started at its end."""
-        assert self._group is not None
-        if timeout is not None:
-            check_timeout(timeout, op)
-        xb = as_buffer(x, f"{op}: x")
-        if op == "recv":
-            writable(xb, "recv: x")
-        item = Queued(op, x, peer, tag, timeout, not async_op)
-        self._group.append(item)
-        if not async_op:
-            return None
-
-        def poll() -> bool:
-            if item.work is None:
-                if item.dropped:
-                    raise InvalidArgument(f"{op}: its comm.group() block ended by an exception")
-                return False
-            return item.work.test()
-
-        return Work(self, op, self._p2p_seq, poll)
-
-    def _run_group(self, items: list[Queued]) -> None:
-        """Start the calls of a group block, receives first, then wait for the blocking ones."""
-        order = [i for i in items if i.op == "recv"] + [i for i in items if i.op == "send"]
-        for item in order:
-            call = self.recv if item.op == "recv" else self.send
-            item.work = call(item.x, item.peer, item.tag, async_op=True, timeout=item.timeout)
-        for item in items:
-            if item.blocking:
-                assert item.work is not None
-                item.work.wait()
 
     def barrier(self, *, async_op: bool = False, timeout: float | None = None) -> Work | None:
         """Complete once every rank of the group has called barrier."""

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .argcheck import check_timeout, writable
+from .arrays import as_buffer
 from .errors import InvalidArgument
+from .work import Work
 
 if TYPE_CHECKING:
     from .comm import Communicator
-    from .work import Work
 
 
 class Queued:
@@ -47,4 +49,47 @@ class Group:
             for item in items:
                 item.dropped = True
             return
-        comm._run_group(items)
+        run(comm, items)
+
+
+def queue(
+    comm: Communicator,
+    op: str,
+    x: Any,
+    peer: int,
+    tag: int,
+    async_op: bool,
+    timeout: float | None,
+) -> Work | None:
+    """A send or recv inside `with comm.group():`, validated now and started at its end."""
+    assert comm._group is not None
+    if timeout is not None:
+        check_timeout(timeout, op)
+    xb = as_buffer(x, f"{op}: x")
+    if op == "recv":
+        writable(xb, "recv: x")
+    item = Queued(op, x, peer, tag, timeout, not async_op)
+    comm._group.append(item)
+    if not async_op:
+        return None
+
+    def poll() -> bool:
+        if item.work is None:
+            if item.dropped:
+                raise InvalidArgument(f"{op}: its comm.group() block ended by an exception")
+            return False
+        return item.work.test()
+
+    return Work(comm, op, comm._p2p_seq, poll)
+
+
+def run(comm: Communicator, items: list[Queued]) -> None:
+    """Start the calls of a group block, receives first, then wait for the blocking ones."""
+    order = [i for i in items if i.op == "recv"] + [i for i in items if i.op == "send"]
+    for item in order:
+        call = comm.recv if item.op == "recv" else comm.send
+        item.work = call(item.x, item.peer, item.tag, async_op=True, timeout=item.timeout)
+    for item in items:
+        if item.blocking:
+            assert item.work is not None
+            item.work.wait()
