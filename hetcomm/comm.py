@@ -29,7 +29,7 @@ from .deferred import Deferred, DeferredStarts
 from .errors import CommAborted, InvalidArgument, MismatchError, MpiError
 from .grouping import Group, Queued
 from .ops import ReduceOp, as_reduce_op, check_op_for_dtype
-from .routes import MAX_ROUTES, OP_TYPES, Route, host_view, key_of, no_general
+from .routes import MAX_ROUTES, OP_TYPES, Route, device_view, host_view, key_of, no_general
 from .topology import Topology
 from .transport_set import TransportSet
 from .transports.base import Transport
@@ -255,6 +255,8 @@ class Communicator:
             run = prepare(op, xb, out, rop, root)
         route = Route(op, transport, vec, general, rop, root, run)
         route.dtype = dtype
+        if xb is not None and xb.on_device:
+            route.view = device_view
         if self._agree.records is not None and carried.applies(op, xb):
             assert dtype is not None
             route.land = carried.lander(op, rop, dtype, self.rank, self.size, root)
@@ -897,7 +899,7 @@ class Communicator:
             if xh is not None:
                 return self._start_p2p(route, x, xh, dst, tag, timeout)
         if route.run is not None and not async_op and not _work.observing:
-            xh = host_view(x, False)
+            xh = route.view(x, False)
             if xh is not None:
                 seq = self._run_p2p(route, xh, dst, tag, timeout)
                 if seq is None:
@@ -915,11 +917,11 @@ class Communicator:
         return route
 
     def _run_p2p(
-        self, route: Route, xh: np.ndarray, peer: int, tag: int, timeout: float | None
+        self, route: Route, xh: Any, peer: int, tag: int, timeout: float | None
     ) -> int | None:
-        """A send's or receive's prepared blocking call (within `timeout`, None: the configured
-        one): None once it ran, else (it declined) the sequence number it took, which the
-        general path then uses."""
+        """A send's or receive's prepared blocking call on `xh` (route.view's: a host array, or
+        a device address) within `timeout` (None: the configured one): None once it ran, else
+        (it declined) the sequence number it took, which the general path then uses."""
         if timeout is not None:
             return self._timed(timeout, route.op, self._run_p2p, route, xh, peer, tag, None)
         assert route.run is not None
@@ -1043,7 +1045,7 @@ class Communicator:
             if xh is not None:
                 return self._start_p2p(route, x, xh, src, tag, timeout)
         if route.run is not None and not async_op and not _work.observing:
-            xh = host_view(x, True)
+            xh = route.view(x, True)
             if xh is not None:
                 seq = self._run_p2p(route, xh, src, tag, timeout)
                 if seq is None:

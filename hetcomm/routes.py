@@ -48,6 +48,7 @@ class Route:
         "transport",
         "uses",
         "vec",
+        "view",
     )
 
     def __init__(
@@ -70,6 +71,9 @@ class Route:
         self.land: Callable[..., None] | None = None
         self.carried = 0
         self.dtype: str | None = None
+        # how a call's array is read for `run` (sends and receives): host_view, or for a
+        # route of device memory device_view
+        self.view: Callable[[Any, bool], Any] = host_view
         # calls served by the prepared call, and by the general path (for tests and stats)
         self.runs = 0
         self.uses = 0
@@ -111,6 +115,16 @@ def host_view(x: Any, write: bool) -> np.ndarray | None:
     if x.__class__ is _TENSOR:
         return cpu_tensor_array(x)
     return None
+
+
+def device_view(x: Any, write: bool) -> int | None:
+    """The device address a prepared call of device memory works on: a contiguous CuPy
+    array's or CUDA tensor's data pointer (its type, dtype, shape and device are its route's),
+    or None where the call takes the general path (which packs or refuses)."""
+    if x.__class__ is not _TENSOR:
+        return x.data.ptr if x.flags.c_contiguous else None
+    tensor: Any = x
+    return tensor.data_ptr() if tensor.is_contiguous() else None
 
 
 def cpu_tensor_array(x: Any) -> np.ndarray | None:

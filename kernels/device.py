@@ -69,20 +69,48 @@ _CALLER = threading.local()
 def current_stream(buf: Any) -> int:
     """The stream the caller's array is used on (torch's / cupy's current stream), or the
     caller's, where this thread acts for it (on_behalf_of)."""
-    pinned = getattr(_CALLER, "stream", None)
-    if pinned is not None:
-        return int(pinned)
     kind = getattr(buf, "kind", "")
+    if kind == "numba":
+        pinned = getattr(_CALLER, "stream", None)
+        if pinned is not None:
+            return int(pinned)
+        handle = getattr(getattr(buf.obj, "stream", None), "handle", None)
+        return int(getattr(handle, "value", handle) or 0)
+    read = stream_reader(kind, buf.device_index)
+    assert read is not None
+    return read()
+
+
+def stream_reader(kind: str, device_index: int | None) -> Callable[[], int] | None:
+    """What reads the stream an array of `kind` on `device_index` is used on, at each call:
+    the caller's (on_behalf_of), else torch's current stream of that device for tensors and
+    cupy's current stream for any other array; None for numba's, whose stream is the
+    array's own."""
+    if kind == "numba":
+        return None
     if kind == "torch":
         import torch
 
-        return int(torch.cuda.current_stream(buf.device_index).cuda_stream)
-    if kind == "numba":
-        handle = getattr(getattr(buf.obj, "stream", None), "handle", None)
-        return int(getattr(handle, "value", handle) or 0)
+        current = torch.cuda.current_stream
+
+        def torch_stream() -> int:
+            pinned = getattr(_CALLER, "stream", None)
+            if pinned is not None:
+                return int(pinned)
+            return int(current(device_index).cuda_stream)
+
+        return torch_stream
     import cupy
 
-    return int(cupy.cuda.get_current_stream().ptr)
+    get_current = cupy.cuda.get_current_stream
+
+    def cupy_stream() -> int:
+        pinned = getattr(_CALLER, "stream", None)
+        if pinned is not None:
+            return int(pinned)
+        return int(get_current().ptr)
+
+    return cupy_stream
 
 
 def on_behalf_of(buf: Any, call: Callable[[], Any]) -> Callable[[], Any]:

@@ -303,3 +303,112 @@ def test_simulated_vendors_plan_and_auto(hetcomm_make_comm, hetcomm_shared_seed)
     ws.wait()
     ok = ok and bool((y == torch.arange(1 << 20, device="cuda") + (r - 1) % n).all())
     assert_all_ranks(comm, ok, f"plan {transport}: {why}")
+
+
+def _p2p_counts(comm, op: str) -> tuple[int, int]:
+    """(prepared runs, general-path uses) of every `op` route of device memory so far."""
+    rows = [r for r in comm.routes() if r["op"] == op and r["transport"] == "direct"]
+    return sum(r["runs"] for r in rows), sum(r["uses"] for r in rows)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_prepared_send_recv_every_form_and_signature_change(hetcomm_make_comm, hetcomm_shared_seed):
+    """Blocking device sends and receives, repeated, take the resolved route (counted) and stay
+    right as the signature changes between calls (count, dtype, array type, a new allocation, the
+    caller's stream), beside asynchronous ones (which keep theirs first: the call then takes the
+    general path), and in both directions (on a shared GPU rank 0 copies both ways; on two
+    GPUs the receiver copies). Nothing beside the receive buffer changes."""
+    comm = hetcomm_make_comm(transport="direct")
+    r = comm.rank
+    problems = []
+    if r < 2:
+        peer, pad = 1 - r, 32
+        rng = np.random.default_rng(hetcomm_shared_seed)
+
+        def exchange(make, n, dtype, label):
+            data = rng.integers(0, 100, (2, n)).astype(np.float64)
+            x = make(data[r], dtype)
+            buf = make(np.zeros(n + 2 * pad), dtype)
+            y = buf[pad:-pad]
+            for first in (0, 1):  # each rank sends once and receives once
+                if r == first:
+                    comm.send(x, peer, tag=7)
+                else:
+                    comm.recv(y, peer, tag=7)
+            got = _host(buf) if isinstance(buf, torch.Tensor) else cupy.asnumpy(buf).astype(float)
+            if not np.array_equal(got[pad:-pad], data[peer]):
+                problems.append(f"{label}: wrong data")
+            if got[:pad].any() or got[-pad:].any():
+                problems.append(f"{label}: wrote beside the receive buffer")
+
+        def cp(values, dtype):
+            return cupy.asarray(values.astype(dtype))
+
+        def tt(values, dtype):
+            return _tensor(values, dtype)
+
+        runs0, uses0 = _p2p_counts(comm, "send")
+        for _ in range(3):
+            exchange(cp, 1000, "float32", "cupy float32 x3")
+        exchange(cp, 1001, "float32", "new count")
+        exchange(cp, 1001, "int64", "new dtype")
+        exchange(tt, 1001, "bfloat16", "torch bfloat16")
+        exchange(tt, 70000, "float32", "torch 280 KB")
+        # a new allocation of its own at each call: its record is made afresh
+        for i in range(2):
+            mem = cupy.cuda.Memory(4 * 513)
+            fresh = cupy.ndarray((513,), cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
+
+            def into_fresh(values, dtype, f=fresh):
+                if values.any():  # the data sent (the receive buffer is a pooled array)
+                    f[...] = cupy.asarray(values.astype(dtype))
+                    return f
+                return cp(values, dtype)
+
+            exchange(into_fresh, 513, "float32", f"new allocation {i}")
+        runs1, uses1 = _p2p_counts(comm, "send")
+        if runs1 - runs0 < 9 or uses1 != uses0:
+            problems.append(f"sends: {runs1 - runs0} prepared, {uses1 - uses0} general")
+
+        # the caller's stream: the data is written after a spinning kernel on a stream of its
+        # own, and the send on that stream must carry what was written there
+        spin = cupy.RawKernel(_SPIN, "spin")
+        s = cupy.cuda.Stream(non_blocking=True)
+        data = rng.integers(0, 100, (2, 4096)).astype(np.float32)
+        x = cupy.zeros(4096, cupy.float32)
+        y = cupy.zeros(4096, cupy.float32)
+        cupy.cuda.Device().synchronize()
+        with s:
+            spin((1,), (1,), (np.int64(20_000_000),))
+            x[...] = cupy.asarray(data[r])
+            for first in (0, 1):
+                if r == first:
+                    comm.send(x, peer, tag=8)
+                else:
+                    comm.recv(y, peer, tag=8)
+            got = cupy.asnumpy(y)  # on s: after the receive's copy
+        if not np.array_equal(got, data[peer]):
+            problems.append("a send after a spinning kernel on the caller's stream")
+
+        # an asynchronous receive in flight: the blocking calls behind it wait their turn on
+        # the proxy (the general path), and every message lands where it should
+        a, b, c = (cupy.asarray(data[r]), cupy.zeros(4096, cupy.float32), cupy.zeros_like(x))
+        before = _p2p_counts(comm, "send")[1] + _p2p_counts(comm, "recv")[1]
+        w = comm.recv(c, peer, tag=10, async_op=True)
+        for first in (0, 1):
+            if r == first:
+                comm.send(a, peer, tag=9)
+            else:
+                comm.recv(b, peer, tag=9)
+        comm.send(a * 2, peer, tag=10)
+        w.wait()
+        if not np.array_equal(cupy.asnumpy(b), data[peer]):
+            problems.append("a receive behind an asynchronous one")
+        if not np.array_equal(cupy.asnumpy(c), 2 * data[peer]):
+            problems.append("an asynchronous receive with blocking calls after it")
+        after = _p2p_counts(comm, "send")[1] + _p2p_counts(comm, "recv")[1]
+        if after - before < 2:
+            problems.append(
+                f"{after - before} calls behind an asynchronous one took the general path"
+            )
+    assert_all_ranks(comm, not problems, "; ".join(problems))

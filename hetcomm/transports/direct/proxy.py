@@ -139,6 +139,24 @@ class Proxy:
             # when the proxy is idle: then a blocking call runs the operation itself (wait)
             time.sleep(0)
 
+    def claim(self) -> bool:
+        """Let the calling thread run an operation of its own start to end (a prepared call,
+        direct/prepared.py): True where nothing is queued or in flight, and the proxy then
+        holds off new operations until release(); False where operations issued before are
+        not done (the call then queues behind them)."""
+        with self._lock:
+            if self._inline or self._new or self._colls or self._p2p:
+                return False
+            self._inline = True
+            return True
+
+    def release(self) -> None:
+        """End what claim() began; operations queued meanwhile go to the proxy."""
+        with self._lock:
+            self._inline = False
+            if self._new:
+                self._wake_up()
+
     def _wake_up(self) -> None:
         """Have the proxy look at its queue (call with the lock held)."""
         self._unwoken = False

@@ -14,7 +14,9 @@ Send/recv: one rank of each pair does the copies (direct_schedule.copier): the r
 shared GPU the lower rank in both directions, which spares the GPU a switch between the two
 processes' contexts per message. The other rank lends its buffer: once its stream has the buffer
 ready it sends the buffer's record, records of one peer and tag strictly in issue order (MPI
-matches them in the order they are sent), and waits for the copier's "done".
+matches them in the order they are sent), and waits for the copier's "done". A blocking send
+or receive repeated while the proxy is idle runs on the calling thread instead, exchanging the
+same messages (direct/prepared.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from .. import tags
 from ..base import Context, Transport
 from . import schedule
 from .peer import RECORD, PeerMap
+from .prepared import PreparedP2P
 from .proxy import Proxy, Step, Task, stamp
 
 if TYPE_CHECKING:
@@ -100,6 +103,7 @@ class DirectTransport(Transport):
         devices = {r.device for r in comm.topology.ranks}
         self.shared = len(devices) == 1 and 1 < self.size <= schedule.MAX_SOURCES
         device_kernels.kernel("copy16")
+        self._prepared_p2p = PreparedP2P(self)
 
     @classmethod
     def unavailable(cls, topology: Topology) -> str | None:
@@ -537,7 +541,7 @@ class DirectTransport(Transport):
                     yield blocker  # an earlier record's stream, or ours, is not there yet
             yield entry.reqs
             if entry.done[0] != x.nbytes:
-                raise self._mismatch(op, peer, int(entry.done[0]), x)
+                raise self._mismatch(op, peer, int(entry.done[0]), x.nbytes, x.describe())
 
         return self._queue(op, seq, (x,), x.nbytes, body, collective=False, wait_ready=False)
 
@@ -583,19 +587,20 @@ class DirectTransport(Transport):
                 self.peers.learn(peer, got[0])  # its handle may come only this once
             yield self.svc.Isend(np.array([x.nbytes], np.int64), peer, tags[1])
             if not ok:
-                raise self._mismatch(op, peer, theirs, x)
+                raise self._mismatch(op, peer, theirs, x.nbytes, x.describe())
 
         return self._queue(op, seq, (x,), x.nbytes, body, collective=False, wait_ready=False)
 
     @staticmethod
-    def _mismatch(op: str, peer: int, theirs: int, x: Buffer) -> InvalidArgument:
+    def _mismatch(op: str, peer: int, theirs: int, nbytes: int, what: str) -> InvalidArgument:
+        """A message whose two ends differ in size (`what`: this end's array, described)."""
         if op == "send":
             return InvalidArgument(
                 f"send: rank {peer} posted a receive of {theirs} bytes for "
-                f"this {x.nbytes}-byte message"
+                f"this {nbytes}-byte message"
             )
         return InvalidArgument(
-            f"recv: rank {peer} sent {theirs} bytes, this buffer holds {x.nbytes} ({x.describe()})"
+            f"recv: rank {peer} sent {theirs} bytes, this buffer holds {nbytes} ({what})"
         )
 
     def _self_check(self, peer: int, op: str) -> None:
@@ -603,6 +608,16 @@ class DirectTransport(Transport):
             raise InvalidArgument(
                 f"{op}: rank {peer} is this rank; the direct transport moves data between ranks"
             )
+
+    def prepare(
+        self, op: str, x: Buffer | None, out: Buffer | None, rop: ReduceOp | None, root: int
+    ) -> Callable[..., bool] | None:
+        """The blocking call of one signature on device arrays, run on the calling thread with
+        no Work (hetcomm.routes.Route.run): sends and receives (direct/prepared.py); None for
+        the collectives, which the proxy runs."""
+        if op not in ("send", "recv"):
+            return None
+        return self._prepared_p2p.prepare(op, x)
 
     # ---- life cycle ----------------------------------------------------------------------------
 

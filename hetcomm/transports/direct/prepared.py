@@ -1,0 +1,188 @@
+"""The direct transport's prepared sends and receives (hetcomm.routes.Route.run): a blocking
+send or receive of device memory, run start to end on the calling thread while the proxy has
+nothing queued or in flight, with no Buffer, Task or Work per call.
+
+It exchanges the messages the proxy's path does (DirectTransport._copier and _lender): the
+lending side's buffer record, then the copying side's "done" with the size it copied, under
+the same tags and in the same order, so that either rank of a pair may take either path. What
+differs is where the work runs: the copy goes on the caller's stream itself (ordered after what
+the caller queued there, with no event between two streams), a buffer's record is made once per
+address and allocation, and every wait is a poll on this thread, bounded by the call's timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from mpi4py import MPI
+
+from ...work import BusyPoll, wait_for
+from . import schedule
+from .peer import RECORD
+from .proxy import stamp
+
+if TYPE_CHECKING:
+    from ...arrays import Buffer
+    from .transport import DirectTransport
+
+_D2D = 3  # cudaMemcpyDeviceToDevice
+# polls of a step before it goes to the bounded wait (which builds a Work to wait with)
+_QUICK = 64
+# records kept per transport (address and size -> allocation id, record); a program that keeps
+# sending from new addresses starts over instead of growing without bound
+_MAX_RECORDS = 4096
+
+
+class PreparedP2P:
+    """The prepared blocking sends and receives of one DirectTransport."""
+
+    def __init__(self, t: DirectTransport) -> None:
+        self.t = t
+        self.svc: MPI.Intracomm = t.svc
+        self.rt = t.cupy.cuda.runtime
+        self._records: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
+        self._got = np.empty(1, RECORD)  # the lender's record, on the copying side
+        self._size = np.zeros(1, np.int64)  # the copier's "done": the bytes it copied
+        self._done = np.zeros(1, np.int64)  # the same, on the lending side
+        self._event: Any = None  # the copy's (or the caller's stream's) end, reused
+
+    def prepare(self, op: str, x: Buffer | None) -> Callable[..., bool] | None:
+        """The prepared call of a send or receive of `x`'s signature: `run(ptr, peer, tag,
+        seq)` with `ptr` the array's device address (routes.device_view). None where the
+        general path takes every call: host or empty arrays, another device (whose error the
+        general path gives), array types whose current stream is not known here."""
+        from ...kernels.device import stream_reader
+
+        t = self.t
+        if op not in ("send", "recv") or x is None or not x.on_device or not x.count:
+            return None
+        if x.device_index != t.device:
+            return None
+        stream = stream_reader(x.kind, x.device_index)
+        if stream is None:
+            return None
+        return partial(self._run, op, x.nbytes, stream, x.describe())
+
+    def _run(
+        self,
+        op: str,
+        nbytes: int,
+        stream: Callable[[], int],
+        what: str,
+        ptr: int,
+        peer: int,
+        tag: int,
+        seq: int,
+    ) -> bool:
+        """One call: False (nothing moved) where the general path must take it: a peer that is
+        this rank (the general path says why), another device current on this thread, or the
+        proxy busy with operations issued before (they go first, in issue order)."""
+        t = self.t
+        if peer == t.rank:
+            return False
+        src, dst = (t.rank, peer) if op == "send" else (peer, t.rank)
+        copier = schedule.copier(src, dst, t._devices) == t.rank
+        tags = t._tags(tag, op, (op == "send") == copier)
+        if self.rt.getDevice() != t.device:
+            return False
+        proxy = t._proxy
+        if not proxy.claim():
+            return False
+        try:
+            stamp("prepared")
+            s = t.device_kernels.external_stream(stream(), t.device)
+            if self._event is None:
+                self._event = t.cupy.cuda.Event(disable_timing=True)
+            if copier:
+                self._copy(op, nbytes, what, s, ptr, peer, tags, seq)
+            else:
+                self._lend(op, nbytes, what, s, ptr, peer, tags, seq)
+        finally:
+            proxy.release()
+        return True
+
+    def _copy(
+        self,
+        op: str,
+        nbytes: int,
+        what: str,
+        s: Any,
+        ptr: int,
+        peer: int,
+        tags: tuple[int, int],
+        seq: int,
+    ) -> None:
+        """The copying side: the peer's record, the copy on the caller's stream, its end, then
+        "done" with the size copied (the peer's buffer is free once it reads that)."""
+        t, got = self.t, self._got
+        self._wait(self.svc.Irecv(got.view(np.uint8), peer, tags[0]).Test, op, seq)
+        theirs = int(got.view(np.uint64)[2])  # the record's nbytes
+        if theirs == nbytes:
+            mapped, _ = t.peers.address(peer, got)
+            stamp("resolved")
+            dst, src = (mapped, ptr) if op == "send" else (ptr, mapped)
+            self.rt.memcpyAsync(dst, src, nbytes, _D2D, s.ptr)
+            event = self._event
+            event.record(s)
+            stamp("copy queued")
+            self._wait(partial(getattr, event, "done"), op, seq)
+        else:
+            t.peers.learn(peer, got[0])  # its handle may come only this once
+        self._size[0] = nbytes
+        self._wait(self.svc.Isend(self._size, peer, tags[1]).Test, op, seq)
+        if theirs != nbytes:
+            raise t._mismatch(op, peer, theirs, nbytes, what)
+
+    def _lend(
+        self,
+        op: str,
+        nbytes: int,
+        what: str,
+        s: Any,
+        ptr: int,
+        peer: int,
+        tags: tuple[int, int],
+        seq: int,
+    ) -> None:
+        """The lending side: once the caller's stream has run what it queued before the call,
+        the buffer's record goes to the peer, and the call ends with the peer's "done"."""
+        if not s.done:
+            event = self._event
+            event.record(s)
+            self._wait(partial(getattr, event, "done"), op, seq)
+        stamp("ready")
+        rec = self._record(ptr, nbytes)
+        done = self._done
+        reqs = [
+            self.svc.Isend(rec.view(np.uint8), peer, tags[0]),
+            self.svc.Irecv(done, peer, tags[1]),
+        ]
+        self._wait(partial(MPI.Request.Testall, reqs), op, seq)
+        if done[0] != nbytes:
+            raise self.t._mismatch(op, peer, int(done[0]), nbytes, what)
+
+    def _record(self, ptr: int, nbytes: int) -> np.ndarray:
+        """The full record (handle included) of `nbytes` at `ptr`: kept while the allocation at
+        `ptr` is the one it was made for (its buffer id, never reused, is one driver query)."""
+        peers = self.t.peers
+        ident = peers.driver.buffer_id(ptr)
+        key = (ptr, nbytes)
+        kept = self._records.get(key)
+        if kept is not None and kept[0] == ident:
+            return kept[1]
+        rec = peers.describe(ptr, nbytes, (), full=True)
+        if len(self._records) >= _MAX_RECORDS:
+            self._records.clear()
+        self._records[key] = (ident, rec)
+        return rec
+
+    def _wait(self, poll: Callable[[], Any], op: str, seq: int) -> None:
+        """Wait here for `poll`: a few polls, then the bounded wait (the call's timeout)."""
+        for _ in range(_QUICK):
+            if poll():
+                return
+        busy = BusyPoll(poll)
+        wait_for(self.t.comm, op, seq, busy, self.t.comm.call_timeout, busy.wait)
