@@ -121,10 +121,10 @@ def device_view(x: Any, write: bool) -> int | None:
     """The device address a prepared call of device memory works on: a contiguous CuPy
     array's or CUDA tensor's data pointer (its type, dtype, shape and device are its route's),
     or None where the call takes the general path (which packs or refuses)."""
-    if x.__class__ is not _TENSOR:
-        return x.data.ptr if x.flags.c_contiguous else None
-    tensor: Any = x
-    return tensor.data_ptr() if tensor.is_contiguous() else None
+    data_ptr = getattr(x, "data_ptr", None)  # a tensor's; a CuPy array has none
+    if data_ptr is not None:
+        return data_ptr() if x.is_contiguous() else None
+    return x.data.ptr if x.flags.c_contiguous else None
 
 
 def cpu_tensor_array(x: Any) -> np.ndarray | None:

@@ -100,3 +100,31 @@ def test_second_call_while_one_is_queued_wakes_the_proxy(proxy) -> None:
     proxy.submit(second, False, 8, blocking=True)  # busy: the proxy must look
     assert first.finished.wait(1.0) and second.finished.wait(1.0)
     assert len(ran_on) == 2
+
+
+def test_claim_holds_the_proxy_off_and_release_hands_it_what_came_meanwhile(proxy) -> None:
+    """A prepared call claims the idle proxy; while it holds it, an operation queued by
+    another thread waits (issue order), and release() wakes the proxy for it. A claim is
+    refused while anything is queued or in flight, and by a second claimer."""
+    assert proxy.claim()
+    assert not proxy.claim()  # one claimer at a time
+    ran_on: list[int] = []
+    task = _task(ran_on, None)
+    queued = threading.Thread(target=proxy.submit, args=(task, False, 8))
+    queued.start()
+    queued.join()
+    time.sleep(0.02)
+    assert not task.done and len(proxy._new) == 1  # held off while claimed
+    proxy.release()
+    assert task.finished.wait(2.0) and task.done and ran_on != [threading.get_ident()]
+    pending = _task([], proxy.svc.Irecv(np.zeros(1, np.int8), 0, 99))
+    proxy.submit(pending, False, 8)
+    time.sleep(0.02)
+    assert not proxy.claim()  # an operation in flight goes first
+    proxy.svc.Send(np.zeros(1, np.int8), 0, 99)
+    assert pending.finished.wait(2.0)
+    deadline = time.monotonic() + 2.0
+    while not proxy.claim():
+        assert time.monotonic() < deadline, "the proxy stayed busy after its last operation"
+        time.sleep(0.001)
+    proxy.release()
