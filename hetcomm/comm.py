@@ -11,19 +11,15 @@ from typing import Any, Literal, overload
 import numpy as np
 from mpi4py import MPI
 
-from . import ANY_SOURCE, agree, carried, coalesced, grouping
+from . import ANY_SOURCE, agree, carried, coalesced, general, grouping
 from . import plan as planning
 from . import trace as _trace
 from . import work as _work
 from .argcheck import (
     check_timeout,
-    contiguous_in,
-    contiguous_out,
     same,
-    then,
-    writable,
 )
-from .arrays import Buffer, as_buffer, may_share_memory, overlap
+from .arrays import Buffer, as_buffer, may_share_memory
 from .config import Config
 from .deferred import Deferred, DeferredStarts
 from .errors import CommAborted, InvalidArgument, MismatchError, MpiError
@@ -580,10 +576,10 @@ class Communicator:
                         else self._blocking_run(route, timeout, xh, oh)
                     ):
                         return None
-                    return self._all_reduce(
-                        route, x, out, inplace, False, timeout, self._last_entered
+                    return general.all_reduce(
+                        self, route, x, out, inplace, False, timeout, self._last_entered
                     )
-        return self._all_reduce(route, x, out, inplace, async_op, timeout, None)
+        return general.all_reduce(self, route, x, out, inplace, async_op, timeout, None)
 
     def _route_all_reduce(
         self, key: Hashable | None, x: Any, op: Any, out: Any, inplace: bool
@@ -595,56 +591,7 @@ class Communicator:
         if not inplace:
             ob = as_buffer(out, "all_reduce: out")
             same(ob, xb, "all_reduce: out", ob.count == xb.count, f"{xb.count} elements")
-        return self._route(key, "all_reduce", xb, self._all_reduce, rop, -1, ob)
-
-    def _all_reduce(
-        self,
-        route: Route,
-        x: Any,
-        out: Any,
-        inplace: bool,
-        async_op: bool,
-        timeout: float | None,
-        seq: int | None,
-    ) -> Work | None:
-        xb = as_buffer(x, "all_reduce: x")
-        rop = route.rop
-        assert rop is not None
-        if inplace:
-            writable(xb, "all_reduce: x (in place)")
-            ob = xb
-        else:
-            ob = as_buffer(out, "all_reduce: out")
-            writable(ob, "all_reduce: out")
-            kind = overlap(xb, ob)
-            if kind == "partial":
-                raise InvalidArgument(
-                    "all_reduce: out partly overlaps x; use x itself or a separate array"
-                )
-            if kind == "same":
-                ob = xb
-        transport = route.transport
-        if xb.contiguous and ob.contiguous:
-            return self._collective(
-                route,
-                async_op,
-                timeout,
-                seq,
-                lambda s: transport.all_reduce(xb, ob, rop, s),
-                (xb, ob),
-            )
-        steps: list[Callable[[], None]] = []
-        same = ob is xb
-        xc = contiguous_out(xb, steps) if same else contiguous_in(xb)
-        oc = xc if same else contiguous_out(ob, steps)
-        return self._collective(
-            route,
-            async_op,
-            timeout,
-            seq,
-            lambda s: then(transport.all_reduce(xc, oc, rop, s), steps),
-            (xb, ob, xc, oc),
-        )
+        return self._route(key, "all_reduce", xb, partial(general.all_reduce, self), rop, -1, ob)
 
     def all_reduce_coalesced(
         self,
@@ -690,29 +637,8 @@ class Communicator:
             r = self._root(root, "reduce: root")
             rop = as_reduce_op(op, "reduce: op")
             check_op_for_dtype(rop, xb.dtype, "reduce")
-            route = self._route(key, "reduce", xb, self._reduce, rop, r)
+            route = self._route(key, "reduce", xb, partial(general.reduce, self), rop, r)
         return self._one_array(route, x, self.rank == route.root, async_op, timeout)
-
-    def _reduce(
-        self, route: Route, x: Any, async_op: bool, timeout: float | None, seq: int | None
-    ) -> Work | None:
-        xb = as_buffer(x, "reduce: x")
-        rop, root = route.rop, route.root
-        assert rop is not None
-        at_root = self.rank == root
-        if at_root:
-            writable(xb, "reduce: x at the root")
-        steps: list[Callable[[], None]] = []
-        xc = contiguous_out(xb, steps) if at_root else contiguous_in(xb)
-        transport = route.transport
-        return self._collective(
-            route,
-            async_op,
-            timeout,
-            seq,
-            lambda s: then(transport.reduce(xc, rop, root, s), steps),
-            (xb, xc),
-        )
 
     def broadcast(
         self, x: Any, root: int, *, async_op: bool = False, timeout: float | None = None
@@ -726,7 +652,7 @@ class Communicator:
         if route is None:
             xb = as_buffer(x, "broadcast: x")
             r = self._root(root, "broadcast: root")
-            route = self._route(key, "broadcast", xb, self._broadcast, None, r)
+            route = self._route(key, "broadcast", xb, partial(general.broadcast, self), None, r)
         return self._one_array(route, x, self.rank != route.root, async_op, timeout)
 
     def _one_array(
@@ -747,25 +673,6 @@ class Communicator:
                     return None
                 return route.general(route, x, False, timeout, self._last_entered)
         return route.general(route, x, async_op, timeout, None)
-
-    def _broadcast(
-        self, route: Route, x: Any, async_op: bool, timeout: float | None, seq: int | None
-    ) -> Work | None:
-        xb = as_buffer(x, "broadcast: x")
-        root = route.root
-        if self.rank != root:
-            writable(xb, "broadcast: x")
-        steps: list[Callable[[], None]] = []
-        xc = contiguous_in(xb) if self.rank == root else contiguous_out(xb, steps)
-        transport = route.transport
-        return self._collective(
-            route,
-            async_op,
-            timeout,
-            seq,
-            lambda s: then(transport.broadcast(xc, root, s), steps),
-            (xb, xc),
-        )
 
     def all_gather(
         self, out: Any, x: Any, *, async_op: bool = False, timeout: float | None = None
@@ -871,8 +778,7 @@ class Communicator:
         else:
             expected = f"{xb.count} elements"
         same(ob, xb, f"{op}: out", ob.count * x_blocks == xb.count * out_blocks, expected)
-        general = partial(_blocks_general, self, method)
-        return self._route(key, op, xb, general, r, -1, ob)
+        return self._route(key, op, xb, partial(general.blocks, self, method), r, -1, ob)
 
     def send(
         self,
@@ -904,8 +810,8 @@ class Communicator:
                 seq = self._run_p2p(route, xh, dst, tag, timeout)
                 if seq is None:
                     return None
-                return self._send(route, x, dst, tag, False, timeout, seq)
-        return self._send(route, x, dst, tag, async_op, timeout, None)
+                return general.send(self, route, x, dst, tag, False, timeout, seq)
+        return general.send(self, route, x, dst, tag, async_op, timeout, None)
 
     def _p2p_route(self, op: str, x: Any) -> Route:
         """The route of a send or receive of `x` (kept per array signature)."""
@@ -951,30 +857,6 @@ class Communicator:
             work._timeout = float(timeout)
         work._keep = (x,)  # the transport reads or writes it until completion
         return work
-
-    def _send(
-        self,
-        route: Route,
-        x: Any,
-        dst: int,
-        tag: int,
-        async_op: bool,
-        timeout: float | None,
-        seq: int | None,
-    ) -> Work | None:
-        if timeout is not None:
-            check_timeout(timeout, "send")
-        route.uses += 1
-        xb = as_buffer(x, "send: x")
-        if seq is None:
-            self._p2p_seq = seq = self._p2p_seq + 1
-        xc = contiguous_in(xb)
-        _work.set_blocking(not async_op and timeout is None)
-        try:
-            work = route.transport.send(xc, dst, tag, seq)
-        finally:
-            _work.set_blocking(False)
-        return self._finish(work, async_op, timeout, (xb, xc))
 
     @overload
     def recv(
@@ -1039,7 +921,7 @@ class Communicator:
                     "needs the sender's rank; name it (src=rank), or run the group on the mpi "
                     "transport (HETCOMM_TRANSPORT=mpi), which receives from any source"
                 )
-            return self._recv(route, x, src, tag, async_op, timeout, None)
+            return general.recv(self, route, x, src, tag, async_op, timeout, None)
         if async_op and route.start is not None:
             xh = host_view(x, True)
             if xh is not None:
@@ -1050,38 +932,8 @@ class Communicator:
                 seq = self._run_p2p(route, xh, src, tag, timeout)
                 if seq is None:
                     return src
-                return self._recv(route, x, src, tag, False, timeout, seq)
-        return self._recv(route, x, src, tag, async_op, timeout, None)
-
-    def _recv(
-        self,
-        route: Route,
-        x: Any,
-        src: int,
-        tag: int,
-        async_op: bool,
-        timeout: float | None,
-        seq: int | None,
-    ) -> Work | int:
-        if timeout is not None:
-            check_timeout(timeout, "recv")
-        route.uses += 1
-        xb = as_buffer(x, "recv: x")
-        writable(xb, "recv: x")
-        if seq is None:
-            self._p2p_seq = seq = self._p2p_seq + 1
-        steps: list[Callable[[], None]] = []
-        xc = contiguous_out(xb, steps)
-        _work.set_blocking(not async_op and timeout is None)
-        try:
-            work = route.transport.recv(xc, src, tag, seq)
-        finally:
-            _work.set_blocking(False)
-        work = then(work, steps)
-        self._finish(work, async_op, timeout, (xb, xc))
-        if async_op:
-            return work
-        return work.source if work.source is not None else src
+                return general.recv(self, route, x, src, tag, False, timeout, seq)
+        return general.recv(self, route, x, src, tag, async_op, timeout, None)
 
     def group(self) -> Group:
         """`with comm.group():` queues the sends and receives made inside the block and starts
@@ -1154,38 +1006,6 @@ class Communicator:
 
 def _reduce_scatter(t: Transport) -> Callable[..., Work]:
     return t.reduce_scatter
-
-
-def _blocks_general(
-    comm: Communicator,
-    method: Callable[[Transport], Callable[..., Work]],
-    route: Route,
-    out: Any,
-    x: Any,
-    async_op: bool,
-    timeout: float | None,
-    seq: int | None,
-) -> Work | None:
-    """The general path of all_gather, reduce_scatter and all_to_all."""
-    op = route.op
-    xb = as_buffer(x, f"{op}: x")
-    ob = as_buffer(out, f"{op}: out")
-    writable(ob, f"{op}: out")
-    steps: list[Callable[[], None]] = []
-    xc = contiguous_in(xb, copy=overlap(xb, ob) != "none")
-    oc = contiguous_out(ob, steps)
-    call = method(route.transport)
-    rop = route.rop
-    if rop is None:
-
-        def start(s: int) -> Work:
-            return then(call(oc, xc, s), steps)
-    else:
-
-        def start(s: int) -> Work:
-            return then(call(oc, xc, rop, s), steps)
-
-    return comm._collective(route, async_op, timeout, seq, start, (xb, ob, xc, oc))
 
 
 __all__ = ["Communicator", "MismatchError", "Route"]
