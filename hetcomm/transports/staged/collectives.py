@@ -321,18 +321,21 @@ def _broadcast_chain(t: StagedTransport, x: Buffer, root: int, seq: int) -> Body
         segs = [xr.sub(off, k) for off, k in chunk_spans(xr.nbytes, seg)]
         left, right = (r - 1) % n, (r + 1) % n
         recvs = (
-            [t.post_recv(left, s, CTS_COLL, seq, k, deadline, ready) for k, s in enumerate(segs)]
+            [
+                t.messages.post_recv(left, s, CTS_COLL, seq, k, deadline, ready)
+                for k, s in enumerate(segs)
+            ]
             if pos > 0
             else []
         )
         sends = []
         for k, s in enumerate(segs):
             if pos > 0:
-                t.finish_recv(recvs[k], deadline)
+                t.messages.finish_recv(recvs[k], deadline)
             if pos < n - 1:
-                sends.append(t.start_send(right, s, CTS_COLL, seq, k, deadline, ready))
+                sends.append(t.messages.start_send(right, s, CTS_COLL, seq, k, deadline, ready))
         for op in sends:
-            t.finish_send(op, deadline)
+            t.messages.finish_send(op, deadline)
 
     return body
 

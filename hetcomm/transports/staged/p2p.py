@@ -106,7 +106,9 @@ def send(
         if not marked:
             mark(t, ch, tag, k, region.nbytes, deadline, True, ticket)
     t.paths["send rails"] += 1
-    t.finish_send(t.start_send(dst, region, CTS_P2P, tag, k, deadline, ready), deadline)
+    t.messages.finish_send(
+        t.messages.start_send(dst, region, CTS_P2P, tag, k, deadline, ready), deadline
+    )
 
 
 def claim(
@@ -233,7 +235,9 @@ def recv(
     inbox = ch.eager_in if ch is not None else None
     if ch is None or inbox is None:
         t.paths["recv rails"] += 1
-        t.finish_recv(t.post_recv(src, region, CTS_P2P, tag, k, deadline, ready), deadline)
+        t.messages.finish_recv(
+            t.messages.post_recv(src, region, CTS_P2P, tag, k, deadline, ready), deadline
+        )
         return
     if region.nbytes <= inbox.slot_bytes:
         if region.host is not None:
@@ -253,15 +257,15 @@ def recv(
     if not settle(t, ch, found, region, ready):
         return
     t.paths["recv rails"] += 1
-    op = t.post_recv(src, region, CTS_P2P, tag, k, deadline, ready)
+    op = t.messages.post_recv(src, region, CTS_P2P, tag, k, deadline, ready)
     try:
         while not op.done.wait(min(WATCH_S, max(0.0, deadline - time.monotonic()))):
             progress(t, ch, inbox)  # eager receives posted meanwhile may free the ring
             if time.monotonic() >= deadline:
                 break
-        t.finish_recv(op, deadline)
+        t.messages.finish_recv(op, deadline)
     finally:
-        t._forget(op)
+        t.messages.forget(op)
 
 
 def wait_eager(
@@ -396,7 +400,7 @@ def land(t: StagedTransport, ch: Channel, found: Found, rec: Posted) -> None:
         try:
             if settle(t, ch, found, region, rec.ready):
                 t.paths["recv rails"] += 1
-                rec.op = t.post_recv(
+                rec.op = t.messages.post_recv(
                     ch.peer, region, CTS_P2P, rec.tag, rec.number, rec.deadline, rec.ready
                 )
         except BaseException as exc:
@@ -495,7 +499,7 @@ def posted_work(
         except PeerTimeout as exc:
             raise CommTimeout(t.comm.name, "recv", seq, t.timeout, exc.ranks, str(exc)) from None
         finally:
-            t._forget(op)
+            t.messages.forget(op)
         return True
 
     def waiter(seconds: float) -> bool:

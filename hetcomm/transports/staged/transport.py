@@ -17,10 +17,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 from mpi4py import MPI
 
-from ...errors import CommTimeout, HetcommError, MismatchError, PeerLost, TransportUnavailable
+from ...errors import CommTimeout, HetcommError, PeerLost, TransportUnavailable
 from ...ops import ReduceOp
 from ...work import Work, completed, take_blocking
-from .. import tags
 from ..base import Context, Transport
 from ..local import Region
 from . import links, p2p, pull
@@ -28,9 +27,10 @@ from .channel import Channel
 from .connect import Opener
 from .cts import CTS_COLL, CTS_P2P, ClearToSend
 from .eager import EAGER_BYTES, EAGER_SLOTS
+from .messages import Messages
 from .ops import _STOP, PeerTimeout, _Drivers, _Op, stamp
-from .rails import ERROR_MPI, MpiRail, size_mismatch
-from .schedule import chunk_spans, rail_key
+from .rails import MpiRail
+from .schedule import rail_key
 
 if TYPE_CHECKING:
     from ...arrays import Buffer
@@ -58,6 +58,7 @@ class StagedTransport(Transport):
     the next chunk when it is free, so that faster rails carry more. Collectives are rings of
     these messages.
 
+    The message itself (posting, starting and finishing it) is `messages` (messages.py).
     What it holds, and which thread owns it: `_channels` (opened by the calling or a driver
     thread under the peer's lock, then read by all), `receives` (receives in flight by op id:
     added and removed by the thread that runs the receive, read by the channels' readers and
@@ -105,7 +106,8 @@ class StagedTransport(Transport):
         self._opener = Opener(self)
         self.receives: dict[int, _Op] = {}
         self._op_ids = itertools.count(1)
-        self.cts = ClearToSend(self.rank, self.svc, self._channels, self._queue_send)
+        self.messages = Messages(self)
+        self.cts = ClearToSend(self.rank, self.svc, self._channels, self.messages.queue_send)
         self.mpi_rail = MpiRail(self)
         self._p2p_counts: dict[tuple[str, int, int], itertools.count[int]] = {}
         self._driver = _Drivers(4, f"hetcomm-staged-{self.rank}")
@@ -134,170 +136,6 @@ class StagedTransport(Transport):
     def channels(self, peers: list[int], deadline: float) -> list[Channel]:
         """Channels to `peers`, the missing ones opened together (connect.Opener.open)."""
         return self._opener.open(peers, deadline)
-
-    # ---- messages: the building block of every operation -----------------------------------
-
-    def post_recv(
-        self,
-        peer: int,
-        region: Region,
-        kind: int,
-        k1: int,
-        k2: int,
-        deadline: float,
-        ready: Any = None,
-    ) -> _Op:
-        """Register a receive into `region` and tell `peer` it may send."""
-        if peer != self.rank:
-            self.channel(peer, deadline)
-        spans = chunk_spans(region.nbytes, self.chunk_bytes)
-        op = _Op(peer, region, spans, ready=ready, left=len(spans))
-        if peer != self.rank:
-            self._count(len(spans))
-        op_id = next(self._op_ids)
-        self.receives[op_id] = op
-        if not spans:
-            op.done.set()
-        self.cts.send(peer, kind, k1, k2, op_id, region.nbytes)
-        stamp("cts sent")
-        return op
-
-    def start_send(
-        self,
-        peer: int,
-        region: Region,
-        kind: int,
-        k1: int,
-        k2: int,
-        deadline: float,
-        ready: Any = None,
-    ) -> _Op:
-        """Queue every chunk of a message on the peer's rails once `peer`'s clear-to-send is
-        here: at once if it is; where it rings the shm doorbell, by the thread that files it
-        (this one returns at once); else (over MPI) after waiting for it here."""
-        if peer == self.rank:
-            return self._send_to_self(region, kind, k1, k2, deadline, ready)
-        ch = self.channel(peer, deadline)
-        spans = chunk_spans(region.nbytes, self.chunk_bytes)
-        op = _Op(peer, region, spans, ready=ready, left=len(spans))
-        self._count(len(spans))
-        self._stage_early(ch, op)
-        entry = self.cts.take_or_register(ch, op, (peer, kind, k1, k2), deadline)
-        if entry is not None:
-            self._queue_send(ch, op, *entry)
-        return op
-
-    def finish_send(self, op: _Op, deadline: float) -> None:
-        """Wait until every chunk of `op` has gone; a send that times out waiting for its
-        clear-to-send is forgotten, so that a late one cannot start it."""
-        try:
-            op.wait(deadline)
-        except PeerTimeout:
-            self.cts.unwait(op)
-            raise
-
-    def _stage_early(self, ch: Channel, op: _Op) -> None:
-        """Copy the first chunks of a send over shm into free shared slots now, without waiting
-        for the receiver's clear-to-send: once it comes they are announced as their copies end
-        (device data: up to early_chunks, the copy engine busy meanwhile; host data: the first
-        chunk, copied here). Only where slots are free at once, and while the channel's sends
-        that wait for their clear-to-send hold fewer than half of them."""
-        link = ch.doorbell()
-        if link is None or ch.shm_out is None or self.early_chunks <= 0 or not op.spans:
-            return
-        host = op.region.host
-        # host bytes are copied here, one chunk after the other, and none can be announced
-        # before all are: more than one would delay the receiver's first chunk
-        slots = ch.hold_early(min(self.early_chunks if host is None else 1, len(op.spans)))
-        if not slots:
-            return
-        if host is None:
-            ch.shm_out.register_with_gpu(self.gpu.device)
-        for idx, slot in enumerate(slots):
-            off, n = op.spans[idx]
-            target = ch.shm_out.view(slot, n)
-            if host is not None:
-                np.copyto(target, host[off : off + n])
-                event = None
-            else:
-                stamp("d2h call early", idx)
-                event = self.gpu.copy_to_host_async(target, op.region.sub(off, n), op.ready)
-            op.early.append((slot, event, (off, n)))
-            stamp("d2h queued early", idx)
-
-    def _queue_send(self, ch: Channel, op: _Op, remote: int, expected: int) -> None:
-        """The receiver's clear-to-send is here: queue every chunk of `op` on its rails (the
-        early ones, in their slots already, are announced as their copies end)."""
-        stamp("chunks queued")
-        op.remote, op.awaiting_cts = remote, False
-        if expected != op.region.nbytes:
-            exc = MismatchError(
-                f"rank {self.rank} sends {op.region.nbytes} bytes, rank "
-                f"{op.peer} receives {expected}"
-            )
-            if op.early:
-                ch.drop_early(op)
-            self._notify_error(ch, remote, op.region.nbytes)
-            op.fail(exc)
-            return
-        if not op.spans:
-            op.done.set()
-        early = ch.take_early(op) if op.early else []
-        if early:
-            link = ch.doorbell()
-            assert link is not None  # early chunks are staged only where the shm rail rings
-            self.count_bytes(link, sum(n for _, _, (_, n) in early))
-            for idx, (slot, event, (off, n)) in enumerate(early):
-                ch.announce_soon(event, link, slot, op, idx, off, n)
-        for idx in range(len(early), len(op.spans)):
-            ch.queue.put((op, idx, op.spans[idx]))
-
-    def _send_to_self(
-        self, region: Region, kind: int, k1: int, k2: int, deadline: float, ready: Any
-    ) -> _Op:
-        """A message to this very rank: one local copy into the matching receive."""
-        remote, expected = self.cts.wait_for(self.rank, kind, k1, k2, deadline)
-        op = _Op(self.rank, region, [], ready=ready)
-        target = self.receives.get(remote)
-        if expected != region.nbytes or target is None:
-            exc = size_mismatch(self.rank, region.nbytes, expected)
-            if target is not None:
-                target.fail(exc)
-            op.fail(exc)
-            return op
-        if region.nbytes:
-            if region.host is not None and target.region.host is not None:
-                np.copyto(target.region.host, region.host)
-            else:
-                self.gpu.copy_device(target.region, region, ready)
-        for idx in range(len(target.spans)):
-            target.count(idx)
-        op.done.set()
-        return op
-
-    def _notify_error(self, ch: Channel, remote: int, nbytes: int) -> None:
-        """Fail the peer's receive too, so that it does not wait for data that cannot come."""
-        for link in ch.links:
-            with contextlib.suppress(links.RailError):
-                link.send(links.ERROR, -1, remote, 0, 0, nbytes)
-                return
-        if ch.uses_mpi:
-            self.svc.Send(
-                np.array([ERROR_MPI, remote, 0, 0, nbytes], np.int64), ch.peer, tags.STAGED_HEAD
-            )
-
-    def finish_recv(self, op: _Op, deadline: float) -> None:
-        """Wait until `deadline` for the receive `op`, then forget it."""
-        try:
-            op.wait(deadline)
-        finally:
-            self._forget(op)
-
-    def _forget(self, op: _Op) -> None:
-        """Drop a finished receive from the ops that arriving chunks look up."""
-        for key, value in list(self.receives.items()):
-            if value is op:
-                del self.receives[key]
 
     # ---- operations --------------------------------------------------------------------------
 
@@ -533,7 +371,7 @@ class StagedTransport(Transport):
             # no driver: the chunks are queued here if the receive is posted already, else by
             # the thread that files its clear-to-send
             self.paths["send rails"] += 1
-            op = self.start_send(dst, region, CTS_P2P, tag, k, deadline, ready)
+            op = self.messages.start_send(dst, region, CTS_P2P, tag, k, deadline, ready)
             return self._op_work("send", seq, region, op, deadline, lambda: self.cts.unwait(op))
 
         def body(deadline: float, ready: Any) -> None:
@@ -601,8 +439,10 @@ class StagedTransport(Transport):
             # no driver: the clear-to-send goes out from here, and the Work completes when
             # the thread that lands the last chunk says so
             self.paths["recv rails"] += 1
-            op = self.post_recv(ch.peer, region, CTS_P2P, tag, k, deadline, ready)
-            return self._op_work("recv", seq, region, op, deadline, lambda: self._forget(op))
+            op = self.messages.post_recv(ch.peer, region, CTS_P2P, tag, k, deadline, ready)
+            return self._op_work(
+                "recv", seq, region, op, deadline, lambda: self.messages.forget(op)
+            )
         return None
 
     def _when_open(
@@ -786,13 +626,14 @@ class StagedTransport(Transport):
         """One step of a collective: send `out` to one rank while receiving `into` from one."""
         rop = None
         if into is not None:
-            rop = self.post_recv(recv_from, into, CTS_COLL, seq, step, deadline, ready)
+            rop = self.messages.post_recv(recv_from, into, CTS_COLL, seq, step, deadline, ready)
         if out is not None:
-            self.finish_send(
-                self.start_send(send_to, out, CTS_COLL, seq, step, deadline, ready), deadline
+            self.messages.finish_send(
+                self.messages.start_send(send_to, out, CTS_COLL, seq, step, deadline, ready),
+                deadline,
             )
         if rop is not None:
-            self.finish_recv(rop, deadline)
+            self.messages.finish_recv(rop, deadline)
 
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
         """A ring of staged messages (see collectives.py)."""
