@@ -1,7 +1,9 @@
 """What torch calls things, across versions 2.4 .. 2.13, and hetcomm's reduce ops for torch's.
 
-Names torch changed between 2.4 and today live in one table, `METHOD_NAMES` (group methods), and
-`API_NAMES` (torch.distributed functions); the other helpers find what moved.
+Names torch changed between 2.4 and today live in one table, `METHOD_NAMES` (group methods,
+given to the group class by `install_aliases`), and `API_NAMES` (torch.distributed functions);
+the other helpers find what moved. `BackendView` is what torch expects behind a group in place
+of a C++ backend object.
 """
 
 from __future__ import annotations
@@ -155,3 +157,44 @@ def reduce_op(op: Any, what: str = "reduce") -> ReduceOp:
             f"hetcomm {what}: ReduceOp.{name} is not supported; use SUM, AVG, PRODUCT, MIN or MAX"
         )
     return found
+
+
+class BackendView:
+    """Stands in for the C++ backend object torch expects a group to have: torch asks it whether
+    the group can split (yes: ProcessGroupHetcomm.split_group) and calls a few hooks that have
+    nothing to do here (hetcomm makes each group's communicator when torch creates the group)."""
+
+    supports_splitting = True
+    supports_coalescing = False
+    supports_time_estimate = False
+    options = None
+
+    def __init__(self, group: Any) -> None:
+        self._group = group
+
+    def name(self) -> str:
+        return BACKEND
+
+    def comm_split_count(self) -> int:
+        return self._group._splits
+
+    def supports_tensor_alloc(self, device: Any) -> bool:
+        return False
+
+    def perform_nocolor_split(self, device: Any) -> None:
+        pass  # non-members of a new group: nothing to do, members make it among themselves
+
+    def eager_connect_single_device(self, device: Any) -> None:
+        pass  # the communicator exists already
+
+    def _set_sequence_number_for_group(self) -> None:
+        pass
+
+
+def install_aliases(cls: type) -> None:
+    """Give `cls` (the group class) every other name torch has called each of its methods by
+    (METHOD_NAMES), where it does not define that name itself."""
+    for canonical, names in METHOD_NAMES.items():
+        for name in names:
+            if name not in cls.__dict__:
+                setattr(cls, name, cls.__dict__[canonical])

@@ -8,9 +8,7 @@ needs no address, port, rank or world size: they come from MPI. docs/torch.md is
 from __future__ import annotations
 
 import logging
-import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -21,7 +19,7 @@ import torch.distributed as dist
 from ..errors import HetcommError
 from ..ops import ReduceOp
 from . import profile
-from .compat import BACKEND, METHOD_NAMES, reduce_op
+from .compat import BACKEND, BackendView, install_aliases, reduce_op
 from .errors import ArgumentError, DistBackendError, torch_error
 from .tensors import (
     _copier,
@@ -36,7 +34,14 @@ from .tensors import (
     _same_dtype,
     split_rows,
 )
-from .work import _PROGRESS, SETTLE_S, _Finished, _joined, _Pending, _synchronous, _Work
+from .work import (
+    _PROGRESS,
+    _joined,
+    _Pending,
+    _synchronous,
+    _Work,
+    finished_now,
+)
 
 if TYPE_CHECKING:
     from ..comm import Communicator
@@ -109,10 +114,10 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
 
     # ---- what torch asks of a group's C++ backend, and split_group -----------------------------
 
-    def _get_backend(self, device: Any) -> _BackendView:
+    def _get_backend(self, device: Any) -> BackendView:
         """torch looks here for splitting support (init_process_group(device_id=...),
         split_group, DeviceMesh on a GPU machine); the group serves every device itself."""
-        return _BackendView(self)
+        return BackendView(self)
 
     def split_group(
         self,
@@ -210,7 +215,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
             after = [step for op in ops for step in op.after]
         settle = True
         if record is None and self._coalesced is None and not after:
-            finished = _finished_now(works, self.comm.name, name, result)
+            finished = finished_now(works, self.comm.name, name, result)
             if finished is not None:
                 return _Work(finished)
             settle = False  # it was, and did not end
@@ -538,7 +543,7 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
                 started = getattr(self.comm, method)(*args, async_op=True)
             except HetcommError as exc:
                 raise torch_error(exc, f"{self.comm.name}: {name}") from exc
-        finished = _finished_now([started], self.comm.name, name, [t])
+        finished = finished_now([started], self.comm.name, name, [t])
         if finished is not None:
             return _Work(finished)
         return _Work(self._pending(name, [started], [], [t], self.timeout_s, settle=False))
@@ -645,64 +650,6 @@ class ProcessGroupHetcomm(dist.ProcessGroup):
                 )
 
 
-class _BackendView:
-    """Stands in for the C++ backend object torch expects a group to have: torch asks it whether
-    the group can split (yes: ProcessGroupHetcomm.split_group) and calls a few hooks that have
-    nothing to do here (hetcomm makes each group's communicator when torch creates the group)."""
-
-    supports_splitting = True
-    supports_coalescing = False
-    supports_time_estimate = False
-    options = None
-
-    def __init__(self, group: ProcessGroupHetcomm) -> None:
-        self._group = group
-
-    def name(self) -> str:
-        return BACKEND
-
-    def comm_split_count(self) -> int:
-        return self._group._splits
-
-    def supports_tensor_alloc(self, device: Any) -> bool:
-        return False
-
-    def perform_nocolor_split(self, device: Any) -> None:
-        pass  # non-members of a new group: nothing to do, members make it among themselves
-
-    def eager_connect_single_device(self, device: Any) -> None:
-        pass  # the communicator exists already
-
-    def _set_sequence_number_for_group(self) -> None:
-        pass
-
-
-def _finished_now(
-    works: list[HetcommWork], group: str, name: str, result: list[torch.Tensor]
-) -> _Finished | None:
-    """The finished Work of operations just started, driven on this thread for a moment (up
-    to SETTLE_S in all, yielding the core between polls; small ones among ranks in step end
-    within it), or None: then a _Pending follows them, which also reports their errors."""
-    source = None
-    until = 0.0
-    try:
-        for work in works:
-            while not work.test():
-                now = time.monotonic()
-                if not until:
-                    until = now + SETTLE_S
-                elif now >= until:
-                    return None
-                os.sched_yield()  # the peer may need this core (more ranks than cores)
-            if work.source is not None:
-                source = work.source
-    except BaseException:
-        return None
-    finished = _Finished(group, name, result)
-    finished.source = source
-    return finished
-
-
 class _Op:
     """One prepared hetcomm call (a Communicator method and its arguments; None: nothing to
     move), the tensors it yields, and steps to run after it. `aux`: on the p2p communicator."""
@@ -726,11 +673,4 @@ class _Op:
         return getattr(comm, self.method)(*self.args, async_op=True)
 
 
-def _install_aliases(cls: type) -> None:
-    for canonical, names in METHOD_NAMES.items():
-        for name in names:
-            if name not in cls.__dict__:
-                setattr(cls, name, cls.__dict__[canonical])
-
-
-_install_aliases(ProcessGroupHetcomm)
+install_aliases(ProcessGroupHetcomm)

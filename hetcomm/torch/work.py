@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ import torch.distributed as dist
 from ..errors import CommTimeout
 from .errors import torch_error
 from .profile import Record
+
+if TYPE_CHECKING:
+    from ..work import Work as HetcommWork
 
 log = logging.getLogger("hetcomm")
 
@@ -431,3 +434,29 @@ def _run_exit_hooks() -> None:
             _EXIT_HOOKS.pop()()
         except Exception as exc:
             print(f"hetcomm.torch: at exit: {exc}", file=sys.stderr)
+
+
+def finished_now(
+    works: list[HetcommWork], group: str, name: str, result: list[torch.Tensor]
+) -> _Finished | None:
+    """The finished Work of operations just started, driven on this thread for a moment (up
+    to SETTLE_S in all, yielding the core between polls; small ones among ranks in step end
+    within it), or None: then a _Pending follows them, which also reports their errors."""
+    source = None
+    until = 0.0
+    try:
+        for work in works:
+            while not work.test():
+                now = time.monotonic()
+                if not until:
+                    until = now + SETTLE_S
+                elif now >= until:
+                    return None
+                os.sched_yield()  # the peer may need this core (more ranks than cores)
+            if work.source is not None:
+                source = work.source
+    except BaseException:
+        return None
+    finished = _Finished(group, name, result)
+    finished.source = source
+    return finished
