@@ -4,6 +4,8 @@ cache hit."""
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
@@ -105,3 +107,24 @@ def test_a_record_without_a_handle_for_an_unmapped_buffer_is_refused(maps) -> No
     rec = mine.describe(0x10000, 8, [1])
     with pytest.raises(RuntimeError, match="sent no handle"):
         theirs.address(0, rec)
+
+
+def test_prepared_records_kept_per_address_and_allocation(maps) -> None:
+    """A prepared send's record (direct/prepared.py) is made once per address and size and
+    kept while the allocation there is the same one; a new allocation at the same address (a
+    freed buffer's memory handed out again by the driver) gets a record of its own, with the
+    new allocation's handle: a kept record would send the peer to the old one."""
+    from hetcomm.transports.direct.prepared import PreparedP2P
+
+    mine, _ = maps
+    t = types.SimpleNamespace(svc=None, cupy=FakeCupy, peers=mine)
+    prepared = PreparedP2P(t)
+    first = prepared._record(0x10000 + 64, 256)
+    ranges = mine.driver.range_queries
+    again = prepared._record(0x10000 + 64, 256)
+    assert again is first and mine.driver.range_queries == ranges  # kept: one id query
+    assert fields(prepared._record(0x10000 + 64, 128))[2] == 128  # another size
+    mine.driver.allocs[0x10000] = (4096, 11)  # freed, and allocated again at the same base
+    fresh = prepared._record(0x10000 + 64, 256)
+    assert fresh is not first
+    assert fields(fresh)[0] == 11 and fields(fresh)[3] == 1  # the new allocation, its handle
