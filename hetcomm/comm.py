@@ -21,8 +21,9 @@ from .argcheck import (
 )
 from .arrays import Buffer, as_buffer, may_share_memory
 from .config import Config
-from .deferred import Deferred, DeferredStarts
-from .errors import CommAborted, InvalidArgument, MismatchError, MpiError
+from .deferred import DeferredStarts
+from .entry import POINT_TO_POINT, QUICK_POLLS, Entry
+from .errors import CommAborted, InvalidArgument, MismatchError
 from .grouping import Group, Queued
 from .ops import ReduceOp, as_reduce_op, check_op_for_dtype
 from .routes import MAX_ROUTES, OP_TYPES, Route, device_view, host_view, key_of, no_general
@@ -33,15 +34,11 @@ from .work import Work, all_of, completed
 
 log = logging.getLogger("hetcomm")
 
-_POINT_TO_POINT = frozenset(("send", "recv"))
 # the MPI communicators of closed Communicators, never freed (see Communicator.close)
 _CLOSED_MPI_COMMS: list[MPI.Intracomm] = []
-# polls of a blocking check before it waits as a Work (bounded, with the stall warning)
-_QUICK_POLLS = 64
-_RING = agree.Agreement.RING
 
 
-class Communicator:
+class Communicator(Entry):
     """A group of ranks and the operations among them; every rank of the group calls each op.
 
     Made by `hetcomm.init()`, `ParallelGroups` or `split()`; owns its MPI communicator (a Dup or
@@ -88,7 +85,7 @@ class Communicator:
         # a blocking check's polls before it waits yielding the core between looks; none
         # where the ranks of this host outnumber its cores (4 ranks on the 2-core VM, 8 B
         # checked all_reduce: 29 -> 20 us, barrier 22 -> 13 us)
-        self._quick_polls = 0 if self._agree.crowded else _QUICK_POLLS
+        self._quick_polls = 0 if self._agree.crowded else QUICK_POLLS
         self._arrived = self._agree.arrivals.table
         self._last_entered = 0  # the sequence number _blocking_run entered
         # the point-to-point calls queued by an open `with comm.group():` block, else None
@@ -150,7 +147,7 @@ class Communicator:
     def late(self, op: str, seq: int) -> tuple[list[int] | None, str]:
         """For a wait that expired: the ranks not yet at collective `seq`, and what else there
         is to say (ranks that could not be read, or that a point-to-point wait has one peer)."""
-        if op in _POINT_TO_POINT:
+        if op in POINT_TO_POINT:
             return None, "a point-to-point operation waits for its peer to post the matching call"
         late, unknown = self._agree.arrivals.late(seq)
         dead = [r for r in self._agree.arrivals.dead() if r != self.rank]  # arrived, then died
@@ -265,239 +262,6 @@ class Communicator:
             self._routes[key] = route
         return route
 
-    def _arrive(self, route: Route) -> int:
-        """A collective's first steps, blocking or not: refused inside a group block, the
-        ordering guard, its sequence number, this rank's entry in the arrivals table."""
-        if self._group is not None:
-            raise InvalidArgument(
-                f"{route.op}: only send and recv may be called inside comm.group()"
-            )
-        if route.transport is not self._last:
-            self._order(route.transport)
-        self._seq = seq = self._seq + 1
-        self._arrived[self.rank] = seq
-        return seq
-
-    def _enter(self, route: Route, timeout: float | None = None) -> int:
-        """A blocking collective enters: the ordering guard, its sequence number, the arrivals
-        table, then the check, all on this thread. Returns the sequence number."""
-        seq = self._arrive(route)
-        if self._deferred.queue:
-            # the asynchronous collectives before this one start first: their checks complete
-            # once every rank has entered them, and a rank waiting in this one's check may be
-            # waiting for them
-            self._flush_deferred(route.op, seq, timeout or self.call_timeout)
-        if self._checking:
-            self._check_blocking(route, seq, timeout or self.call_timeout)
-        return seq
-
-    def _check_slot(
-        self, route: Route, seq: int, timeout: float | None
-    ) -> agree.Check | agree.SharedCheck:
-        """Collective `seq`'s check slot, free (an earlier asynchronous check on it read
-        first) and loaded with the route's signature; not started."""
-        check = self._agree.slot(seq)
-        if check.busy:
-            # the asynchronous collective RING places back has not been seen checked yet
-            self._flush_deferred(route.op, seq, timeout)
-        if self._debug:
-            vec = route.vec.copy()
-            vec[5], vec[11] = seq, -seq
-            check.load(vec)
-        else:
-            check.load(route.vec)
-        return check
-
-    def _check_blocking(
-        self, route: Route, seq: int, timeout: float | None, carry: Any = None
-    ) -> agree.Check | agree.SharedCheck:
-        """Collective `seq`'s check, on this thread; raises MismatchError where the ranks
-        differ. `carry`: what this rank's record carries (see hetcomm.carried), else None. Returns
-        the completed check."""
-        # the slot's state read inline where it is free and holds this route's signature (a
-        # collective repeated), else through _check_slot
-        check = self._agree.ring[seq % _RING]
-        if check is None or check.busy or check.held is not route.vec or self._debug:
-            check = self._check_slot(route, seq, timeout)
-        try:
-            if not check.quick(seq, carry):
-                test = check.request.Test
-                for _ in range(self._quick_polls):
-                    if test():
-                        break
-                else:
-                    # polled with a yield between, never a sleep (as the mpi transport's own
-                    # waits and MPI's): a wait that slept in steps growing to 1 ms made the
-                    # rank that came 5 ms late to an all_reduce wait 0.6 ms more for the
-                    # others to see it (2026-12-02, 2 ranks of the CPU VM)
-                    busy = _work.BusyPoll(test)
-                    _work.wait_for(self, route.op, seq, busy, timeout, waiter=busy.wait)
-        except MPI.Exception as exc:
-            raise self._mpi_error(route.op, seq, exc) from exc
-        if not check.agreed():
-            raise self._mismatch(route.op, seq, check.mine.copy())
-        return check
-
-    def _admit(
-        self, route: Route, start: Callable[[int], Work], device: Buffer | None = None
-    ) -> Work:
-        """An asynchronous collective: its sequence number and arrival at once, its check
-        started, and the operation itself started once the check has completed (and every
-        earlier deferred one has started). Returns the Work the caller gets."""
-        seq = self._arrive(route)
-        if not self._checking:
-            if self._deferred:
-                self._flush_deferred(route.op, seq)
-            return start(seq)
-        if self._deferred:
-            self._deferred.advance()  # start what can start now, without waiting
-        check = self._check_slot(route, seq, None)
-        try:
-            test = check.start(seq).Test
-            if not self._deferred:
-                # ranks in step: the check completes within a few polls, and the operation
-                # starts here at once; else it is deferred, and this call does not wait
-                for _ in range(_QUICK_POLLS):
-                    if test():
-                        if not check.agreed():
-                            raise self._mismatch(route.op, seq, check.mine.copy())
-                        return start(seq)
-        except MPI.Exception as exc:
-            raise self._mpi_error(route.op, seq, exc) from exc
-        begin: Callable[[], Work] = partial(start, seq)
-        if device is not None:
-            # it may start on another thread: with the caller's stream and device there
-            from .kernels.device import on_behalf_of
-
-            begin = on_behalf_of(device, begin)
-        item = Deferred(check, seq, begin)
-
-        def poll() -> bool:
-            inner = item.inner
-            if inner is None:
-                self._deferred.advance()
-                if item.error is not None:
-                    raise item.error
-                inner = item.inner
-                if inner is None:
-                    return False
-            return inner.test()
-
-        item.outer = Work(self, route.op, seq, poll)
-        self._deferred.add(item)
-        return item.outer
-
-    def _flush_deferred(self, op: str, seq: int, timeout: float | None = None) -> None:
-        """Start every deferred collective before the one now entering (bounded wait)."""
-
-        def started() -> bool:
-            self._deferred.advance()
-            return not self._deferred
-
-        if not started():
-            what = f"{op} after the asynchronous collectives before it"
-            _work.wait_for(self, what, seq, started, timeout)
-
-    def _mismatch(self, op: str, seq: int, mine: np.ndarray) -> MismatchError:
-        def wait(request: MPI.Request) -> None:
-            what = f"{op} (gathering the mismatched signatures)"
-            _work.wait_for(self, what, seq, request.Test)
-
-        return self._agree.mismatch(self.name, seq, mine, wait)
-
-    def _mpi_error(self, op: str, seq: int, exc: BaseException) -> MpiError:
-        error = MpiError(self.name, op, seq, exc)
-        self._abort(error)
-        return error
-
-    # ---- helpers shared by the operations ---------------------------------------------------
-
-    def _start(
-        self,
-        op: str,
-        buf: Buffer | None,
-        root: int = -1,
-        timeout: float | None = None,
-        blocking: bool = False,
-    ) -> tuple[Transport, int]:
-        """Enter `op` on `buf` outside the routes (fused groups, hier's parts): the transport
-        and the sequence number. Blocking: the check is made here."""
-        if timeout is not None:
-            check_timeout(timeout, op)
-        transport = self._transport(op, buf)
-        if op in _POINT_TO_POINT:
-            self._p2p_seq += 1
-            return transport, self._p2p_seq
-        count = buf.count if buf is not None else 0
-        route = Route(
-            op,
-            transport,
-            agree.signature(op, buf.dtype if buf else None, count, None, root),
-            no_general,
-        )
-        return transport, self._enter(route)
-
-    def _order(self, transport: Transport) -> None:
-        """The ordering guard: a collective that goes through a different transport than the
-        one before starts only once the earlier collectives have completed here.
-
-        Each transport keeps its own operations in issue order, but two transports progress
-        independently: a stream-ordered one (nccl) and a host-blocking one (mpi, staged) could
-        otherwise meet the same pair of collectives in different orders on different ranks and
-        wait for each other forever. Since every rank issues the collectives of a communicator
-        in the same order, finishing the earlier ones first makes every rank run them in one
-        order. Costs a wait only where the transport changes.
-        """
-        inflight, self._inflight = self._inflight, []
-        for work in inflight:
-            work.wait()
-        self._last = transport
-
-    def _finish(
-        self, work: Work, async_op: bool, timeout: float | None, keep: tuple[Any, ...] = ()
-    ) -> Work | None:
-        if timeout is not None:
-            work._timeout = float(timeout)
-        if async_op:
-            # the transport may read or write these until completion: packed copies included
-            work._keep = keep
-            if work.op not in _POINT_TO_POINT:
-                inflight = self._inflight
-                if len(inflight) >= 64:
-                    inflight[:] = [w for w in inflight if not w._done]
-                if not inflight or inflight[-1] is not work:
-                    inflight.append(work)
-            return work
-        if not work.test():
-            work.wait()
-        return None
-
-    def _collective(
-        self,
-        route: Route,
-        async_op: bool,
-        timeout: float | None,
-        seq: int | None,
-        start: Callable[[int], Work],
-        keep: tuple[Any, ...],
-    ) -> Work | None:
-        """Enter (unless the caller already did) and start a collective of the general path."""
-        route.uses += 1
-        if timeout is not None:
-            check_timeout(timeout, route.op)
-        if async_op:
-            device = next((b for b in keep if isinstance(b, Buffer) and b.on_device), None)
-            work = self._admit(route, start, device)
-        else:
-            # a call with a timeout of its own is waited for by its Work, which keeps it; a
-            # transport told it is blocking may run it to its end on this thread instead
-            _work.set_blocking(timeout is None)
-            try:
-                work = start(self._enter(route, timeout) if seq is None else seq)
-            finally:
-                _work.set_blocking(False)
-        return self._finish(work, async_op, timeout, keep)
-
     def _root(self, root: Any, what: str) -> int:
         if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
             raise InvalidArgument(f"{what}: expected an int rank, got {root!r}")
@@ -506,40 +270,6 @@ class Communicator:
                 f"{what}: expected a rank in [0, {self.size}) of group '{self.name}', got {root}"
             )
         return int(root)
-
-    def _drain(self, op: str) -> None:
-        """Before `op`, a call on this MPI communicator outside the transports: start the
-        deferred collectives and let each transport make the calls it still has queued there,
-        so that `op` comes after them on every rank (MPI matches collectives by the order they
-        are called in)."""
-        if self._deferred:
-            self._flush_deferred(op, self._seq)
-        for transport in self._transports:
-            transport.drain(op, self._seq)
-
-    def _blocking_run(self, route: Route, timeout: float | None, *arrays: Any) -> bool:
-        """The transport's prepared call of `route`, driven here (within `timeout`, None: the
-        configured one); False where it declined (the general path then runs the call with
-        the sequence number entered here)."""
-        if timeout is not None:
-            return self._timed(timeout, route.op, self._blocking_run, route, None, *arrays)
-        self._last_entered = seq = self._enter(route)
-        assert route.run is not None
-        route.runs += 1
-        try:
-            return route.run(*arrays, seq)
-        except MPI.Exception as exc:
-            raise self._mpi_error(route.op, seq, exc) from exc
-
-    def _timed(self, timeout: float, op: str, run: Callable[..., Any], *args: Any) -> Any:
-        """`run(*args)`, a prepared call with a timeout of its own: every wait of the call
-        (the check's, the transport's) reads it as call_timeout meanwhile."""
-        check_timeout(timeout, op)
-        self.call_timeout = float(timeout)
-        try:
-            return run(*args)
-        finally:
-            self.call_timeout = None
 
     # ---- operations ---------------------------------------------------------------------------
 

@@ -85,10 +85,24 @@ def _first(obj: Any) -> str:
     return " ".join(_doc(obj).split("\n\n")[0].split())
 
 
+def _public(cls: type) -> bool:
+    """Whether hetcomm's API exports `cls` (from the package or its torch layer)."""
+    import hetcomm
+
+    return cls.__name__ in getattr(hetcomm, "__all__", ()) or cls.__name__ in getattr(
+        sys.modules.get("hetcomm.torch"), "__all__", ()
+    )
+
+
 def _entry(module: str, name: str, obj: Any) -> list[str]:
     lines = [f"### `{module}.{name}`", ""]
     if inspect.isclass(obj):
-        bases = [b.__name__ for b in obj.__bases__ if b is not object]
+        # hetcomm's own bases only where the API names them (a mixin of internals is not)
+        bases = [
+            b.__name__
+            for b in obj.__bases__
+            if b is not object and (not b.__module__.startswith("hetcomm") or _public(b))
+        ]
         kind = f"class ({', '.join(bases)})" if bases else "class"
         lines += [f"{kind}: `{name}{_signature(obj)}`", "", _doc(obj), ""]
         members = [ln for n, v in _members(obj) for ln in _member(obj, n, v)]
