@@ -391,24 +391,25 @@ def test_prepared_send_recv_every_form_and_signature_change(hetcomm_make_comm, h
             problems.append("a send after a spinning kernel on the caller's stream")
 
         # an asynchronous receive in flight: the blocking calls behind it wait their turn on
-        # the proxy (the general path), and every message lands where it should
+        # the proxy (the general path), and every message lands where it should. Its message
+        # is sent only after both blocking calls, so it is in flight at each of them
         a, b, c = (cupy.asarray(data[r]), cupy.zeros(4096, cupy.float32), cupy.zeros_like(x))
-        before = _p2p_counts(comm, "send")[1] + _p2p_counts(comm, "recv")[1]
         w = comm.recv(c, peer, tag=10, async_op=True)
+        before = _p2p_counts(comm, "send")[1] + _p2p_counts(comm, "recv")[1]
         for first in (0, 1):
             if r == first:
                 comm.send(a, peer, tag=9)
             else:
                 comm.recv(b, peer, tag=9)
+        after = _p2p_counts(comm, "send")[1] + _p2p_counts(comm, "recv")[1]
         comm.send(a * 2, peer, tag=10)
         w.wait()
         if not np.array_equal(cupy.asnumpy(b), data[peer]):
             problems.append("a receive behind an asynchronous one")
         if not np.array_equal(cupy.asnumpy(c), 2 * data[peer]):
             problems.append("an asynchronous receive with blocking calls after it")
-        after = _p2p_counts(comm, "send")[1] + _p2p_counts(comm, "recv")[1]
-        if after - before < 2:
+        if after - before != 2:
             problems.append(
-                f"{after - before} calls behind an asynchronous one took the general path"
+                f"{after - before} of 2 calls behind an asynchronous one took the general path"
             )
     assert_all_ranks(comm, not problems, "; ".join(problems))
