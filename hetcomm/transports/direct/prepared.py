@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ...arrays import Buffer
     from .transport import DirectTransport
 
-_D2D = 3  # cudaMemcpyDeviceToDevice
+D2D = 3  # cudaMemcpyDeviceToDevice
 # polls of a step before it goes to the bounded wait (which builds a Work to wait with)
 _QUICK = 64
 # records kept per transport (address and size -> allocation id, record); a program that keeps
@@ -124,7 +124,7 @@ class PreparedP2P:
             mapped, _ = t.peers.address(peer, got)
             stamp("resolved")
             dst, src = (mapped, ptr) if op == "send" else (ptr, mapped)
-            self.rt.memcpyAsync(dst, src, nbytes, _D2D, s.ptr)
+            self.rt.memcpyAsync(dst, src, nbytes, D2D, s.ptr)
             event = self._event
             event.record(s)
             stamp("copy queued")

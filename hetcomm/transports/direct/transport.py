@@ -38,7 +38,7 @@ from .. import tags
 from ..base import Context, Transport
 from . import schedule
 from .peer import RECORD, PeerMap
-from .prepared import PreparedP2P
+from .prepared import D2D, PreparedP2P
 from .proxy import Proxy, Step, Task, stamp
 
 if TYPE_CHECKING:
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hetcomm")
 
-_D2D = 3  # cudaMemcpyDeviceToDevice
 _THREADS = 512
 
 
@@ -221,7 +220,7 @@ class DirectTransport(Transport):
         """Copy on the proxy's stream by cudaMemcpyAsync (faster through an IPC mapping than a
         copy kernel: docs/BENCHMARKS.md, "direct")."""
         if nbytes:
-            self.cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, _D2D, self._proxy.stream.ptr)
+            self.cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, D2D, self._proxy.stream.ptr)
 
     def _reduce(self, dst: int, srcs: list[int], count: int, dtype: str, op: ReduceOp) -> None:
         """dst = op over srcs (in order), `count` elements, on the proxy's stream."""
