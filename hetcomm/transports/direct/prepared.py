@@ -45,8 +45,9 @@ class PreparedP2P:
         self.rt = t.cupy.cuda.runtime
         self._records: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
         self._got = np.empty(1, RECORD)  # the lender's record, on the copying side
-        self._size = np.zeros(1, np.int64)  # the copier's "done": the bytes it copied
-        self._done = np.zeros(1, np.int64)  # the same, on the lending side
+        # "done": the bytes the copier copied (sent from it on the copying side, received
+        # into it on the lending side: a call is one or the other)
+        self._done = np.zeros(1, np.int64)
         self._event: Any = None  # the copy's (or the caller's stream's) end, reused
 
     def prepare(self, op: str, x: Buffer | None) -> Callable[..., bool] | None:
@@ -125,14 +126,12 @@ class PreparedP2P:
             stamp("resolved")
             dst, src = (mapped, ptr) if op == "send" else (ptr, mapped)
             self.rt.memcpyAsync(dst, src, nbytes, D2D, s.ptr)
-            event = self._event
-            event.record(s)
             stamp("copy queued")
-            self._wait(partial(getattr, event, "done"), op, seq)
+            self._reach(s, op, seq)
         else:
             t.peers.learn(peer, got[0])  # its handle may come only this once
-        self._size[0] = nbytes
-        self._wait(self.svc.Isend(self._size, peer, tags[1]).Test, op, seq)
+        self._done[0] = nbytes
+        self._wait(self.svc.Isend(self._done, peer, tags[1]).Test, op, seq)
         if theirs != nbytes:
             raise t._mismatch(op, peer, theirs, nbytes, what)
 
@@ -150,9 +149,7 @@ class PreparedP2P:
         """The lending side: once the caller's stream has run what it queued before the call,
         the buffer's record goes to the peer, and the call ends with the peer's "done"."""
         if not s.done:
-            event = self._event
-            event.record(s)
-            self._wait(partial(getattr, event, "done"), op, seq)
+            self._reach(s, op, seq)
         stamp("ready")
         rec = self._record(ptr, nbytes)
         done = self._done
@@ -178,6 +175,13 @@ class PreparedP2P:
             self._records.clear()
         self._records[key] = (ident, rec)
         return rec
+
+    def _reach(self, s: Any, op: str, seq: int) -> None:
+        """Wait here until stream `s` has run what is queued on it now (an event recorded
+        there, polled)."""
+        event = self._event
+        event.record(s)
+        self._wait(partial(getattr, event, "done"), op, seq)
 
     def _wait(self, poll: Callable[[], Any], op: str, seq: int) -> None:
         """Wait here for `poll`: a few polls, then the bounded wait (the call's timeout)."""
