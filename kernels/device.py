@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -81,36 +82,35 @@ def current_stream(buf: Any) -> int:
     return read()
 
 
+@functools.cache
 def stream_reader(kind: str, device_index: int | None) -> Callable[[], int] | None:
-    """What reads the stream an array of `kind` on `device_index` is used on, at each call:
+    """What reads, at each call, the stream an array of `kind` on `device_index` is used on:
     the caller's (on_behalf_of), else torch's current stream of that device for tensors and
-    cupy's current stream for any other array; None for numba's, whose stream is the
-    array's own."""
+    cupy's current stream for any other array; None for numba's, whose stream is the array's
+    own. Made once per (kind, device)."""
     if kind == "numba":
         return None
+    own: Callable[[], int]
     if kind == "torch":
         import torch
 
         current = torch.cuda.current_stream
 
-        def torch_stream() -> int:
-            pinned = getattr(_CALLER, "stream", None)
-            if pinned is not None:
-                return int(pinned)
+        def own() -> int:
             return int(current(device_index).cuda_stream)
+    else:
+        import cupy
 
-        return torch_stream
-    import cupy
+        get_current = cupy.cuda.get_current_stream
 
-    get_current = cupy.cuda.get_current_stream
+        def own() -> int:
+            return int(get_current().ptr)
 
-    def cupy_stream() -> int:
+    def read() -> int:
         pinned = getattr(_CALLER, "stream", None)
-        if pinned is not None:
-            return int(pinned)
-        return int(get_current().ptr)
+        return int(pinned) if pinned is not None else own()
 
-    return cupy_stream
+    return read
 
 
 def on_behalf_of(buf: Any, call: Callable[[], Any]) -> Callable[[], Any]:
