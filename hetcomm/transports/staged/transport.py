@@ -22,7 +22,7 @@ from ...ops import ReduceOp
 from ...work import Work, completed, take_blocking
 from ..base import Context, Transport
 from ..local import Region
-from . import links, p2p, pull
+from . import links, p2p, prepared, pull
 from .channel import Channel
 from .connect import Opener
 from .cts import CTS_COLL, CTS_P2P, ClearToSend
@@ -483,7 +483,7 @@ class StagedTransport(Transport):
         work = Work(self.comm, "recv", seq, poll, waiter=waiter)
         return work
 
-    # ---- prepared blocking calls and eager messages (eager.py) -------------------------------
+    # ---- prepared calls (prepared.py, collectives.py) -----------------------------------------
 
     def prepare(
         self,
@@ -494,82 +494,16 @@ class StagedTransport(Transport):
         root: int,
     ) -> Callable[..., bool] | None:
         """The blocking call of one signature on host arrays, made on the calling thread with
-        no Work (hetcomm.routes.Route): send and recv (eager where the peer shares this host
-        and the message fits a slot, else over the rails, still on this thread); collectives
-        where staged/collectives.py prepares them. Prepared sends and receives never decline:
-        they number their message as the general path would and run it to its end."""
-        if op in ("send", "recv"):
-            if x is None or x.host is None:
-                return None
-            return self._run_send if op == "send" else self._run_recv
-        if op == "barrier":
-            return None
-        from . import collectives
-
-        prepare = getattr(collectives, "prepare", None)
-        return None if prepare is None else prepare(self, op, x, out, rop, root)
+        no Work (hetcomm.routes.Route): sends and receives (prepared.py), collectives where
+        collectives.py prepares them."""
+        return prepared.prepare(self, op, x, out, rop, root)
 
     def prepare_async(
         self, op: str, x: Buffer | None, out: Buffer | None, rop: ReduceOp | None, root: int
     ) -> Callable[..., Work] | None:
         """The asynchronous start of a send or receive of one signature on host arrays
-        (hetcomm.routes.Route.start): the general path's start on the array itself, without
-        its Buffer and checks (None: the general path)."""
-        if op not in ("send", "recv") or x is None or x.host is None:
-            return None
-        return self._start_send if op == "send" else self._start_recv
-
-    def _start_send(self, xh: np.ndarray, dst: int, tag: int, seq: int) -> Work:
-        k = self._p2p_number("send", dst, tag)
-        region = _host_region(xh)
-        return self._send_start(region, dst, tag, k, seq, None, [])
-
-    def _start_recv(self, xh: np.ndarray, src: int, tag: int, seq: int) -> Work:
-        k = self._p2p_number("recv", src, tag)
-        region = _host_region(xh)
-        work = self._recv_start(region, src, tag, k, seq, None, [])
-        work.source = src
-        return work
-
-    def _run_send(self, xh: np.ndarray, dst: int, tag: int, seq: int) -> bool:
-        """The prepared blocking send of a host array: into the ring's next slot where it can
-        go there at once (EagerOut.send), else p2p.send (in the same ticket's turn)."""
-        k = self._p2p_number("send", dst, tag)
-        ch = self._channels.get(dst)
-        out = ch.eager_out if ch is not None else None
-        ticket = None
-        if out is not None and 0 < xh.nbytes <= out.slot_bytes and not self.closed:
-            ticket = out.ticket()
-            if out.send(xh.data.cast("B"), tag, k, ticket):
-                self.paths["send eager"] += 1
-                return True
-        try:
-            deadline = time.monotonic() + self.limit()
-            p2p.send(self, _host_region(xh), dst, tag, k, deadline, None, ticket=ticket)
-        except (PeerTimeout, PeerLost) as exc:
-            raise self._fatal("send", seq, exc) from None
-        return True
-
-    def _run_recv(self, xh: np.ndarray, src: int, tag: int, seq: int) -> bool:
-        """The prepared blocking receive into a host array: from the ring on this thread
-        where the message fits a slot (p2p.wait_eager), else p2p.recv."""
-        k = self._p2p_number("recv", src, tag)
-        ch = self._channels.get(src)
-        inbox = ch.eager_in if ch is not None else None
-        try:
-            deadline = time.monotonic() + (self.comm.call_timeout or self.timeout)  # limit()
-            if (
-                ch is not None
-                and inbox is not None
-                and 0 < xh.nbytes <= inbox.slot_bytes
-                and not self.closed
-            ):
-                p2p.wait_eager(self, ch, inbox, xh.data.cast("B"), tag, k, deadline)
-            else:
-                p2p.recv(self, _host_region(xh), src, tag, k, deadline, None)
-        except (PeerTimeout, PeerLost) as exc:
-            raise self._fatal("recv", seq, exc) from None
-        return True
+        (hetcomm.routes.Route.start; prepared.py)."""
+        return prepared.prepare_async(self, op, x)
 
     def limit(self) -> float:
         """The seconds a prepared call, issued on this thread, may take: the call's own
@@ -735,11 +669,6 @@ class StagedTransport(Transport):
         collectives.close_segment(self)  # before the GPU goes: its pages are registered there
         if self.gpu is not None:
             self.gpu.close()
-
-
-def _host_region(xh: np.ndarray) -> Region:
-    """The bytes of a contiguous host array, as the Region its prepared calls move."""
-    return Region(xh.nbytes, xh.reshape(-1).view(np.uint8))
 
 
 # Transports not closed by their communicator are closed when the interpreter exits, before

@@ -1,0 +1,115 @@
+"""The staged transport's prepared sends and receives of host arrays (hetcomm.routes.Route):
+the blocking ones run on the calling thread with no Work (eager through the pair's ring where
+the peer shares this host and the message fits a slot, else p2p's path, still on this thread),
+the asynchronous ones start the general path's message on the array itself, without its Buffer
+and checks. Prepared sends and receives never decline: they number their message as the
+general path would and run it to its end."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...errors import PeerLost
+from ...work import Work
+from ..local import Region
+from . import p2p
+from .ops import PeerTimeout
+
+if TYPE_CHECKING:
+    from ...arrays import Buffer
+    from ...ops import ReduceOp
+    from .transport import StagedTransport
+
+
+def prepare(
+    t: StagedTransport,
+    op: str,
+    x: Buffer | None,
+    out: Buffer | None,
+    rop: ReduceOp | None,
+    root: int,
+) -> Callable[..., bool] | None:
+    """StagedTransport.prepare: sends and receives here, collectives where collectives.py
+    prepares them, None for the rest."""
+    if op in ("send", "recv"):
+        if x is None or x.host is None:
+            return None
+        return partial(run_send if op == "send" else run_recv, t)
+    if op == "barrier":
+        return None
+    from . import collectives
+
+    return collectives.prepare(t, op, x, out, rop, root)
+
+
+def prepare_async(t: StagedTransport, op: str, x: Buffer | None) -> Callable[..., Work] | None:
+    """StagedTransport.prepare_async: the start of a send or receive on host arrays."""
+    if op not in ("send", "recv") or x is None or x.host is None:
+        return None
+    return partial(start_send if op == "send" else start_recv, t)
+
+
+def start_send(t: StagedTransport, xh: np.ndarray, dst: int, tag: int, seq: int) -> Work:
+    """The asynchronous send of a host array: the general path's message, its Work."""
+    k = t._p2p_number("send", dst, tag)
+    return t._send_start(host_region(xh), dst, tag, k, seq, None, [])
+
+
+def start_recv(t: StagedTransport, xh: np.ndarray, src: int, tag: int, seq: int) -> Work:
+    """The asynchronous receive into a host array: the general path's message, its Work."""
+    k = t._p2p_number("recv", src, tag)
+    work = t._recv_start(host_region(xh), src, tag, k, seq, None, [])
+    work.source = src
+    return work
+
+
+def run_send(t: StagedTransport, xh: np.ndarray, dst: int, tag: int, seq: int) -> bool:
+    """The prepared blocking send of a host array: into the ring's next slot where it can go
+    there at once (EagerOut.send), else p2p.send (in the same ticket's turn)."""
+    k = t._p2p_number("send", dst, tag)
+    ch = t._channels.get(dst)
+    out = ch.eager_out if ch is not None else None
+    ticket = None
+    if out is not None and 0 < xh.nbytes <= out.slot_bytes and not t.closed:
+        ticket = out.ticket()
+        if out.send(xh.data.cast("B"), tag, k, ticket):
+            t.paths["send eager"] += 1
+            return True
+    try:
+        deadline = time.monotonic() + t.limit()
+        p2p.send(t, host_region(xh), dst, tag, k, deadline, None, ticket=ticket)
+    except (PeerTimeout, PeerLost) as exc:
+        raise t._fatal("send", seq, exc) from None
+    return True
+
+
+def run_recv(t: StagedTransport, xh: np.ndarray, src: int, tag: int, seq: int) -> bool:
+    """The prepared blocking receive into a host array: from the ring on this thread where
+    the message fits a slot (p2p.wait_eager), else p2p.recv."""
+    k = t._p2p_number("recv", src, tag)
+    ch = t._channels.get(src)
+    inbox = ch.eager_in if ch is not None else None
+    try:
+        deadline = time.monotonic() + (t.comm.call_timeout or t.timeout)  # t.limit(), inline
+        if (
+            ch is not None
+            and inbox is not None
+            and 0 < xh.nbytes <= inbox.slot_bytes
+            and not t.closed
+        ):
+            p2p.wait_eager(t, ch, inbox, xh.data.cast("B"), tag, k, deadline)
+        else:
+            p2p.recv(t, host_region(xh), src, tag, k, deadline, None)
+    except (PeerTimeout, PeerLost) as exc:
+        raise t._fatal("recv", seq, exc) from None
+    return True
+
+
+def host_region(xh: np.ndarray) -> Region:
+    """The bytes of a contiguous host array, as the Region its prepared calls move."""
+    return Region(xh.nbytes, xh.reshape(-1).view(np.uint8))
