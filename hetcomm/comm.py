@@ -552,42 +552,6 @@ class Communicator(Entry):
             route = self._route(key, op, as_buffer(x, f"{op}: x"), no_general)
         return route
 
-    def _run_p2p(
-        self, route: Route, xh: Any, peer: int, tag: int, timeout: float | None
-    ) -> int | None:
-        """A send's or receive's prepared blocking call on `xh` (route.view's: a host array, or
-        a device address) within `timeout` (None: the configured one): None once it ran, else
-        (it declined) the sequence number it took, which the general path then uses."""
-        if timeout is not None:
-            return self._timed(timeout, route.op, self._run_p2p, route, xh, peer, tag, None)
-        assert route.run is not None
-        self._p2p_seq = seq = self._p2p_seq + 1
-        route.runs += 1
-        try:
-            if route.run(xh, peer, tag, seq):
-                return None
-        except MPI.Exception as exc:
-            raise self._mpi_error(route.op, seq, exc) from exc
-        return seq
-
-    def _start_p2p(
-        self, route: Route, x: Any, xh: np.ndarray, peer: int, tag: int, timeout: float | None
-    ) -> Work:
-        """An asynchronous send or receive through the transport's prepared start."""
-        assert route.start is not None
-        if timeout is not None:
-            check_timeout(timeout, route.op)
-        self._p2p_seq = seq = self._p2p_seq + 1
-        route.runs += 1
-        try:
-            work = route.start(xh, peer, tag, seq)
-        except MPI.Exception as exc:
-            raise self._mpi_error(route.op, seq, exc) from exc
-        if timeout is not None:
-            work._timeout = float(timeout)
-        work._keep = (x,)  # the transport reads or writes it until completion
-        return work
-
     @overload
     def recv(
         self,

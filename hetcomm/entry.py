@@ -6,8 +6,8 @@ differs from the previous collective's, takes the next sequence number (the same
 rank) and writes it in the arrivals table; a blocking one then starts the asynchronous
 collectives deferred before it and makes the check on this thread (`_enter`); an asynchronous
 one starts its check and starts once the check has completed (`_admit`, hetcomm.deferred). A
-prepared call runs from there on this thread (`_blocking_run`, with a timeout of its own
-`_timed`); the general path's Work is waited for or handed back (`_collective`, `_finish`).
+prepared call runs from there on this thread (`_blocking_run`, a send's or receive's
+`_run_p2p` and `_start_p2p`, with a timeout of its own `_timed`); the general path's Work is waited for or handed back (`_collective`, `_finish`).
 """
 
 from __future__ import annotations
@@ -336,3 +336,39 @@ class Entry:
             return run(*args)
         finally:
             self.call_timeout = None
+
+    def _run_p2p(
+        self, route: Route, xh: Any, peer: int, tag: int, timeout: float | None
+    ) -> int | None:
+        """A send's or receive's prepared blocking call on `xh` (route.view's: a host array, or
+        a device address) within `timeout` (None: the configured one): None once it ran, else
+        (it declined) the sequence number it took, which the general path then uses."""
+        if timeout is not None:
+            return self._timed(timeout, route.op, self._run_p2p, route, xh, peer, tag, None)
+        assert route.run is not None
+        self._p2p_seq = seq = self._p2p_seq + 1
+        route.runs += 1
+        try:
+            if route.run(xh, peer, tag, seq):
+                return None
+        except MPI.Exception as exc:
+            raise self._mpi_error(route.op, seq, exc) from exc
+        return seq
+
+    def _start_p2p(
+        self, route: Route, x: Any, xh: np.ndarray, peer: int, tag: int, timeout: float | None
+    ) -> Work:
+        """An asynchronous send or receive through the transport's prepared start."""
+        assert route.start is not None
+        if timeout is not None:
+            check_timeout(timeout, route.op)
+        self._p2p_seq = seq = self._p2p_seq + 1
+        route.runs += 1
+        try:
+            work = route.start(xh, peer, tag, seq)
+        except MPI.Exception as exc:
+            raise self._mpi_error(route.op, seq, exc) from exc
+        if timeout is not None:
+            work._timeout = float(timeout)
+        work._keep = (x,)  # the transport reads or writes it until completion
+        return work
