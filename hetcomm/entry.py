@@ -7,7 +7,8 @@ rank) and writes it in the arrivals table; a blocking one then starts the asynch
 collectives deferred before it and makes the check on this thread (`_enter`); an asynchronous
 one starts its check and starts once the check has completed (`_admit`, hetcomm.deferred). A
 prepared call runs from there on this thread (`_blocking_run`, a send's or receive's
-`_run_p2p` and `_start_p2p`, with a timeout of its own `_timed`); the general path's Work is waited for or handed back (`_collective`, `_finish`).
+`_run_p2p` and `_start_p2p`, with a timeout of its own `_timed`); the general path's Work is
+waited for or handed back (`_collective`, `_finish`).
 """
 
 from __future__ import annotations
