@@ -14,18 +14,16 @@ from .bench_report import REDUCING
 
 def torch_gloo(mpi: Any) -> Any:
     """torch.distributed with gloo over loopback, rendezvous address agreed over MPI."""
-    import socket
-
     import torch.distributed as dist
 
-    port = None
-    if mpi.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = mpi.bcast(port, root=0)
-    store = dist.TCPStore("127.0.0.1", port, mpi.Get_size(), mpi.Get_rank() == 0, use_libuv=False)
-    dist.init_process_group("gloo", store=store, rank=mpi.Get_rank(), world_size=mpi.Get_size())
+    # the server listens before any client learns its port: no port chosen ahead can be taken
+    rank, size = mpi.Get_rank(), mpi.Get_size()
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, size, True, wait_for_workers=False, use_libuv=False)
+        mpi.bcast(store.port, root=0)
+    else:
+        store = dist.TCPStore("127.0.0.1", mpi.bcast(None, root=0), size, False, use_libuv=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
     return dist
 
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -39,6 +41,7 @@ __all__ = [
     "simulated_config",
     "MpiJob",
     "clean_environ",
+    "loopback_port",
     "mpirun_command",
     "run_mpi_job",
     "scenario_command",
@@ -197,6 +200,29 @@ def clean_environ(*drop: str, **extra: str) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
+
+
+def loopback_port() -> int:
+    """A TCP port of 127.0.0.1 that is free now, for a rendezvous whose server binds it later
+    (MASTER_PORT). It lies below the kernel's ephemeral range: a port that binding port 0 gives
+    comes from that range, so until the server binds it any connect() may take it as its local
+    port, and a client retrying its connect to it may even connect to itself (TCP's
+    simultaneous open), leaving the rendezvous waiting forever."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    first = max(1024, low - 12000)
+    pick = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(256):
+        port = pick.randrange(first, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port of 127.0.0.1 in {first}-{low - 1}")
 
 
 def mpirun_command() -> tuple[list[str], dict[str, str]] | None:

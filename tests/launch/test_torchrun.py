@@ -5,18 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from hetcomm.testing import loopback_port
+
 JOB = Path(__file__).with_name("_torchrun_job.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_torchrun_options_and_the_environments_python() -> None:
@@ -27,7 +22,7 @@ def test_torchrun_options_and_the_environments_python() -> None:
     }
     env["PATH"] = "/usr/bin:/bin"  # nothing of the venv: `python` must still be its python
     hetcomm = Path(sys.executable).with_name("hetcomm")
-    port = free_port()
+    port = loopback_port()
     argv = [str(hetcomm), "run", "--timeout", "90", "--nproc-per-node", "2"]
     argv += ["--master-port", str(port), str(JOB)]
     done = subprocess.run(

@@ -4,7 +4,6 @@ disagree with MPI, and the MPI store (every collective: test_torch_backend.py)."
 
 from __future__ import annotations
 
-import socket
 import time
 from datetime import timedelta
 
@@ -15,6 +14,7 @@ from _torch_world import ADDRESS_VARS
 from mpi4py import MPI
 
 import hetcomm.torch as ht
+from hetcomm.testing import loopback_port
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -27,12 +27,8 @@ def no_address(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1, chosen by rank 0 and known to every rank."""
-    port = None
-    if MPI.COMM_WORLD.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    """A free TCP port on 127.0.0.1 for MASTER_PORT, chosen by rank 0 and known to every rank."""
+    port = loopback_port() if MPI.COMM_WORLD.Get_rank() == 0 else None
     return int(MPI.COMM_WORLD.bcast(port, root=0))
 
 
