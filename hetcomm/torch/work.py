@@ -5,8 +5,9 @@ as the Communicator's blocking call and returns None, which torch takes as a cal
 completed. Others start at once (non-blocking hetcomm calls, in issue order) and return a
 `Work`; the issuing thread drives each for a moment (most small ones end there), `Work.wait()`
 drives it on the waiting thread, and a daemon thread polls the rest so that `Work.get_future()`
-completes without a wait (DDP waits on futures only). A torch future is made only when asked
-for.
+completes without a wait (DDP waits on futures only). The daemon leaves alone an operation a
+thread waits on: it sleeps until that wait ends rather than waking to poll beside it. A torch
+future is made only when asked for.
 """
 
 from __future__ import annotations
@@ -49,11 +50,13 @@ class _Pending:
         "deadline",
         "done",
         "error",
+        "key",
         "limit",
         "name",
         "record",
         "result",
         "source",
+        "waited",
     )
 
     def __init__(
@@ -71,6 +74,8 @@ class _Pending:
         self.error: BaseException | None = None
         self.source: int | None = None  # a receive's sender, once complete
         self.record: Record | None = None  # its torch profiler event, while a profiler records
+        self.key: int | None = None  # its queue of the progress thread, once given to it
+        self.waited = False  # a thread is in wait(), driving it: the progress thread leaves it
         self._lock = threading.RLock()
         # made when asked for (DDP asks; a blocking call never does), completed by whichever
         # of the two comes last: the operation's completion or the question
@@ -138,24 +143,34 @@ class _Pending:
             else:
                 deadline, limit = time.monotonic() + timeout, timeout
             with self._lock:
-                spin_until = time.monotonic() + _SPIN_S
-                sleep = _POLL_MIN_S
-                while not self.done and not self._advance(deadline, limit):
-                    now = time.monotonic()
-                    if now < spin_until:
-                        os.sched_yield()  # as flags.wait: polling, but giving up the core
-                        continue
-                    # the operation's own waiter where its Work has one (a yielding poll, or
-                    # a sleep on its signal): a sleep of this VM's 55 us or more between
-                    # polls was most of a staged send/recv through torch (126 us one way)
-                    head = self._works[0] if self._works else None
-                    block = getattr(head, "block", None)
-                    if block is not None and block(min(max(deadline - now, 0.0), 0.1)):
-                        continue
-                    time.sleep(sleep)
-                    sleep = min(sleep * 2, _WAIT_MAX_S)
+                self.waited = True
+                try:
+                    self._drive(deadline, limit)
+                finally:
+                    self.waited = False
+            if self.key is not None:
+                _PROGRESS.waited(self.key)
         if self.error is not None:
             raise self.error
+
+    def _drive(self, deadline: float, limit: float) -> None:
+        """wait()'s loop, under the lock: until complete (or failed, or past `deadline`)."""
+        spin_until = time.monotonic() + _SPIN_S
+        sleep = _POLL_MIN_S
+        while not self.done and not self._advance(deadline, limit):
+            now = time.monotonic()
+            if now < spin_until:
+                os.sched_yield()  # as flags.wait: polling, but giving up the core
+                continue
+            # the operation's own waiter where its Work has one (a yielding poll, or a sleep
+            # on its signal): a sleep of this VM's 55 us or more between polls was most of a
+            # staged send/recv through torch (126 us one way)
+            head = self._works[0] if self._works else None
+            block = getattr(head, "block", None)
+            if block is not None and block(min(max(deadline - now, 0.0), 0.1)):
+                continue
+            time.sleep(sleep)
+            sleep = min(sleep * 2, _WAIT_MAX_S)
 
     def _advance(self, deadline: float, limit: float) -> bool:
         """One non-blocking step, under the lock: True once complete (or failed)."""
@@ -203,7 +218,14 @@ class _Pending:
 
 
 class _Progress:
-    """A daemon thread completing operations nobody waits on, in issue order per group."""
+    """A daemon thread completing operations nobody waits on, in issue order per group.
+
+    It polls the oldest operation of each group, unless a thread waits on it (wait() drives
+    it there): while every group's oldest is waited on it sleeps, and the waiting thread wakes
+    it once its wait ends and the group has more. A poll beside a wait only took the
+    interpreter from the waiting thread: on the CPU VM, a 1 MiB dist.send/recv over the mpi
+    transport took 142 us one way so, 104 us without the polls (the bare non-blocking call: 88).
+    """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -214,9 +236,26 @@ class _Progress:
 
     def add(self, key: int, pending: _Pending) -> None:
         with self._cond:
+            pending.key = key
             self._queues.setdefault(key, collections.deque()).append(pending)
             self._start()
             self._cond.notify()
+
+    def waited(self, key: int) -> None:
+        """A wait on an operation of group `key` has ended: the group's ended operations leave
+        its queue, and the thread is woken where the next one is nobody's to drive."""
+        with self._cond:
+            queue = self._queues.get(key)
+            if not queue:
+                return
+            while queue and queue[0].done:
+                queue.popleft()
+            if queue and not queue[0].waited:
+                self._cond.notify()
+
+    def _polled(self) -> bool:
+        """Whether some group's oldest operation is this thread's to poll (under the lock)."""
+        return any(q and (q[0].done or not q[0].waited) for q in self._queues.values())
 
     def _start(self) -> None:
         """The thread, started on first use (under the condition's lock)."""
@@ -260,7 +299,7 @@ class _Progress:
         sleep = _POLL_MIN_S
         while True:
             with self._cond:
-                while not self._stop and not self._records and not any(self._queues.values()):
+                while not self._stop and not self._records and not self._polled():
                     self._cond.wait()
                     sleep = _POLL_MIN_S
                 if self._stop:
@@ -271,9 +310,14 @@ class _Progress:
                 record.end()
             progressed = False
             for queue in queues:
-                while queue and queue[0].poll():
+                while True:
                     with self._cond:
-                        queue.popleft()
+                        head = queue[0] if queue else None
+                    if head is None or (head.waited and not head.done) or not head.poll():
+                        break
+                    with self._cond:
+                        while queue and queue[0].done:
+                            queue.popleft()
                     progressed = True
             if progressed:
                 sleep = _POLL_MIN_S

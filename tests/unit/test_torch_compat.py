@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -287,6 +288,64 @@ def test_wait_blocks_in_the_works_waiter_not_in_sleeps(monkeypatch) -> None:
     threading.Timer(0.05, done.set).start()
     ht._Work(pending).wait()
     assert pending.done and part.blocks >= 1 and not slept
+
+
+class ThreadWork(FakeWork):
+    """A FakeWork that notes which threads called test()."""
+
+    def __init__(self, event: threading.Event) -> None:
+        super().__init__(event)
+        self.callers: set[int] = set()
+
+    def test(self) -> bool:
+        self.callers.add(threading.get_ident())
+        return super().test()
+
+
+class PolledPending(ht._Pending):
+    """A _Pending that notes which threads polled it (a poll that finds it locked by its
+    waiter returns at once, so its Work does not see that one)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.pollers: set[int] = set()
+
+    def poll(self) -> bool:
+        self.pollers.add(threading.get_ident())
+        return super().poll()
+
+
+def test_the_progress_thread_leaves_a_waited_operation_alone() -> None:
+    """While a thread waits on a group's oldest operation the progress thread does not poll it
+    (it sleeps instead); once the wait ends it completes the group's next operation, which
+    nobody waits on, so that its future completes."""
+    key = -7
+    first_done, second_done = threading.Event(), threading.Event()
+    first, second = ThreadWork(first_done), ThreadWork(second_done)
+    waited = PolledPending("first", [first], [], [torch.zeros(1)], 30.0)
+    behind = ht._Pending("second", [second], [], [torch.ones(1)], 30.0)
+    waiter = threading.Thread(target=waited.wait)
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while not waited.waited and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert waited.waited
+    ht._PROGRESS.add(key, waited)
+    ht._PROGRESS.add(key, behind)
+    future = behind.future
+    time.sleep(0.05)  # the progress thread has had time to look at the group
+    daemon = ht._PROGRESS._thread
+    assert daemon is not None
+    first_done.set()
+    second_done.set()
+    waiter.join(10)
+    assert waited.done and not waiter.is_alive()
+    assert daemon.ident not in waited.pollers, "the progress thread polled a waited operation"
+    while not future.done() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert future.done(), "the operation behind the waited one was left undone"
+    assert daemon.ident in second.callers
+    assert not ht._PROGRESS._queues.get(key), "ended operations stay queued"
 
 
 def test_wait_with_timeout() -> None:
