@@ -37,7 +37,6 @@ from .bench_latency_table import (
     FORMS,
     SECTIONS,
     TORCH_FORMS,
-    TORCH_MAX_BYTES,
     LatencyRow,
     iterations,
     select_forms,
@@ -633,7 +632,7 @@ class Study:
             finally:
                 if floors is not None:
                     floors.close()
-            if self.dist is not None and nbytes <= TORCH_MAX_BYTES and self.device == "cpu":
+            if self.dist is not None and self.device == "cpu":
                 rows.extend(self.torch_row(op, form, nbytes) for op, form in self.torch_forms)
         rows.extend(self.check_rows)
 

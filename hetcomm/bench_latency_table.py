@@ -39,9 +39,6 @@ TORCH_FORMS: tuple[tuple[str, str], ...] = (
     ("all_gather_single", "out-of-place"),
     ("sendrecv", "ping-pong"),
 )
-#: the torch section runs at the sweep's sizes up to this many bytes: above it the layer's
-#: cost is lost in the time the bytes take
-TORCH_MAX_BYTES = 64 << 10
 SECTIONS = ("host", "check", "torch", "device")
 OPS = tuple(dict.fromkeys(op for op, _ in FORMS + TORCH_FORMS))
 
