@@ -8,6 +8,7 @@ over the rails, and the tests check the data only."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 
 import hetcomm
 from hetcomm import introspect
+from hetcomm.transports.staged import pull
 from hetcomm.transports.staged.eager import EAGER_BYTES, EAGER_SLOTS
 
 DTYPES = ("uint8", "int16", "float32", "float64")
@@ -405,6 +407,62 @@ def test_async_receives_then_blocking_sends_in_a_ring(hetcomm_make_comm, errors,
         work.wait()
         errors.expect(np.array_equal(got[:-1], theirs), f"round {round_}: wrong data")
         errors.expect(got[-1] == -1.0, f"round {round_}: wrote past the message")
+    errors.verify()
+
+
+class _CountedWake(threading.Event):
+    """The Watcher's wake-up, counting the times it is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sets = 0
+
+    def set(self) -> None:
+        self.sets += 1
+        super().set()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_large_receives_waited_on_are_landed_by_their_waiter(
+    hetcomm_make_comm, errors, monkeypatch
+):
+    """Asynchronous receives of messages read from the sender's array, each waited on at
+    once: the waiting thread lands every one (the Watcher leaves a receive a thread waits on
+    alone), the data is right, and the Watcher, awake between receives, is not woken for each."""
+    comm = hetcomm_make_comm(transport="staged", timeout=30)
+    peer = _opened(comm)
+    if peer is None or not _pulls(introspect.transports(comm)["staged"], peer):
+        comm.barrier()
+        pytest.skip("the pair does not read large messages from each other's memory")
+    staged = introspect.transports(comm)["staged"]
+    watcher = staged.watcher
+    wake = _CountedWake()
+    monkeypatch.setattr(watcher, "_wake", wake)
+    landers: list[int] = []
+    read_into = pull.read_into
+
+    def noted(*args):
+        landers.append(threading.get_ident())
+        return read_into(*args)
+
+    monkeypatch.setattr(pull, "read_into", noted)
+    n, rounds = THR32 * 2 + 5, 20
+    mine = _data(np.random.default_rng(comm.rank + 3), n, "float32")
+    theirs = _data(np.random.default_rng(peer + 3), n, "float32")
+    for k in range(rounds):
+        got = np.full(n + 1, -1.0, np.float32)
+        if comm.rank % 2 == 0:
+            comm.send(mine, peer, tag=k)
+            comm.recv(got[:-1], peer, tag=k, async_op=True).wait()
+        else:
+            comm.recv(got[:-1], peer, tag=k, async_op=True).wait()
+            comm.send(mine, peer, tag=k)
+        errors.expect(np.array_equal(got[:-1], theirs), f"round {k}: wrong data")
+        errors.expect(got[-1] == -1.0, f"round {k}: wrote past the message")
+    me = threading.get_ident()
+    errors.expect(len(landers) == rounds, f"{len(landers)} reads for {rounds} messages")
+    errors.expect(all(t == me for t in landers), "the Watcher landed a receive a thread waited on")
+    errors.expect(wake.sets <= rounds // 4, f"the Watcher was woken {wake.sets}x for {rounds}")
     errors.verify()
 
 

@@ -304,7 +304,7 @@ class Posted:
     ended (set by the thread that lands it: `op`, the receive over the rails that a marker
     started, for a message larger than a slot)."""
 
-    __slots__ = ("deadline", "done", "error", "number", "op", "ready", "region", "tag")
+    __slots__ = ("deadline", "done", "error", "number", "op", "ready", "region", "tag", "waited")
 
     def __init__(
         self, region: Region, tag: int, number: int, ready: Any, deadline: float = 0.0
@@ -312,6 +312,7 @@ class Posted:
         self.region, self.tag, self.number, self.ready = region, tag, number, ready
         self.deadline = deadline
         self.done = False
+        self.waited = False  # a thread waits on it, looking at the ring (the Watcher need not)
         self.error: BaseException | None = None
         self.op: Any = None
 

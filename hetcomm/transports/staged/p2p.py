@@ -504,7 +504,13 @@ def posted_work(
 
     def waiter(seconds: float) -> bool:
         if not rec.done:
-            return flags.wait(look, time.monotonic() + seconds, sleep=inbox.doze)
+            rec.waited = True  # the Watcher leaves it to this thread meanwhile
+            try:
+                return flags.wait(look, time.monotonic() + seconds, sleep=inbox.doze)
+            finally:
+                rec.waited = False
+                if not rec.done and region.nbytes > inbox.slot_bytes:
+                    t.watcher.resume()
         op = rec.op
         if op is None:
             return True

@@ -44,6 +44,10 @@ log = logging.getLogger("hetcomm")
 # core between looks before it naps (flags.wait): a 16 MiB read takes 1.2-1.4 ms on the CPU VM
 READ_RATE = 2e9
 YIELD_MAX_S = 0.02
+# the Watcher: how old a receive nobody waits on is before it lands it, and how long it stays
+# awake (looking every GRACE_S) after its last receive
+GRACE_S = 1e-3
+WARM_S = 0.05
 
 
 def lends(out: EagerOut | None, region: Region) -> bool:
@@ -186,24 +190,41 @@ def send_work(
 
 class Watcher:
     """The thread that lands posted receives of large messages while nobody waits on them
-    (`watch`), started on first use; it sleeps while there are none."""
+    (`watch`), started on first use.
+
+    A receive is its to land once it is GRACE_S old and no thread waits on it (a waiting thread
+    looks at the ring itself, and a second thread looking beside it only takes the interpreter
+    from it). After a receive it stays awake for WARM_S, looking every GRACE_S, so that the
+    next receive need not wake it: waking it at every receive cost a non-blocking 1 MiB
+    receive that was then waited on ~20 us (CPU VM, 2 ranks: 127 us one way against 101 us
+    blocking, 108 us unwoken). With nothing to land for WARM_S it sleeps until woken.
+    """
 
     def __init__(self, t: StagedTransport, progress: Callable[[Channel], None]) -> None:
         self._t, self._progress = t, progress
         self._lock = threading.Lock()
-        self._posted: list[tuple[Channel, Posted]] = []
+        self._posted: list[tuple[Channel, Posted, float]] = []  # (channel, receive, when)
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._awake_until = 0.0  # it looks again within GRACE_S until then, unwoken
 
     def watch(self, ch: Channel, rec: Posted) -> None:
-        """Land `rec` (posted on `ch`'s ring) as soon as its marker is there."""
+        """Land `rec` (posted on `ch`'s ring) once its marker is there, unless a thread
+        waiting on it does first."""
+        now = time.monotonic()
         with self._lock:
-            self._posted.append((ch, rec))
+            self._posted.append((ch, rec, now))
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, daemon=True, name=f"hetcomm-watch-{self._t.rank}"
                 )
                 self._thread.start()
+            awake = now < self._awake_until
+        if not awake:
+            self._wake.set()
+
+    def resume(self) -> None:
+        """A wait on a watched receive ended before the receive did: look at it now."""
         self._wake.set()
 
     def stop(self) -> None:
@@ -216,11 +237,19 @@ class Watcher:
         t = self._t
         while not t.closed:
             self._wake.clear()  # before looking: a receive posted after the look wakes it
+            now = time.monotonic()
             with self._lock:
-                self._posted = [(ch, rec) for ch, rec in self._posted if not rec.done]
-                posted = list(self._posted)
+                self._posted = [p for p in self._posted if not p[1].done]
+                posted = [
+                    (ch, rec)
+                    for ch, rec, when in self._posted
+                    if not rec.waited and now - when >= GRACE_S
+                ]
+                if self._posted:
+                    self._awake_until = now + WARM_S
+                awake = now < self._awake_until
             if not posted:
-                self._wake.wait(1.0)
+                self._wake.wait(GRACE_S if awake else 1.0)
                 continue
             channels = list({id(ch): ch for ch, _ in posted}.values())
             try:
@@ -237,7 +266,11 @@ class Watcher:
 
     def _look(self, channels: list[Channel], posted: list[tuple[Channel, Posted]]) -> bool:
         """Land what has come for the posted receives of `channels`; True once one of
-        `posted` has landed, a receive was added, or the transport closed."""
+        `posted` has landed or is waited on, a receive was added, or the transport closed."""
         for ch in channels:
             self._progress(ch)
-        return self._t.closed or self._wake.is_set() or any(rec.done for _, rec in posted)
+        return (
+            self._t.closed
+            or self._wake.is_set()
+            or any(rec.done or rec.waited for _, rec in posted)
+        )
