@@ -250,12 +250,12 @@ class _Progress:
                 return
             while queue and queue[0].done:
                 queue.popleft()
-            if queue and not queue[0].waited:
+            if _head(queue) is not None:
                 self._cond.notify()
 
     def _polled(self) -> bool:
         """Whether some group's oldest operation is this thread's to poll (under the lock)."""
-        return any(q and (q[0].done or not q[0].waited) for q in self._queues.values())
+        return any(_head(q) is not None for q in self._queues.values())
 
     def _start(self) -> None:
         """The thread, started on first use (under the condition's lock)."""
@@ -312,8 +312,8 @@ class _Progress:
             for queue in queues:
                 while True:
                     with self._cond:
-                        head = queue[0] if queue else None
-                    if head is None or (head.waited and not head.done) or not head.poll():
+                        head = _head(queue)
+                    if head is None or not head.poll():
                         break
                     with self._cond:
                         while queue and queue[0].done:
@@ -324,6 +324,13 @@ class _Progress:
             else:
                 time.sleep(sleep)
                 sleep = min(sleep * 2, _POLL_MAX_S)
+
+
+def _head(queue: collections.deque[_Pending]) -> _Pending | None:
+    """The oldest operation of a group's queue where it is the progress thread's to poll (an
+    ended one, to take off, or one no thread waits on), else None (call under the lock)."""
+    head = queue[0] if queue else None
+    return head if head is not None and (head.done or not head.waited) else None
 
 
 # Sleeps between polls double from the first value to the second (the progress thread) or the

@@ -194,10 +194,11 @@ class Watcher:
 
     A receive is its to land once it is GRACE_S old and no thread waits on it (a waiting thread
     looks at the ring itself, and a second thread looking beside it only takes the interpreter
-    from it). After a receive it stays awake for WARM_S, looking every GRACE_S, so that the
-    next receive need not wake it: waking it at every receive cost a non-blocking 1 MiB
-    receive that was then waited on ~20 us (CPU VM, 2 ranks: 127 us one way against 101 us
-    blocking, 108 us unwoken). With nothing to land for WARM_S it sleeps until woken.
+    from it). For WARM_S after a receive is posted it stays awake, looking every GRACE_S, so
+    that the next receive need not wake it: waking it at every receive cost a non-blocking
+    1 MiB receive that was then waited on ~20 us (CPU VM, 2 ranks: 127 us one way against 101
+    us blocking, 108 us unwoken). Otherwise (a long wait on a receive included) it sleeps
+    until woken.
     """
 
     def __init__(self, t: StagedTransport, progress: Callable[[Channel], None]) -> None:
@@ -206,7 +207,8 @@ class Watcher:
         self._posted: list[tuple[Channel, Posted, float]] = []  # (channel, receive, when)
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._awake_until = 0.0  # it looks again within GRACE_S until then, unwoken
+        self._posted_at = 0.0  # when the latest receive was posted
+        self._awake = False  # it looks again within GRACE_S, unwoken (else it sleeps)
 
     def watch(self, ch: Channel, rec: Posted) -> None:
         """Land `rec` (posted on `ch`'s ring) once its marker is there, unless a thread
@@ -214,12 +216,13 @@ class Watcher:
         now = time.monotonic()
         with self._lock:
             self._posted.append((ch, rec, now))
+            self._posted_at = now
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, daemon=True, name=f"hetcomm-watch-{self._t.rank}"
                 )
                 self._thread.start()
-            awake = now < self._awake_until
+            awake = self._awake
         if not awake:
             self._wake.set()
 
@@ -245,9 +248,7 @@ class Watcher:
                     for ch, rec, when in self._posted
                     if not rec.waited and now - when >= GRACE_S
                 ]
-                if self._posted:
-                    self._awake_until = now + WARM_S
-                awake = now < self._awake_until
+                self._awake = awake = now < self._posted_at + WARM_S
             if not posted:
                 self._wake.wait(GRACE_S if awake else 1.0)
                 continue
