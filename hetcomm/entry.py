@@ -189,7 +189,11 @@ class Entry:
                     return False
             return inner.test()
 
-        item.outer = Work(self, route.op, seq, poll)
+        def drive(deadline: float) -> bool:
+            inner = item.inner
+            return inner is not None and inner.drive(deadline)
+
+        item.outer = Work(self, route.op, seq, poll, drive=drive)
         self._deferred.add(item)
         return item.outer
 

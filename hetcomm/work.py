@@ -111,6 +111,7 @@ class Work:
     __slots__ = (
         "_comm",
         "_done",
+        "_drive",
         "_error",
         "_finish",
         "_keep",
@@ -134,6 +135,7 @@ class Work:
         finish: Sequence[Callable[[], None]] = (),
         timeout: float | None = None,
         waiter: Callable[[float], bool] | None = None,
+        drive: Callable[[float], bool] | None = None,
     ) -> None:
         self._comm = comm
         self.op, self.seq = op, seq
@@ -145,6 +147,9 @@ class Work:
         self._keep: tuple[object, ...] = ()
         # blocks up to the given seconds until completion is likely: no spinning needed
         self._waiter = waiter
+        # runs the operation to its end on the calling thread where it has not started
+        # elsewhere, within the given deadline: whether it did (see drive())
+        self._drive = drive
         self._t0 = time.perf_counter()  # the start of the operation, for the trace
         self.info: dict[str, Any] | None = None
         self.source: int | None = None  # a receive's sender, once complete
@@ -199,6 +204,7 @@ class Work:
         stall_at = start + self._comm.config.stall
         sleep = 10e-6
         while True:
+            self.drive(deadline)  # where the operation may run here, it does
             if self.test():
                 return
             now = time.monotonic()
@@ -215,6 +221,20 @@ class Work:
         self._fail(exc)
         self._comm._abort(exc)
         raise exc
+
+    def drive(self, deadline: float) -> bool:
+        """Run the operation to its end on this thread, where its transport allows (its work
+        queued for a helper thread that has not taken it yet) and it ends by `deadline`
+        (monotonic): whether it ran here. A thread about to wait for the operation calls it,
+        so that an asynchronous call waited for soon costs what the blocking call does rather
+        than two thread hand-offs. Raises nothing: the outcome is the next test()'s."""
+        if self._drive is None or self._done:
+            return False
+        try:
+            return self._drive(deadline)
+        except BaseException as exc:
+            self._failed(exc)
+            return True
 
     def _failed(self, exc: BaseException) -> BaseException:
         """Record that the operation failed with `exc` (polled or waited for): the error the

@@ -158,6 +158,10 @@ class _Pending:
         spin_until = time.monotonic() + _SPIN_S
         sleep = _POLL_MIN_S
         while not self.done and not self._advance(deadline, limit):
+            head = self._works[0] if self._works else None
+            drive = getattr(head, "drive", None)  # a hetcomm Work's: run it here if it may
+            if drive is not None and drive(deadline):
+                continue
             now = time.monotonic()
             if now < spin_until:
                 os.sched_yield()  # as flags.wait: polling, but giving up the core
@@ -165,7 +169,6 @@ class _Pending:
             # the operation's own waiter where its Work has one (a yielding poll, or a sleep
             # on its signal): a sleep of this VM's 55 us or more between polls was most of a
             # staged send/recv through torch (126 us one way)
-            head = self._works[0] if self._works else None
             block = getattr(head, "block", None)
             if block is not None and block(min(max(deadline - now, 0.0), 0.1)):
                 continue

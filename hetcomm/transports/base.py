@@ -145,6 +145,10 @@ class Transport:
         """Release what the transport holds (nothing by default)."""
 
 
+def _done_already(*args: Any) -> None:
+    """A Job's call once made: a Job is run once, and what its call held is not kept."""
+
+
 class Job:
     """A call queued on a transport's own thread; set once it has returned or raised.
 
@@ -155,22 +159,23 @@ class Job:
 
     __slots__ = ("_done", "_lock", "call", "error")
 
-    def __init__(self, call: Callable[[], Any]) -> None:
-        self.call = call
+    def __init__(self, call: Callable[..., Any]) -> None:
+        self.call = call  # made with run()'s arguments
         self.error: BaseException | None = None
         self._done = False
         self._lock = threading.Lock()
         self._lock.acquire()
 
-    def run(self) -> None:
-        """Make the call on the calling thread (the transport's), keep its error, then set."""
-        self.call_only()
+    def run(self, *args: Any) -> None:
+        """Make the call (with `args`) on the calling thread, keep its error, then set."""
+        self.call_only(*args)
         self.set()
 
-    def call_only(self) -> None:
+    def call_only(self, *args: Any) -> None:
         """Make the call and keep its error, without setting (the caller sets when ready)."""
+        call, self.call = self.call, _done_already  # what the call holds goes with it
         try:
-            self.call()
+            call(*args)
         except BaseException as exc:
             self.error = exc
 

@@ -17,6 +17,7 @@ import ctypes
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -24,7 +25,7 @@ import pytest
 import torch
 from _data import compare, draw, reference
 
-from hetcomm import CommTimeout, ReduceOp
+from hetcomm import CommTimeout, ReduceOp, introspect
 from hetcomm.arrays import Buffer, as_buffer
 from hetcomm.transports import hostcoll, tags
 from hetcomm.transports.staged import collectives
@@ -322,6 +323,46 @@ def test_staged_blocking_and_async_calls_meet_in_the_segment(staged, rng, errors
     runs = sum(rt["runs"] for rt in _routes(staged, "all_reduce"))
     errors.expect(runs >= 1, f"no all_reduce took the prepared call ({staged.routes()})")
     errors.expect(staged._transports.live["staged"]._driver.submitted >= 2, "no driver ran a body")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_staged_async_collectives_waited_for_run_on_the_waiting_thread(staged, rng, errors):
+    """Every driver thread busy: asynchronous collectives waited for at once still complete,
+    right, run by the waiting thread (Work.drive), as blocking calls would be; the drivers,
+    freed, run what is queued after them."""
+    n, r = staged.size, staged.rank
+    staged.all_reduce(np.ones(3))  # the transport and its segment made
+    drivers = introspect.transports(staged)["staged"]._driver
+    gate = threading.Event()
+    release = threading.Timer(20.0, gate.set)  # a failing steal ends here, not in a hang
+    release.start()
+    until = time.monotonic() + 60
+    blockers = [drivers.submit(lambda by: gate.wait(), until) for _ in drivers._threads]
+    try:
+        t0 = time.monotonic()
+        for count, dtype in ((5, "float64"), (1000, "int32")):
+            stack = draw(rng, dtype, (count,), n)
+            x = stack[r].astype(dtype)
+            staged.all_reduce(x, async_op=True).wait()
+            errors += compare(
+                x.astype(float), stack.sum(0), f"{count} {dtype}", stack=stack, dtype=dtype
+            )
+            out = np.full(count * n + 1, -1, dtype)
+            staged.all_gather(out[:-1], stack[r].astype(dtype), async_op=True).wait()
+            want = stack.reshape(-1).astype(dtype)
+            errors.expect(np.array_equal(out[:-1], want), f"all_gather {count}")
+            errors.expect(out[-1] == -1, "all_gather wrote past its output")
+        errors.expect(not gate.is_set(), "the collectives waited for the busy drivers")
+        errors.expect(time.monotonic() - t0 < 15, "the collectives took as long as the drivers")
+    finally:
+        gate.set()
+        release.cancel()
+    errors.expect(all(b.wait(10) for b in blockers), "the drivers did not come back")
+    x = np.full(3, float(r + 1))
+    work = staged.all_reduce(x, async_op=True)
+    work.wait()
+    errors.expect(np.array_equal(x, np.full(3, n * (n + 1) / 2)), "after the drivers came back")
     errors.verify()
 
 

@@ -444,7 +444,7 @@ class HierTransport(Transport):
         flat = self._setup().flat
         transport, part_seq = flat._start(op, buf)
         inner = start(transport, part_seq)
-        return Work(self.comm, op, seq, inner.test, waiter=inner._waiter)
+        return Work(self.comm, op, seq, inner.test, waiter=inner._waiter, drive=inner.drive)
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
         """On the flat communicator of the same members."""

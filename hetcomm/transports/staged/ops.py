@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...trace import Stamps
+from ..base import Job
 from ..local import Region
 
 _STOP = object()
@@ -64,6 +65,32 @@ class _Op:
             raise self.error
 
 
+class Body(Job):
+    """An operation's body queued for the drivers, `call(deadline)`, run once by whichever
+    thread claims it first: a driver, or a thread about to wait for the operation (`run_here`,
+    through Work.drive), which then runs it itself, as a blocking call would, rather than
+    sleeping through two thread hand-offs (the driver's wake, then its own)."""
+
+    __slots__ = ("_claim", "deadline")
+
+    def __init__(self, call: Callable[[float], None], deadline: float) -> None:
+        super().__init__(call)
+        self.deadline = deadline  # the body ends by then (monotonic)
+        self._claim = threading.Lock()
+
+    def claim(self) -> bool:
+        """Take the body to run (once: whether this thread is the one that runs it)."""
+        return self._claim.acquire(False)
+
+    def run_here(self, deadline: float) -> bool:
+        """Run the body on this thread where no driver has taken it yet, ending by `deadline`
+        too (a waiter's, which the body must not outlast): whether it ran here."""
+        if not self.claim():
+            return False
+        self.run(min(self.deadline, deadline))
+        return True
+
+
 class _Drivers:
     """Daemon threads that run operations' bodies.
 
@@ -81,27 +108,21 @@ class _Drivers:
         for t in self._threads:
             t.start()
 
-    def submit(self, fn: Callable[[], None]) -> Future[None]:
-        future: Future[None] = Future()
+    def submit(self, fn: Callable[[float], None], deadline: float = math.inf) -> Body:
+        """Queue `fn(deadline)` for the next free driver."""
+        body = Body(fn, deadline)
         self.submitted += 1
-        self._queue.put((fn, future))
-        return future
+        self._queue.put(body)
+        return body
 
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is _STOP:
+            body = self._queue.get()
+            if body is _STOP:
                 self._queue.put(_STOP)
                 return
-            fn, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                fn()
-            except BaseException as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
+            if body.claim():  # else a waiting thread runs it
+                body.run(body.deadline)
 
     def shutdown(self, wait_s: float = 0.0) -> None:
         self._queue.put(_STOP)

@@ -11,7 +11,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent import futures
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -188,10 +187,10 @@ class StagedTransport(Transport):
             "stages": 0,
         }
 
-        def task() -> None:
+        def task(by: float) -> None:
             self._counting.info = info
             try:
-                body(deadline, ready)
+                body(by, ready)
             except PeerTimeout as exc:
                 raise CommTimeout(
                     self.comm.name, op, seq, self.timeout, exc.ranks, str(exc)
@@ -199,16 +198,12 @@ class StagedTransport(Transport):
             finally:
                 self._counting.info = None
 
-        future = self._driver.submit(task)
-        # the waiting thread sleeps until the driver ends the body: no spinning while the
-        # transport's own threads need the interpreter
+        job = self._driver.submit(task, deadline)
+        # a thread that waits before a driver took the body runs it itself (Work.drive), as
+        # a blocking call would; else it sleeps until the driver ends the body: no spinning
+        # while the transport's own threads need the interpreter
         work = Work(
-            self.comm,
-            op,
-            seq,
-            future.done,
-            [future.result],
-            waiter=lambda seconds: bool(futures.wait((future,), seconds).done),
+            self.comm, op, seq, job.is_set, [job.check], waiter=job.wait, drive=job.run_here
         )
         work.info = info
         return work
@@ -455,19 +450,19 @@ class StagedTransport(Transport):
 
         inner: list[Work] = []
 
-        def open_it() -> None:
+        def open_it(by: float) -> None:
             # the receive is posted here, as soon as the channel is open: a ring of messages
             # for receives that nobody polls yet drains all the same
-            inner.append(then(self.channel(peer, deadline)))
+            inner.append(then(self.channel(peer, by)))
 
-        opened = self._driver.submit(open_it)
+        opened = self._driver.submit(open_it, deadline)
 
         def poll() -> bool:
-            if not opened.done():
+            if not opened.is_set():
                 return False
             if not inner:
                 try:
-                    opened.result()
+                    opened.check()
                 except PeerTimeout as exc:
                     raise CommTimeout(
                         self.comm.name, "recv", seq, self.timeout, exc.ranks, str(exc)
@@ -475,8 +470,8 @@ class StagedTransport(Transport):
             return inner[0].test()
 
         def waiter(seconds: float) -> bool:
-            if not opened.done():
-                return bool(futures.wait((opened,), seconds).done)
+            if not opened.is_set():
+                return opened.wait(seconds)
             time.sleep(min(seconds, 50e-6))  # the receive's own Work is polled meanwhile
             return False
 
