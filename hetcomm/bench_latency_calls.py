@@ -135,7 +135,7 @@ def result(b: Buffers) -> Any:
     """The array that holds b's result: x for the in-place forms that write x, else y (for
     all_gather and reduce_scatter in place, y is the view into the one buffer)."""
     if b.op in ("reduce", "broadcast") or (
-        b.op in ("all_reduce", "all_to_all") and b.form == "in-place"
+        b.op in ("all_reduce", "all_to_all") and b.form in ("in-place", "async")
     ):
         return b.x
     return b.y
@@ -208,6 +208,9 @@ def hetcomm_run(
         ("all_to_all", "in-place"): lambda s: comm.all_to_all(s.x, s.x),
         ("all_reduce_coalesced", "in-place"): lambda s: comm.all_reduce_coalesced(s.pieces),
         ("barrier", "-"): lambda s: comm.barrier(),
+        ("all_reduce", "async"): lambda s: comm.all_reduce(s.x, async_op=True).wait(),
+        ("broadcast", "async"): lambda s: comm.broadcast(s.x, root, async_op=True).wait(),
+        ("all_gather", "async"): lambda s: comm.all_gather(s.y, s.x, async_op=True).wait(),
     }
     one = calls_of[(op, form)]
 
@@ -259,6 +262,9 @@ def mpi4py_run(raw: Any, op: str, form: str, sets: Sequence[Buffers]) -> Run:
         ("all_to_all", "out-of-place"): lambda s: raw.Alltoall(s.x, s.y),
         ("all_to_all", "in-place"): lambda s: raw.Alltoall(inplace, s.x),
         ("barrier", "-"): lambda s: raw.Barrier(),
+        ("all_reduce", "async"): lambda s: raw.Iallreduce(inplace, s.x).Wait(),
+        ("broadcast", "async"): lambda s: raw.Ibcast(s.x, root=root).Wait(),
+        ("all_gather", "async"): lambda s: raw.Iallgather(s.x, s.y).Wait(),
     }
     one = calls_of[(op, form)]
 
@@ -293,6 +299,11 @@ def torch_run(
         ("reduce_scatter", "in-place"): lambda s: scatter(s.y, s.x, group=group),
         ("all_to_all", "out-of-place"): lambda s: dist.all_to_all_single(s.y, s.x, group=group),
         ("barrier", "-"): lambda s: dist.barrier(group=group),
+        ("all_reduce", "async"): lambda s: dist.all_reduce(s.x, group=group, async_op=True).wait(),
+        ("broadcast", "async"): (
+            lambda s: dist.broadcast(s.x, root, group=group, async_op=True).wait()
+        ),
+        ("all_gather", "async"): (lambda s: gather(s.y, s.x, group=group, async_op=True).wait()),
     }
     one = calls_of.get((op, form))
     if one is None:

@@ -16,14 +16,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-#: (op, form) of every row of the host and device sections, in table order
+#: (op, form) of every row of the host and device sections, in table order. "async": the call
+#: made asynchronous (async_op=True; MPI's non-blocking call) and waited for at once, in place
+#: for all_reduce and broadcast, out of place for all_gather
 FORMS: tuple[tuple[str, str], ...] = (
     ("all_reduce", "in-place"),
     ("all_reduce", "out-of-place"),
+    ("all_reduce", "async"),
     ("reduce", "in-place"),
     ("broadcast", "in-place"),
+    ("broadcast", "async"),
     ("all_gather", "out-of-place"),
     ("all_gather", "in-place"),
+    ("all_gather", "async"),
     ("reduce_scatter", "out-of-place"),
     ("reduce_scatter", "in-place"),
     ("all_to_all", "out-of-place"),
@@ -35,7 +40,9 @@ FORMS: tuple[tuple[str, str], ...] = (
 #: (op, form) of the torch section: the ops the torch layer's goals name
 TORCH_FORMS: tuple[tuple[str, str], ...] = (
     ("all_reduce", "in-place"),
+    ("all_reduce", "async"),
     ("broadcast", "in-place"),
+    ("broadcast", "async"),
     ("all_gather_single", "out-of-place"),
     ("sendrecv", "ping-pong"),
 )
