@@ -45,6 +45,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -168,6 +169,7 @@ class HostGroup:
         self._ended = 0  # the last ticket whose turn has ended
         self._waiting = 0  # threads waiting for their turn
         self._broken: BaseException | None = None
+        self._posted: Posted | None = None  # an operation begun by start(), not ended yet
         self._spare = np.empty(0, np.uint8)  # _scratch's buffer
         # _reducer's work by (dtype, op value)
         self._reducers: dict[tuple[str, str], Callable[[np.ndarray, int, int], None]] = {}
@@ -184,6 +186,9 @@ class HostGroup:
         """In `ticket`'s turn: `fn(*args)` where the segment takes an operation of `nbytes`
         (grown first where needed); False, with nothing moved, where it does not (every rank
         says the same at the same turn)."""
+        posted = self._posted
+        if posted is not None and posted.ticket < ticket:
+            posted.complete(deadline, raises=False)  # begun by start(): ended here, in turn
         if self._ended != ticket - 1:  # read unlocked: only this turn's end moves it on
             with self._turns:
                 while self._ended != ticket - 1:
@@ -210,10 +215,85 @@ class HostGroup:
                 raise
             return True
         finally:
-            with self._turns:
-                self._ended = ticket
-                if self._waiting:
-                    self._turns.notify_all()
+            self._end_turn(ticket)
+
+    def _end_turn(self, ticket: int) -> None:
+        with self._turns:
+            self._ended = ticket
+            if self._waiting:
+                self._turns.notify_all()
+
+    def start(
+        self,
+        ticket: int,
+        op: str,
+        x: np.ndarray | None,
+        out: np.ndarray | None,
+        nbytes: int,
+        dtype: str = "",
+        rop: ReduceOp | None = None,
+        root: int = -1,
+    ) -> Posted | None:
+        """Begin operation `ticket` (one of the collectives below, their arguments) on this
+        thread without waiting, where it can: its turn has come (every earlier one has ended
+        here), the segment takes it as it is, and it synchronises once (a reduction of at most
+        REDUNDANT_MAX bytes, or any other). Its input is staged and this rank's arrival
+        published here; the returned Posted ends it once every rank has arrived (its poll
+        never blocks). None where it cannot: the caller then runs it through run(), which
+        meets the other ranks in the segment alike. An operation begun so before it ends
+        here first where every rank has arrived at it (a poll)."""
+        posted = self._posted
+        if posted is not None:
+            try:
+                if not posted.poll():
+                    return None
+            except BaseException:  # its own Work raises it; this one takes run()'s path
+                return None
+        if (
+            self._ended != ticket - 1
+            or self._broken is not None
+            or self._seg is None
+            or nbytes > self.capacity
+        ):
+            return None
+        rest: Callable[[], None]
+        if op in ("all_reduce", "reduce"):
+            if nbytes > REDUNDANT_MAX:
+                return None
+            assert rop is not None
+            if op == "reduce" and self.rank != root:
+                rest = self._next
+            else:
+                assert out is not None
+                rest = partial(self._reduced, out, nbytes, dtype, rop)
+        elif op == "broadcast":
+            x = x if self.rank == root else None
+            rest = partial(self._broadcast_rest, out, nbytes, root)
+        elif op == "all_gather":
+            assert out is not None
+            rest = partial(self._gathered, out, nbytes)
+        elif op == "all_to_all":
+            assert out is not None
+            rest = partial(self._exchanged, out, nbytes)
+        elif op == "reduce_scatter":
+            assert out is not None and rop is not None
+            rest = partial(self._scattered, out, nbytes, dtype, rop)
+        else:
+            return None
+        self._stage(x)
+        posted = self._posted = Posted(self, ticket, self._arrive(), rest)
+        return posted
+
+    def _arrived(self, k: int) -> bool:
+        """Whether every other rank has arrived `k` times (one look)."""
+        hdr = self._hdr
+        if hdr is None:
+            raise HetcommError("the shared segment was closed during a collective")
+        # a loop, not all() over a generator: this runs at every poll of a spinning wait
+        for i in self._others:  # noqa: SIM110
+            if hdr[i] < k:
+                return False
+        return True
 
     # ---- the segment --------------------------------------------------------------------
 
@@ -363,19 +443,12 @@ class HostGroup:
 
     def _wait(self, k: int, deadline: float) -> None:
         """Until every rank has arrived `k` times."""
+        if self._arrived(k):
+            return
         hdr = self._hdr
         assert hdr is not None
         words = self._others
-
-        def ready() -> bool:
-            # a loop, not all() over a generator: this runs at every poll of a spinning wait
-            for i in words:  # noqa: SIM110
-                if hdr[i] < k:
-                    return False
-            return True
-
-        if ready():
-            return
+        ready = partial(self._arrived, k)
 
         def check() -> None:
             self._check_closed()
@@ -427,17 +500,17 @@ class HostGroup:
         self._stage(x)
         self._barrier(deadline)
         if nbytes <= REDUNDANT_MAX:
-            self._reduce_into(out, 0, nbytes, dtype, op)
-        else:
-            # this rank's shard, reduced into its own output and published in its own half
-            # (nobody else reads that shard of it); the others' shards read from their halves
-            spans = self._shards(nbytes, dtype)
-            lo, hi = spans[self.rank]
-            if hi > lo:
-                self._reduce_into(out[lo:hi], lo, hi, dtype, op)
-                self._half(self.rank)[lo:hi] = out[lo:hi]
-            self._barrier(deadline)
-            self._collect(out, spans)
+            self._reduced(out, nbytes, dtype, op)
+            return
+        # this rank's shard, reduced into its own output and published in its own half
+        # (nobody else reads that shard of it); the others' shards read from their halves
+        spans = self._shards(nbytes, dtype)
+        lo, hi = spans[self.rank]
+        if hi > lo:
+            self._reduce_into(out[lo:hi], lo, hi, dtype, op)
+            self._half(self.rank)[lo:hi] = out[lo:hi]
+        self._barrier(deadline)
+        self._collect(out, spans)
         self._ops += 1
 
     def reduce(
@@ -457,24 +530,26 @@ class HostGroup:
         if nbytes <= REDUNDANT_MAX:
             if at_root:
                 assert out is not None
-                self._reduce_into(out, 0, nbytes, dtype, op)
-        else:
-            spans = self._shards(nbytes, dtype)
-            lo, hi = spans[self.rank]
-            if hi > lo:
-                if at_root:
-                    assert out is not None
-                    self._reduce_into(out[lo:hi], lo, hi, dtype, op)
-                else:
-                    acc = self._scratch(hi - lo)
-                    self._reduce_into(acc, lo, hi, dtype, op)
-                    self._half(self.rank)[lo:hi] = acc
-            k = self._arrive()
+                self._reduced(out, nbytes, dtype, op)
+            else:
+                self._next()
+            return
+        spans = self._shards(nbytes, dtype)
+        lo, hi = spans[self.rank]
+        if hi > lo:
             if at_root:
-                # only the root reads the others' shards: they go on without waiting
-                self._wait(k, deadline)
                 assert out is not None
-                self._collect(out, spans)
+                self._reduce_into(out[lo:hi], lo, hi, dtype, op)
+            else:
+                acc = self._scratch(hi - lo)
+                self._reduce_into(acc, lo, hi, dtype, op)
+                self._half(self.rank)[lo:hi] = acc
+        k = self._arrive()
+        if at_root:
+            # only the root reads the others' shards: they go on without waiting
+            self._wait(k, deadline)
+            assert out is not None
+            self._collect(out, spans)
         self._ops += 1
 
     def broadcast(
@@ -484,10 +559,7 @@ class HostGroup:
         if self.rank == root:
             self._stage(x)
         self._barrier(deadline)
-        if self.rank != root:
-            assert out is not None
-            np.copyto(out[:nbytes], self._half(root)[:nbytes])
-        self._ops += 1
+        self._broadcast_rest(out, nbytes, root)
 
     def all_gather(
         self, x: np.ndarray | None, out: np.ndarray, nbytes: int, deadline: float
@@ -495,9 +567,7 @@ class HostGroup:
         """Block q of `out` (blocks of `nbytes`) = rank q's input."""
         self._stage(x)
         self._barrier(deadline)
-        for q in range(self.size):
-            np.copyto(out[q * nbytes : (q + 1) * nbytes], self._half(q)[:nbytes])
-        self._ops += 1
+        self._gathered(out, nbytes)
 
     def all_to_all(
         self, x: np.ndarray | None, out: np.ndarray, nbytes: int, deadline: float
@@ -505,10 +575,7 @@ class HostGroup:
         """Block q of `out` = block `rank` of rank q's input (`size` blocks, `nbytes` in all)."""
         self._stage(x)
         self._barrier(deadline)
-        part, r = nbytes // self.size, self.rank
-        for q in range(self.size):
-            np.copyto(out[q * part : (q + 1) * part], self._half(q)[r * part : (r + 1) * part])
-        self._ops += 1
+        self._exchanged(out, nbytes)
 
     def reduce_scatter(
         self,
@@ -523,6 +590,35 @@ class HostGroup:
         order."""
         self._stage(x)
         self._barrier(deadline)
+        self._scattered(out, nbytes, dtype, op)
+
+    # ---- what each collective does once every rank has arrived (reads only, no waits) ----
+
+    def _next(self) -> None:
+        self._ops += 1
+
+    def _reduced(self, out: np.ndarray, nbytes: int, dtype: str, op: ReduceOp) -> None:
+        self._reduce_into(out, 0, nbytes, dtype, op)
+        self._ops += 1
+
+    def _broadcast_rest(self, out: np.ndarray | None, nbytes: int, root: int) -> None:
+        if self.rank != root:
+            assert out is not None
+            np.copyto(out[:nbytes], self._half(root)[:nbytes])
+        self._ops += 1
+
+    def _gathered(self, out: np.ndarray, nbytes: int) -> None:
+        for q in range(self.size):
+            np.copyto(out[q * nbytes : (q + 1) * nbytes], self._half(q)[:nbytes])
+        self._ops += 1
+
+    def _exchanged(self, out: np.ndarray, nbytes: int) -> None:
+        part, r = nbytes // self.size, self.rank
+        for q in range(self.size):
+            np.copyto(out[q * part : (q + 1) * part], self._half(q)[r * part : (r + 1) * part])
+        self._ops += 1
+
+    def _scattered(self, out: np.ndarray, nbytes: int, dtype: str, op: ReduceOp) -> None:
         part = nbytes // self.size
         self._reduce_into(out[:part], self.rank * part, (self.rank + 1) * part, dtype, op)
         self._ops += 1
@@ -584,3 +680,52 @@ class HostGroup:
         run = stepwise if dtype in _STEPWISE else rows
         self._reducers[(dtype, op._value_)] = run
         return run
+
+
+class Posted:
+    """An operation HostGroup.start began on the issuing thread: its input staged and this
+    rank's arrival published. It ends, once every rank has arrived, with its reads (`rest`)
+    and the end of its turn, made by whichever thread gets there first: a poll (never
+    blocks), a thread that waits for it (`complete`), or the next operation's turn."""
+
+    __slots__ = ("_group", "_lock", "done", "error", "k", "rest", "ticket")
+
+    def __init__(self, group: HostGroup, ticket: int, k: int, rest: Callable[[], None]) -> None:
+        self._group, self.ticket, self.k, self.rest = group, ticket, k, rest
+        self.done = False
+        self.error: BaseException | None = None  # what its end failed with, raised to all
+        self._lock = threading.Lock()
+
+    def poll(self) -> bool:
+        """True once ended (ending it here where every rank has arrived)."""
+        if not self.done and self._group._arrived(self.k):
+            self._end()
+        if self.error is not None:
+            raise self.error
+        return self.done
+
+    def complete(self, deadline: float, raises: bool = True) -> None:
+        """End it on this thread, waiting (bounded) for the others to arrive (Late, Dead);
+        raise what its end failed with where `raises` (its own Work's waiter does; the next
+        operation's turn does not: that one fails as the segment is broken)."""
+        if not self.done:
+            self._group._wait(self.k, deadline)
+            self._end()
+        if raises and self.error is not None:
+            raise self.error
+
+    def _end(self) -> None:
+        with self._lock:
+            if self.done:
+                return
+            group = self._group
+            try:
+                if group._seg is None:
+                    raise HetcommError("the shared segment was closed during a collective")
+                self.rest()
+            except BaseException as exc:
+                self.error = group._broken = exc  # out of step, as run() says
+            finally:
+                self.done = True
+                group._posted = None
+                group._end_turn(self.ticket)

@@ -297,8 +297,9 @@ def _routes(comm, op):
 @pytest.mark.mpi(min_size=2)
 def test_staged_blocking_and_async_calls_meet_in_the_segment(staged, rng, errors):
     """Blocking host collectives run on the calling thread (prepared, counted); asynchronous
-    ones on the transport's driver threads, through the segment too; ranks that take either
-    path for the same call still agree, and calls of both kinds in flight keep their order."""
+    ones begin on the issuing thread (HostGroup.start) and end in a poll or wait, through the
+    segment too; ranks that take either path for the same call still agree, and calls of both
+    kinds in flight keep their order (a blocking call ends the one begun before it)."""
     n, r = staged.size, staged.rank
     for rnd in range(3):
         stack = draw(rng, "float64", (1000,), n)
@@ -322,17 +323,19 @@ def test_staged_blocking_and_async_calls_meet_in_the_segment(staged, rng, errors
     errors.expect(np.array_equal(out, np.repeat(np.arange(n, dtype=np.int32), 5)), "all_gather")
     runs = sum(rt["runs"] for rt in _routes(staged, "all_reduce"))
     errors.expect(runs >= 1, f"no all_reduce took the prepared call ({staged.routes()})")
-    errors.expect(staged._transports.live["staged"]._driver.submitted >= 2, "no driver ran a body")
+    paths = introspect.transports(staged)["staged"].paths
+    errors.expect(paths["issuing thread"] >= 2, f"no asynchronous call began here: {paths}")
     errors.verify()
 
 
 @pytest.mark.mpi(min_size=2)
 def test_staged_async_collectives_waited_for_run_on_the_waiting_thread(staged, rng, errors):
     """Every driver thread busy: asynchronous collectives waited for at once still complete,
-    right, run by the waiting thread (Work.drive), as blocking calls would be; the drivers,
-    freed, run what is queued after them."""
+    right: those that synchronise once begin on the issuing thread, the others (a reduction
+    over REDUNDANT_MAX) are run by the waiting thread (Work.drive), as blocking calls would
+    be; the drivers, freed, run what is queued after them."""
     n, r = staged.size, staged.rank
-    staged.all_reduce(np.ones(3))  # the transport and its segment made
+    staged.all_reduce(np.ones(1000))  # the transport and its segment made
     drivers = introspect.transports(staged)["staged"]._driver
     gate = threading.Event()
     release = threading.Timer(20.0, gate.set)  # a failing steal ends here, not in a hang
@@ -341,7 +344,9 @@ def test_staged_async_collectives_waited_for_run_on_the_waiting_thread(staged, r
     blockers = [drivers.submit(lambda by: gate.wait(), until) for _ in drivers._threads]
     try:
         t0 = time.monotonic()
-        for count, dtype in ((5, "float64"), (1000, "int32")):
+        staged_t = introspect.transports(staged)["staged"]
+        begun, queued = staged_t.paths["issuing thread"], drivers.submitted
+        for count, dtype in ((5, "float64"), (1000, "int32"), (5000, "float64")):
             stack = draw(rng, dtype, (count,), n)
             x = stack[r].astype(dtype)
             staged.all_reduce(x, async_op=True).wait()
@@ -354,6 +359,9 @@ def test_staged_async_collectives_waited_for_run_on_the_waiting_thread(staged, r
             errors.expect(np.array_equal(out[:-1], want), f"all_gather {count}")
             errors.expect(out[-1] == -1, "all_gather wrote past its output")
         errors.expect(not gate.is_set(), "the collectives waited for the busy drivers")
+        begun = staged_t.paths["issuing thread"] - begun
+        errors.expect(begun == 5, f"{begun} of 5 begun on the issuing thread")
+        errors.expect(drivers.submitted - queued == 1, "the large all_reduce was not queued")
         errors.expect(time.monotonic() - t0 < 15, "the collectives took as long as the drivers")
     finally:
         gate.set()
@@ -363,6 +371,98 @@ def test_staged_async_collectives_waited_for_run_on_the_waiting_thread(staged, r
     work = staged.all_reduce(x, async_op=True)
     work.wait()
     errors.expect(np.array_equal(x, np.full(3, n * (n + 1) / 2)), "after the drivers came back")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_staged_every_async_collective_begun_on_the_issuing_thread(staged, rng, errors):
+    """Every collective, asynchronous, several in flight, on host arrays the segment takes:
+    each begins on the issuing thread where the one before has ended (here at least the
+    first; the others on a driver), all end in order (a later one ends the earlier ones
+    first), right against numpy, nothing written beside their outputs. Then each alone,
+    waited for at once: every one begins on the issuing thread."""
+    n, r = staged.size, staged.rank
+    staged.all_reduce(np.ones(1000))  # the segment made
+    paths = introspect.transports(staged)["staged"].paths
+    begun = paths["issuing thread"]
+    count = 6 * n
+    stack = draw(rng, "float64", (count,), n)
+    mine = stack[r].copy()
+    pad = np.full(1, -7.0)
+
+    def padded(size: int) -> np.ndarray:
+        return np.concatenate([np.full(size, -1.0), pad])
+
+    x_ar = mine.copy()
+    o_ar, o_ag, o_rs, o_aa = padded(count), padded(count * n), padded(count // n), padded(count)
+    x_bc = mine.copy() if r == 0 else np.zeros(count)
+    x_rd = mine.copy()
+    works = [
+        staged.all_reduce(x_ar, ReduceOp.MAX, async_op=True),
+        staged.all_reduce(mine, out=o_ar[:-1], async_op=True),
+        staged.broadcast(x_bc, 0, async_op=True),
+        staged.reduce(x_rd, n - 1, async_op=True),
+        staged.all_gather(o_ag[:-1], mine, async_op=True),
+        staged.reduce_scatter(o_rs[:-1], mine, async_op=True),
+        staged.all_to_all(o_aa[:-1], mine, async_op=True),
+    ]
+    for w in reversed(works):  # the last waited for first: it ends every earlier one
+        w.wait()
+    errors.expect(np.array_equal(x_ar, stack.max(0)), "all_reduce MAX")
+    errors += compare(o_ar[:-1], stack.sum(0), "all_reduce out", stack=stack, dtype="float64")
+    errors.expect(np.array_equal(x_bc, stack[0]), "broadcast")
+    if r == n - 1:
+        errors += compare(x_rd, stack.sum(0), "reduce", stack=stack, dtype="float64")
+    else:
+        errors.expect(np.array_equal(x_rd, mine), "reduce changed a non-root's input")
+    errors.expect(np.array_equal(o_ag[:-1], stack.reshape(-1)), "all_gather")
+    part = count // n
+    block = stack[:, r * part : (r + 1) * part]
+    errors += compare(o_rs[:-1], block.sum(0), "reduce_scatter", stack=block, dtype="float64")
+    want_aa = block.reshape(-1)
+    errors.expect(np.array_equal(o_aa[:-1], want_aa), "all_to_all")
+    for o in (o_ar, o_ag, o_rs, o_aa):
+        errors.expect(o[-1] == -7.0, "wrote past an output")
+    errors.expect(np.array_equal(mine, stack[r]), "an input changed")
+    began = paths["issuing thread"] - begun
+    errors.expect(began >= 1, "none begun on the issuing thread")
+    begun = paths["issuing thread"]
+    for w in works:
+        w.wait()  # done already: their Works say so again
+    ones = [
+        lambda: staged.all_reduce(x_ar, async_op=True),
+        lambda: staged.broadcast(x_bc, 0, async_op=True),
+        lambda: staged.reduce(x_rd, 0, async_op=True),
+        lambda: staged.all_gather(o_ag[:-1], mine, async_op=True),
+        lambda: staged.reduce_scatter(o_rs[:-1], mine, async_op=True),
+        lambda: staged.all_to_all(o_aa[:-1], mine, async_op=True),
+    ]
+    for one in ones:
+        one().wait()
+    began = paths["issuing thread"] - begun
+    errors.expect(began == len(ones), f"{began} of {len(ones)} begun on the issuing thread")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_staged_async_collective_nobody_polls_holds_no_rank_back(staged, errors):
+    """Rank 0 begins an asynchronous all_reduce and blocks in a receive that rank 1 sends only
+    once its own all_reduce has ended: rank 0's arrival, published when it began, is all the
+    others need; rank 0's result lands when it waits."""
+    n, r = staged.size, staged.rank
+    staged.all_reduce(np.ones(1000))  # the segment made
+    x = np.full(4, float(r + 1))
+    got = np.zeros(1)
+    work = staged.all_reduce(x, async_op=True)
+    if r == 0:
+        staged.recv(got, 1, tag=5)
+        errors.expect(got[0] == 42.0, f"received {got[0]}")
+        work.wait()
+    else:
+        work.wait()
+        if r == 1:
+            staged.send(np.full(1, 42.0), 0, tag=5)
+    errors.expect(np.array_equal(x, np.full(4, n * (n + 1) / 2)), "the all_reduce")
     errors.verify()
 
 

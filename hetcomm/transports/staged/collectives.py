@@ -156,20 +156,23 @@ def all_reduce(t: StagedTransport, x: Buffer, out: Buffer, op: ReduceOp, seq: in
         group.all_reduce(src, res, xr.nbytes, x.dtype, op, deadline)
 
     ring = _all_reduce_ring(t, x, out, op, seq)
-    return _through_segment(t, f"all_reduce #{seq}", x, out, ring, run)
+    return _through_segment(t, "all_reduce", seq, x, out, ring, run, (x.dtype, op))
 
 
 def _through_segment(
     t: StagedTransport,
-    what: str,
+    name: str,
+    seq: int,
     x: Buffer,
     out: Buffer,
     ring: Body,
     run: Callable[[hostcoll.HostGroup, Any, Any, float], None],
+    reduction: tuple[str, ReduceOp] | None = None,
 ) -> Body:
-    """`ring`, or where the group has a shared segment for x's size, `run(group, src, res,
-    deadline)` in it: x copied into this rank's block first, the result out of it after (the
-    operations whose input is x and whose output is out on every rank)."""
+    """Collective `name` #`seq` as `ring`, or where the group has a shared segment for x's
+    size, `run(group, src, res, deadline)` in it: x copied into this rank's block first, the
+    result out of it after (the operations whose input is x and whose output is out on every
+    rank; `reduction`: their dtype and reduce op, for those that reduce)."""
     xr, orr = t._region(x), t._region(out)
     group = _segment(t, xr.nbytes)
     if group is None:
@@ -180,7 +183,9 @@ def _through_segment(
         with _output(t, orr, ready) as res:
             run(group, src, res, deadline)
 
-    return _on_segment(t, what, group, xr.nbytes, in_segment, ring)
+    dtype, rop = reduction or ("", None)
+    start = (name, xr.host, orr.host, xr.nbytes, dtype, rop, -1)
+    return _on_segment(t, f"{name} #{seq}", group, xr.nbytes, in_segment, ring, start)
 
 
 def _all_reduce_ring(t: StagedTransport, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Body:
@@ -218,7 +223,7 @@ def reduce_scatter(t: StagedTransport, out: Buffer, x: Buffer, op: ReduceOp, seq
         group.reduce_scatter(src, res, x.nbytes, x.dtype, op, deadline)
 
     ring = _reduce_scatter_ring(t, out, x, op, seq)
-    return _through_segment(t, f"reduce_scatter #{seq}", x, out, ring, run)
+    return _through_segment(t, "reduce_scatter", seq, x, out, ring, run, (x.dtype, op))
 
 
 def _reduce_scatter_ring(
@@ -260,7 +265,8 @@ def reduce(t: StagedTransport, x: Buffer, op: ReduceOp, root: int, seq: int) -> 
         with _output(t, xr, ready) as res:
             group.reduce(src, res, xr.nbytes, x.dtype, op, root, deadline)
 
-    return _on_segment(t, f"reduce #{seq}", group, xr.nbytes, in_segment, ring)
+    start = ("reduce", xr.host, xr.host, xr.nbytes, x.dtype, op, root)
+    return _on_segment(t, f"reduce #{seq}", group, xr.nbytes, in_segment, ring, start)
 
 
 def _reduce_ring(t: StagedTransport, x: Buffer, op: ReduceOp, root: int, seq: int) -> Body:
@@ -307,7 +313,8 @@ def broadcast(t: StagedTransport, x: Buffer, root: int, seq: int) -> Body:
         with _output(t, xr, ready) as res:
             group.broadcast(None, res, xr.nbytes, root, deadline)
 
-    return _on_segment(t, f"broadcast #{seq}", group, xr.nbytes, in_segment, ring)
+    start = ("broadcast", xr.host, xr.host, xr.nbytes, "", None, root)
+    return _on_segment(t, f"broadcast #{seq}", group, xr.nbytes, in_segment, ring, start)
 
 
 def _broadcast_chain(t: StagedTransport, x: Buffer, root: int, seq: int) -> Body:
@@ -347,7 +354,7 @@ def all_gather(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Body:
         group.all_gather(src, res, x.nbytes, deadline)
 
     ring = _all_gather_ring(t, out, x, seq)
-    return _through_segment(t, f"all_gather #{seq}", x, out, ring, run)
+    return _through_segment(t, "all_gather", seq, x, out, ring, run)
 
 
 def _all_gather_ring(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Body:
@@ -371,7 +378,7 @@ def all_to_all(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Body:
         group.all_to_all(src, res, x.nbytes, deadline)
 
     ring = _all_to_all_pairs(t, out, x, seq)
-    return _through_segment(t, f"all_to_all #{seq}", x, out, ring, run)
+    return _through_segment(t, "all_to_all", seq, x, out, ring, run)
 
 
 def _all_to_all_pairs(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Body:
@@ -457,24 +464,59 @@ def _new_segment(t: StagedTransport) -> tuple[hostcoll.HostGroup, int] | None:
 
 
 def _on_segment(
-    t: StagedTransport, what: str, group: hostcoll.HostGroup, nbytes: int, body: Body, ring: Body
+    t: StagedTransport,
+    what: str,
+    group: hostcoll.HostGroup,
+    nbytes: int,
+    body: Body,
+    ring: Body,
+    start: tuple[Any, ...],
 ) -> Body:
     """`body` in the segment at this operation's turn (drawn now, in the group's order of
     operations); `ring` where the segment cannot take it (every rank finds so together).
-    `what`: the operation and its sequence number, for errors."""
-    ticket = group.ticket()
+    `what`: the operation and its sequence number, for errors; `start`: HostGroup.start's
+    arguments after the ticket, for a start on the issuing thread (used where both arrays
+    are host memory)."""
+    return _SegmentBody(t, what, group, nbytes, body, ring, start)
 
-    def run(deadline: float, ready: Any) -> None:
+
+class _SegmentBody:
+    """A collective's body through the shared segment at its turn (see _on_segment), and
+    `start()`: the same operation begun on the issuing thread where it can begin without
+    waiting (HostGroup.start), else None (the body then runs, on a driver or the waiter)."""
+
+    __slots__ = ("body", "group", "nbytes", "ring", "start_args", "t", "ticket", "what")
+
+    def __init__(
+        self,
+        t: StagedTransport,
+        what: str,
+        group: hostcoll.HostGroup,
+        nbytes: int,
+        body: Body,
+        ring: Body,
+        start: tuple[Any, ...],
+    ) -> None:
+        self.t, self.what, self.group, self.nbytes = t, what, group, nbytes
+        self.body, self.ring, self.start_args = body, ring, start
+        self.ticket = group.ticket()
+
+    def __call__(self, deadline: float, ready: Any) -> None:
+        t, group = self.t, self.group
         try:
-            if group.run(ticket, deadline, nbytes, body, deadline, ready):
+            if group.run(self.ticket, deadline, self.nbytes, self.body, deadline, ready):
                 return
         except hostcoll.Late as exc:
             raise PeerTimeout(exc.ranks, str(exc)) from None
         except hostcoll.Dead as exc:
-            raise PeerLost(f"group '{t.comm.name}': {what}: {exc}", exc.ranks) from None
-        ring(deadline, ready)
+            raise PeerLost(f"group '{t.comm.name}': {self.what}: {exc}", exc.ranks) from None
+        self.ring(deadline, ready)
 
-    return run
+    def start(self) -> hostcoll.Posted | None:
+        x, out = self.start_args[1:3]  # host arrays, None for device memory
+        if x is None or out is None:
+            return None
+        return self.group.start(self.ticket, *self.start_args)
 
 
 def _input(

@@ -19,6 +19,7 @@ from mpi4py import MPI
 from ...errors import CommTimeout, HetcommError, PeerLost, TransportUnavailable
 from ...ops import ReduceOp
 from ...work import Work, completed, take_blocking
+from .. import hostcoll
 from ..base import Context, Transport
 from ..local import Region
 from . import links, p2p, prepared, pull
@@ -176,16 +177,16 @@ class StagedTransport(Transport):
         """
         blocking = take_blocking()
         ready = self._ready(bufs, reduce_op)
+        size = bufs[0].nbytes if nbytes is None else nbytes
         if blocking:
-            size = bufs[0].nbytes if nbytes is None else nbytes
             return self._inline(op, seq, size, lambda deadline: body(deadline, ready))
+        start = getattr(body, "start", None)  # collectives.py's segment bodies have one
+        posted = start() if start is not None else None
+        if posted is not None:
+            return self._started(op, seq, size, posted)
         self.paths["driver"] += 1
         deadline = time.monotonic() + self.timeout
-        info = {
-            "transport": "staged",
-            "bytes": bufs[0].nbytes if nbytes is None else nbytes,
-            "stages": 0,
-        }
+        info = {"transport": "staged", "bytes": size, "stages": 0}
 
         def task(by: float) -> None:
             self._counting.info = info
@@ -206,6 +207,29 @@ class StagedTransport(Transport):
             self.comm, op, seq, job.is_set, [job.check], waiter=job.wait, drive=job.run_here
         )
         work.info = info
+        return work
+
+    def _started(self, op: str, seq: int, nbytes: int, posted: hostcoll.Posted) -> Work:
+        """The Work of an asynchronous collective begun on the issuing thread in the shared
+        segment (HostGroup.start): its input is in and this rank has arrived; it ends once
+        every rank has, with this rank's reads, made by a poll (test(), the torch layer's
+        progress thread), the thread that waits (Work.drive), or the segment's next
+        operation, whichever comes first. No driver thread takes part."""
+        self.paths["issuing thread"] += 1
+        name = self.comm.name
+
+        def drive(deadline: float) -> bool:
+            try:
+                posted.complete(deadline)
+            except hostcoll.Late as exc:
+                ranks = exc.ranks or None
+                raise CommTimeout(name, op, seq, self.timeout, ranks, str(exc)) from None
+            except hostcoll.Dead as exc:
+                raise PeerLost(f"group '{name}': {op} #{seq}: {exc}", exc.ranks) from None
+            return True
+
+        work = Work(self.comm, op, seq, posted.poll, drive=drive)
+        work.info = {"transport": "staged", "bytes": nbytes, "stages": 0}
         return work
 
     def _count(self, chunks: int) -> None:
