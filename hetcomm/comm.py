@@ -309,6 +309,11 @@ class Communicator(Entry):
                     return general.all_reduce(
                         self, route, x, out, inplace, False, timeout, self._last_entered
                     )
+        elif async_op and route.start is not None:
+            xh = host_view(x, inplace)
+            oh = xh if inplace or xh is None else host_view(out, True)
+            if oh is not None and (inplace or not may_share_memory(xh, oh)):
+                return self._start_prepared(route, timeout, (x, out), xh, oh)
         return general.all_reduce(self, route, x, out, inplace, async_op, timeout, None)
 
     def _route_all_reduce(
@@ -402,6 +407,10 @@ class Communicator(Entry):
                 ):
                     return None
                 return route.general(route, x, False, timeout, self._last_entered)
+        elif async_op and route.start is not None:
+            xh = host_view(x, write)
+            if xh is not None:
+                return self._start_prepared(route, timeout, (x,), xh)
         return route.general(route, x, async_op, timeout, None)
 
     def all_gather(
@@ -475,6 +484,11 @@ class Communicator(Entry):
                 ):
                     return None
                 return route.general(route, out, x, False, timeout, self._last_entered)
+        elif async_op and route.start is not None:
+            # a prepared start copies every input in before it writes an output: any overlap
+            xh, oh = host_view(x, False), host_view(out, True)
+            if xh is not None and oh is not None:
+                return self._start_prepared(route, timeout, (out, x), xh, oh)
         return route.general(route, out, x, async_op, timeout, None)
 
     def _route_blocks(

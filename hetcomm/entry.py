@@ -360,6 +360,22 @@ class Entry:
             raise self._mpi_error(route.op, seq, exc) from exc
         return seq
 
+    def _start_prepared(
+        self, route: Route, timeout: float | None, keep: tuple[Any, ...], *arrays: Any
+    ) -> Work | None:
+        """An asynchronous collective through the transport's prepared start (route.start,
+        given `arrays` as the prepared blocking call is), entered as the general path's are
+        (arrival, check, deferred start); `keep`: the caller's arrays, held by the Work."""
+        assert route.start is not None
+        route.runs += 1
+        if timeout is not None:
+            check_timeout(timeout, route.op)
+        try:
+            work = self._admit(route, partial(route.start, *arrays))
+        except MPI.Exception as exc:
+            raise self._mpi_error(route.op, self._seq, exc) from exc
+        return self._finish(work, True, timeout, keep)
+
     def _start_p2p(
         self, route: Route, x: Any, xh: np.ndarray, peer: int, tag: int, timeout: float | None
     ) -> Work:

@@ -340,12 +340,54 @@ class Prepared:
     def prepare_async(
         self, op: str, x: Buffer | None, out: Buffer | None, rop: ReduceOp | None, root: int
     ) -> Callable[..., Work] | None:
-        """The asynchronous start of a send or receive of one signature on host arrays: the
-        general path's MPI call on the array itself, and its Work (None: the general path)."""
-        if op not in ("send", "recv") or x is None or x.host is None or len(spans(x)) > 1:
+        """The asynchronous start of one signature on host arrays, and its Work (None: the
+        general path): a send's or receive's MPI call on the array itself; a collective's
+        persistent request (the general path's, so that ranks taking either path meet),
+        its input copied in here, its result out when complete, with no Buffer per call.
+        Called with the prepared blocking call's arguments (`prepare`)."""
+        if x is None or x.host is None or len(spans(x)) > 1:
             return None
-        start = self._start_send if op == "send" else self._start_recv
-        return partial(start, DATATYPES[x.dtype])
+        if op in ("send", "recv"):
+            start = self._start_send if op == "send" else self._start_recv
+            return partial(start, DATATYPES[x.dtype])
+        if out is not None and (out.host is None or len(spans(out)) > 1):
+            return None
+        if op == "barrier" or op not in persistent.INITS:
+            return None
+        if op in ("all_reduce", "reduce_scatter"):
+            self._t._reducible(x)
+        recipe = self._t._recipe(op, x.dtype, x.count, rop, root)
+        if recipe is None:
+            return None
+        at_root = self._mpi.Get_rank() == root
+        takes = op != "broadcast" or at_root
+        gives = {"broadcast": not at_root, "reduce": at_root}.get(op, True)
+        div = self._divisor(x, rop) if rop is not None and gives else None
+        nbytes = out.nbytes if op == "all_gather" and out is not None else x.nbytes
+        return partial(self._start_persistent, recipe, takes, gives, div, nbytes)
+
+    def _start_persistent(
+        self,
+        recipe: persistent.Recipe,
+        takes: bool,
+        gives: bool,
+        div: Callable[[np.ndarray], None] | None,
+        nbytes: int,
+        *arrays_and_seq: Any,
+    ) -> Work:
+        """The asynchronous start of a small collective through its persistent request: the
+        input (the first array, where `takes`) copied into its scratch here, the result out
+        (into the last array, where `gives`) once complete."""
+        slot = self._requests.take(recipe)
+        if takes:
+            slot.copy_in(arrays_and_seq[0])
+        deliver = finish = None
+        if gives:
+            o = arrays_and_seq[-2]
+            deliver = partial(slot.copy_out, o)
+            if div is not None:
+                finish = (partial(div, o),)
+        return self._t.start_slot(slot, arrays_and_seq[-1], deliver, finish or (), nbytes)
 
     def _start_send(self, dt: MPI.Datatype, xh: np.ndarray, dst: int, tag: int, seq: int) -> Work:
         busy = BusyPoll(self._mpi.Isend((xh, dt), dst, tag).Test)

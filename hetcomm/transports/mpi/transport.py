@@ -283,9 +283,26 @@ class MpiTransport(Transport):
                 _device_copy(address(slot.scratch), src.ptr, src.nbytes)
             else:
                 slot.scratch[...] = src.host
-        number = slot.begin(None if dst is None else partial(_copy_out, slot.out, dst), seq)
+        deliver = None if dst is None else partial(_copy_out, slot.out, dst)
+        # the bytes the general path sizes each collective by (see _start): an all_gather's
+        # output, the others' input
+        sized = dst if recipe.op == "all_gather" or src is None else src
+        return self.start_slot(slot, seq, deliver, finish, sized.nbytes if sized else 0)
+
+    def start_slot(
+        self,
+        slot: persistent.Slot,
+        seq: int,
+        deliver: Callable[[], None] | None,
+        finish: Sequence[Callable[[], None]],
+        nbytes: int,
+    ) -> Work:
+        """Start persistent collective `slot`, its input in its scratch (`deliver` copies
+        the result out once complete), and its Work: from this thread while the lane is idle,
+        else queued on the lane behind its jobs, so that it keeps its place in issue order."""
+        number = slot.begin(deliver, seq)
         poll = partial(slot.poll, number)
-        op, lane = recipe.op, self._lane
+        op, lane = slot.op, self._lane
         with lane.lock:
             if lane.idle():
                 slot.make().Start()
@@ -294,10 +311,6 @@ class MpiTransport(Transport):
             else:
                 job = slot.job = lane.submit(slot.run)
                 work = Work(self.comm, op, seq, poll, finish, waiter=job.wait)
-        # the bytes the general path sizes each collective by (see _start): an all_gather's
-        # output, the others' input
-        sized = dst if op == "all_gather" or src is None else src
-        nbytes = sized.nbytes if sized is not None else 0
         work.info = {"transport": "mpi", "bytes": nbytes, "stages": 1, "persistent": True}
         return work
 
@@ -313,8 +326,9 @@ class MpiTransport(Transport):
     def prepare_async(
         self, op: str, x: Buffer | None, out: Buffer | None, rop: ReduceOp | None, root: int
     ) -> Callable[..., Work] | None:
-        """The asynchronous start of a send or receive of one signature on host arrays
-        (mpi/prepared.py); None where the general path runs."""
+        """The asynchronous start of one signature on host arrays: sends, receives and the
+        collectives of persistent requests (mpi/prepared.py); None where the general path
+        runs."""
         return self._prepared.prepare_async(op, x, out, rop, root)
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
