@@ -488,19 +488,27 @@ def test_staged_large_and_small_sizes(staged, rng, errors):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_staged_timeout_names_the_missing_rank(staged, errors):
-    """A rank that never comes: the others' blocking all_reduce (check off, so the segment is
-    what waits) raises CommTimeout naming it, and the communicator is aborted."""
+@pytest.mark.parametrize("how", ["blocking", "async"])
+def test_staged_timeout_names_the_missing_rank(staged, errors, how):
+    """A rank that never comes: the others' all_reduce (check off, so the segment is what
+    waits), blocking or begun asynchronously on the calling thread and waited for, raises
+    CommTimeout naming it, and the communicator is aborted."""
     staged.all_reduce(np.ones(1000))  # the segment made (too large to travel in the check)
     creator = staged.mpi.bcast(os.getpid(), root=0)
     staged._checking = False
     staged._transports.live["staged"].timeout = 1.0  # read when a signature's call is prepared
     if staged.rank != 0:
+        t0 = time.monotonic()
         try:
-            staged.all_reduce(np.ones(1001))
+            if how == "blocking":
+                staged.all_reduce(np.ones(1001))
+            else:
+                staged.all_reduce(np.ones(1001), async_op=True).wait()
             errors.append("all_reduce completed without rank 0")
         except CommTimeout as exc:
             errors.expect(exc.missing == (0,), f"CommTimeout names {exc.missing}")
+            took = time.monotonic() - t0
+            errors.expect(took < 10, f"the transport's 1 s timeout took {took:.1f} s")
             errors.expect(staged._aborted is not None, "the communicator was not aborted")
     staged.mpi.Barrier()
     left = [f for f in os.listdir("/dev/shm") if f.startswith(f"hetcomm-hc-{creator}-")]

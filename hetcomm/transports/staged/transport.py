@@ -217,10 +217,11 @@ class StagedTransport(Transport):
         operation, whichever comes first. No driver thread takes part."""
         self.paths["issuing thread"] += 1
         name = self.comm.name
+        bound = time.monotonic() + self.timeout  # as a driver's body is bounded
 
         def drive(deadline: float) -> bool:
             try:
-                posted.complete(deadline)
+                posted.complete(min(deadline, bound))
             except hostcoll.Late as exc:
                 ranks = exc.ranks or None
                 raise CommTimeout(name, op, seq, self.timeout, ranks, str(exc)) from None
