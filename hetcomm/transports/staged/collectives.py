@@ -9,6 +9,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -150,12 +151,11 @@ def all_reduce(t: StagedTransport, x: Buffer, out: Buffer, op: ReduceOp, seq: in
     """Ring reduce-scatter then ring all-gather: each rank sends 2(n-1)/n of the data; small
     operations over a power-of-two group by recursive doubling instead; through the shared
     segment where the group is one host's ranks."""
-    xr = t._region(x)
 
     def run(group: hostcoll.HostGroup, src: Any, res: Any, deadline: float) -> None:
-        group.all_reduce(src, res, xr.nbytes, x.dtype, op, deadline)
+        group.all_reduce(src, res, x.nbytes, x.dtype, op, deadline)
 
-    ring = _all_reduce_ring(t, x, out, op, seq)
+    ring = partial(_all_reduce_ring, t, x, out, op, seq)
     return _through_segment(t, "all_reduce", seq, x, out, ring, run, (x.dtype, op))
 
 
@@ -165,18 +165,18 @@ def _through_segment(
     seq: int,
     x: Buffer,
     out: Buffer,
-    ring: Body,
+    ring: Callable[[], Body],
     run: Callable[[hostcoll.HostGroup, Any, Any, float], None],
     reduction: tuple[str, ReduceOp] | None = None,
 ) -> Body:
-    """Collective `name` #`seq` as `ring`, or where the group has a shared segment for x's
+    """Collective `name` #`seq` as `ring()`'s body, or where the group has a shared segment for x's
     size, `run(group, src, res, deadline)` in it: x copied into this rank's block first, the
     result out of it after (the operations whose input is x and whose output is out on every
     rank; `reduction`: their dtype and reduce op, for those that reduce)."""
-    xr, orr = t._region(x), t._region(out)
-    group = _segment(t, xr.nbytes)
+    group = _segment(t, x.nbytes)
     if group is None:
-        return ring
+        return ring()
+    xr, orr = t._region(x), t._region(out)
 
     def in_segment(deadline: float, ready: Any) -> None:
         src = _input(t, group, xr, ready)
@@ -222,7 +222,7 @@ def reduce_scatter(t: StagedTransport, out: Buffer, x: Buffer, op: ReduceOp, seq
     def run(group: hostcoll.HostGroup, src: Any, res: Any, deadline: float) -> None:
         group.reduce_scatter(src, res, x.nbytes, x.dtype, op, deadline)
 
-    ring = _reduce_scatter_ring(t, out, x, op, seq)
+    ring = partial(_reduce_scatter_ring, t, out, x, op, seq)
     return _through_segment(t, "reduce_scatter", seq, x, out, ring, run, (x.dtype, op))
 
 
@@ -250,11 +250,11 @@ def _reduce_scatter_ring(
 def reduce(t: StagedTransport, x: Buffer, op: ReduceOp, root: int, seq: int) -> Body:
     """Ring reduce-scatter on a scratch copy, then every rank sends its reduced block to root
     (or the shared segment)."""
-    xr = t._region(x)
-    ring = _reduce_ring(t, x, op, root, seq)
-    group = _segment(t, xr.nbytes)
+    ring = partial(_reduce_ring, t, x, op, root, seq)
+    group = _segment(t, x.nbytes)
     if group is None:
-        return ring
+        return ring()
+    xr = t._region(x)
 
     def in_segment(deadline: float, ready: Any) -> None:
         assert group is not None
@@ -299,11 +299,11 @@ def _reduce_ring(t: StagedTransport, x: Buffer, op: ReduceOp, root: int, seq: in
 def broadcast(t: StagedTransport, x: Buffer, root: int, seq: int) -> Body:
     """A chain from the root, cut into segments so that every link of the chain is busy (or
     the shared segment)."""
-    xr = t._region(x)
-    ring = _broadcast_chain(t, x, root, seq)
-    group = _segment(t, xr.nbytes)
+    ring = partial(_broadcast_chain, t, x, root, seq)
+    group = _segment(t, x.nbytes)
     if group is None:
-        return ring
+        return ring()
+    xr = t._region(x)
 
     def in_segment(deadline: float, ready: Any) -> None:
         assert group is not None
@@ -353,7 +353,7 @@ def all_gather(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Body:
     def run(group: hostcoll.HostGroup, src: Any, res: Any, deadline: float) -> None:
         group.all_gather(src, res, x.nbytes, deadline)
 
-    ring = _all_gather_ring(t, out, x, seq)
+    ring = partial(_all_gather_ring, t, out, x, seq)
     return _through_segment(t, "all_gather", seq, x, out, ring, run)
 
 
@@ -377,7 +377,7 @@ def all_to_all(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Body:
     def run(group: hostcoll.HostGroup, src: Any, res: Any, deadline: float) -> None:
         group.all_to_all(src, res, x.nbytes, deadline)
 
-    ring = _all_to_all_pairs(t, out, x, seq)
+    ring = partial(_all_to_all_pairs, t, out, x, seq)
     return _through_segment(t, "all_to_all", seq, x, out, ring, run)
 
 
@@ -469,14 +469,14 @@ def _on_segment(
     group: hostcoll.HostGroup,
     nbytes: int,
     body: Body,
-    ring: Body,
+    ring: Callable[[], Body],
     start: tuple[Any, ...],
 ) -> Body:
     """`body` in the segment at this operation's turn (drawn now, in the group's order of
-    operations); `ring` where the segment cannot take it (every rank finds so together).
-    `what`: the operation and its sequence number, for errors; `start`: HostGroup.start's
-    arguments after the ticket, for a start on the issuing thread (used where both arrays
-    are host memory)."""
+    operations); `ring()`'s body (made then) where the segment cannot take it (every rank
+    finds so together). `what`: the operation and its sequence number, for errors; `start`:
+    HostGroup.start's arguments after the ticket, for a start on the issuing thread (used
+    where both arrays are host memory)."""
     return _SegmentBody(t, what, group, nbytes, body, ring, start)
 
 
@@ -494,7 +494,7 @@ class _SegmentBody:
         group: hostcoll.HostGroup,
         nbytes: int,
         body: Body,
-        ring: Body,
+        ring: Callable[[], Body],
         start: tuple[Any, ...],
     ) -> None:
         self.t, self.what, self.group, self.nbytes = t, what, group, nbytes
@@ -510,7 +510,7 @@ class _SegmentBody:
             raise PeerTimeout(exc.ranks, str(exc)) from None
         except hostcoll.Dead as exc:
             raise PeerLost(f"group '{t.comm.name}': {self.what}: {exc}", exc.ranks) from None
-        self.ring(deadline, ready)
+        self.ring()(deadline, ready)
 
     def start(self) -> hostcoll.Posted | None:
         x, out = self.start_args[1:3]  # host arrays, None for device memory
