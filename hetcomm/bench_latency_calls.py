@@ -134,8 +134,10 @@ def wrong(arrays: Arrays, b: Buffers, dtype: str, peer: int | None) -> int:
 def result(b: Buffers) -> Any:
     """The array that holds b's result: x for the in-place forms that write x, else y (for
     all_gather and reduce_scatter in place, y is the view into the one buffer)."""
-    if b.op in ("reduce", "broadcast") or (
-        b.op in ("all_reduce", "all_to_all") and b.form in ("in-place", "async")
+    if (
+        b.op in ("reduce", "broadcast")
+        or (b.op == "all_reduce" and b.form in ("in-place", "async"))
+        or (b.op == "all_to_all" and b.form == "in-place")
     ):
         return b.x
     return b.y
@@ -211,6 +213,11 @@ def hetcomm_run(
         ("all_reduce", "async"): lambda s: comm.all_reduce(s.x, async_op=True).wait(),
         ("broadcast", "async"): lambda s: comm.broadcast(s.x, root, async_op=True).wait(),
         ("all_gather", "async"): lambda s: comm.all_gather(s.y, s.x, async_op=True).wait(),
+        ("reduce", "async"): lambda s: comm.reduce(s.x, root, async_op=True).wait(),
+        ("reduce_scatter", "async"): (
+            lambda s: comm.reduce_scatter(s.y, s.x, async_op=True).wait()
+        ),
+        ("all_to_all", "async"): lambda s: comm.all_to_all(s.y, s.x, async_op=True).wait(),
     }
     one = calls_of[(op, form)]
 
@@ -265,6 +272,13 @@ def mpi4py_run(raw: Any, op: str, form: str, sets: Sequence[Buffers]) -> Run:
         ("all_reduce", "async"): lambda s: raw.Iallreduce(inplace, s.x).Wait(),
         ("broadcast", "async"): lambda s: raw.Ibcast(s.x, root=root).Wait(),
         ("all_gather", "async"): lambda s: raw.Iallgather(s.x, s.y).Wait(),
+        ("reduce", "async"): (
+            (lambda s: raw.Ireduce(inplace, s.x, root=root).Wait())
+            if rank == root
+            else (lambda s: raw.Ireduce(s.x, None, root=root).Wait())
+        ),
+        ("reduce_scatter", "async"): lambda s: raw.Ireduce_scatter_block(s.x, s.y).Wait(),
+        ("all_to_all", "async"): lambda s: raw.Ialltoall(s.x, s.y).Wait(),
     }
     one = calls_of[(op, form)]
 
@@ -304,6 +318,13 @@ def torch_run(
             lambda s: dist.broadcast(s.x, root, group=group, async_op=True).wait()
         ),
         ("all_gather", "async"): (lambda s: gather(s.y, s.x, group=group, async_op=True).wait()),
+        ("reduce", "async"): lambda s: dist.reduce(s.x, root, group=group, async_op=True).wait(),
+        ("reduce_scatter", "async"): (
+            lambda s: scatter(s.y, s.x, group=group, async_op=True).wait()
+        ),
+        ("all_to_all", "async"): (
+            lambda s: dist.all_to_all_single(s.y, s.x, group=group, async_op=True).wait()
+        ),
     }
     one = calls_of.get((op, form))
     if one is None:

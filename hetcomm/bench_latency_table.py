@@ -18,12 +18,13 @@ from typing import Any
 
 #: (op, form) of every row of the host and device sections, in table order. "async": the call
 #: made asynchronous (async_op=True; MPI's non-blocking call) and waited for at once, in place
-#: for all_reduce and broadcast, out of place for all_gather
+#: for all_reduce, reduce and broadcast, out of place for the others
 FORMS: tuple[tuple[str, str], ...] = (
     ("all_reduce", "in-place"),
     ("all_reduce", "out-of-place"),
     ("all_reduce", "async"),
     ("reduce", "in-place"),
+    ("reduce", "async"),
     ("broadcast", "in-place"),
     ("broadcast", "async"),
     ("all_gather", "out-of-place"),
@@ -31,8 +32,10 @@ FORMS: tuple[tuple[str, str], ...] = (
     ("all_gather", "async"),
     ("reduce_scatter", "out-of-place"),
     ("reduce_scatter", "in-place"),
+    ("reduce_scatter", "async"),
     ("all_to_all", "out-of-place"),
     ("all_to_all", "in-place"),
+    ("all_to_all", "async"),
     ("sendrecv", "ping-pong"),
     ("all_reduce_coalesced", "in-place"),
     ("barrier", "-"),
