@@ -300,11 +300,13 @@ def test_async_sends_beside_blocking_collectives(hetcomm_comm, rng, errors):
 
 @pytest.mark.mpi(min_size=2)
 def test_cached_routes_refuse_after_an_abort(hetcomm_comm, errors):
-    """A communicator aborted by a timeout refuses its already-resolved calls at once."""
+    """A communicator aborted by a timeout refuses its already-resolved calls, blocking and
+    asynchronous, at once."""
     lonely = hetcomm_comm.dup(name="fast-abort")
     try:
         x = np.ones(3)
         lonely.all_reduce(x)
+        lonely.all_reduce(x, async_op=True).wait()  # its asynchronous route resolved too
         lonely.barrier()
         if lonely.rank == 0:
             lonely.send(x, 1, async_op=True).wait()
@@ -316,6 +318,7 @@ def test_cached_routes_refuse_after_an_abort(hetcomm_comm, errors):
                 errors.append("recv with nobody sending returned")
             for name, call in {
                 "all_reduce": lambda: lonely.all_reduce(x),
+                "all_reduce async": lambda: lonely.all_reduce(x, async_op=True),
                 "send async": lambda: lonely.send(x, 1, async_op=True),
                 "barrier": lonely.barrier,
             }.items():
