@@ -1,12 +1,14 @@
 """The direct transport's proxy: one thread per communicator that progresses its operations.
 
-An operation is a generator of waits (an MPI request, a list of them, GPU work, or None); the
-proxy advances every operation that can move and blocks only when none can (see Proxy). A
-blocking call may run its operation on the calling thread instead (Proxy.wait).
+An operation is a generator of waits (an MPI request, a list of them, GPU work, words of
+shared memory another process writes (`post.Polled`), or None); the proxy advances every
+operation that can move and blocks only when none can (see Proxy). A blocking call may run its
+operation on the calling thread instead (Proxy.wait).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -18,9 +20,11 @@ from mpi4py import MPI
 
 from ...kernels.device import on_device
 from ...trace import Stamps
-from .. import tags
+from .. import flags, tags
+from .post import Polled
 
-# a step of an operation waits for one of these: an MPI request, a GPU event, or nothing (None)
+# a step of an operation waits for one of these: an MPI request, a GPU event, shared words
+# (Polled), or nothing (None)
 Step = Generator[Any, None, None]
 
 
@@ -50,6 +54,11 @@ def _mpi_ready(w: Any) -> bool:
     if isinstance(w, list):
         return bool(MPI.Request.Testall(w))
     return bool(w.Test())
+
+
+def _on_cpu(w: Any) -> bool:
+    """Whether wait `w` is one on another process (MPI, shared words), not GPU work."""
+    return w.__class__ is Polled or isinstance(w, (MPI.Request, list))
 
 
 _POKE = np.zeros(1, np.int8)
@@ -196,19 +205,16 @@ class Proxy:
             while True:
                 w = task.waiting
                 if w is not None:
-                    if not isinstance(w, (MPI.Request, list)):
+                    if w.__class__ is Polled:
+                        if not w.test():
+                            return False
+                    elif not isinstance(w, (MPI.Request, list)):
                         if not self._gpu_done(w):  # the proxy synchronizes it when idle
                             return False
                     elif not _mpi_ready(w):
                         return False
                 if stamp.marks is not None:
-                    stamp(
-                        "start"
-                        if w is None
-                        else "gpu"
-                        if not isinstance(w, (MPI.Request, list))
-                        else "mpi"
-                    )
+                    stamp("start" if w is None else "mpi" if _on_cpu(w) else "gpu")
                 task.waiting = next(task.gen)
         except StopIteration:
             task.done = True
@@ -272,15 +278,18 @@ class Proxy:
             if self._advance(task):
                 return True
             w = task.waiting
-            if not isinstance(w, (MPI.Request, list)):
+            if not _on_cpu(w):
                 self._synchronize(w)
             elif time.monotonic() > until:
                 return False
+            elif w.__class__ is Polled:
+                os.sched_yield()  # the writer may need this core (flags)
 
     def _loop(self) -> None:
         self.cupy.cuda.Device(self.device).use()
         self.stream = self.cupy.cuda.Stream(non_blocking=True)
         self._started.set()
+        quiet_since: float | None = None  # since when nothing moved while words were waited on
         while True:
             with self._lock:
                 if self._stop:
@@ -298,17 +307,35 @@ class Proxy:
                 self._p2p = [t for t in self._p2p if t not in ended]
                 moved = True
             if moved:
+                quiet_since = None
                 continue
             active = ([self._colls[0]] if self._colls else []) + self._p2p
-            gpu = next(
-                (t.waiting for t in active if not isinstance(t.waiting, (MPI.Request, list))), None
-            )
+            gpu = next((t.waiting for t in active if not _on_cpu(t.waiting)), None)
             if gpu is not None:
                 # every other operation waits for GPU work or for another rank: the GPU work
                 # finishes on its own, so waiting for it blocks nobody for long. Operations
                 # that launched their GPU work and wait for it no longer hold back the ones
                 # behind them (back-to-back copies queue on the stream together)
                 self._synchronize(gpu)
+                continue
+            if any(t.waiting.__class__ is Polled for t in active):
+                # shared words have no request to block in: look again after a yield, then
+                # after naps that grow to a millisecond (flags), each cut short by a new
+                # operation (submit notifies `_idle`); MPI requests move on in the Test
+                now = time.monotonic()
+                if quiet_since is None:
+                    quiet_since = now
+                for t in active:
+                    w = t.waiting
+                    if w.__class__ is not Polled:
+                        _mpi_ready(w)
+                if now - quiet_since < flags.YIELD_SECONDS:
+                    os.sched_yield()
+                    continue
+                with self._lock:
+                    if not self._new and not self._stop:
+                        nap = min(flags.NAP_MAX, max(2e-5, (now - quiet_since) / 16))
+                        self._idle.wait(nap)
                 continue
             waiting: list[MPI.Request] = [self._wake]
             for t in active:

@@ -506,6 +506,10 @@ class EagerIn(_Ring):
         cma.read(self.pid, w[row + ADDR], local, found.nbytes)
         return w[row + KIND] == PULL  # read after the data: see the module's docstring
 
+    def withdrawn(self, found: Found) -> bool:
+        """Whether the sender has taken back the lent message `found` (KIND rewritten GONE)."""
+        return self.words[(found.slot + 1) * _ROW + KIND] == GONE
+
     def free(self, found: Found, status: int = NOT_READ) -> None:
         """Hand a taken slot back to the sender; `status`: the bytes a receive took of a PULL
         message."""
