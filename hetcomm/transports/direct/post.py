@@ -57,12 +57,13 @@ _NAME_BYTES = 96  # a ring's name as it travels (ASCII, zero-padded; empty: no r
 
 class Polled:
     """A wait on words another process writes: there is no MPI request to block in, so the
-    proxy calls `test` until it holds (direct/proxy.py)."""
+    proxy calls `test` until it holds (direct/proxy.py); `ring`: the ring whose publish ends
+    it, whose sender wakes a thread dozing on it (`EagerIn.doze`), or None."""
 
-    __slots__ = ("test",)
+    __slots__ = ("ring", "test")
 
-    def __init__(self, test: Any) -> None:
-        self.test = test
+    def __init__(self, test: Any, ring: EagerIn | None = None) -> None:
+        self.test, self.ring = test, ring
 
 
 Step = Generator[Any, None, None]
@@ -185,7 +186,7 @@ class _RingExpected:
         self.ring, self.tag, self.number = ring, tag, number
         self.found: Any = None
         self.record = np.empty(1, RECORD)
-        self.wait: Any = Polled(self.test)
+        self.wait: Any = Polled(self.test, ring)
 
     def test(self) -> bool:
         if self.found is not None:

@@ -8,6 +8,7 @@ operation on the calling thread instead (Proxy.wait).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -122,6 +123,12 @@ class Proxy:
         self._pokes: list[MPI.Request] = []
         self._wake_buf = np.zeros(1, np.int8)
         self._wake = svc.Irecv(self._wake_buf, self.rank, tags.DIRECT_WAKE)
+        # while it dozes on a record ring (a receive's record to come), a new operation wakes
+        # it through this pipe
+        self._dozing = False
+        self._pipe = os.pipe()
+        for fd in self._pipe:
+            os.set_blocking(fd, False)
         self.stream: Any = None
         self._thread = threading.Thread(target=self._loop, name="hetcomm-direct-proxy", daemon=True)
         self._started = threading.Event()
@@ -171,6 +178,9 @@ class Proxy:
         self._unwoken = False
         if self._in_mpi:
             self._poke()
+        elif self._dozing:
+            with contextlib.suppress(OSError):  # a full pipe has woken it already
+                os.write(self._pipe[1], b"\x01")
         else:
             self._idle.notify()
 
@@ -332,10 +342,8 @@ class Proxy:
                 if now - quiet_since < flags.YIELD_SECONDS:
                     os.sched_yield()
                     continue
-                with self._lock:
-                    if not self._new and not self._stop:
-                        nap = min(flags.NAP_MAX, max(2e-5, (now - quiet_since) / 16))
-                        self._idle.wait(nap)
+                nap = min(flags.NAP_MAX, max(2e-5, (now - quiet_since) / 16))
+                self._nap(active, nap)
                 continue
             waiting: list[MPI.Request] = [self._wake]
             for t in active:
@@ -355,14 +363,41 @@ class Proxy:
             if woke == 0:
                 self._wake = self.svc.Irecv(self._wake_buf, self.rank, tags.DIRECT_WAKE)
 
+    def _nap(self, active: list[Task], seconds: float) -> None:
+        """Sleep up to `seconds` while operations wait on shared words, woken early by a new
+        operation, and by the publish of a record that one of them waits for (a receive's
+        record to come: the proxy dozes on its ring; the others are seen when it wakes)."""
+        ring = next(
+            (t.waiting.ring for t in active if t.waiting.__class__ is Polled and t.waiting.ring),
+            None,
+        )
+        with self._lock:
+            if self._new or self._stop:
+                return
+            if ring is None:
+                self._idle.wait(seconds)
+                return
+            self._dozing = True
+        try:
+            ring.doze(seconds, (self._pipe[0],))
+        finally:
+            with self._lock:
+                self._dozing = False
+            with contextlib.suppress(OSError):
+                os.read(self._pipe[0], 4096)  # the wake-ups, all at once
+
     def stop(self) -> None:
         """Stop the proxy thread and join it (up to 5 s), then settle its wake-up messages."""
         with self._lock:
             self._stop = True
             self._poke()
             self._idle.notify()
+            if self._dozing:
+                os.write(self._pipe[1], b"\x01")
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
+            for fd in self._pipe:
+                os.close(fd)
             # the last wake-up receive is still posted: a message of our own completes it
             if not self._wake.Test():
                 self.svc.Send(_POKE, self.rank, tags.DIRECT_WAKE)

@@ -468,15 +468,19 @@ class EagerIn(_Ring):
         at = found.slot * self.slot_bytes
         dst.data[:] = self._bytes[at : at + found.nbytes]
 
-    def doze(self, seconds: float) -> None:
+    def doze(self, seconds: float, also: tuple[int, ...] = ()) -> None:
         """Sleep up to `seconds` or until the sender publishes (flags.wait's nap, for waits
-        on this ring): not at all where TOTAL has moved since the last look into the ring
+        on this ring), or one of the file descriptors `also` becomes readable (the caller's
+        own wake-up): not at all where TOTAL has moved since the last look into the ring
         (`progress`, `take`), so a wait's `ready()` must end with the look that finds what it
         waits for. A publish that misses the poke (the sender read DOZING before this rank's
         store reached it) is seen when `seconds` have passed, as a nap's would be."""
         fd = self._wake
         if fd is None:
-            time.sleep(seconds)
+            if also:
+                select.select(also, (), (), seconds)
+            else:
+                time.sleep(seconds)
             return
         w = self.words
         with self.lock:
@@ -484,7 +488,7 @@ class EagerIn(_Ring):
             w[DOZING] = self._dozers
         try:
             if w[TOTAL] == self._looked:  # nothing published since the last look: sleep
-                select.select((fd,), (), (), seconds)
+                select.select((fd, *also), (), (), seconds)
             try:
                 poked = os.read(fd, 4096)  # the pokes, all at once
             except BlockingIOError:
