@@ -19,9 +19,6 @@ STAGED_HEAD, STAGED_BODY = 13, 14
 HOSTCOLL = 15
 #: nccl: the unique id rank 0 of a pair or group hands to the others
 NCCL_UID = 21
-#: direct: the names of the record rings two ranks swap at their first send/recv, then whether
-#: each mapped the other's
-DIRECT_HELLO = 62
 #: direct: a message the proxy sends itself to leave MPI_Waitany
 DIRECT_WAKE = 63
 
@@ -66,7 +63,6 @@ def service_ranges(tag_ub: int = MIN_TAG_UB) -> dict[str, range]:
         "staged mpi-rail body": STAGED_BODY,
         "hostcoll segment name": HOSTCOLL,
         "nccl unique id": NCCL_UID,
-        "direct ring names": DIRECT_HELLO,
         "direct proxy wake": DIRECT_WAKE,
     }
     ranges = {name: range(tag, tag + 1) for name, tag in fixed.items()}

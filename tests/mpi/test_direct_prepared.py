@@ -6,10 +6,8 @@ copy between those addresses, and every stream and event is done. So the protoco
 CPU as it does on the GPU: the lender's record, the copy by the rank the schedule names, the
 copier's "done" with its size, in both copier layouts (the receiver copies between ranks on two
 GPUs; the lower rank copies both ways on a shared one); a size that differs fails on both
-ends, naming both sizes, and the pair goes on; a call finding the proxy busy moves nothing; a
-record its lender took back is not copied. Each with the records and "done"s through shared
-words and through MPI messages (direct/post.py). tests/gpu/test_direct_gpu.py runs the same
-calls on the GPU.
+ends, naming both sizes, and the pair goes on; a call finding the proxy busy moves nothing.
+tests/gpu/test_direct_gpu.py runs the same calls on the GPU.
 """
 
 from __future__ import annotations
@@ -24,9 +22,7 @@ from mpi4py import MPI
 
 from hetcomm import InvalidArgument
 from hetcomm.transports import tags
-from hetcomm.transports.direct import proxy as proxy_mod
 from hetcomm.transports.direct.peer import RECORD
-from hetcomm.transports.direct.post import Posts, Withdrawn
 from hetcomm.transports.direct.prepared import PreparedP2P
 from hetcomm.transports.direct.proxy import Proxy, Task
 from hetcomm.transports.direct.transport import DirectTransport
@@ -90,10 +86,9 @@ class _Peers:
         pass
 
 
-@pytest.fixture(params=["shared words", "MPI messages"])
-def pair(request, hetcomm_comm):
-    """Ranks 0 and 1's prepared calls over a shared window, the records through shared words
-    or MPI messages; other ranks take no part."""
+@pytest.fixture
+def pair(hetcomm_comm):
+    """Ranks 0 and 1's prepared calls over a shared window; other ranks take no part."""
     mpi = hetcomm_comm.mpi.Split(0 if hetcomm_comm.rank < 2 else MPI.UNDEFINED, hetcomm_comm.rank)
     if mpi == MPI.COMM_NULL:
         yield None
@@ -106,13 +101,7 @@ def pair(request, hetcomm_comm):
     svc = mpi.Dup()
     proxy = Proxy(0, _CUPY, svc)
     rank = mpi.Get_rank()
-    posts = Posts(svc, rank)
-    if request.param == "MPI messages":
-        posts.why = "forced by the test"
-    elif posts.why is not None:
-        pytest.skip(f"no shared words here: {posts.why}")
     t = types.SimpleNamespace(
-        posts=posts,
         svc=svc,
         cupy=_CUPY,
         rank=rank,
@@ -135,7 +124,6 @@ def pair(request, hetcomm_comm):
     finally:
         proxy.stop()
         mpi.Barrier()
-        posts.close()
         win.Free()
         for c in (svc, shared, mpi):
             c.Free()
@@ -241,141 +229,4 @@ def test_prepared_call_finding_the_proxy_busy_moves_nothing(pair, hetcomm_comm, 
             problems.append("the proxy never finished its operation")
         pair.mpi.Barrier()
     errors.expect(not problems, "; ".join(problems))
-    errors.verify()
-
-
-@pytest.mark.mpi(min_size=2)
-def test_prepared_copier_copies_nothing_of_a_record_taken_back(pair, hetcomm_comm, errors):
-    """Rank 0's send gives up after publishing its record (a timed-out wait takes it back);
-    rank 1's receive then fails naming rank 0, its buffer untouched, and the next message
-    goes through. Through MPI messages a record cannot be taken back: it is copied."""
-    problems = []
-    if pair is not None:
-        me, peer, posts = pair.rank, 1 - pair.rank, pair.t.posts
-        pair.prepared._steps(posts.open(peer), "send" if me == 0 else "recv", 0)
-        ring = (posts._out if me == 0 else posts._in).get(peer) is not None
-        pair.mine[:] = 0
-        pair.mine[:8] = 9
-        lent = None
-        if me == 0:
-            rec = pair.t.peers.describe(pair.mine.ctypes.data, 8, ())
-            tagged = pair.t._tags(4, "send", False)
-            lent = posts.lend(peer, "send", 4, posts.number("send", peer, 4), tagged, rec)
-            lent.test()
-            lent.withdraw()
-        pair.mpi.Barrier()
-        if me == 1:
-            try:
-                _call(pair, "recv", PART // 2, 8, 1, tag=4)
-                if ring:
-                    problems.append("a record taken back was copied")
-            except Withdrawn as exc:
-                if not ring or "rank 0" not in str(exc):
-                    problems.append(f"unexpected error: {exc}")
-            copied = pair.mine[PART // 2 : PART // 2 + 8]
-            if (copied == (0 if ring else 9)).all() is np.False_:
-                problems.append(f"the receive buffer holds {copied.tolist()}")
-        pair.mpi.Barrier()
-        pair.mine[PART // 2 : PART // 2 + 8] = 0
-        pair.mine[:8] = 5
-        pair.mpi.Barrier()
-        if me == 0:
-            _call(pair, "send", 0, 8, 2, tag=4)
-            if not ring and not lent.test():
-                lent.reqs[1].Wait()  # its "done", answered before the next message's
-        else:
-            _call(pair, "recv", PART // 2, 8, 2, tag=4)
-            if not (pair.mine[PART // 2 : PART // 2 + 8] == 5).all():
-                problems.append("the message after a withdrawn one went wrong")
-    errors.expect(not problems, "; ".join(problems))
-    errors.verify()
-
-
-class _Buf:
-    """What the general path reads of a Buffer, for bytes of the shared window."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.ptr, self.nbytes = ptr, nbytes
-
-    def describe(self) -> str:
-        return f"{self.nbytes} bytes"
-
-
-def _general(pair) -> DirectTransport:
-    """A DirectTransport of the stand-in's parts whose sends and receives take the proxy's
-    path (records published by the proxy thread, its waits on shared words polled)."""
-    t = object.__new__(DirectTransport)
-    for name in ("svc", "rank", "device", "_devices", "_proxy", "peers", "comm", "posts"):
-        setattr(t, name, getattr(pair.t, name))
-    t._lead_tag, t._lent, t.name = pair.t._lead_tag, {}, "direct"
-    t._check = lambda op, bufs: None
-    t._ready = lambda b: None
-    t._copy = lambda dst, src, nbytes: ctypes.memmove(dst, src, nbytes)
-    t._sync = lambda: iter(())
-    return t
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("layout", ["two GPUs", "one GPU"])
-def test_general_path_many_in_flight_and_mixed_with_prepared(
-    pair, hetcomm_comm, errors, rng, layout, monkeypatch
-):
-    """Asynchronous sends and receives on the proxy, several user tags in flight at once and
-    received in another order than sent, then blocking calls where one rank takes the
-    prepared path and the other the proxy's: every message lands whole, nothing beside it."""
-    problems = []
-    # a blocking call's operation run on the calling thread (Proxy.wait), with no device
-    monkeypatch.setattr(proxy_mod, "on_device", lambda device, fn, *args: fn(*args))
-    if pair is not None:
-        if layout == "one GPU":
-            pair.t._devices = ["gpu0", "gpu0"]
-        t, me, peer = _general(pair), pair.rank, 1 - pair.rank
-        count, size = 24, 512  # messages of `size` bytes, tags 0..2 in turn
-        data = rng.integers(1, 256, (2, count, size), dtype=np.uint8)
-        out_at = PART // 2
-        pair.mine[:] = 0
-        for k in range(count):
-            pair.mine[k * size : (k + 1) * size] = data[me, k]
-        pair.mpi.Barrier()
-        order = list(range(count))
-        if me == 1:
-            order = sorted(order, key=lambda k: (-(k % 3), k))  # by tag, last tag first
-        works = []
-        for k in order:
-            if (me == 0) == (k % 2 == 0):  # even messages rank 0 -> 1, odd ones 1 -> 0
-                works.append(t.send(_Buf(pair.mine.ctypes.data + k * size, size), peer, k % 3, k))
-            else:
-                dst = _Buf(pair.mine.ctypes.data + out_at + PAD + k * (size + PAD), size)
-                works.append(t.recv(dst, peer, k % 3, k))
-        for w in works:
-            w.wait()
-        for k in range(count):
-            if (me == 0) == (k % 2 == 0):
-                continue
-            at = out_at + PAD + k * (size + PAD)
-            if not np.array_equal(pair.mine[at : at + size], data[peer, k]):
-                problems.append(f"message {k} (tag {k % 3}) wrong")
-            if pair.mine[at - PAD : at].any():
-                problems.append(f"message {k}: wrote before the receive buffer")
-        # blocking calls: rank 0 prepared, rank 1 the proxy's path, both directions
-        pair.mpi.Barrier()
-        for first in (0, 1):
-            pair.mine[out_at : out_at + 64] = 0
-            pair.mpi.Barrier()
-            if me == 0:
-                if me == first:
-                    ok = _call(pair, "send", 0, 64, 100 + first, tag=1)
-                else:
-                    ok = _call(pair, "recv", out_at, 64, 100 + first, tag=1)
-                if not ok:
-                    problems.append("the prepared call declined an idle proxy")
-            elif me == first:
-                t.send(_Buf(pair.mine.ctypes.data, 64), peer, 1, 100 + first).wait()
-            else:
-                t.recv(_Buf(pair.mine.ctypes.data + out_at, 64), peer, 1, 100 + first).wait()
-            if me != first and not np.array_equal(
-                pair.mine[out_at : out_at + 64], data[peer, 0, :64]
-            ):
-                problems.append(f"mixed paths, sender {first}: wrong data")
-    errors.expect(not problems, "; ".join(problems[:6]))
     errors.verify()

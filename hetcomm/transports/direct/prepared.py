@@ -2,13 +2,12 @@
 send or receive of device memory, run start to end on the calling thread while the proxy has
 nothing queued or in flight, with no Buffer, Task or Work per call.
 
-It exchanges what the proxy's path does (DirectTransport._copier and _lender), through the same
-posts (direct/post.py: shared words, or MPI messages): the lending side's buffer record, then
-the copying side's "done" with the size it copied, numbered alike, so that either rank of a
-pair may take either path. What differs is where the work runs: the copy goes on the caller's
-stream itself (ordered after what the caller queued there, with no event between two streams),
-a buffer's record is made once per address and allocation, and every wait is a poll on this
-thread, bounded by the call's timeout.
+It exchanges the messages the proxy's path does (DirectTransport._copier and _lender): the
+lending side's buffer record, then the copying side's "done" with the size it copied, under
+the same tags and in the same order, so that either rank of a pair may take either path. What
+differs is where the work runs: the copy goes on the caller's stream itself (ordered after what
+the caller queued there, with no event between two streams), a buffer's record is made once per
+address and allocation, and every wait is a poll on this thread, bounded by the call's timeout.
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ from mpi4py import MPI
 
 from ...work import BusyPoll, wait_for
 from . import schedule
-from .post import NOT_READ, Polled, check_copied, withdrawn_error
-from .proxy import Step, stamp
+from .peer import RECORD
+from .proxy import stamp
 
 if TYPE_CHECKING:
     from ...arrays import Buffer
@@ -45,6 +44,10 @@ class PreparedP2P:
         self.svc: MPI.Intracomm = t.svc
         self.rt = t.cupy.cuda.runtime
         self._records: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
+        self._got = np.empty(1, RECORD)  # the lender's record, on the copying side
+        # "done": the bytes the copier copied (sent from it on the copying side, received
+        # into it on the lending side: a call is one or the other)
+        self._done = np.zeros(1, np.int64)
         self._event: Any = None  # the copy's (or the caller's stream's) end, reused
 
     def prepare(self, op: str, x: Buffer | None) -> Callable[..., bool] | None:
@@ -91,17 +94,13 @@ class PreparedP2P:
             return False
         try:
             stamp("prepared")
-            posts = t.posts
-            if peer not in posts.opened:
-                self._steps(posts.open(peer), op, seq)
-            number = posts.number(op, peer, tag)
             s = t.device_kernels.external_stream(stream(), t.device)
             if self._event is None:
                 self._event = t.cupy.cuda.Event(disable_timing=True)
             if copier:
-                self._copy(op, nbytes, what, s, ptr, peer, tag, number, tags, seq)
+                self._copy(op, nbytes, what, s, ptr, peer, tags, seq)
             else:
-                self._lend(op, nbytes, what, s, ptr, peer, tag, number, tags, seq)
+                self._lend(op, nbytes, what, s, ptr, peer, tags, seq)
         finally:
             proxy.release()
         return True
@@ -114,35 +113,26 @@ class PreparedP2P:
         s: Any,
         ptr: int,
         peer: int,
-        tag: int,
-        number: int,
         tags: tuple[int, int],
         seq: int,
     ) -> None:
         """The copying side: the peer's record, the copy on the caller's stream, its end, then
         "done" with the size copied (the peer's buffer is free once it reads that)."""
-        t = self.t
-        expected = t.posts.expect(peer, op, tag, number, tags)
-        self._wait(expected.test, op, seq)
-        got = expected.record
+        t, got = self.t, self._got
+        self._wait(self.svc.Irecv(got.view(np.uint8), peer, tags[0]).Test, op, seq)
         theirs = int(got.view(np.uint64)[2])  # the record's nbytes
-        ok = theirs == nbytes
-        gone = ok and expected.withdrawn()
-        if ok and not gone:
+        if theirs == nbytes:
             mapped, _ = t.peers.address(peer, got)
             stamp("resolved")
             dst, src = (mapped, ptr) if op == "send" else (ptr, mapped)
             self.rt.memcpyAsync(dst, src, nbytes, D2D, s.ptr)
             stamp("copy queued")
             self._reach(s, op, seq)
-        elif not ok:
+        else:
             t.peers.learn(peer, got[0])  # its handle may come only this once
-        req = expected.answer(NOT_READ if gone else nbytes)
-        if req is not None:
-            self._wait(req.Test, op, seq)
-        if gone:
-            raise withdrawn_error(op, peer)
-        if not ok:
+        self._done[0] = nbytes
+        self._wait(self.svc.Isend(self._done, peer, tags[1]).Test, op, seq)
+        if theirs != nbytes:
             raise t._mismatch(op, peer, theirs, nbytes, what)
 
     def _lend(
@@ -153,8 +143,6 @@ class PreparedP2P:
         s: Any,
         ptr: int,
         peer: int,
-        tag: int,
-        number: int,
         tags: tuple[int, int],
         seq: int,
     ) -> None:
@@ -163,20 +151,15 @@ class PreparedP2P:
         if not s.done:
             self._reach(s, op, seq)
         stamp("ready")
-        t = self.t
-        lent = t.posts.lend(peer, op, tag, number, tags, self._record(ptr, nbytes))
-        try:
-            self._wait(lent.test, op, seq)
-        except BaseException:
-            lent.withdraw()  # timed out: the peer must not copy into a buffer given back
-            raise
-        check_copied(
-            op,
-            peer,
-            lent.copied(),
-            nbytes,
-            lambda theirs: t._mismatch(op, peer, theirs, nbytes, what),
-        )
+        rec = self._record(ptr, nbytes)
+        done = self._done
+        reqs = [
+            self.svc.Isend(rec.view(np.uint8), peer, tags[0]),
+            self.svc.Irecv(done, peer, tags[1]),
+        ]
+        self._wait(partial(MPI.Request.Testall, reqs), op, seq)
+        if done[0] != nbytes:
+            raise self.t._mismatch(op, peer, int(done[0]), nbytes, what)
 
     def _record(self, ptr: int, nbytes: int) -> np.ndarray:
         """The full record (handle included) of `nbytes` at `ptr`: kept while the allocation at
@@ -199,16 +182,6 @@ class PreparedP2P:
         event = self._event
         event.record(s)
         self._wait(partial(getattr, event, "done"), op, seq)
-
-    def _steps(self, step: Step, op: str, seq: int) -> None:
-        """Run `step` (its waits: MPI requests, shared words) here to its end."""
-        for w in step:
-            if w.__class__ is Polled:
-                self._wait(w.test, op, seq)
-            elif isinstance(w, list):
-                self._wait(partial(MPI.Request.Testall, w), op, seq)
-            elif w is not None:
-                self._wait(w.Test, op, seq)
 
     def _wait(self, poll: Callable[[], Any], op: str, seq: int) -> None:
         """Wait here for `poll`: a few polls, then the bounded wait (the call's timeout)."""

@@ -1,15 +1,12 @@
 """The direct transport's proxy: one thread per communicator that progresses its operations.
 
-An operation is a generator of waits (an MPI request, a list of them, GPU work, words of
-shared memory another process writes (`post.Polled`), or None); the proxy advances every
-operation that can move and blocks only when none can (see Proxy). A blocking call may run its
-operation on the calling thread instead (Proxy.wait).
+An operation is a generator of waits (an MPI request, a list of them, GPU work, or None); the
+proxy advances every operation that can move and blocks only when none can (see Proxy). A
+blocking call may run its operation on the calling thread instead (Proxy.wait).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 import time
 from collections import deque
@@ -21,11 +18,9 @@ from mpi4py import MPI
 
 from ...kernels.device import on_device
 from ...trace import Stamps
-from .. import flags, tags
-from .post import Polled
+from .. import tags
 
-# a step of an operation waits for one of these: an MPI request, a GPU event, shared words
-# (Polled), or nothing (None)
+# a step of an operation waits for one of these: an MPI request, a GPU event, or nothing (None)
 Step = Generator[Any, None, None]
 
 
@@ -55,11 +50,6 @@ def _mpi_ready(w: Any) -> bool:
     if isinstance(w, list):
         return bool(MPI.Request.Testall(w))
     return bool(w.Test())
-
-
-def _on_cpu(w: Any) -> bool:
-    """Whether wait `w` is one on another process (MPI, shared words), not GPU work."""
-    return w.__class__ is Polled or isinstance(w, (MPI.Request, list))
 
 
 _POKE = np.zeros(1, np.int8)
@@ -123,12 +113,6 @@ class Proxy:
         self._pokes: list[MPI.Request] = []
         self._wake_buf = np.zeros(1, np.int8)
         self._wake = svc.Irecv(self._wake_buf, self.rank, tags.DIRECT_WAKE)
-        # while it dozes on a record ring (a receive's record to come), a new operation wakes
-        # it through this pipe
-        self._dozing = False
-        self._pipe = os.pipe()
-        for fd in self._pipe:
-            os.set_blocking(fd, False)
         self.stream: Any = None
         self._thread = threading.Thread(target=self._loop, name="hetcomm-direct-proxy", daemon=True)
         self._started = threading.Event()
@@ -178,9 +162,6 @@ class Proxy:
         self._unwoken = False
         if self._in_mpi:
             self._poke()
-        elif self._dozing:
-            with contextlib.suppress(OSError):  # a full pipe has woken it already
-                os.write(self._pipe[1], b"\x01")
         else:
             self._idle.notify()
 
@@ -215,16 +196,19 @@ class Proxy:
             while True:
                 w = task.waiting
                 if w is not None:
-                    if w.__class__ is Polled:
-                        if not w.test():
-                            return False
-                    elif not isinstance(w, (MPI.Request, list)):
+                    if not isinstance(w, (MPI.Request, list)):
                         if not self._gpu_done(w):  # the proxy synchronizes it when idle
                             return False
                     elif not _mpi_ready(w):
                         return False
                 if stamp.marks is not None:
-                    stamp("start" if w is None else "mpi" if _on_cpu(w) else "gpu")
+                    stamp(
+                        "start"
+                        if w is None
+                        else "gpu"
+                        if not isinstance(w, (MPI.Request, list))
+                        else "mpi"
+                    )
                 task.waiting = next(task.gen)
         except StopIteration:
             task.done = True
@@ -288,18 +272,15 @@ class Proxy:
             if self._advance(task):
                 return True
             w = task.waiting
-            if not _on_cpu(w):
+            if not isinstance(w, (MPI.Request, list)):
                 self._synchronize(w)
             elif time.monotonic() > until:
                 return False
-            elif w.__class__ is Polled:
-                os.sched_yield()  # the writer may need this core (flags)
 
     def _loop(self) -> None:
         self.cupy.cuda.Device(self.device).use()
         self.stream = self.cupy.cuda.Stream(non_blocking=True)
         self._started.set()
-        quiet_since: float | None = None  # since when nothing moved while words were waited on
         while True:
             with self._lock:
                 if self._stop:
@@ -317,33 +298,17 @@ class Proxy:
                 self._p2p = [t for t in self._p2p if t not in ended]
                 moved = True
             if moved:
-                quiet_since = None
                 continue
             active = ([self._colls[0]] if self._colls else []) + self._p2p
-            gpu = next((t.waiting for t in active if not _on_cpu(t.waiting)), None)
+            gpu = next(
+                (t.waiting for t in active if not isinstance(t.waiting, (MPI.Request, list))), None
+            )
             if gpu is not None:
                 # every other operation waits for GPU work or for another rank: the GPU work
                 # finishes on its own, so waiting for it blocks nobody for long. Operations
                 # that launched their GPU work and wait for it no longer hold back the ones
                 # behind them (back-to-back copies queue on the stream together)
                 self._synchronize(gpu)
-                continue
-            if any(t.waiting.__class__ is Polled for t in active):
-                # shared words have no request to block in: look again after a yield, then
-                # after naps that grow to a millisecond (flags), each cut short by a new
-                # operation (submit notifies `_idle`); MPI requests move on in the Test
-                now = time.monotonic()
-                if quiet_since is None:
-                    quiet_since = now
-                for t in active:
-                    w = t.waiting
-                    if w.__class__ is not Polled:
-                        _mpi_ready(w)
-                if now - quiet_since < flags.YIELD_SECONDS:
-                    os.sched_yield()
-                    continue
-                nap = min(flags.NAP_MAX, max(2e-5, (now - quiet_since) / 16))
-                self._nap(active, nap)
                 continue
             waiting: list[MPI.Request] = [self._wake]
             for t in active:
@@ -363,41 +328,14 @@ class Proxy:
             if woke == 0:
                 self._wake = self.svc.Irecv(self._wake_buf, self.rank, tags.DIRECT_WAKE)
 
-    def _nap(self, active: list[Task], seconds: float) -> None:
-        """Sleep up to `seconds` while operations wait on shared words, woken early by a new
-        operation, and by the publish of a record that one of them waits for (a receive's
-        record to come: the proxy dozes on its ring; the others are seen when it wakes)."""
-        ring = next(
-            (t.waiting.ring for t in active if t.waiting.__class__ is Polled and t.waiting.ring),
-            None,
-        )
-        with self._lock:
-            if self._new or self._stop:
-                return
-            if ring is None:
-                self._idle.wait(seconds)
-                return
-            self._dozing = True
-        try:
-            ring.doze(seconds, (self._pipe[0],))
-        finally:
-            with self._lock:
-                self._dozing = False
-            with contextlib.suppress(OSError):
-                os.read(self._pipe[0], 4096)  # the wake-ups, all at once
-
     def stop(self) -> None:
         """Stop the proxy thread and join it (up to 5 s), then settle its wake-up messages."""
         with self._lock:
             self._stop = True
             self._poke()
             self._idle.notify()
-            if self._dozing:
-                os.write(self._pipe[1], b"\x01")
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
-            for fd in self._pipe:
-                os.close(fd)
             # the last wake-up receive is still posted: a message of our own completes it
             if not self._wake.Test():
                 self.svc.Send(_POKE, self.rank, tags.DIRECT_WAKE)

@@ -13,11 +13,10 @@ on sleeps. The result is visible on the caller's stream once the Work is complet
 Send/recv: one rank of each pair does the copies (direct_schedule.copier): the receiver, or on a
 shared GPU the lower rank in both directions, which spares the GPU a switch between the two
 processes' contexts per message. The other rank lends its buffer: once its stream has the buffer
-ready it publishes the buffer's record, records of one peer and tag strictly in issue order,
-and waits for the copier's "done"; record and "done" go through shared words where the host
-keeps stores in order, else as MPI messages (direct/post.py). A blocking send or receive
-repeated while the proxy is idle runs on the calling thread instead, exchanging the same
-records (direct/prepared.py).
+ready it sends the buffer's record, records of one peer and tag strictly in issue order (MPI
+matches them in the order they are sent), and waits for the copier's "done". A blocking send
+or receive repeated while the proxy is idle runs on the calling thread instead, exchanging the
+same messages (direct/prepared.py).
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ from .. import tags
 from ..base import Context, Transport
 from . import schedule
 from .peer import RECORD, PeerMap
-from .post import NOT_READ, Posts, check_copied, withdrawn_error
 from .prepared import D2D, PreparedP2P
 from .proxy import Proxy, Step, Task, stamp
 
@@ -92,7 +90,6 @@ class DirectTransport(Transport):
         # records of lent buffers not sent yet, per (peer, tag), in issue order
         self._lent: dict[tuple[int, int], deque[_Lent]] = {}
         self._proxy = Proxy(self.device, cupy, self.svc)
-        self.posts = Posts(self.svc, self.rank)  # send/recv's records and "done"s
         self._scratch: list[Any] = []  # two one-shot input buffers, used alternately
         self._prepared: set[tuple[str, ReduceOp]] = set()
         self._flip = 0
@@ -513,85 +510,70 @@ class DirectTransport(Transport):
         stamp("transport")
         self._self_check(dst, "send")
         if schedule.copier(self.rank, dst, self._devices) == self.rank:
-            return self._copier("send", seq, x, dst, tag, self._tags(tag, "send", True))
-        return self._lender("send", seq, x, dst, tag, self._tags(tag, "send", False))
+            return self._copier("send", seq, x, dst, self._tags(tag, "send", True))
+        return self._lender("send", seq, x, dst, self._tags(tag, "send", False))
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
         """A peer copy made by whichever of the pair the schedule names the copier."""
         stamp("transport")
         self._self_check(src, "recv")
         if schedule.copier(src, self.rank, self._devices) == self.rank:
-            return self._copier("recv", seq, x, src, tag, self._tags(tag, "recv", False))
-        return self._lender("recv", seq, x, src, tag, self._tags(tag, "recv", True))
+            return self._copier("recv", seq, x, src, self._tags(tag, "recv", False))
+        return self._lender("recv", seq, x, src, self._tags(tag, "recv", True))
 
-    def _lender(
-        self, op: str, seq: int, x: Buffer, peer: int, tag: int, pair: tuple[int, int]
-    ) -> Work:
+    def _lender(self, op: str, seq: int, x: Buffer, peer: int, tags: tuple[int, int]) -> Work:
         """The side of a message that lends its buffer to the peer's copy: once its stream has
-        the buffer ready it publishes the buffer's record, after the records of the same peer
-        and tag issued before (_post_in_order), and it ends when the copier says done."""
+        the buffer ready it sends the buffer's record, after the records of the same peer and
+        tag issued before (_post_in_order), and it ends when the copier says done."""
         self._check(op, (x,))
         rec = self.peers.describe(x.ptr, x.nbytes, [peer], full=True)
         stamp("described")
-        entry = _Lent(self._ready(x), rec, self.posts.number(op, peer, tag))
+        entry = _Lent(self._ready(x), rec)
         stamp("ready")
-        queue = self._lent.setdefault((peer, pair[0]), deque())
+        queue = self._lent.setdefault((peer, tags[0]), deque())
         queue.append(entry)
 
         def body() -> Step:
-            yield from self.posts.open(peer)
-            while entry.lent is None:
-                blocker = self._post_in_order(queue, peer, op, tag, pair)
-                if entry.lent is None:
+            while not entry.reqs:
+                blocker = self._post_in_order(queue, peer, tags)
+                if not entry.reqs:
                     yield blocker  # an earlier record's stream, or ours, is not there yet
-            try:
-                yield entry.lent.wait
-            except GeneratorExit:  # the operation was given up: so is its record
-                entry.lent.withdraw()
-                raise
-            check_copied(
-                op,
-                peer,
-                entry.lent.copied(),
-                x.nbytes,
-                lambda theirs: self._mismatch(op, peer, theirs, x.nbytes, x.describe()),
-            )
+            yield entry.reqs
+            if entry.done[0] != x.nbytes:
+                raise self._mismatch(op, peer, int(entry.done[0]), x.nbytes, x.describe())
 
         return self._queue(op, seq, (x,), x.nbytes, body, collective=False, wait_ready=False)
 
-    def _post_in_order(
-        self, queue: deque[_Lent], peer: int, op: str, tag: int, pair: tuple[int, int]
-    ) -> Any:
-        """Publish the records at the head of `queue` whose buffers are ready, in order; the
-        ready event of the first one whose buffer is not ready (None if all went)."""
+    def _post_in_order(self, queue: deque[_Lent], peer: int, tags: tuple[int, int]) -> Any:
+        """Send the records at the head of `queue` whose buffers are ready and post the
+        receives of their "done", in order; the ready event of the first one whose buffer is
+        not ready (None if all went)."""
         while queue:
             head = queue[0]
             if head.ready is not None and not head.ready.done:
                 return head.ready
-            head.lent = self.posts.lend(peer, op, tag, head.number, pair, head.rec)
+            head.reqs = [
+                self.svc.Isend(head.rec.view(np.uint8), peer, tags[0]),
+                self.svc.Irecv(head.done, peer, tags[1]),
+            ]
             queue.popleft()
         return None
 
-    def _copier(
-        self, op: str, seq: int, x: Buffer, peer: int, tag: int, pair: tuple[int, int]
-    ) -> Work:
+    def _copier(self, op: str, seq: int, x: Buffer, peer: int, tags: tuple[int, int]) -> Work:
         """The side that copies: once the peer's record arrives, the proxy's stream waits on
         the GPU for the caller's stream, copies (into the peer's buffer for a send, out of it
         for a receive), and once the copy is done it says so with its size."""
         self._check(op, (x,))
         ready = self._ready(x)
         stamp("ready")
-        number = self.posts.number(op, peer, tag)
+        got = np.empty(1, RECORD)
+        req = self.svc.Irecv(got.view(np.uint8), peer, tags[0])  # posted in issue order
 
         def body() -> Step:
-            yield from self.posts.open(peer)
-            expected = self.posts.expect(peer, op, tag, number, pair)
-            yield expected.wait
-            got = expected.record
+            yield req
             theirs = int(got.view(np.uint64)[2])  # the record's nbytes
             ok = theirs == x.nbytes
-            gone = ok and expected.withdrawn()
-            if ok and not gone:
+            if ok:
                 if ready is not None:  # the caller's stream, on the GPU (one process's streams)
                     self._proxy.stream.wait_event(ready)
                 mapped, _ = self.peers.address(peer, got)
@@ -600,11 +582,9 @@ class DirectTransport(Transport):
                 self._copy(dst, src, x.nbytes)
                 stamp("copy queued")
                 yield from self._sync()
-            elif not ok:
+            else:
                 self.peers.learn(peer, got[0])  # its handle may come only this once
-            yield expected.answer(NOT_READ if gone else x.nbytes)
-            if gone:
-                raise withdrawn_error(op, peer)
+            yield self.svc.Isend(np.array([x.nbytes], np.int64), peer, tags[1])
             if not ok:
                 raise self._mismatch(op, peer, theirs, x.nbytes, x.describe())
 
@@ -661,7 +641,6 @@ class DirectTransport(Transport):
         self._proxy.stop()
         if self._proxy.stream is not None:
             self._proxy.stream.synchronize()
-        self.posts.close()
         self.peers.close()
         # peers may still be reading the one-shot scratch of the last op (an op ends here once
         # this rank's part is done): returning it to the memory pool could let a new array
@@ -674,14 +653,15 @@ _RETIRED: list[Any] = []
 
 
 class _Lent:
-    """A lent buffer's record waiting to be published: its stream's ready event (None:
-    nothing pending), its message number, and once published what waits for the "done"."""
+    """A lent buffer's record waiting to be sent: its stream's ready event (None: nothing
+    pending), the copier's "done" (its size), and once sent the two requests."""
 
-    __slots__ = ("lent", "number", "ready", "rec")
+    __slots__ = ("done", "ready", "rec", "reqs")
 
-    def __init__(self, ready: Any, rec: np.ndarray, number: int) -> None:
-        self.ready, self.rec, self.number = ready, rec, number
-        self.lent: Any = None
+    def __init__(self, ready: Any, rec: np.ndarray) -> None:
+        self.ready, self.rec = ready, rec
+        self.done = np.zeros(1, np.int64)
+        self.reqs: list[MPI.Request] = []
 
 
 def _kernel_name(dtype: str, op: ReduceOp) -> str:

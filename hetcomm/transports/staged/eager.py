@@ -468,19 +468,15 @@ class EagerIn(_Ring):
         at = found.slot * self.slot_bytes
         dst.data[:] = self._bytes[at : at + found.nbytes]
 
-    def doze(self, seconds: float, also: tuple[int, ...] = ()) -> None:
+    def doze(self, seconds: float) -> None:
         """Sleep up to `seconds` or until the sender publishes (flags.wait's nap, for waits
-        on this ring), or one of the file descriptors `also` becomes readable (the caller's
-        own wake-up): not at all where TOTAL has moved since the last look into the ring
+        on this ring): not at all where TOTAL has moved since the last look into the ring
         (`progress`, `take`), so a wait's `ready()` must end with the look that finds what it
         waits for. A publish that misses the poke (the sender read DOZING before this rank's
         store reached it) is seen when `seconds` have passed, as a nap's would be."""
         fd = self._wake
         if fd is None:
-            if also:
-                select.select(also, (), (), seconds)
-            else:
-                time.sleep(seconds)
+            time.sleep(seconds)
             return
         w = self.words
         with self.lock:
@@ -488,7 +484,7 @@ class EagerIn(_Ring):
             w[DOZING] = self._dozers
         try:
             if w[TOTAL] == self._looked:  # nothing published since the last look: sleep
-                select.select((fd, *also), (), (), seconds)
+                select.select((fd,), (), (), seconds)
             try:
                 poked = os.read(fd, 4096)  # the pokes, all at once
             except BlockingIOError:
@@ -509,10 +505,6 @@ class EagerIn(_Ring):
         w, row = self.words, (found.slot + 1) * _ROW
         cma.read(self.pid, w[row + ADDR], local, found.nbytes)
         return w[row + KIND] == PULL  # read after the data: see the module's docstring
-
-    def withdrawn(self, found: Found) -> bool:
-        """Whether the sender has taken back the lent message `found` (KIND rewritten GONE)."""
-        return self.words[(found.slot + 1) * _ROW + KIND] == GONE
 
     def free(self, found: Found, status: int = NOT_READ) -> None:
         """Hand a taken slot back to the sender; `status`: the bytes a receive took of a PULL
