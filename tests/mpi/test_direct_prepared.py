@@ -6,7 +6,8 @@ copy between those addresses, and every stream and event is done. So the protoco
 CPU as it does on the GPU: the lender's record, the copy by the rank the schedule names, the
 copier's "done" with its size, in both copier layouts (the receiver copies between ranks on two
 GPUs; the lower rank copies both ways on a shared one); a size that differs fails on both
-ends, naming both sizes, and the pair goes on; a call finding the proxy busy moves nothing.
+ends, naming both sizes, and the pair goes on; a call finding the proxy busy moves nothing;
+the proxy's path with several tags in flight, and mixed with the prepared one across a pair.
 tests/gpu/test_direct_gpu.py runs the same calls on the GPU.
 """
 
@@ -22,6 +23,7 @@ from mpi4py import MPI
 
 from hetcomm import InvalidArgument
 from hetcomm.transports import tags
+from hetcomm.transports.direct import proxy as proxy_mod
 from hetcomm.transports.direct.peer import RECORD
 from hetcomm.transports.direct.prepared import PreparedP2P
 from hetcomm.transports.direct.proxy import Proxy, Task
@@ -229,4 +231,94 @@ def test_prepared_call_finding_the_proxy_busy_moves_nothing(pair, hetcomm_comm, 
             problems.append("the proxy never finished its operation")
         pair.mpi.Barrier()
     errors.expect(not problems, "; ".join(problems))
+    errors.verify()
+
+
+class _Buf:
+    """What the general path reads of a Buffer, for bytes of the shared window."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.ptr, self.nbytes = ptr, nbytes
+
+    def describe(self) -> str:
+        return f"{self.nbytes} bytes"
+
+
+def _general(pair) -> DirectTransport:
+    """A DirectTransport of the stand-in's parts whose sends and receives take the proxy's
+    path (records sent and "done"s received by the proxy thread)."""
+    t = object.__new__(DirectTransport)
+    for name in ("svc", "rank", "device", "_devices", "_proxy", "peers", "comm"):
+        setattr(t, name, getattr(pair.t, name))
+    t._lead_tag, t._lent, t.name = pair.t._lead_tag, {}, "direct"
+    t._check = lambda op, bufs: None
+    t._ready = lambda b: None
+    t._copy = lambda dst, src, nbytes: ctypes.memmove(dst, src, nbytes)
+    t._sync = lambda: iter(())
+    return t
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout", ["two GPUs", "one GPU"])
+def test_general_path_many_in_flight_and_mixed_with_prepared(
+    pair, hetcomm_comm, errors, rng, layout, monkeypatch
+):
+    """Asynchronous sends and receives on the proxy, several user tags in flight at once and
+    received in another order than sent, then blocking calls where one rank takes the
+    prepared path and the other the proxy's: every message lands whole, nothing beside it."""
+    problems = []
+    # a blocking call's operation run on the calling thread (Proxy.wait), with no device
+    monkeypatch.setattr(proxy_mod, "on_device", lambda device, fn, *args: fn(*args))
+    if pair is not None:
+        if layout == "one GPU":
+            pair.t._devices = ["gpu0", "gpu0"]
+        t, me, peer = _general(pair), pair.rank, 1 - pair.rank
+        count, size = 24, 512  # messages of `size` bytes, tags 0..2 in turn
+        data = rng.integers(1, 256, (2, count, size), dtype=np.uint8)
+        out_at = PART // 2
+        pair.mine[:] = 0
+        for k in range(count):
+            pair.mine[k * size : (k + 1) * size] = data[me, k]
+        pair.mpi.Barrier()
+        order = list(range(count))
+        if me == 1:
+            order = sorted(order, key=lambda k: (-(k % 3), k))  # by tag, last tag first
+        works = []
+        for k in order:
+            if (me == 0) == (k % 2 == 0):  # even messages rank 0 -> 1, odd ones 1 -> 0
+                works.append(t.send(_Buf(pair.mine.ctypes.data + k * size, size), peer, k % 3, k))
+            else:
+                dst = _Buf(pair.mine.ctypes.data + out_at + PAD + k * (size + PAD), size)
+                works.append(t.recv(dst, peer, k % 3, k))
+        for w in works:
+            w.wait()
+        for k in range(count):
+            if (me == 0) == (k % 2 == 0):
+                continue
+            at = out_at + PAD + k * (size + PAD)
+            if not np.array_equal(pair.mine[at : at + size], data[peer, k]):
+                problems.append(f"message {k} (tag {k % 3}) wrong")
+            if pair.mine[at - PAD : at].any():
+                problems.append(f"message {k}: wrote before the receive buffer")
+        # blocking calls: rank 0 prepared, rank 1 the proxy's path, both directions
+        pair.mpi.Barrier()
+        for first in (0, 1):
+            pair.mine[out_at : out_at + 64] = 0
+            pair.mpi.Barrier()
+            if me == 0:
+                if me == first:
+                    ok = _call(pair, "send", 0, 64, 100 + first, tag=1)
+                else:
+                    ok = _call(pair, "recv", out_at, 64, 100 + first, tag=1)
+                if not ok:
+                    problems.append("the prepared call declined an idle proxy")
+            elif me == first:
+                t.send(_Buf(pair.mine.ctypes.data, 64), peer, 1, 100 + first).wait()
+            else:
+                t.recv(_Buf(pair.mine.ctypes.data + out_at, 64), peer, 1, 100 + first).wait()
+            if me != first and not np.array_equal(
+                pair.mine[out_at : out_at + 64], data[peer, 0, :64]
+            ):
+                problems.append(f"mixed paths, sender {first}: wrong data")
+    errors.expect(not problems, "; ".join(problems[:6]))
     errors.verify()
