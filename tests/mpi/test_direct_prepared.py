@@ -250,7 +250,7 @@ def _general(pair) -> DirectTransport:
     t = object.__new__(DirectTransport)
     for name in ("svc", "rank", "device", "_devices", "_proxy", "peers", "comm"):
         setattr(t, name, getattr(pair.t, name))
-    t._lead_tag, t._lent, t.name = pair.t._lead_tag, {}, "direct"
+    t._lead_tag, t._lent = pair.t._lead_tag, {}
     t._check = lambda op, bufs: None
     t._ready = lambda b: None
     t._copy = lambda dst, src, nbytes: ctypes.memmove(dst, src, nbytes)
