@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from . import processes
 from .dtypes import CODES, DTYPES
 from .errors import MismatchError
 from .ops import ReduceOp
@@ -541,7 +542,7 @@ class Arrivals:
         self.table[rank] = 0
         # a process id says whether a rank lives only where every local rank's can be seen
         # (ranks of one host may still sit in different pid namespaces)
-        self._pids_seen = all(_alive(int(self._pids[r])) for r in self.local_ranks)
+        self._pids_seen = not any(processes.gone(int(self._pids[r])) for r in self.local_ranks)
 
     def enter(self, seq: int) -> None:
         """Note that this rank has entered collective `seq`."""
@@ -559,7 +560,7 @@ class Arrivals:
         """Ranks of this host whose process has ended (killed, crashed, exited)."""
         if not self._pids_seen:
             return []
-        return [r for r in self.local_ranks if not _alive(int(self._pids[r]))]
+        return [r for r in self.local_ranks if processes.gone(int(self._pids[r]))]
 
     def close(self) -> None:
         """Unmap the shared table (a view still alive keeps it mapped until exit)."""
@@ -574,19 +575,6 @@ class Arrivals:
             with contextlib.suppress(BufferError):
                 self._map.close()
             self._map = None
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` exists (signal 0 checks without sending anything)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, owned by someone else
-        return True
-    return True
 
 
 def _shared_table(

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import processes
 from ..errors import HetcommError
 from ..ops import ReduceOp
 from . import flags
@@ -103,32 +104,6 @@ def unavailable(topology: Topology) -> str | None:
     if len({(r.host, r.node) for r in ranks}) != 1:
         return "its ranks are on more than one host"
     return None
-
-
-def start_time(pid: int) -> int | None:
-    """When process `pid` started (clock ticks since boot, /proc/PID/stat field 22); None where
-    it is gone, a zombie, or /proc cannot say."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read()
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return _kill_probe(pid)
-    fields = text[text.rfind(b")") + 2 :].split()
-    if fields[0] in (b"Z", b"X"):  # killed, not yet reaped by its launcher
-        return None
-    return int(fields[19])
-
-
-def _kill_probe(pid: int) -> int | None:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass
-    return 0
 
 
 class HostGroup:
@@ -324,7 +299,7 @@ class HostGroup:
             hdr = seg.array[:header].data.cast("q")
             me = self._me
             hdr[me + _PID] = os.getpid()
-            hdr[me + _START] = start_time(os.getpid()) or 0
+            hdr[me + _START] = processes.start_time(os.getpid()) or 0
             hdr[me + _MAPPED] = 1
             mapped = [q * _WORDS + _MAPPED for q in range(self.size)]
 
@@ -452,19 +427,14 @@ class HostGroup:
 
         def check() -> None:
             self._check_closed()
-            dead = [i // _WORDS for i in words if hdr[i] < k and self._gone(i // _WORDS)]
+            late = [i // _WORDS for i in words if hdr[i] < k]
+            dead = [q for q in late if processes.gone(*self._pids[q])]
             if dead:
                 raise Dead(dead, f"ranks {dead} died (their processes are gone)")
 
         if not flags.wait(ready, deadline, check):
             late = [i // _WORDS for i in words if hdr[i] < k]
             raise Late(late, f"ranks {late} did not arrive in shared memory")
-
-    def _gone(self, q: int) -> bool:
-        """Whether rank q's process has ended (or its pid now names another process)."""
-        pid, start = self._pids[q]
-        now = start_time(pid)
-        return now is None or (start != 0 and now != 0 and now != start)
 
     def _barrier(self, deadline: float) -> None:
         self._wait(self._arrive(), deadline)

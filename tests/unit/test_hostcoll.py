@@ -1,12 +1,9 @@
 """The shared segment of one host's collectives (hetcomm.transports.hostcoll), on one process:
-which groups may have one, how a dead process is told from a live one, turns in ticket order,
+which groups may have one, turns in ticket order,
 and a segment that cannot be had (a full /dev/shm)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -30,17 +27,6 @@ def test_only_groups_of_one_host_and_node_have_a_segment():
     two_nodes = Topology([rank_info(0, "a", "cpu"), rank_info(1, "a", "cpu", node=1)])
     assert "more than one host" in (hostcoll.unavailable(two_nodes) or "")
     assert "one rank" in (hostcoll.unavailable(Topology([rank_info(0, "a", "cpu")])) or "")
-
-
-def test_start_time_sees_ended_and_zombie_processes():
-    assert hostcoll.start_time(os.getpid())
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    deadline = time.monotonic() + 30
-    while hostcoll.start_time(child.pid) is not None and time.monotonic() < deadline:
-        time.sleep(0.01)  # exited, not yet reaped: a zombie, which counts as gone
-    assert hostcoll.start_time(child.pid) is None
-    child.wait()
-    assert hostcoll.start_time(child.pid) is None
 
 
 def _solo() -> hostcoll.HostGroup:
