@@ -138,15 +138,39 @@ def on_behalf_of(buf: Any, call: Callable[[], Any]) -> Callable[[], Any]:
 _EXTERNAL: dict[tuple[int, int], Any] = {}
 
 
+class _Handle:
+    """A raw stream handle offered through the CUDA stream protocol (`__cuda_stream__`)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
 def external_stream(ptr: int, device: int | None = None) -> Any:
-    """A cupy stream object for the raw stream handle `ptr` (a caller's stream), made once per
-    (handle, device) and kept: making one costs microseconds on every operation."""
+    """A cupy stream object for the raw stream handle `ptr` (a caller's stream) of `device`
+    (None: the current device), made once per (handle, device) and kept: making one costs
+    microseconds on every operation. The device is part of the key: the legacy and per-thread
+    default streams have the same handle on every device. Made through `Stream.from_external`
+    where CuPy has it (14 on, where ExternalStream is deprecated), with `device` current: CuPy
+    14.2 records the device as unknown (-1), later versions take the current one."""
     import cupy
 
-    key = (ptr, -1 if device is None else device)
+    if device is None:
+        device = cupy.cuda.runtime.getDevice()
+    key = (ptr, device)
     found = _EXTERNAL.get(key)
     if found is None:
-        found = _EXTERNAL[key] = cupy.cuda.ExternalStream(*key)
+        from_external = getattr(cupy.cuda.Stream, "from_external", None)
+        if from_external is None:
+            found = cupy.cuda.ExternalStream(ptr, device)
+        else:
+            with cupy.cuda.Device(device):
+                found = from_external(_Handle(ptr))
+        _EXTERNAL[key] = found
     return found
 
 
@@ -206,7 +230,7 @@ class StagingDevice:
         cupy = self.cupy
         cupy.cuda.runtime.setDevice(self.device)
         ready = cupy.cuda.Event(disable_timing=True)
-        ready.record(external_stream(current_stream(buf)))
+        ready.record(external_stream(current_stream(buf), self.device))
         return ready
 
     # ---- copies ------------------------------------------------------------------------------

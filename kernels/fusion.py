@@ -109,7 +109,7 @@ class Packed:
         """Block until the pack has finished (for consumers that ignore stream order)."""
         cupy = self._owner.cupy
         with cupy.cuda.Device(self._device):
-            external_stream(self._streams[0]).synchronize()
+            external_stream(self._streams[0], self._device).synchronize()
 
     def unpack(self) -> None:
         """Queue the unpack on the first array's stream; the other arrays' streams wait for it.
@@ -117,7 +117,7 @@ class Packed:
         them out again only to work queued after the unpack."""
         cupy = self._owner.cupy
         with cupy.cuda.Device(self._device):
-            main = external_stream(self._streams[0])
+            main = external_stream(self._streams[0], self._device)
             with main:
                 self._owner._launch(
                     "fusion_unpack", self._rows, self._dims, self.ptr, self._itemsize, main
@@ -125,7 +125,7 @@ class Packed:
                 for entry in self._slow:
                     target, seg = self._owner._views(entry, self._fused, self._itemsize)
                     target[...] = seg
-            _join(cupy, main, self._streams[1:])
+            _join(cupy, main, self._streams[1:], self._device)
         self._fused = self._rows = None
 
 
@@ -194,10 +194,10 @@ class DeviceFusion:
             device = int(cupy.cuda.Device().id)
         dims = (len(rows_host), *grid(rows_host))
         with cupy.cuda.Device(device):
-            main = external_stream(streams[0])
+            main = external_stream(streams[0], device)
             for other in streams[1:]:
                 event = cupy.cuda.Event(disable_timing=True)
-                event.record(external_stream(other))
+                event.record(external_stream(other, device))
                 main.wait_event(event)
             with main:
                 fused = cupy.empty(max(total, 1) * itemsize, dtype=cupy.uint8)
@@ -209,14 +209,14 @@ class DeviceFusion:
             return Packed(self, device, streams, fused, rows, dims, slow, itemsize)
 
 
-def _join(cupy: Any, main: Any, others: Sequence[int]) -> None:
+def _join(cupy: Any, main: Any, others: Sequence[int], device: int) -> None:
     """Make each of `others` wait for the work queued on `main` so far."""
     if not others:
         return
     event = cupy.cuda.Event(disable_timing=True)
     event.record(main)
     for other in others:
-        external_stream(other).wait_event(event)
+        external_stream(other, device).wait_event(event)
 
 
 _SHARED: DeviceFusion | None = None

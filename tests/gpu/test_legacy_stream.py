@@ -4,6 +4,8 @@ work), so an idle legacy stream means the caller's earlier work has run."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -18,10 +20,11 @@ extern "C" __global__ void spin(long long cycles) {
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
 def test_legacy_stream_query_sees_blocking_streams(blocking: bool) -> None:
     import cupy
+    from hetcomm.kernels.device import external_stream
 
     kernel = cupy.RawKernel(SPIN, "spin")
     other = cupy.cuda.Stream(non_blocking=not blocking)
-    legacy = cupy.cuda.ExternalStream(0)
+    legacy = external_stream(0)
     cupy.cuda.Device().synchronize()
     assert legacy.done
     kernel((1,), (1,), (np.int64(400_000_000),), stream=other)  # about 0.2 s
@@ -30,3 +33,22 @@ def test_legacy_stream_query_sees_blocking_streams(blocking: bool) -> None:
     assert legacy.done
     # a blocking stream's work holds the legacy stream; a non-blocking one's does not
     assert pending is blocking
+
+
+def test_a_callers_stream_is_wrapped_once_on_its_device_without_deprecated_calls() -> None:
+    import cupy
+    from hetcomm.kernels.device import external_stream
+
+    own = cupy.cuda.Stream(non_blocking=True)
+    device = cupy.cuda.Device().id
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # CuPy 14 deprecates ExternalStream
+        wrapped = external_stream(own.ptr, device)
+        assert external_stream(own.ptr, device) is wrapped
+    # the device it was made on, or -1 (unknown: CuPy 14.2's from_external leaves it so)
+    assert wrapped.ptr == own.ptr and wrapped.device_id in (device, -1)
+    x = cupy.arange(1 << 20, dtype=cupy.float32)
+    with wrapped:
+        y = x * 2
+    wrapped.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(y), np.arange(1 << 20, dtype=np.float32) * 2)
