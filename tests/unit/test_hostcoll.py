@@ -1,6 +1,6 @@
 """The shared segment of one host's collectives (hetcomm.transports.hostcoll), on one process:
-which groups may have one, turns in ticket order,
-and a segment that cannot be had (a full /dev/shm)."""
+which groups may have one, turns in ticket order, and a segment that cannot be had (a full
+/dev/shm)."""
 
 from __future__ import annotations
 
