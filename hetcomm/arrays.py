@@ -359,6 +359,19 @@ def overlap(a: Buffer, b: Buffer) -> str:
     return "partial"
 
 
+def own_block(x: Buffer, out: Buffer, index: int) -> bool:
+    """Whether `x` is exactly block `index` of `out` (blocks the size of `x`), both contiguous
+    in the same memory: the in-place all_gather, whose input every transport reads where it
+    lies (NCCL's rule: sendbuff == recvbuff + rank * sendcount)."""
+    return (
+        x.contiguous
+        and out.contiguous
+        and x.device == out.device
+        and x.device_index == out.device_index
+        and x.ptr == out.ptr + index * x.nbytes
+    )
+
+
 # numpy 2 moved byte_bounds into numpy.lib.array_utils
 _numpy: Any = np
 _array_utils: Any = getattr(np.lib, "array_utils", None)

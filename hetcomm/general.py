@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import work as _work
 from .argcheck import check_timeout, contiguous_in, contiguous_out, then, writable
-from .arrays import as_buffer, overlap
+from .arrays import as_buffer, overlap, own_block
 from .errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -202,7 +202,12 @@ def blocks(
     ob = as_buffer(out, f"{op}: out")
     writable(ob, f"{op}: out")
     steps: list[Callable[[], None]] = []
-    xc = contiguous_in(xb, copy=overlap(xb, ob) != "none")
+    # an input the output overlaps is copied first, except the in-place all_gather's (x is
+    # this rank's block of out), which every transport reads where it lies
+    aliased = overlap(xb, ob) != "none" and not (
+        op == "all_gather" and own_block(xb, ob, comm.rank)
+    )
+    xc = contiguous_in(xb, copy=aliased)
     oc = contiguous_out(ob, steps)
     call = method(route.transport)
     rop = route.rop

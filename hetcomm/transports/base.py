@@ -111,7 +111,8 @@ class Transport:
         raise NotImplementedError
 
     def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
-        """Block i of `out` (size blocks the size of `x`) gets `x` of rank i."""
+        """Block i of `out` (size blocks the size of `x`) gets `x` of rank i. `x` may be this
+        rank's block of `out` (the in-place form, arrays.own_block); no other overlap comes."""
         raise NotImplementedError
 
     def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:

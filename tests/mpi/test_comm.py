@@ -251,7 +251,7 @@ def _start_with_packed_input(comm, op, n):
         out = np.zeros(size * n)
         want = np.repeat(np.arange(1.0, size + 1), n)
         return comm.all_gather(out, base[: 2 * n : 2], async_op=True), out, want
-    if op == "all_gather_in_place":  # x overlaps out: hetcomm copies x
+    if op == "all_gather_in_place":  # x is its block of out: read where it lies
         out = np.repeat(np.arange(1.0, size + 1), n) * (np.arange(size * n) // n == rank)
         want = np.repeat(np.arange(1.0, size + 1), n)
         return comm.all_gather(out, out[rank * n : (rank + 1) * n], async_op=True), out, want

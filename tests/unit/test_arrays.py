@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from hetcomm.arrays import Buffer, as_buffer, overlap
+from hetcomm.arrays import Buffer, as_buffer, overlap, own_block
 from hetcomm.dtypes import DTYPES, FLOATS, HALVES, storage_dtype
 from hetcomm.errors import DtypeError, InvalidArgument
 
@@ -493,6 +493,18 @@ def test_overlap_slices_of_one_array() -> None:
     assert overlap(as_buffer(base[0:10]), as_buffer(base[50:60])) == "none"
     assert overlap(as_buffer(base), as_buffer(base[20:30])) == "partial"
     assert overlap(as_buffer(base[0:10]), as_buffer(base[0:9])) == "partial"
+
+
+def test_own_block_is_exactly_the_ranks_block() -> None:
+    out = random_numpy("float32", (4, 6))
+    flat = out.reshape(-1)
+    for rank in range(4):
+        assert own_block(as_buffer(out[rank]), as_buffer(out), rank)
+        assert not own_block(as_buffer(out[rank]), as_buffer(out), (rank + 1) % 4)
+    assert own_block(as_buffer(flat), as_buffer(flat), 0)  # one rank: x is out
+    assert not own_block(as_buffer(flat[1:7]), as_buffer(flat), 0)  # straddles two blocks
+    assert not own_block(as_buffer(out[:, 0]), as_buffer(out.T.reshape(-1)), 0)  # strided x
+    assert not own_block(as_buffer(flat[6:12].copy()), as_buffer(flat), 1)  # other memory
 
 
 def test_overlap_different_arrays() -> None:

@@ -218,8 +218,9 @@ class DirectTransport(Transport):
 
     def _copy(self, dst: int, src: int, nbytes: int) -> None:
         """Copy on the proxy's stream by cudaMemcpyAsync (faster through an IPC mapping than a
-        copy kernel: docs/BENCHMARKS.md, "direct")."""
-        if nbytes:
+        copy kernel: docs/BENCHMARKS.md, "direct"); none of memory onto itself (the in-place
+        all_gather's own block)."""
+        if nbytes and dst != src:
             self.cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, D2D, self._proxy.stream.ptr)
 
     def _reduce(self, dst: int, srcs: list[int], count: int, dtype: str, op: ReduceOp) -> None:

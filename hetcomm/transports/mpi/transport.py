@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 from mpi4py import MPI
 
+from ...arrays import own_block
 from ...errors import TransportUnavailable
 from ...ops import ReduceOp
 from ...work import BusyPoll, Work
@@ -391,6 +392,9 @@ class MpiTransport(Transport):
         recipe = self._recipe("all_gather", x.dtype, x.count, None, -1)
         if recipe is not None:
             return self._start_persistent(recipe, seq, x, out)
+        # x that is this rank's block of out (the in-place form) is MPI_IN_PLACE: MPI takes
+        # this rank's share from where it lies in out, and forbids the two buffers to alias
+        in_place = own_block(x, out, mpi.Get_rank())
         spans = schedule.spans(x, mpi.Get_size())
         if len(spans) > 1:
             # share [s, s+n) of every rank's x lands at s of its block of out: one derived
@@ -398,14 +402,15 @@ class MpiTransport(Transport):
             xs, o = _flat(x), _flat(out)
 
             def gather(t: MPI.Datatype, s: int, n: int) -> None:
-                mpi.Allgather((xs[s : s + n], dt), (o, 1, t))
+                mpi.Allgather(_IN_PLACE if in_place else (xs[s : s + n], dt), (o, 1, t))
 
             calls = [
                 partial(_with_block_type, dt, s, n, x.nbytes, partial(gather, s=s, n=n))
                 for s, n in spans
             ]
             return self._start_calls("all_gather", seq, out.nbytes, calls)
-        send, recv = (self._mem(x), dt), (self._mem(out), dt)
+        send = _IN_PLACE if in_place else (self._mem(x), dt)
+        recv = (self._mem(out), dt)
         return self._start(
             "all_gather",
             seq,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ...arrays import own_block
 from ...errors import CommTimeout, PeerLost
 from ...ops import ReduceOp
 from .. import hostcoll, local, tags
@@ -359,12 +360,14 @@ def all_gather(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Body:
 
 def _all_gather_ring(t: StagedTransport, out: Buffer, x: Buffer, seq: int) -> Body:
     xr, orr = t._region(x), t._region(out)
+    in_place = own_block(x, out, t.rank)  # x already is its block of out
 
     def body(deadline: float, ready: Any) -> None:
         local = _Local(t, ready)
         _ring(t, deadline)
         blocks = _blocks(orr, out.count, t.size, x.itemsize)
-        local.copy(blocks[t.rank], xr)
+        if not in_place:
+            local.copy(blocks[t.rank], xr)
         _ring_all_gather(t, seq, 0, blocks, deadline, ready)
 
     return body
