@@ -361,8 +361,9 @@ def overlap(a: Buffer, b: Buffer) -> str:
 
 def own_block(x: Buffer, out: Buffer, index: int) -> bool:
     """Whether `x` is exactly block `index` of `out` (blocks the size of `x`), both contiguous
-    in the same memory: the in-place all_gather, whose input every transport reads where it
-    lies (NCCL's rule: sendbuff == recvbuff + rank * sendcount)."""
+    in the same memory: the in-place all_gather (x in out) and reduce_scatter (out in x), which
+    every transport serves as they are (NCCL's rules: sendbuff == recvbuff + rank * sendcount,
+    recvbuff == sendbuff + rank * recvcount)."""
     return (
         x.contiguous
         and out.contiguous

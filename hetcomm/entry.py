@@ -269,8 +269,9 @@ class Entry:
         if timeout is not None:
             work._timeout = float(timeout)
         if async_op:
-            # the transport may read or write these until completion: packed copies included
-            work._keep = keep
+            # the transport may read or write these until completion: packed copies included;
+            # added to what the transport keeps itself (its own copies, a region a peer reads)
+            work._keep = (*work._keep, *keep)
             if work.op not in POINT_TO_POINT:
                 inflight = self._inflight
                 if len(inflight) >= 64:

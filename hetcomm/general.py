@@ -202,10 +202,13 @@ def blocks(
     ob = as_buffer(out, f"{op}: out")
     writable(ob, f"{op}: out")
     steps: list[Callable[[], None]] = []
-    # an input the output overlaps is copied first, except the in-place all_gather's (x is
-    # this rank's block of out), which every transport reads where it lies
+    # an input the output overlaps is copied first, except in the in-place forms that every
+    # transport serves as they are (NCCL's rules): all_gather's x is this rank's block of
+    # out, reduce_scatter's out is this rank's block of x
     aliased = overlap(xb, ob) != "none" and not (
-        op == "all_gather" and own_block(xb, ob, comm.rank)
+        own_block(xb, ob, comm.rank)
+        if op == "all_gather"
+        else op == "reduce_scatter" and own_block(ob, xb, comm.rank)
     )
     xc = contiguous_in(xb, copy=aliased)
     oc = contiguous_out(ob, steps)

@@ -116,7 +116,8 @@ class Transport:
         raise NotImplementedError
 
     def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
-        """Rank i's `out` gets the reduction of block i of every rank's `x`."""
+        """Rank i's `out` gets the reduction of block i of every rank's `x`. `out` may be this
+        rank's block of `x` (the in-place form, arrays.own_block); no other overlap comes."""
         raise NotImplementedError
 
     def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 from mpi4py import MPI
 
+from ...argcheck import contiguous_in
 from ...arrays import own_block
 from ...errors import TransportUnavailable
 from ...ops import ReduceOp
@@ -429,11 +430,18 @@ class MpiTransport(Transport):
             return self._start_persistent(recipe, seq, x, out, finish)
         mop = mpi_op(x.dtype, op)
         size, me = mpi.Get_size(), mpi.Get_rank()
+        if own_block(out, x, me):
+            # out inside x (the in-place form): MPI forbids the two to alias, and its own
+            # in-place form leaves the result in the first block, so reduce a copy of x, kept
+            # by the Work until done (MPI holds only its address)
+            copied = contiguous_in(x, copy=True)
+            work = self.reduce_scatter(out, copied, op, seq)
+            work._keep = (copied,)
+            return work
         spans = schedule.spans(out, size)
         if len(spans) > 1:
             # a built-in MPI operation cannot reduce a derived datatype: each share of block i
-            # is reduced into rank i's out by a reduce rooted there (x and out never overlap:
-            # the communicator copies an x that overlaps out)
+            # is reduced into rank i's out by a reduce rooted there
             xs, o, block = _flat(x), _flat(out), out.count
             calls = [
                 partial(

@@ -1,6 +1,7 @@
-"""The in-place all_gather on device arrays (x is this rank's block of out, NCCL's rule): every
-device transport reads x where it lies, after the work queued before the call on the caller's
-stream, with no copy of x; the result is right and nothing next to out is written.
+"""The in-place all_gather (x is this rank's block of out) and reduce_scatter (out is this
+rank's block of x) on device arrays, NCCL's rules: every device transport serves them as they
+are, after the work queued before the call on the caller's stream, with no copy of x made by
+the communicator; the result is right and nothing but out is written.
 
 Run on a GPU machine: `mpirun -n 2 python -m mpi4py -m pytest --with-mpi tests/gpu` (and -n 4).
 """
@@ -65,8 +66,9 @@ def _write_late(x, values, kind):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("setup", list(SETUPS))
 @pytest.mark.parametrize("kind", ["cupy", "torch"])
-def test_own_block_is_read_in_place(
-    hetcomm_make_comm, hetcomm_shared_seed, monkeypatch, setup, kind
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
+def test_own_block_is_served_in_place(
+    hetcomm_make_comm, hetcomm_shared_seed, monkeypatch, setup, kind, op
 ) -> None:
     world = hetcomm_make_comm(**SETUPS[setup])
     comm = _group(world, setup)
@@ -81,25 +83,33 @@ def test_own_block_is_read_in_place(
     monkeypatch.setattr(general, "contiguous_in", counting)
     n, r = comm.size, comm.rank
     rng = np.random.default_rng(hetcomm_shared_seed)
+    call = getattr(comm, op)
     problems = []
     try:
         for dtype in ("float32", "int64"):
             for count in COUNTS:
+                mine = slice(PAD + r * count, PAD + (r + 1) * count)
                 for asynchronous in (False, True):
-                    case = f"{dtype}[{count}] {'async' if asynchronous else 'blocking'}"
-                    data = rng.integers(-100, 100, (n, count)).astype(np.float64)
+                    case = f"{op} {dtype}[{count}] {'async' if asynchronous else 'blocking'}"
+                    data = rng.integers(-100, 100, (n, n * count)).astype(np.float64)
                     backing = _backing(kind, n * count + 2 * PAD, dtype)
-                    out = backing[PAD : PAD + n * count]
-                    x = out[r * count : (r + 1) * count]
-                    _write_late(x, data[r], kind)
-                    w = comm.all_gather(out, x, async_op=asynchronous)
+                    whole = backing[PAD : PAD + n * count]
+                    want = np.full(n * count + 2 * PAD, -3.0)
+                    if op == "all_gather":
+                        out, x = whole, backing[mine]
+                        _write_late(x, data[r, :count], kind)
+                        want[PAD:-PAD] = data[:, :count].reshape(-1)
+                    else:
+                        out, x = backing[mine], whole
+                        _write_late(x, data[r], kind)
+                        want[PAD:-PAD] = data[r]  # x's other blocks stay as they are
+                        want[mine] = data[:, mine.start - PAD : mine.stop - PAD].sum(0)
+                    w = call(out, x, async_op=asynchronous)
                     if w is not None:
                         w.wait(timeout=60)
-                    got = _host(backing)
-                    if not np.array_equal(got[PAD:-PAD], data.reshape(-1)):
-                        problems.append(f"{case}: wrong result")
-                    if not ((got[:PAD] == -3).all() and (got[-PAD:] == -3).all()):
-                        problems.append(f"{case}: wrote outside out")
+                    bad = np.flatnonzero(_host(backing) != want)
+                    if bad.size:
+                        problems.append(f"{case}: {bad.size} wrong, first at {bad[:3]}")
         if copies:
             problems.append(f"the input was copied ({copies[:4]} bytes)")
         assert_all_ranks(comm, not problems, "; ".join(problems[:6]))

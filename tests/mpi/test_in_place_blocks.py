@@ -1,0 +1,123 @@
+"""The in-place all_gather (x is this rank's block of out) and reduce_scatter (out is this
+rank's block of x), NCCL's rules: on every path, blocking, asynchronous and general, the
+communicator hands them to the transport as they are (no packed copy of x), the result is
+right, and nothing but out is written. Any other overlap of x and out is still copied first."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetcomm import general
+from hetcomm import work as work_mod
+
+_PAD, _SENTINEL = 3, -7.5
+# one element to past the shared segment's small sizes and the persistent requests' limit
+_COUNTS = (1, 9, 4099, 70001)
+
+
+def _counting_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the inputs the general path copies from now on (it copies an input the
+    output overlaps)."""
+    copies: list[int] = []
+    real = general.contiguous_in
+
+    def counting(b, copy=False):
+        if copy:
+            copies.append(b.nbytes)
+        return real(b, copy)
+
+    monkeypatch.setattr(general, "contiguous_in", counting)
+    return copies
+
+
+def _in_place(rng, op, size, rank, count):
+    """(backing, out, x, expected backing) of one in-place call: the one array with guard
+    elements at both ends, its blocks of `count` drawn fresh."""
+    stack = rng.integers(-50, 50, (size, size * count)).astype(np.float64)  # exact sums
+    backing = np.full(size * count + 2 * _PAD, _SENTINEL)
+    whole = backing[_PAD:-_PAD]
+    mine = slice(rank * count, (rank + 1) * count)
+    want = backing.copy()
+    if op == "all_gather":
+        whole[...] = rng.standard_normal(size * count)  # the other blocks' old values
+        whole[mine] = stack[rank, :count]
+        want[_PAD:-_PAD] = stack[:, :count].reshape(-1)
+        return backing, whole, whole[mine], want
+    whole[...] = stack[rank]
+    want[_PAD:-_PAD] = stack[rank]  # x's other blocks stay as they are
+    want[_PAD:-_PAD][mine] = stack[:, mine].sum(0)
+    return backing, whole[mine], whole, want
+
+
+def _started_and_waited(call, out, x):
+    call(out, x, async_op=True).wait(timeout=60)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("path", ["blocking", "async", "general"])
+def test_own_block_is_served_in_place(hetcomm_comm, rng, errors, monkeypatch, op, path):
+    comm = hetcomm_comm
+    size, rank = comm.size, comm.rank
+    copies = _counting_copies(monkeypatch)
+    call = getattr(comm, op)
+    observer = None
+    if path == "general":
+        # while an observer is registered, every call is a Work of the general path
+        observer = lambda w: None  # noqa: E731
+        work_mod.add_observer(observer)
+    try:
+        for count in _COUNTS:
+            backing, out, x, want = _in_place(rng, op, size, rank, count)
+            case = f"{op} {path} {count}"
+            if path == "async":
+                done = errors.run(case, _started_and_waited, call, out, x)
+            else:
+                done = errors.run(case, call, out, x)
+            if done:
+                bad = np.flatnonzero(backing != want)
+                errors.expect(not bad.size, f"{case}: {bad.size} wrong, first at {bad[:3]}")
+    finally:
+        if observer is not None:
+            work_mod.remove_observer(observer)
+    errors.expect(not copies, f"{op} {path}: the input was copied ({copies} bytes)")
+    if path == "general":
+        uses = sum(r["uses"] for r in comm.routes() if r["op"] == op)
+        errors.expect(uses == len(_COUNTS), f"general path took {uses} of {len(_COUNTS)} calls")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_other_overlaps_are_copied_first(hetcomm_comm, rng, errors, monkeypatch):
+    """x as the next rank's block of out, or straddling two blocks (all_gather), and out as
+    the next rank's block of x (reduce_scatter): x is copied before any byte of out is
+    written, so every rank still gathers or reduces the x it passed."""
+    comm = hetcomm_comm
+    size, rank = comm.size, comm.rank
+    copies = _counting_copies(monkeypatch)
+    observer = lambda w: None  # noqa: E731
+    work_mod.add_observer(observer)  # the general path, where the packing happens
+    count, right = 5, (rank + 1) % size
+    try:
+        for shift in (0, 2):  # the next rank's block; straddling two blocks
+            stack = rng.standard_normal((size, count))
+            out = rng.standard_normal(size * count + count)
+            start = right * count + shift
+            x = out[start : start + count]
+            x[...] = stack[rank]
+            if errors.run(f"all_gather shift {shift}", comm.all_gather, out[: size * count], x):
+                errors.expect(
+                    np.array_equal(out[: size * count], stack.reshape(-1)),
+                    f"all_gather shift {shift}: wrong result",
+                )
+        stack = rng.integers(-50, 50, (size, size * count)).astype(np.float64)
+        x = stack[rank].copy()
+        if errors.run("reduce_scatter", comm.reduce_scatter, x[right * count :][:count], x):
+            got = x[right * count :][:count]
+            want = stack[:, rank * count : (rank + 1) * count].sum(0)
+            errors.expect(np.array_equal(got, want), f"reduce_scatter: {got} != {want}")
+    finally:
+        work_mod.remove_observer(observer)
+    errors.expect(len(copies) == 3, f"{len(copies)} of 3 overlapping inputs copied")
+    errors.verify()
