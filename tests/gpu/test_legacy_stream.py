@@ -47,8 +47,8 @@ def test_a_callers_stream_is_wrapped_once_on_its_device_without_deprecated_calls
         assert external_stream(own.ptr, device) is wrapped
     # the device it was made on, or -1 (unknown: CuPy 14.2's from_external leaves it so)
     assert wrapped.ptr == own.ptr and wrapped.device_id in (device, -1)
-    x = cupy.arange(1 << 20, dtype=cupy.float32)
-    with wrapped:
+    with wrapped:  # x made there too: the stream does not wait for the legacy one
+        x = cupy.arange(1 << 20, dtype=cupy.float32)
         y = x * 2
     wrapped.synchronize()
     np.testing.assert_array_equal(cupy.asnumpy(y), np.arange(1 << 20, dtype=np.float32) * 2)
