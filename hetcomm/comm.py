@@ -416,7 +416,8 @@ class Communicator(Entry):
     def all_gather(
         self, out: Any, x: Any, *, async_op: bool = False, timeout: float | None = None
     ) -> Work | None:
-        """Block i of `out` (size blocks the size of `x`) receives `x` of rank i."""
+        """Block i of `out` (size blocks the size of `x`) receives `x` of rank i. In place
+        where `x` is this rank's block of `out` (NCCL's layout): x is read where it lies."""
         return self._blocks(
             "all_gather", out, x, None, async_op, timeout, lambda t: t.all_gather, self.size, 1
         )
@@ -430,7 +431,9 @@ class Communicator(Entry):
         async_op: bool = False,
         timeout: float | None = None,
     ) -> Work | None:
-        """Rank i's `out` receives the reduction of block i (of size blocks) of every `x`."""
+        """Rank i's `out` receives the reduction of block i (of size blocks) of every `x`. In
+        place where `out` is this rank's block of `x` (NCCL's layout); x's other blocks are
+        left as they are."""
         return self._blocks(
             "reduce_scatter", out, x, op, async_op, timeout, _reduce_scatter, 1, self.size
         )
@@ -438,7 +441,8 @@ class Communicator(Entry):
     def all_to_all(
         self, out: Any, x: Any, *, async_op: bool = False, timeout: float | None = None
     ) -> Work | None:
-        """Block j of `x` goes to rank j; block i of `out` comes from rank i."""
+        """Block j of `x` goes to rank j; block i of `out` comes from rank i. `out` may be `x`
+        (in place: x is copied first)."""
         return self._blocks(
             "all_to_all", out, x, None, async_op, timeout, lambda t: t.all_to_all, 1, 1
         )
