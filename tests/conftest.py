@@ -57,3 +57,21 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             f"torch is not installed: {len(_left_out)} test file(s) that need it were not "
             f"collected ({', '.join(sorted(set(_left_out)))}); README, 'Which torch'"
         )
+
+
+@pytest.fixture
+def input_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the inputs the communicator's general path copies during the test (an
+    input its output overlaps, outside the in-place layouts every transport serves)."""
+    from hetcomm import general
+
+    copies: list[int] = []
+    real = general.contiguous_in
+
+    def counting(b, copy=False):
+        if copy:
+            copies.append(b.nbytes)
+        return real(b, copy)
+
+    monkeypatch.setattr(general, "contiguous_in", counting)
+    return copies

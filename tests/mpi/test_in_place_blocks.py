@@ -8,27 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hetcomm import general
 from hetcomm import work as work_mod
 
 _PAD, _SENTINEL = 3, -7.5
 # one element to past the shared segment's small sizes and the persistent requests' limit
 _COUNTS = (1, 9, 4099, 70001)
-
-
-def _counting_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sizes of the inputs the general path copies from now on (it copies an input the
-    output overlaps)."""
-    copies: list[int] = []
-    real = general.contiguous_in
-
-    def counting(b, copy=False):
-        if copy:
-            copies.append(b.nbytes)
-        return real(b, copy)
-
-    monkeypatch.setattr(general, "contiguous_in", counting)
-    return copies
 
 
 def _in_place(rng, op, size, rank, count):
@@ -57,10 +41,10 @@ def _started_and_waited(call, out, x):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
 @pytest.mark.parametrize("path", ["blocking", "async", "general"])
-def test_own_block_is_served_in_place(hetcomm_comm, rng, errors, monkeypatch, op, path):
+def test_own_block_is_served_in_place(hetcomm_comm, rng, errors, input_copies, op, path):
     comm = hetcomm_comm
     size, rank = comm.size, comm.rank
-    copies = _counting_copies(monkeypatch)
+    copies = input_copies
     call = getattr(comm, op)
     observer = None
     if path == "general":
@@ -89,13 +73,13 @@ def test_own_block_is_served_in_place(hetcomm_comm, rng, errors, monkeypatch, op
 
 
 @pytest.mark.mpi(min_size=2)
-def test_other_overlaps_are_copied_first(hetcomm_comm, rng, errors, monkeypatch):
+def test_other_overlaps_are_copied_first(hetcomm_comm, rng, errors, input_copies):
     """x as the next rank's block of out, or straddling two blocks (all_gather), and out as
     the next rank's block of x (reduce_scatter): x is copied before any byte of out is
     written, so every rank still gathers or reduces the x it passed."""
     comm = hetcomm_comm
     size, rank = comm.size, comm.rank
-    copies = _counting_copies(monkeypatch)
+    copies = input_copies
     observer = lambda w: None  # noqa: E731
     work_mod.add_observer(observer)  # the general path, where the packing happens
     count, right = 5, (rank + 1) % size
