@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from hetcomm import introspect
 from hetcomm.testing import assert_all_ranks
 
 cupy = pytest.importorskip("cupy")
@@ -21,6 +22,7 @@ COUNTS = (1, 1000, 300_001)  # a shared-segment size, a ring-sized one
 SETUPS = {
     "staged": {"transport": "staged", "vendors": ("nvidia", "amd")},
     "direct": {"transport": "direct"},
+    "direct-peers": {"transport": "direct"},  # every rank reduces its own part (no leader)
     "hier": {"transport": "hier", "vendors": ("nvidia", "amd")},
     "nccl": {"transport": "nccl"},
 }
@@ -28,7 +30,12 @@ SETUPS = {
 
 def _group(world, setup):
     """The group the test runs on: nccl's ranks each on a device of their own (alone where
-    the machine has one GPU: NCCL refuses two ranks on one device), else the world."""
+    the machine has one GPU: NCCL refuses two ranks on one device), else the world; for
+    direct-peers, with the shared-GPU leader turned off (the path of ranks on their own GPUs)."""
+    if setup == "direct-peers":
+        t = introspect.transport_of(world, "reduce_scatter", cupy.zeros(2))
+        assert t.name == "direct"
+        t.shared = False
     if setup != "nccl":
         return world
     ndev = cupy.cuda.runtime.getDeviceCount()
