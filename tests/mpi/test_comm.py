@@ -232,8 +232,9 @@ def test_async_non_contiguous_result_lands_on_wait(hetcomm_comm, errors):
 
 
 def _start_with_packed_input(comm, op, n):
-    """Start `op` asynchronously on an input hetcomm must pack (strided, or overlapping out);
-    returns (work, result array, expected result). The caller keeps every array it passed."""
+    """Start `op` asynchronously on an input hetcomm must pack (strided), or one in out (the
+    in-place all_gather, read where it lies); returns (work, result array, expected result).
+    The caller keeps every array it passed."""
     size, rank, root = comm.size, comm.rank, comm.size - 1
     base = np.full(2 * size * n, float(rank + 1))  # strided views of it need packing
     total = size * (size + 1) / 2
@@ -284,9 +285,9 @@ def _start_with_packed_input(comm, op, n):
     ],
 )
 def test_async_keeps_its_packed_input_alive(hetcomm_comm, errors, op):
-    """hetcomm packs a strided (or aliased) input into a copy of its own before handing it to
-    MPI; an async operation must keep that copy alive until it completes, even while the
-    caller allocates (and so reuses freed memory) before waiting."""
+    """hetcomm packs a strided input into a copy of its own before handing it to MPI; an async
+    operation must keep that copy (and an in-place input) alive until it completes, even while
+    the caller allocates (and so reuses freed memory) before waiting."""
     n = 16
     work, result, want = _start_with_packed_input(hetcomm_comm, op, n)
     junk = [
