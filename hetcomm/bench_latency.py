@@ -47,6 +47,7 @@ from .bench_latency_table import (
 from .bench_report import element_count
 from .bench_sweep import sizes_of
 from .bench_timing import Interleaved, Run, paired_difference, paired_ratio, share_cores
+from .kernels.host_copies import memcpy_async
 
 #: the Config field that switches off the default mismatch check, where this hetcomm has one
 #: (`Config(check=False)` / HETCOMM_CHECK=0); `--no-mismatch-check` sets it
@@ -213,7 +214,8 @@ class DeviceFloors:
         return got
 
     def _copy(self, dst: int, src: int, kind: int) -> None:
-        self.rt.memcpyAsync(dst, src, self.nbytes, kind, self.stream.ptr)
+        # as staged copies: small ones between host and device on the copy engines
+        memcpy_async(self.rt, dst, src, self.nbytes, kind, self.stream.ptr)
         self.stream.synchronize()
 
     def copy(self, calls: int) -> None:

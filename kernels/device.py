@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import BOOL_REDUCTION, HALVES, TABLE
+from .host_copies import memcpy_async
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reduce.cu")
 _OPS = {"sum": "Sum", "prod": "Prod", "min": "Min", "max": "Max"}
@@ -277,7 +278,7 @@ class StagingDevice:
         stream = stream or self._stream()
         if ready is not None:
             stream.wait_event(ready)
-        self.cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
+        memcpy_async(self.cupy.cuda.runtime, dst, src, nbytes, kind, stream.ptr)
         # non-blocking: the runtime chooses how a waiter waits (spins while cores are spare),
         # waking it within microseconds; a blocking event sleeps on an interrupt (slower here)
         event = self.cupy.cuda.Event(block=False, disable_timing=True)
