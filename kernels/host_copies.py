@@ -65,8 +65,9 @@ def memcpy_async(rt: Any, dst: int, src: int, nbytes: int, kind: int, stream: in
     cudaMemcpyAsync would (`kind`: the cudaMemcpyKind, `rt`: CuPy's runtime module), on the
     copy engines where it is between host and device (see the module's note)."""
     shape = rows(nbytes) if kind != _DEVICE_TO_DEVICE else ()
-    if not shape:
+    copy_2d = getattr(rt, "memcpy2DAsync", None)  # a runtime without it copies as it can
+    if not shape or copy_2d is None:
         rt.memcpyAsync(dst, src, nbytes, kind, stream)
         return
     for offset, width, height in shape:
-        rt.memcpy2DAsync(dst + offset, width, src + offset, width, width, height, kind, stream)
+        copy_2d(dst + offset, width, src + offset, width, width, height, kind, stream)

@@ -106,3 +106,20 @@ def test_memcpy_async_moves_exactly_the_bytes(kind: int, rng) -> None:
             assert names == ["1d"], (nbytes, kind, names)
         else:
             assert names == ["2d"] * len(rows(nbytes)), (nbytes, kind, names)
+
+
+def test_a_runtime_without_2d_copies_copies_in_one() -> None:
+    class Plain:
+        def __init__(self) -> None:
+            self.calls: list[int] = []
+
+        def memcpyAsync(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
+            self.calls.append(nbytes)
+            ctypes.memmove(dst, src, nbytes)
+
+    src = np.arange(100, dtype=np.uint8)
+    dst = np.zeros(100, np.uint8)
+    rt = Plain()
+    memcpy_async(rt, dst.ctypes.data, src.ctypes.data, 100, H2D, 0)
+    assert rt.calls == [100]
+    np.testing.assert_array_equal(dst, src)
