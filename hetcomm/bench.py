@@ -33,6 +33,7 @@ STUDIES = {
     "ddp": ("bench_ddp", "run", "a DDP training step through hetcomm vs gloo"),
     "wake": ("bench_wake", "run", "a message after a pause: how soon a long wait sees it"),
     "lane": ("bench_lane", "run", "large host collectives: blocking, on a thread, non-blocking"),
+    "copies": ("bench_copies", "run", "GPU: host<->device copies, 1D vs 2D rows, ranks sharing"),
 }
 
 
