@@ -442,7 +442,8 @@ class Communicator(Entry):
         self, out: Any, x: Any, *, async_op: bool = False, timeout: float | None = None
     ) -> Work | None:
         """Block j of `x` goes to rank j; block i of `out` comes from rank i. `out` may be `x`
-        (in place: x is copied first)."""
+        (in place: x is copied first, except where the transport reads all of it before it
+        writes: staged through its shared segment)."""
         return self._blocks(
             "all_to_all", out, x, None, async_op, timeout, lambda t: t.all_to_all, 1, 1
         )

@@ -203,12 +203,17 @@ def blocks(
     writable(ob, f"{op}: out")
     steps: list[Callable[[], None]] = []
     # an input the output overlaps is copied first, except in the in-place forms that every
-    # transport serves as they are (NCCL's rules): all_gather's x is this rank's block of
-    # out, reduce_scatter's out is this rank's block of x
-    aliased = overlap(xb, ob) != "none" and not (
-        own_block(xb, ob, comm.rank)
-        if op == "all_gather"
-        else op == "reduce_scatter" and own_block(ob, xb, comm.rank)
+    # transport serves as they are (NCCL's rules: all_gather's x is this rank's block of
+    # out, reduce_scatter's out is this rank's block of x) and where the transport reads all
+    # of x before it writes out (staged through its shared segment)
+    aliased = (
+        overlap(xb, ob) != "none"
+        and not (
+            own_block(xb, ob, comm.rank)
+            if op == "all_gather"
+            else op == "reduce_scatter" and own_block(ob, xb, comm.rank)
+        )
+        and not route.transport.stages_input(op, xb.nbytes)
     )
     xc = contiguous_in(xb, copy=aliased)
     oc = contiguous_out(ob, steps)

@@ -110,18 +110,28 @@ class Transport:
         """Copy `x` of `root` into `x` of every rank."""
         raise NotImplementedError
 
+    def stages_input(self, op: str, nbytes: int) -> bool:
+        """Whether all_gather, reduce_scatter or all_to_all (`op`) with `nbytes` of input per
+        rank, issued now, reads all of this rank's `x` before it writes any of `out`: then
+        `out` may overlap `x` in any way and the communicator passes both as they are. False
+        here: the communicator copies an overlapped `x` first, outside the in-place layouts."""
+        return False
+
     def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
         """Block i of `out` (size blocks the size of `x`) gets `x` of rank i. `x` may be this
-        rank's block of `out` (the in-place form, arrays.own_block); no other overlap comes."""
+        rank's block of `out` (the in-place form, arrays.own_block); no other overlap comes
+        unless stages_input says so."""
         raise NotImplementedError
 
     def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
         """Rank i's `out` gets the reduction of block i of every rank's `x`. `out` may be this
-        rank's block of `x` (the in-place form, arrays.own_block); no other overlap comes."""
+        rank's block of `x` (the in-place form, arrays.own_block); no other overlap comes
+        unless stages_input says so."""
         raise NotImplementedError
 
     def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
-        """Block j of `x` goes to rank j; block i of `out` comes from rank i."""
+        """Block j of `x` goes to rank j; block i of `out` comes from rank i. `out` does not
+        overlap `x` unless stages_input says so."""
         raise NotImplementedError
 
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:

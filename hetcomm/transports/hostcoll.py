@@ -442,6 +442,11 @@ class HostGroup:
     def _half(self, q: int) -> np.ndarray:
         return self._rows[self._ops & 1][q]
 
+    def holds(self, nbytes: int) -> bool:
+        """Whether an operation of `nbytes` issued now runs in the segment as it is: it need
+        not grow (the segment only grows), so run() will not decline it."""
+        return self._seg is not None and self._broken is None and nbytes <= self.capacity
+
     def mine(self, nbytes: int) -> np.ndarray:
         """The first `nbytes` of this rank's half for the operation about to run: where a caller
         that stages its own input (a device copy) puts it before calling with x=None."""

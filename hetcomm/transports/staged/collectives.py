@@ -553,6 +553,19 @@ _SEGMENT_OPS = frozenset(
 )
 
 
+def stages_input(t: StagedTransport, op: str, nbytes: int) -> bool:
+    """Whether `op` with `nbytes` of input per rank, issued now, runs in the shared segment as
+    it stands, which copies every rank's whole input in before any output is written (so an
+    output that overlaps the input in any way is served as it is). Only where the segment
+    holds the size already: one that must grow first may fall back to the rings (every rank
+    at that call), which read their input while they write. A choice of this rank alone:
+    ranks that choose differently still meet in the segment or in the rings alike."""
+    if op not in _SEGMENT_OPS:
+        return False
+    group = _segment(t, nbytes)
+    return group is not None and group.holds(nbytes)
+
+
 def prepare(
     t: StagedTransport,
     op: str,

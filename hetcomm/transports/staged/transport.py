@@ -589,6 +589,12 @@ class StagedTransport(Transport):
         if rop is not None:
             self.messages.finish_recv(rop, deadline)
 
+    def stages_input(self, op: str, nbytes: int) -> bool:
+        """Where the shared segment takes the operation as it stands (collectives.py)."""
+        from . import collectives
+
+        return collectives.stages_input(self, op, nbytes)
+
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
         """A ring of staged messages (see collectives.py)."""
         from . import collectives
