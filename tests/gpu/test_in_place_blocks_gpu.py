@@ -1,7 +1,8 @@
 """The in-place all_gather (x is this rank's block of out) and reduce_scatter (out is this
 rank's block of x) on device arrays, NCCL's rules: every device transport serves them as they
 are, after the work queued before the call on the caller's stream, with no copy of x made by
-the communicator; the result is right and nothing but out is written.
+the communicator; the result is right and nothing but out is written. On staged the in-place
+all_to_all too, where the shared segment holds its size.
 
 Run on a GPU machine: `mpirun -n 2 python -m mpi4py -m pytest --with-mpi tests/gpu` (and -n 4).
 """
@@ -114,3 +115,41 @@ def test_own_block_is_served_in_place(
     finally:
         if comm is not world:
             comm.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+def test_staged_in_place_all_to_all(hetcomm_make_comm, hetcomm_shared_seed, input_copies, kind):
+    """all_to_all with out = x on staged: uncopied where the shared segment holds the size
+    (x is staged whole before out is written), copied first where the rings take it; the
+    input written late on the caller's stream, the result right either way."""
+    comm = hetcomm_make_comm(**SETUPS["staged"])
+    n, r = comm.size, comm.rank
+    rng = np.random.default_rng(hetcomm_shared_seed)
+    problems = []
+    for count in COUNTS[1:]:
+        warm = _backing(kind, n * count, "float32")
+        comm.all_to_all(_backing(kind, n * count, "float32"), warm)  # the segment grows
+        input_copies.clear()
+        for asynchronous in (False, True):
+            case = f"all_to_all float32[{count}] {'async' if asynchronous else 'blocking'}"
+            data = rng.integers(-100, 100, (n, n * count)).astype(np.float64)
+            backing = _backing(kind, n * count + 2 * PAD, "float32")
+            x = backing[PAD : PAD + n * count]
+            _write_late(x, data[r], kind)
+            w = comm.all_to_all(x, x, async_op=asynchronous)
+            if w is not None:
+                w.wait(timeout=60)
+            want = np.full(n * count + 2 * PAD, -3.0)
+            want[PAD:-PAD] = data[:, r * count : (r + 1) * count].reshape(-1)
+            bad = np.flatnonzero(_host(backing) != want)
+            if bad.size:
+                problems.append(f"{case}: {bad.size} wrong, first at {bad[:3]}")
+        segment = introspect.transport_of(comm, "all_to_all", x).stages_input(
+            "all_to_all", x.nbytes
+        )
+        if segment and input_copies:
+            problems.append(f"{count}: the input was copied ({input_copies[:4]} bytes)")
+        if not segment and len(input_copies) != 2:
+            problems.append(f"{count}: {len(input_copies)} of 2 ring-sized inputs copied")
+    assert_all_ranks(comm, not problems, "; ".join(problems[:6]))
