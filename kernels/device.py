@@ -228,10 +228,15 @@ class StagingDevice:
     def ready_event(self, buf: Any) -> Any:
         """On the calling thread: an event after the work queued on the caller's stream; every
         copy and kernel of the transfer waits for it."""
+        return self.ready_on(current_stream(buf))
+
+    def ready_on(self, stream: int) -> Any:
+        """An event after the work queued so far on raw stream handle `stream` of this
+        device (a caller's stream, read by the caller's thread)."""
         cupy = self.cupy
         cupy.cuda.runtime.setDevice(self.device)
         ready = cupy.cuda.Event(disable_timing=True)
-        ready.record(external_stream(current_stream(buf), self.device))
+        ready.record(external_stream(stream, self.device))
         return ready
 
     # ---- copies ------------------------------------------------------------------------------

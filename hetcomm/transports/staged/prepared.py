@@ -1,8 +1,9 @@
-"""The staged transport's prepared sends and receives of host arrays (hetcomm.routes.Route):
-the blocking ones run on the calling thread with no Work (eager through the pair's ring where
-the peer shares this host and the message fits a slot, else p2p's path, still on this thread),
-the asynchronous ones start the general path's message on the array itself, without its Buffer
-and checks. Prepared sends and receives never decline: they number their message as the
+"""The staged transport's prepared sends and receives (hetcomm.routes.Route): the blocking
+ones of host arrays run on the calling thread with no Work (eager through the pair's ring
+where the peer shares this host and the message fits a slot, else p2p's path, still on this
+thread), those of device arrays p2p's path on the calling thread after an event on the
+caller's stream; the asynchronous ones of host arrays start the general path's message on the
+array itself, without its Buffer and checks. Once they run they number their message as the
 general path would and run it to its end."""
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ def prepare(
     """StagedTransport.prepare: sends and receives here, collectives where collectives.py
     prepares them, None for the rest."""
     if op in ("send", "recv"):
-        if x is None or x.host is None:
+        if x is None:
             return None
+        if x.host is None:
+            return _device_p2p(t, op, x)
         return partial(run_send if op == "send" else run_recv, t)
     if op == "barrier":
         return None
@@ -107,6 +110,55 @@ def run_recv(t: StagedTransport, xh: np.ndarray, src: int, tag: int, seq: int) -
             p2p.recv(t, host_region(xh), src, tag, k, deadline, None)
     except (PeerTimeout, PeerLost) as exc:
         raise t._fatal("recv", seq, exc) from None
+    return True
+
+
+def _device_p2p(t: StagedTransport, op: str, x: Buffer) -> Callable[..., bool] | None:
+    """The prepared blocking send or receive of device memory, `run(ptr, peer, tag, seq)`
+    with `ptr` the array's device address (routes.device_view): p2p's message on the calling
+    thread, as the general path runs it, with no Buffer or Work per call. None where the
+    general path takes every call: empty arrays, array types whose current stream is not
+    known here."""
+    from ...kernels.device import stream_reader
+
+    if not x.count:
+        return None
+    stream = stream_reader(x.kind, x.device_index)
+    if stream is None:
+        return None
+    move = p2p.send if op == "send" else p2p.recv
+    return partial(run_device, t, op, move, x.nbytes, x.device_index, stream)
+
+
+def run_device(
+    t: StagedTransport,
+    op: str,
+    move: Callable[..., None],
+    nbytes: int,
+    index: int | None,
+    stream: Callable[[], int],
+    ptr: int,
+    peer: int,
+    tag: int,
+    seq: int,
+) -> bool:
+    """One prepared device send or receive (`move`: p2p.send or p2p.recv) of `nbytes` at
+    `ptr`, after the work queued so far on the caller's stream; a receive's copy out has
+    ended when this returns. False (nothing moved, no message numbered) where the general
+    path must take it: a message to or from this rank, an array on another device than the
+    transport's."""
+    if peer == t.rank:
+        return False
+    gpu = t.staging()
+    if index != gpu.device:
+        return False
+    ready = gpu.ready_on(stream())
+    k = t._p2p_number(op, peer, tag)
+    try:
+        deadline = time.monotonic() + t.limit()
+        move(t, Region(nbytes, None, ptr), peer, tag, k, deadline, ready)
+    except (PeerTimeout, PeerLost) as exc:
+        raise t._fatal(op, seq, exc) from None
     return True
 
 

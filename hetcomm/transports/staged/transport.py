@@ -242,6 +242,11 @@ class StagedTransport(Transport):
     def _device(self, bufs: list[Buffer]) -> Any:
         if not any(b.on_device for b in bufs):
             return None
+        return self.staging()
+
+    def staging(self) -> Any:
+        """The transport's device side (kernels.device.StagingDevice), made at its first
+        operation on device memory."""
         if self.gpu is None:
             from ...kernels import device
 
