@@ -137,6 +137,89 @@ def test_send_recv_across_memories(hetcomm_make_comm, hetcomm_shared_seed, memor
     assert_all_ranks(comm, ok, f"{memory}: payload or the bytes around it differ")
 
 
+def _p2p_counts(comm, op: str) -> tuple[int, int]:
+    """(prepared runs, general-path uses) of every staged `op` route so far."""
+    rows = [r for r in comm.routes() if r["op"] == op and r["transport"] == "staged"]
+    return sum(r["runs"] for r in rows), sum(r["uses"] for r in rows)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_prepared_device_send_recv(hetcomm_make_comm, hetcomm_shared_seed) -> None:
+    """Blocking device sends and receives, repeated, take the resolved route (counted) and
+    stay right as the signature changes between calls (count, dtype, array type, eager and
+    rails sizes, the caller's stream with its data written late), beside an asynchronous
+    receive in flight; nothing beside the receive buffer changes."""
+    comm = hetcomm_make_comm(transport="staged", vendors=("nvidia", "amd"))
+    r = comm.rank
+    problems = []
+    if r < 2:
+        peer, pad = 1 - r, 32
+        rng = np.random.default_rng(hetcomm_shared_seed)
+
+        def exchange(kind, n, dtype, label, tag=7):
+            data = rng.integers(0, 100, (2, n)).astype(np.float64)
+            x = _to_device(data[r], dtype, kind)
+            buf = _to_device(np.zeros(n + 2 * pad), dtype, kind)
+            y = buf[pad:-pad]
+            for first in (0, 1):
+                if r == first:
+                    comm.send(x, peer, tag=tag)
+                else:
+                    comm.recv(y, peer, tag=tag)
+            got = _to_numpy(buf)
+            if not np.array_equal(got[pad:-pad], data[peer]):
+                problems.append(f"{label}: wrong data")
+            if got[:pad].any() or got[-pad:].any():
+                problems.append(f"{label}: wrote beside the receive buffer")
+
+        runs0, uses0 = _p2p_counts(comm, "send")
+        for _ in range(3):
+            exchange("cupy", 1000, "float32", "cupy float32 x3")
+        exchange("cupy", 1001, "float32", "new count")
+        exchange("cupy", 1001, "int64", "new dtype")
+        exchange("torch", 1001, "bfloat16", "torch bfloat16")
+        exchange("torch", 70000, "float32", "torch 280 KB (rails)")
+        exchange("cupy", 5, "int8", "5 bytes")
+        runs1, uses1 = _p2p_counts(comm, "send")
+        if runs1 - runs0 < 8 or uses1 != uses0:
+            problems.append(f"sends: {runs1 - runs0} prepared, {uses1 - uses0} general")
+
+        # the caller's stream: the data written behind a long kernel on a stream of its own
+        data = rng.integers(0, 100, (2, 4096)).astype(np.float32)
+        x = torch.zeros(4096, device="cuda")
+        y = torch.zeros(4096, device="cuda")
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(20_000_000)
+            x.copy_(torch.from_numpy(data[r]).to("cuda", non_blocking=True))
+            for first in (0, 1):
+                if r == first:
+                    comm.send(x, peer, tag=8)
+                else:
+                    comm.recv(y, peer, tag=8)
+            got = y.cpu().numpy()  # on the stream: after the receive's copy
+        if not np.array_equal(got, data[peer]):
+            problems.append("a send after a long kernel on the caller's stream")
+
+        # an asynchronous receive in flight on another tag: blocking calls beside it
+        a = cupy.asarray(data[r])
+        b, c = cupy.zeros(4096, cupy.float32), cupy.zeros(4096, cupy.float32)
+        w = comm.recv(c, peer, tag=10, async_op=True)
+        for first in (0, 1):
+            if r == first:
+                comm.send(a, peer, tag=9)
+            else:
+                comm.recv(b, peer, tag=9)
+        comm.send(a * 2, peer, tag=10)
+        w.wait()
+        if not np.array_equal(cupy.asnumpy(b), data[peer]):
+            problems.append("a receive beside an asynchronous one")
+        if not np.array_equal(cupy.asnumpy(c), 2 * data[peer]):
+            problems.append("an asynchronous receive with blocking calls beside it")
+    assert_all_ranks(comm, not problems, "; ".join(problems))
+
+
 class TestStagedStreams(StreamContract):
     """The stream contract (tests/gpu/_stream_contract.py) on this module's communicators."""
 
