@@ -7,6 +7,8 @@ which then takes every overlap, the in-place all_to_all too)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -41,6 +43,32 @@ def _started_and_waited(call, out, x):
     call(out, x, async_op=True).wait(timeout=60)
 
 
+@contextlib.contextmanager
+def _on_path(path):
+    """Calls on the general path where `path` says so: while an observer is registered,
+    every call is a Work of the general path."""
+    observer = (lambda w: None) if path == "general" else None
+    if observer is not None:
+        work_mod.add_observer(observer)
+    try:
+        yield
+    finally:
+        if observer is not None:
+            work_mod.remove_observer(observer)
+
+
+def _check_call(errors, path, case, call, backing, out, x, want):
+    """`call(out, x)`, blocking or (path "async") started and waited for; then the whole
+    backing array, guards included, must be `want`."""
+    if path == "async":
+        done = errors.run(case, _started_and_waited, call, out, x)
+    else:
+        done = errors.run(case, call, out, x)
+    if done:
+        bad = np.flatnonzero(backing != want)
+        errors.expect(not bad.size, f"{case}: {bad.size} wrong, first at {bad[:3]}")
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
 @pytest.mark.parametrize("path", ["blocking", "async", "general"])
@@ -49,25 +77,10 @@ def test_own_block_is_served_in_place(hetcomm_comm, rng, errors, input_copies, o
     size, rank = comm.size, comm.rank
     copies = input_copies
     call = getattr(comm, op)
-    observer = None
-    if path == "general":
-        # while an observer is registered, every call is a Work of the general path
-        observer = lambda w: None  # noqa: E731
-        work_mod.add_observer(observer)
-    try:
+    with _on_path(path):
         for count in _COUNTS:
             backing, out, x, want = _in_place(rng, op, size, rank, count)
-            case = f"{op} {path} {count}"
-            if path == "async":
-                done = errors.run(case, _started_and_waited, call, out, x)
-            else:
-                done = errors.run(case, call, out, x)
-            if done:
-                bad = np.flatnonzero(backing != want)
-                errors.expect(not bad.size, f"{case}: {bad.size} wrong, first at {bad[:3]}")
-    finally:
-        if observer is not None:
-            work_mod.remove_observer(observer)
+            _check_call(errors, path, f"{op} {path} {count}", call, backing, out, x, want)
     errors.expect(not copies, f"{op} {path}: the input was copied ({copies} bytes)")
     if path == "general":
         uses = sum(r["uses"] for r in comm.routes() if r["op"] == op)
@@ -83,10 +96,8 @@ def test_other_overlaps_are_copied_first(hetcomm_comm, rng, errors, input_copies
     comm = hetcomm_comm
     size, rank = comm.size, comm.rank
     copies = input_copies
-    observer = lambda w: None  # noqa: E731
-    work_mod.add_observer(observer)  # the general path, where the packing happens
     count, right = 5, (rank + 1) % size
-    try:
+    with _on_path("general"):  # where the packing happens
         for shift in (0, 2):  # the next rank's block; straddling two blocks
             stack = rng.standard_normal((size, count))
             out = rng.standard_normal(size * count + count)
@@ -104,8 +115,6 @@ def test_other_overlaps_are_copied_first(hetcomm_comm, rng, errors, input_copies
             got = x[right * count :][:count]
             want = stack[:, rank * count : (rank + 1) * count].sum(0)
             errors.expect(np.array_equal(got, want), f"reduce_scatter: {got} != {want}")
-    finally:
-        work_mod.remove_observer(observer)
     if not _stages(comm, count * size * 8):
         errors.expect(len(copies) == 3, f"{len(copies)} of 3 overlapping inputs copied")
     errors.verify()
@@ -159,24 +168,9 @@ def test_staged_segment_takes_any_overlap(hetcomm_comm, rng, errors, input_copie
     if not _stages(comm, size * count * 8):
         pytest.skip("staged has no shared segment for this group (one host's ranks only)")
     input_copies.clear()
-    observer = None
-    if path == "general":
-        observer = lambda w: None  # noqa: E731
-        work_mod.add_observer(observer)
-    try:
+    with _on_path(path):
         for op in ("all_to_all", "all_gather", "reduce_scatter"):
             backing, out, x, want = _overlapping(rng, op, size, rank, count)
-            call = getattr(comm, op)
-            case = f"{op} {path}"
-            if path == "async":
-                done = errors.run(case, _started_and_waited, call, out, x)
-            else:
-                done = errors.run(case, call, out, x)
-            if done:
-                bad = np.flatnonzero(backing != want)
-                errors.expect(not bad.size, f"{case}: {bad.size} wrong, first at {bad[:3]}")
-    finally:
-        if observer is not None:
-            work_mod.remove_observer(observer)
+            _check_call(errors, path, f"{op} {path}", getattr(comm, op), backing, out, x, want)
     errors.expect(not input_copies, f"{path}: inputs copied ({input_copies} bytes)")
     errors.verify()
