@@ -27,6 +27,11 @@ SIZES = (8, 1024, 16384, 24576, 32768, 65536)
 def run(args: argparse.Namespace) -> int:
     """`hetcomm bench --study copies [-b MIN -e MAX -f FACTOR] [--rounds N] [-n CALLS (50)]`,
     on a GPU (each rank on GPU local rank mod GPU count)."""
+    from .kernels import device
+
+    why = device.unavailable()
+    if why is not None:
+        raise SystemExit(f"hetcomm bench --study copies: times copies on a GPU: {why}")
     import cupy
     from mpi4py import MPI
 

@@ -413,3 +413,15 @@ def test_bench_accepts_nccl_tests_spellings():
     latency = p.parse_args(["--latency"])
     _defaults(latency)
     assert (latency.maxbytes, latency.iters, latency.stepfactor) == ("16M", 100, 2.0)
+
+
+def test_copies_study_says_it_needs_a_gpu(monkeypatch):
+    import argparse
+
+    from hetcomm.kernels import device
+
+    from hetcomm import bench_copies
+
+    monkeypatch.setattr(device, "unavailable", lambda: "no GPU visible to cupy")
+    with pytest.raises(SystemExit, match="times copies on a GPU: no GPU visible to cupy"):
+        bench_copies.run(argparse.Namespace())
