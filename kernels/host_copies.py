@@ -1,13 +1,13 @@
-"""Copies between host and device memory that stay on the GPU's copy engines.
+"""Small copies between host and device memory that do not wait for other processes.
 
-Several processes share one GPU when the ranks of a job outnumber its GPUs. There, a
-one-dimensional cudaMemcpyAsync between host and device of fewer than 24-28 KiB is not run
-by a copy engine: whenever two processes make such copies at the same time, each copy waits
-for a switch between the processes' contexts, about 140 us for every other process copying
-(H100, driver 580: a copy each way in each of 2 / 4 processes at once took 290 / 565 us at 8 B
-to 24 KiB, 25 / 32 us from 28 KiB up). The same bytes queued as a two-dimensional copy of two
-rows or more run on the copy engines at every size: 22 / 27 us for 2 B to 24 KiB, and no
-slower when one process copies alone (docs/BENCHMARKS.md, "Small copies between host and
+Several processes share one GPU when the ranks of a job outnumber its GPUs. There, whenever
+two processes make one-dimensional cudaMemcpyAsync copies between host and device of fewer
+than 24-28 KiB at the same time, each copy waits for a switch between the processes'
+contexts, about 140 us for every other process copying (H100, driver 580: a copy each way in
+each of 2 / 4 processes at once took 290 / 565 us at 8 B to 24 KiB, 25 / 32 us from 28 KiB up,
+as copies that the copy engines take). The same bytes queued as a two-dimensional copy of two
+rows or more do not wait, at any size: 22 / 27 us for 2 B to 24 KiB, and no slower when one
+process copies alone (H200 alike; docs/BENCHMARKS.md, "Small copies between host and
 device"). Device-to-device copies wait for the switch however they are shaped, so they stay
 one-dimensional.
 
