@@ -436,7 +436,7 @@ class MpiTransport(Transport):
             # by the Work until done (MPI holds only its address)
             copied = contiguous_in(x, copy=True)
             work = self.reduce_scatter(out, copied, op, seq)
-            work._keep = (copied,)
+            work._keep = (*work._keep, copied)
             return work
         spans = schedule.spans(out, size)
         if len(spans) > 1:
