@@ -325,7 +325,18 @@ class Entry:
         the sequence number entered here)."""
         if timeout is not None:
             return self._timed(timeout, route.op, self._blocking_run, route, None, *arrays)
-        self._last_entered = seq = self._enter(route)
+        if (
+            route.transport is self._last
+            and self._group is None
+            and not self._checking
+            and not self._deferred.queue
+        ):
+            # _enter, inline, where it is only the sequence number and the arrivals table
+            self._seq = seq = self._seq + 1
+            self._arrived[self.rank] = seq
+        else:
+            seq = self._enter(route)
+        self._last_entered = seq
         assert route.run is not None
         route.runs += 1
         try:
