@@ -13,6 +13,7 @@ waited for or handed back (`_collective`, `_finish`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,7 @@ from .arrays import Buffer
 from .deferred import Deferred, DeferredStarts
 from .errors import InvalidArgument, MismatchError, MpiError
 from .routes import Route, no_general
+from .transports import flags
 from .work import Work
 
 if TYPE_CHECKING:
@@ -39,6 +41,9 @@ if TYPE_CHECKING:
 POINT_TO_POINT = frozenset(("send", "recv"))
 # polls of a blocking check before it waits as a Work (bounded, with the stall warning)
 QUICK_POLLS = 64
+# the first and the longest nap of a wait for a deferred collective whose operation gives no
+# signal of its own to wait on (as Work.wait naps)
+_NAP_S, _NAP_MAX_S = 10e-6, 1e-3
 _RING = agree.Agreement.RING
 
 
@@ -193,7 +198,30 @@ class Entry:
             inner = item.inner
             return inner is not None and inner.drive(deadline)
 
-        item.outer = Work(self, route.op, seq, poll, drive=drive)
+        def started() -> bool:
+            self._deferred.advance()
+            return item.inner is not None or item.error is not None
+
+        naps = [_NAP_S]
+
+        def waiter(seconds: float) -> bool:
+            # the caller waits: for the check as a blocking call's wait would (flags.wait:
+            # yielding the core between looks, then naps), then on the started operation's
+            # own signal; a growing nap where it has none (the caller's Work, given a waiter,
+            # no longer naps on its own)
+            until = time.monotonic() + seconds
+            if item.inner is None and not flags.wait(started, until):
+                return False
+            inner = item.inner
+            if inner is None:  # it failed: the next poll raises
+                return False
+            if inner.block(until - time.monotonic()):
+                return True
+            time.sleep(min(naps[0], max(0.0, until - time.monotonic())))
+            naps[0] = min(naps[0] * 2, _NAP_MAX_S)
+            return False
+
+        item.outer = Work(self, route.op, seq, poll, drive=drive, waiter=waiter)
         self._deferred.add(item)
         return item.outer
 
