@@ -29,7 +29,7 @@ from .deferred import Deferred, DeferredStarts
 from .errors import InvalidArgument, MismatchError, MpiError
 from .routes import Route, no_general
 from .transports import flags
-from .work import Work
+from .work import Follow, Work
 
 if TYPE_CHECKING:
     from .config import Config
@@ -41,9 +41,6 @@ if TYPE_CHECKING:
 POINT_TO_POINT = frozenset(("send", "recv"))
 # polls of a blocking check before it waits as a Work (bounded, with the stall warning)
 QUICK_POLLS = 64
-# the first and the longest nap of a wait for a deferred collective whose operation gives no
-# signal of its own to wait on (as Work.wait naps)
-_NAP_S, _NAP_MAX_S = 10e-6, 1e-3
 _RING = agree.Agreement.RING
 
 
@@ -194,34 +191,23 @@ class Entry:
                     return False
             return inner.test()
 
-        def drive(deadline: float) -> bool:
-            inner = item.inner
-            return inner is not None and inner.drive(deadline)
-
         def started() -> bool:
             self._deferred.advance()
             return item.inner is not None or item.error is not None
 
-        naps = [_NAP_S]
+        follow = Follow(lambda: item.inner)
 
         def waiter(seconds: float) -> bool:
             # the caller waits: for the check as a blocking call's wait would (flags.wait:
-            # yielding the core between looks, then naps), then on the started operation's
-            # own signal; a growing nap where it has none (the caller's Work, given a waiter,
-            # no longer naps on its own)
+            # yielding the core between looks, then naps), then as Follow waits
             until = time.monotonic() + seconds
             if item.inner is None and not flags.wait(started, until):
                 return False
-            inner = item.inner
-            if inner is None:  # it failed: the next poll raises
+            if item.inner is None:  # it failed: the next poll raises
                 return False
-            if inner.block(until - time.monotonic()):
-                return True
-            time.sleep(min(naps[0], max(0.0, until - time.monotonic())))
-            naps[0] = min(naps[0] * 2, _NAP_MAX_S)
-            return False
+            return follow.wait(max(0.0, until - time.monotonic()))
 
-        item.outer = Work(self, route.op, seq, poll, drive=drive, waiter=waiter)
+        item.outer = Work(self, route.op, seq, poll, drive=follow.drive, waiter=waiter)
         self._deferred.add(item)
         return item.outer
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from .argcheck import check_timeout, writable
 from .arrays import as_buffer
 from .errors import InvalidArgument
-from .work import Work
+from .work import Follow, Work
 
 if TYPE_CHECKING:
     from .comm import Communicator
@@ -80,7 +80,8 @@ def queue(
             return False
         return item.work.test()
 
-    return Work(comm, op, comm._p2p_seq, poll)
+    follow = Follow(lambda: item.work)
+    return Work(comm, op, comm._p2p_seq, poll, waiter=follow.wait, drive=follow.drive)
 
 
 def run(comm: Communicator, items: list[Queued]) -> None:

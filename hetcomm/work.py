@@ -22,7 +22,7 @@ log = logging.getLogger("hetcomm")
 
 # Spin this long before sleeping: short operations finish within it, and a spin costs no wake-up.
 _SPIN_S = 200e-6
-_MAX_SLEEP_S = 1e-3
+_FIRST_SLEEP_S, _MAX_SLEEP_S = 10e-6, 1e-3  # Work.wait's naps: the first, the longest
 
 
 # Whether the call this thread is issuing will wait for its operation at once (a blocking
@@ -202,7 +202,7 @@ class Work:
         deadline = start + limit
         spin_until = start + _SPIN_S
         stall_at = start + self._comm.config.stall
-        sleep = 10e-6
+        sleep = _FIRST_SLEEP_S
         while True:
             self.drive(deadline)  # where the operation may run here, it does
             if self.test():
@@ -342,6 +342,32 @@ class BusyPoll:
         return True
 
 
+class Follow:
+    """The drive and waiter of a Work that completes with other Works: `current()` names the
+    one it waits for now (None while none has started). A wait drives that Work where it may
+    run on the waiting thread and blocks on its own signal (its waiter); a growing nap where
+    it has none, or none has started, as Work.wait naps. Without them the wrapping Work's
+    wait napped between polls of the Works it follows, whatever signal those had."""
+
+    __slots__ = ("_nap", "current")
+
+    def __init__(self, current: Callable[[], Work | None]) -> None:
+        self.current = current
+        self._nap = _FIRST_SLEEP_S
+
+    def drive(self, deadline: float) -> bool:
+        work = self.current()
+        return work is not None and work.drive(deadline)
+
+    def wait(self, seconds: float) -> bool:
+        work = self.current()
+        if work is not None and (work._done or work.block(seconds)):
+            return True
+        time.sleep(min(self._nap, seconds))
+        self._nap = min(self._nap * 2, _MAX_SLEEP_S)
+        return False
+
+
 def completed(comm: Context, op: str, seq: int) -> Work:
     """A Work that is already complete (for operations with nothing to move)."""
     work = Work(comm, op, seq, _true)
@@ -364,4 +390,5 @@ def all_of(comm: Context, works: list[Work], op: str = "all_reduce") -> Work:
             left.pop(0)
         return True
 
-    return Work(comm, op, works[-1].seq, poll)
+    follow = Follow(lambda: left[0] if left else None)
+    return Work(comm, op, works[-1].seq, poll, waiter=follow.wait, drive=follow.drive)

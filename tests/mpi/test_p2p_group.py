@@ -3,6 +3,8 @@ once) with messages too large for MPI's eager sends, which deadlocks as plain bl
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -124,4 +126,55 @@ def test_group_block_refusals(hetcomm_comm, errors):
     y = np.ones(3)
     if errors.run("all_reduce afterwards", comm.all_reduce, y):
         errors.expect((y == comm.size).all(), f"all_reduce afterwards gave {y}")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("form", ["sendrecv", "group"])
+def test_a_wait_blocks_on_the_calls_it_follows(
+    hetcomm_comm, hetcomm_shared_seed, errors, monkeypatch, form
+):
+    """The Work of an asynchronous sendrecv (one over its send and receive) and that of an
+    asynchronous call in a group block (one over the call the block's end makes) wait on
+    the Works they follow: their waits block on those Works' own signals (Work.block) and
+    drive them, where they once napped between polls. The ranks after 0 call 0.2 s late, so
+    that rank 0's wait has to wait."""
+    comm = hetcomm_comm
+    right, left = _ring(comm)
+    x = _mine(hetcomm_shared_seed, comm.rank)
+    got = np.zeros(N + 2)
+    got[0] = got[-1] = -7.0
+    blocked: list[hetcomm.Work] = []
+    block = hetcomm.Work.block
+
+    def spy(work, seconds):
+        blocked.append(work)
+        return block(work, seconds)
+
+    works: list[hetcomm.Work] = []
+
+    def exchange():
+        if form == "sendrecv":
+            works.append(comm.sendrecv(x, right, got[1:-1], left, tag=5, async_op=True))
+            return
+        with comm.group():
+            sent = comm.send(x, right, tag=5, async_op=True)
+            received = comm.recv(got[1:-1], left, tag=5, async_op=True)
+        works.extend([received, sent])
+
+    comm.barrier()
+    if comm.rank:
+        time.sleep(0.2)
+    errors.run("exchange", exchange)
+    monkeypatch.setattr(hetcomm.Work, "block", spy)
+    for w in works:
+        errors.run("wait", w.wait, 60)
+    monkeypatch.undo()
+    if comm.rank == 0:
+        followed = [w for w in blocked if all(w is not outer for outer in works)]
+        errors.expect(
+            bool(followed), f"no wait blocked on a call it follows ({len(blocked)} blocks)"
+        )
+    errors.expect(np.array_equal(got[1:-1], _mine(hetcomm_shared_seed, left)), "wrong data")
+    errors.expect(got[0] == -7.0 and got[-1] == -7.0, "wrote outside the output")
     errors.verify()
