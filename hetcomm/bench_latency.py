@@ -39,6 +39,7 @@ from .bench_latency_table import (
     TORCH_FORMS,
     LatencyRow,
     iterations,
+    pingpong,
     select_forms,
     table,
     to_json,
@@ -467,7 +468,7 @@ class Study:
             if gloo is not None and self._agree(self._try(gloo)) is None:
                 impls["gloo"] = gloo
         stats = self.timing.measure(impls, self._calls(nbytes), self.args.warmup)
-        half = 2.0 if op == "sendrecv" else 1.0
+        half = 2.0 if pingpong(op, form) else 1.0
         h, f = stats["hetcomm"], stats["mpi4py"]
         g = stats.get("gloo")
         u = stats.get("unchecked")
@@ -537,7 +538,7 @@ class Study:
             wrong_count = self._check(check_run, tensors, host)
         impls = {"dist": dist_run, "bare": bare, "trivial": trivial}
         stats = self.timing.measure(impls, self._calls(nbytes), self.args.warmup)
-        half = 2.0 if op == "sendrecv" else 1.0
+        half = 2.0 if pingpong(op, form) else 1.0
         d, b, t = stats["dist"], stats["bare"], stats["trivial"]
         over = paired_difference(d, b) * 1e6 / half
         floor = t.median * 1e6 / half
@@ -572,7 +573,7 @@ class Study:
         impls: dict[str, Run] = {"hetcomm": hetcomm_run(self.comm, op, form, mine, dev.sync, True)}
         wrong_count = self._check(impls["hetcomm"], mine, dev)
         extra: dict[str, Any] = {}
-        if op == "sendrecv" and floors is not None:
+        if pingpong(op, form) and floors is not None:
             impls["copy"] = floors.copy
             impls["two-copies"] = floors.two_copies
             if floors.no_peer_copy is None:
@@ -583,14 +584,14 @@ class Study:
             impls["mpi4py-host"] = mpi4py_run(self.raw, op, form, self._sets(op, form, count, host))
         stats = self.timing.measure(impls, self._calls(nbytes), self.args.warmup)
         h = stats["hetcomm"]
-        if op == "sendrecv":
+        if pingpong(op, form):
             floor = "peer-copy" if self.args.transport in ("direct", "nccl") else "two-copies"
             floor = floor if floor in stats else "two-copies"
         else:
             floor = "mpi4py-host"
         # ping-pong times are one way; the floors' are per one-way message already (copy,
         # two-copies: one message and its answer; peer-copy: half its round trip)
-        per: dict[str, float] = {"hetcomm": 2.0, "peer-copy": 2.0} if op == "sendrecv" else {}
+        per: dict[str, float] = {"hetcomm": 2.0, "peer-copy": 2.0} if pingpong(op, form) else {}
         us = {k: s.median * 1e6 / per.get(k, 1.0) for k, s in stats.items()}
         extra.update({f"{k.replace('-', '_')}_us": v for k, v in us.items() if k != "hetcomm"})
         f = stats[floor]
@@ -619,7 +620,7 @@ class Study:
         barrier_done = False
         for nbytes in self.sizes:
             floors = None
-            if self.device == "cuda" and any(op == "sendrecv" for op, _ in self.forms):
+            if self.device == "cuda" and any(pingpong(*f) for f in self.forms):
                 floors = DeviceFloors(self.raw, nbytes)
             try:
                 for op, form in self.forms:

@@ -183,6 +183,33 @@ def _pingpong(
     return pingpong
 
 
+def _waited(call: Callable[..., Any]) -> Callable[[Any, int], Any]:
+    """A send or receive made asynchronous and waited for at once."""
+    return lambda a, peer: call(a, peer, async_op=True).wait()
+
+
+def _exchange(
+    call: Callable[[Any, int], Any],
+    sets: Sequence[Any],
+    rank: int,
+    ranks: int,
+    each: Callable[[], Any] = lambda: None,
+) -> Run:
+    """The exchange row: ranks 2k and 2k+1 each send `x` to the other and receive `y` from it
+    in one call (`call(buffers, peer)`), alternating the buffer sets; a last odd rank sits
+    out. `each` runs after every call (the device's synchronize)."""
+    pick, peer = _pair(sets), pingpong_peer(rank, ranks)
+
+    def exchange(calls: int) -> None:
+        if peer is None:
+            return
+        for i in range(calls):
+            call(pick(i), peer)
+            each()
+
+    return exchange
+
+
 def hetcomm_run(
     comm: Any, op: str, form: str, sets: Sequence[Any], sync: Callable[[], Any], device: bool
 ) -> Run:
@@ -190,13 +217,23 @@ def hetcomm_run(
     pick, root = _pair(sets), ROOT
     each: Callable[[], Any] = sync if device else (lambda: None)
     if op == "sendrecv":
+        if form == "exchange":
+
+            def exchange(s: Buffers, peer: int) -> None:
+                comm.sendrecv(s.x, peer, s.y, peer)
+
+            return _exchange(exchange, sets, comm.rank, comm.size, each)
+        send, receive = (
+            (comm.send, comm.recv)
+            if form == "ping-pong"
+            else (_waited(comm.send), _waited(comm.recv))
+        )
 
         def received(y: Any, peer: int) -> None:
-            comm.recv(y, peer)
+            receive(y, peer)
             sync()  # the device's copy is done before the next message
 
-        recv = received if device else comm.recv
-        return _pingpong(comm.send, recv, sets, comm.rank, comm.size)
+        return _pingpong(send, received if device else receive, sets, comm.rank, comm.size)
     calls_of: dict[tuple[str, str], Callable[[Buffers], Any]] = {
         ("all_reduce", "in-place"): lambda s: comm.all_reduce(s.x),
         ("all_reduce", "out-of-place"): lambda s: comm.all_reduce(s.x, out=s.y),
@@ -237,6 +274,18 @@ def mpi4py_run(raw: Any, op: str, form: str, sets: Sequence[Buffers]) -> Run:
     pick, root, rank, ranks = _pair(sets), ROOT, raw.Get_rank(), raw.Get_size()
     inplace = MPI.IN_PLACE
     if op == "sendrecv":
+        if form == "exchange":
+            return _exchange(
+                lambda s, peer: raw.Sendrecv(s.x, peer, recvbuf=s.y, source=peer), sets, rank, ranks
+            )
+        if form == "async":
+            return _pingpong(
+                lambda x, peer: raw.Isend(x, peer).Wait(),
+                lambda y, peer: raw.Irecv(y, peer).Wait(),
+                sets,
+                rank,
+                ranks,
+            )
         return _pingpong(raw.Send, raw.Recv, sets, rank, ranks)
     if op == "all_reduce_coalesced":
         flats = [np.empty(sum(p.size for p in s.pieces), s.pieces[0].dtype) for s in sets]
@@ -298,6 +347,16 @@ def torch_run(
 
     pick, root = _pair(sets), ROOT
     if op == "sendrecv":
+        if form == "exchange":
+            return None
+        if form == "async":
+            return _pingpong(
+                lambda x, peer: dist.isend(x, peer, group=group).wait(),
+                lambda y, peer: dist.irecv(y, peer, group=group).wait(),
+                sets,
+                rank,
+                ranks,
+            )
         return _pingpong(
             partial(dist.send, group=group), partial(dist.recv, group=group), sets, rank, ranks
         )

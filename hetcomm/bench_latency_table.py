@@ -18,7 +18,8 @@ from typing import Any
 
 #: (op, form) of every row of the host and device sections, in table order. "async": the call
 #: made asynchronous (async_op=True; MPI's non-blocking call) and waited for at once, in place
-#: for all_reduce, reduce and broadcast, out of place for the others
+#: for all_reduce, reduce and broadcast, out of place for the others; for send/recv, each send
+#: and receive of the ping-pong so. "exchange": both ranks of a pair call sendrecv at once
 FORMS: tuple[tuple[str, str], ...] = (
     ("all_reduce", "in-place"),
     ("all_reduce", "out-of-place"),
@@ -37,6 +38,8 @@ FORMS: tuple[tuple[str, str], ...] = (
     ("all_to_all", "in-place"),
     ("all_to_all", "async"),
     ("sendrecv", "ping-pong"),
+    ("sendrecv", "async"),
+    ("sendrecv", "exchange"),
     ("all_reduce_coalesced", "in-place"),
     ("barrier", "-"),
 )
@@ -48,6 +51,7 @@ TORCH_FORMS: tuple[tuple[str, str], ...] = (
     ("broadcast", "async"),
     ("all_gather_single", "out-of-place"),
     ("sendrecv", "ping-pong"),
+    ("sendrecv", "async"),
 )
 SECTIONS = ("host", "check", "torch", "device")
 OPS = tuple(dict.fromkeys(op for op, _ in FORMS + TORCH_FORMS))
@@ -144,10 +148,16 @@ def header(meta: Mapping[str, Any]) -> list[str]:
         "hetcomm's and the floor's; ratio = median of the per-round ratios"
     )
     lines.append(
-        "# sendrecv ping-pong: ranks 2k and 2k+1 send to each other in turn; every time is "
-        "one way = round trip / 2"
+        "# sendrecv ping-pong and async: ranks 2k and 2k+1 send to each other in turn; every "
+        "time is one way = round trip / 2; exchange: both send and receive at once "
+        "(Communicator.sendrecv, MPI_Sendrecv), the time of one exchange"
     )
     return lines
+
+
+def pingpong(op: str, form: str) -> bool:
+    """Whether a row's calls are a ping-pong, timed one way (half its round trip)."""
+    return op == "sendrecv" and form != "exchange"
 
 
 def table(rows: Sequence[LatencyRow], meta: Mapping[str, Any] | None = None) -> str:

@@ -15,6 +15,7 @@ from hetcomm.bench_latency_table import (
     LatencyRow,
     iterations,
     parse_table,
+    pingpong,
     select_forms,
     table,
     to_json,
@@ -108,6 +109,9 @@ def test_every_api_op_form_has_a_row():
         "all_reduce_coalesced",
     }
     assert ("all_reduce", "out-of-place") in FORMS and ("all_reduce", "in-place") in FORMS
+    # send/recv as a ping-pong of blocking and of asynchronous calls, and Communicator.sendrecv
+    assert [f for op, f in FORMS if op == "sendrecv"] == ["ping-pong", "async", "exchange"]
+    assert [pingpong(*f) for f in FORMS if f[0] == "sendrecv"] == [True, True, False]
     for op in ("all_gather", "reduce_scatter", "all_to_all"):
         assert (op, "in-place") in FORMS and (op, "out-of-place") in FORMS
     assert {op for op, _ in TORCH_FORMS} == {
@@ -120,7 +124,12 @@ def test_every_api_op_form_has_a_row():
 
 def test_select_forms_and_iterations():
     assert select_forms(None, FORMS) == list(FORMS)
-    assert select_forms("sendrecv, barrier", FORMS) == [("sendrecv", "ping-pong"), ("barrier", "-")]
+    assert select_forms("sendrecv, barrier", FORMS) == [
+        ("sendrecv", "ping-pong"),
+        ("sendrecv", "async"),
+        ("sendrecv", "exchange"),
+        ("barrier", "-"),
+    ]
     assert select_forms("barrier", TORCH_FORMS) == []
     with pytest.raises(ValueError, match="unknown op"):
         select_forms("allreduce2", FORMS)
