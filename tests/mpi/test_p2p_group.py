@@ -178,3 +178,40 @@ def test_a_wait_blocks_on_the_calls_it_follows(
     errors.expect(np.array_equal(got[1:-1], _mine(hetcomm_shared_seed, left)), "wrong data")
     errors.expect(got[0] == -7.0 and got[-1] == -7.0, "wrote outside the output")
     errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sendrecv_refusals_move_nothing(hetcomm_comm, hetcomm_shared_seed, errors):
+    """A sendrecv whose send or receive is refused (a rank out of range, a bad tag, a
+    read-only output) raises InvalidArgument on the calling rank before either call starts:
+    no receive is left posted to take the peer's next message, nothing is sent, and the
+    output is untouched; the exchange made next, on every rank, gets the right data."""
+    comm = hetcomm_comm
+    right, left = _ring(comm)
+    x = _mine(hetcomm_shared_seed, comm.rank)[:64]
+    got = np.full(64, -3.0)
+    frozen = np.zeros(64)
+    frozen.flags.writeable = False
+    bad = [
+        ("dst", lambda: comm.sendrecv(x, comm.size, got, left)),
+        ("tag", lambda: comm.sendrecv(x, right, got, left, tag=-1)),
+        ("recv_tag", lambda: comm.sendrecv(x, right, got, left, recv_tag=-1)),
+        ("src", lambda: comm.sendrecv(x, right, got, comm.size + 3)),
+        ("out", lambda: comm.sendrecv(x, right, frozen, left)),
+        ("x", lambda: comm.sendrecv(object(), right, got, left)),
+    ]
+    for what, call in bad:
+        try:
+            call()
+        except hetcomm.InvalidArgument:
+            pass
+        except Exception as exc:
+            errors.append(f"{what}: {type(exc).__name__} instead of InvalidArgument: {exc}")
+        else:
+            errors.append(f"{what}: not refused")
+        errors.expect((got == -3.0).all(), f"{what}: the output was written")
+    comm.barrier()
+    if errors.run("sendrecv afterwards", comm.sendrecv, x, right, got, left, timeout=15):
+        want = _mine(hetcomm_shared_seed, left)[:64]
+        errors.expect(np.array_equal(got, want), "sendrecv afterwards: wrong data")
+    errors.verify()
