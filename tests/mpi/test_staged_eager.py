@@ -427,8 +427,11 @@ def test_large_receives_waited_on_are_landed_by_their_waiter(
     hetcomm_make_comm, errors, monkeypatch
 ):
     """Asynchronous receives of messages read from the sender's array, each waited on at
-    once: the waiting thread lands every one (the Watcher leaves a receive a thread waits on
-    alone), the data is right, and the Watcher, awake between receives, is not woken for each."""
+    once: the waiting thread lands them (the Watcher leaves a receive a thread waits on
+    alone), the data is right, and the Watcher, awake between receives, is not woken for each.
+    One of the 20 may go to the Watcher: a waiting thread descheduled for more than GRACE_S
+    between its call and its wait's first slice is, for the Watcher, a receive nobody waits
+    on (seen once in a full run of the suite on the 2-core VM)."""
     comm = hetcomm_make_comm(transport="staged", timeout=30)
     peer = _opened(comm)
     if peer is None or not _pulls(introspect.transports(comm)["staged"], peer):
@@ -461,7 +464,8 @@ def test_large_receives_waited_on_are_landed_by_their_waiter(
         errors.expect(got[-1] == -1.0, f"round {k}: wrote past the message")
     me = threading.get_ident()
     errors.expect(len(landers) == rounds, f"{len(landers)} reads for {rounds} messages")
-    errors.expect(all(t == me for t in landers), "the Watcher landed a receive a thread waited on")
+    others = sum(t != me for t in landers)
+    errors.expect(others <= 1, f"the Watcher landed {others} receives a thread waited on")
     errors.expect(wake.sets <= rounds // 4, f"the Watcher was woken {wake.sets}x for {rounds}")
     errors.verify()
 

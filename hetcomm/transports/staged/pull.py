@@ -267,9 +267,17 @@ class Watcher:
 
     def _look(self, channels: list[Channel], posted: list[tuple[Channel, Posted]]) -> bool:
         """Land what has come for the posted receives of `channels`; True once one of
-        `posted` has landed or is waited on, a receive was added, or the transport closed."""
+        `posted` has landed or is waited on, a receive was added, or the transport closed.
+        Looked at before the rings too: a thread whose wait on one of them paused between
+        two slices of Work.wait (waking this thread) is waiting again by the time this
+        thread wakes, and lands its own receive."""
+        if self._over(posted):
+            return True
         for ch in channels:
             self._progress(ch)
+        return self._over(posted)
+
+    def _over(self, posted: list[tuple[Channel, Posted]]) -> bool:
         return (
             self._t.closed
             or self._wake.is_set()
