@@ -208,7 +208,7 @@ def test_an_asynchronous_collective_starts_while_its_caller_blocks_elsewhere(
 def test_a_deferred_collective_is_waited_for_on_its_own_signal(
     hetcomm_make_comm, errors, monkeypatch
 ):
-    """Rank 0 calls an asynchronous all_reduce while rank 1 is still asleep: its check cannot
+    """Rank 0 calls an asynchronous all_reduce while rank 1 still sleeps: its check cannot
     complete, so the operation is deferred. Waiting for it, rank 0 must start it once rank 1
     arrives and then wait on the started operation's own signal (its Work's block), not nap
     in the caller's Work: napping cost 1.6-2.7x at 1 MiB on the 2-core VM. The result is the
@@ -239,7 +239,9 @@ def test_a_deferred_collective_is_waited_for_on_its_own_signal(
             f"the wait never blocked on the started operation ({len(blocked)} blocks)",
         )
     else:
-        time.sleep(0.2)
+        # mid-way through a 0.1 s slice of rank 0's wait: at a slice's end the wait's own loop
+        # may start the operation and run it on its thread without blocking on it
+        time.sleep(0.25)
         errors.run("all_reduce", comm.all_reduce, x)
     errors.expect(np.allclose(x, want, rtol=1e-12, atol=1e-9), "all_reduce gave wrong values")
     errors.verify()
