@@ -346,8 +346,8 @@ class Follow:
     """The drive and waiter of a Work that completes with other Works: `current()` names the
     one it waits for now (None while none has started). A wait drives that Work where it may
     run on the waiting thread and blocks on its own signal (its waiter); a growing nap where
-    it has none, or none has started, as Work.wait naps. Without them the wrapping Work's
-    wait napped between polls of the Works it follows, whatever signal those had."""
+    it has none, or none has started, as Work.wait naps. (Without them the wrapping Work's
+    wait would nap between polls of the Works it follows, whatever signal those have.)"""
 
     __slots__ = ("_nap", "current")
 

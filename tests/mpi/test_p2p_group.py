@@ -23,6 +23,18 @@ def _mine(seed: int, rank: int) -> np.ndarray:
     return np.random.default_rng([seed, rank]).standard_normal(N)
 
 
+def _refused(errors, what, call) -> None:
+    """`call()` must raise InvalidArgument."""
+    try:
+        call()
+    except hetcomm.InvalidArgument:
+        pass
+    except Exception as exc:
+        errors.append(f"{what}: {type(exc).__name__} instead of InvalidArgument: {exc}")
+    else:
+        errors.append(f"{what}: not refused")
+
+
 @pytest.mark.mpi(min_size=2)
 def test_sendrecv_ring(hetcomm_comm, hetcomm_shared_seed, errors):
     comm = hetcomm_comm
@@ -100,14 +112,7 @@ def test_group_block_refusals(hetcomm_comm, errors):
             pass
 
     for what, call in (("collective", collective_inside), ("nested", nested)):
-        try:
-            call()
-        except hetcomm.InvalidArgument:
-            pass
-        except Exception as exc:
-            errors.append(f"{what}: {type(exc).__name__}: {exc}")
-        else:
-            errors.append(f"{what}: not refused")
+        _refused(errors, what, call)
     got = np.full(4, 5.0)
     work = None
     try:
@@ -201,14 +206,7 @@ def test_sendrecv_refusals_move_nothing(hetcomm_comm, hetcomm_shared_seed, error
         ("x", lambda: comm.sendrecv(object(), right, got, left)),
     ]
     for what, call in bad:
-        try:
-            call()
-        except hetcomm.InvalidArgument:
-            pass
-        except Exception as exc:
-            errors.append(f"{what}: {type(exc).__name__} instead of InvalidArgument: {exc}")
-        else:
-            errors.append(f"{what}: not refused")
+        _refused(errors, what, call)
         errors.expect((got == -3.0).all(), f"{what}: the output was written")
     comm.barrier()
     if errors.run("sendrecv afterwards", comm.sendrecv, x, right, got, left, timeout=15):
