@@ -339,18 +339,7 @@ class Entry:
         the sequence number entered here)."""
         if timeout is not None:
             return self._timed(timeout, route.op, self._blocking_run, route, None, *arrays)
-        if (
-            route.transport is self._last
-            and self._group is None
-            and not self._checking
-            and not self._deferred.queue
-        ):
-            # _enter, inline, where it is only the sequence number and the arrivals table
-            self._seq = seq = self._seq + 1
-            self._arrived[self.rank] = seq
-        else:
-            seq = self._enter(route)
-        self._last_entered = seq
+        self._last_entered = seq = self._enter(route)
         assert route.run is not None
         route.runs += 1
         try:
