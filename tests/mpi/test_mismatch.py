@@ -206,7 +206,7 @@ def test_an_asynchronous_collective_starts_while_its_caller_blocks_elsewhere(
 
 @pytest.mark.mpi(min_size=2)
 def test_a_deferred_collective_is_waited_for_on_its_own_signal(
-    hetcomm_make_comm, errors, monkeypatch
+    hetcomm_make_comm, hetcomm_shared_seed, errors, monkeypatch
 ):
     """Rank 0 calls an asynchronous all_reduce while rank 1 still sleeps: its check cannot
     complete, so the operation is deferred. Waiting for it, rank 0 must start it once rank 1
@@ -215,10 +215,12 @@ def test_a_deferred_collective_is_waited_for_on_its_own_signal(
     float64 sum of every rank's random array."""
     comm = hetcomm_make_comm(name="deferred-wait", timeout=30)
     n = 1 << 19  # 4 MiB: the mpi transport runs it on its lane, whose Work has a waiter
-    rng = np.random.default_rng()
-    seeds = comm.mpi.allgather(int(rng.integers(1 << 30)))
-    x = np.random.default_rng(seeds[comm.rank]).standard_normal(n)
-    want = sum(np.random.default_rng(s).standard_normal(n) for s in seeds)
+
+    def mine(rank: int) -> np.ndarray:
+        return np.random.default_rng([hetcomm_shared_seed, rank]).standard_normal(n)
+
+    x = mine(comm.rank)
+    want = sum(mine(r) for r in range(comm.size))
     blocked: list[hetcomm.Work] = []
     block = hetcomm.Work.block
 
