@@ -118,12 +118,16 @@ class Opener:
             for spec in ch.specs:
                 if spec.kind == "mpi":
                     continue
-                if t.rank < peer:
-                    sock = links.connect(
-                        spec, peer, theirs["token"], t.rank, theirs["unix"], deadline
-                    )
-                else:
-                    sock = t.listener.take(peer, spec.index, deadline)
+                try:
+                    if t.rank < peer:
+                        sock = links.connect(
+                            spec, peer, theirs["token"], t.rank, theirs["unix"], deadline
+                        )
+                    else:
+                        sock = t.listener.take(peer, spec.index, deadline)
+                except links.RailError as exc:
+                    # a rail is tried until the deadline: the peer did not open its side in time
+                    raise PeerTimeout([peer], str(exc)) from exc
                 ch.links.append(links.Link(sock, spec, peer))
         shm = [p for p, ch in opened.items() if any(s.kind == "shm" for s in ch.specs)]
         if shm:

@@ -74,7 +74,13 @@ class ClearToSend:
             return
         link = self.doorbell(peer)
         if link is not None:
-            link.send(links.CTS, kind, op_id, k1, k2, nbytes)
+            try:
+                link.send(links.CTS, kind, op_id, k1, k2, nbytes)
+            except links.RailError as exc:
+                # the doorbell is the shm rail's socket: the peer's process is gone
+                raise PeerLost(
+                    f"rank {peer}: its clear-to-send could not go ({exc})", [peer]
+                ) from exc
             return
         self.svc.Send(
             np.array([kind, k1, k2, op_id, nbytes, 0], dtype=np.int64), peer, tags.STAGED_CTS
