@@ -673,11 +673,12 @@ class Communicator(Entry):
         """Send `x` to `dst` and receive `out` from `src` at once, as MPI_Sendrecv: the
         classic ring step (each rank sends right and receives left) cannot deadlock.
         `recv_tag` defaults to `tag`."""
+        rtag = tag if recv_tag is None else recv_tag
+        if not async_op and grouping.exchange(self, x, dst, out, src, tag, rtag, timeout):
+            return None
         with self.group():
             sent = self.send(x, dst, tag, async_op=async_op, timeout=timeout)
-            got = self.recv(
-                out, src, tag if recv_tag is None else recv_tag, async_op=async_op, timeout=timeout
-            )
+            got = self.recv(out, src, rtag, async_op=async_op, timeout=timeout)
         if not async_op:
             return None
         assert sent is not None and isinstance(got, Work)

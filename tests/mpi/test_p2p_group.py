@@ -213,3 +213,45 @@ def test_sendrecv_refusals_move_nothing(hetcomm_comm, hetcomm_shared_seed, error
         want = _mine(hetcomm_shared_seed, left)[:64]
         errors.expect(np.array_equal(got, want), "sendrecv afterwards: wrong data")
     errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_repeated_sendrecv_takes_its_prepared_calls(
+    hetcomm_comm, hetcomm_shared_seed, errors, monkeypatch
+):
+    """A blocking sendrecv of host arrays, repeated, is served by its receive's prepared start
+    and its send's prepared call (where the transport has them), with no group block; each
+    result right when the signature changes between calls (count, dtype, tags, sizes from 8 B
+    to past MPI's eager limit), the output's neighbours untouched and the input unchanged."""
+    from hetcomm import grouping
+
+    blocks = []  # the group blocks run: the path taken where a prepared call is missing
+    run = grouping.run
+    monkeypatch.setattr(
+        grouping, "run", lambda comm, items: (blocks.append(items), run(comm, items))
+    )
+    comm = hetcomm_comm
+    right, left = _ring(comm)
+    rng = np.random.default_rng([hetcomm_shared_seed, 77])  # the same draws on every rank
+    shapes = [(1, "float64"), (1, "float64"), (1000, "int32"), (1000, "int32"), (N, "float32")]
+    for call, (count, dtype) in enumerate(shapes * 2):
+        tag, rtag = call % 3, call % 3  # a tag of its own per call, the same on both ends
+        stack = rng.standard_normal((comm.size, count)) * 100
+        x = stack[comm.rank].astype(dtype)
+        keep = x.copy()
+        out = np.full(count + 2, -7, dtype)
+        what = f"call {call} ({count} x {dtype})"
+        if errors.run(what, comm.sendrecv, x, right, out[1:-1], left, tag, recv_tag=rtag):
+            errors.expect(np.array_equal(out[1:-1], stack[left].astype(dtype)), f"{what}: data")
+            errors.expect(out[0] == -7 and out[-1] == -7, f"{what}: wrote outside the output")
+            errors.expect(np.array_equal(x, keep), f"{what}: the input changed")
+    for op, prepared in (("recv", "prepared_async"), ("send", "prepared")):
+        routes = [r for r in comm.routes() if r["op"] == op]
+        errors.expect(len(routes) == 3, f"{op}: {len(routes)} routes for 3 signatures")
+        for r in routes:
+            want = 2 if r["key"][1][2] == (N,) else 4  # (op, (type, dtype, shape))
+            calls = r["runs"] if r[prepared] else r["uses"]
+            errors.expect(calls == want, f"{op}: {calls} calls of {want} on its path: {r}")
+    if all(r["prepared_async" if r["op"] == "recv" else "prepared"] for r in comm.routes()):
+        errors.expect(not blocks, f"{len(blocks)} of 10 calls made a group block")
+    errors.verify()
