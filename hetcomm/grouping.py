@@ -111,13 +111,12 @@ def exchange(
     recv_tag: int,
     timeout: float | None,
 ) -> bool:
-    """A blocking sendrecv of host arrays through its two routes, as a group block makes it
-    but with no queue: the receive started first; then, where the send completes without the
-    peer's thread (Transport.sends_alone), the send run blocking on this thread (its peer
-    has started its receive before its own send, so the sends cannot deadlock) and the
-    receive waited for; else the send started too and the receive waited for first. False,
-    having moved nothing, where either call would take another path or be refused (the group
-    block then makes or refuses both)."""
+    """A blocking sendrecv of host arrays through its two routes, with no group block: the
+    send started (its route's prepared start), the receive run to its end on this thread (its
+    route's prepared call), then the send waited for. The send never holds this thread, and
+    the receive is driven here, so two ranks exchanging cannot wait for each other, whatever
+    a transport's send needs of its receiver. False, having moved nothing, where either call
+    would take another path or be refused (the group block then makes or refuses both)."""
     size, top = comm.size, comm._tag_ub
     if (
         comm._aborted is not None
@@ -133,27 +132,17 @@ def exchange(
         return False
     receive = comm._p2p_route("recv", out)
     send = comm._p2p_route("send", x)
-    if receive.start is None or send.view is not host_view:
+    if send.start is None or receive.run is None or receive.view is not host_view:
         return False
     oh = host_view(out, True)
     xh = host_view(x, False)
     if oh is None or xh is None:
         return False
-    alone = send.transport.sends_alone(dst, xh.nbytes)
-    if (send.run if alone else send.start) is None:
-        return False
     if timeout is not None:
         check_timeout(timeout, "sendrecv")
-    work = comm._start_p2p(receive, out, oh, src, recv_tag, timeout)
-    if not alone:
-        # the peer lands this send only once its own is done: this thread lands the receive
-        # meanwhile (a staged message past its eager ring: 1 MiB took 1.5 ms so, 0.14 ms now)
-        sent = comm._start_p2p(send, x, xh, dst, tag, timeout)
-        work.wait()
-        sent.wait()
-        return True
-    seq = comm._run_p2p(send, xh, dst, tag, timeout)
-    if seq is not None:  # the prepared send declined: the general path sends, numbered seq
-        general.send(comm, send, x, dst, tag, False, timeout, seq)
-    work.wait()
+    sent = comm._start_p2p(send, x, xh, dst, tag, timeout)
+    seq = comm._run_p2p(receive, oh, src, recv_tag, timeout)
+    if seq is not None:  # the prepared receive declined: the general path takes it, numbered seq
+        general.recv(comm, receive, out, src, recv_tag, False, timeout, seq)
+    sent.wait()
     return True

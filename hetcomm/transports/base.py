@@ -143,13 +143,6 @@ class Transport:
         Work's `source` is the sender's rank once it completes."""
         raise NotImplementedError
 
-    def sends_alone(self, dst: int, nbytes: int) -> bool:
-        """Whether a blocking send of `nbytes` to `dst`, its receive posted there, completes
-        while `dst`'s thread is busy elsewhere (in a blocking send of its own). Where it does,
-        a blocking sendrecv sends on the calling thread, else it starts both calls and waits
-        for the receive first (Communicator.sendrecv). False here: the safe answer."""
-        return False
-
     def barrier(self, seq: int) -> Work:
         """Complete once every rank has entered the barrier."""
         raise NotImplementedError

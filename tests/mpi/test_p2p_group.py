@@ -219,8 +219,8 @@ def test_sendrecv_refusals_move_nothing(hetcomm_comm, hetcomm_shared_seed, error
 def test_a_repeated_sendrecv_takes_its_prepared_calls(
     hetcomm_comm, hetcomm_shared_seed, errors, monkeypatch
 ):
-    """A blocking sendrecv of host arrays, repeated, is served by its receive's prepared start
-    and its send's prepared call (where the transport has them), with no group block; each
+    """A blocking sendrecv of host arrays, repeated, is served by its send's prepared start
+    and its receive's prepared call (where the transport has them), with no group block; each
     result right when the signature changes between calls (count, dtype, tags, sizes from 8 B
     to past MPI's eager limit), the output's neighbours untouched and the input unchanged."""
     from hetcomm import grouping
@@ -245,13 +245,13 @@ def test_a_repeated_sendrecv_takes_its_prepared_calls(
             errors.expect(np.array_equal(out[1:-1], stack[left].astype(dtype)), f"{what}: data")
             errors.expect(out[0] == -7 and out[-1] == -7, f"{what}: wrote outside the output")
             errors.expect(np.array_equal(x, keep), f"{what}: the input changed")
-    for op, prepared in (("recv", "prepared_async"), ("send", "prepared")):
+    for op, prepared in (("recv", "prepared"), ("send", "prepared_async")):
         routes = [r for r in comm.routes() if r["op"] == op]
         errors.expect(len(routes) == 3, f"{op}: {len(routes)} routes for 3 signatures")
         for r in routes:
             want = 2 if r["key"][1][2] == (N,) else 4  # (op, (type, dtype, shape))
             calls = r["runs"] if r[prepared] else r["uses"]
             errors.expect(calls == want, f"{op}: {calls} calls of {want} on its path: {r}")
-    if all(r["prepared_async" if r["op"] == "recv" else "prepared"] for r in comm.routes()):
+    if all(r["prepared" if r["op"] == "recv" else "prepared_async"] for r in comm.routes()):
         errors.expect(not blocks, f"{len(blocks)} of 10 calls made a group block")
     errors.verify()

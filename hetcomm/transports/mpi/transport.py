@@ -535,10 +535,6 @@ class MpiTransport(Transport):
         work.info = {"transport": "mpi", "bytes": x.nbytes, "stages": len(spans)}
         return work
 
-    def sends_alone(self, dst: int, nbytes: int) -> bool:
-        """Always: MPI moves a posted receive in whatever MPI call its rank's thread polls."""
-        return True
-
     def barrier(self, seq: int) -> Work:
         """Its persistent request, else MPI_Ibarrier, or MPI_Barrier on the lane."""
         recipe = self._recipe("barrier", None, 0, None, -1)

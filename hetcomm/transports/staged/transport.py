@@ -329,13 +329,6 @@ class StagedTransport(Transport):
             gpu.prepare(bufs[0].dtype, reduce_op.value)
         return gpu.ready_event(bufs[0])
 
-    def sends_alone(self, dst: int, nbytes: int) -> bool:
-        """A message that fits a slot of the pair's eager ring (prepared.run_send): the rest
-        wait for their receiver to land their chunks."""
-        ch = self._channels.get(dst)
-        out = ch.eager_out if ch is not None else None
-        return out is not None and nbytes <= out.slot_bytes
-
     def send(self, x: Buffer, dst: int, tag: int, seq: int) -> Work:
         """Eagerly through a shared slot (a small message to a rank of this host), else chunks
         over every rail to `dst` once its clear-to-send names this message. A blocking send
