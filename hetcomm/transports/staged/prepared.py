@@ -18,7 +18,7 @@ import numpy as np
 from ...errors import PeerLost
 from ...work import Work
 from ..local import Region
-from . import p2p
+from . import p2p, starts
 from .ops import PeerTimeout
 
 if TYPE_CHECKING:
@@ -60,13 +60,13 @@ def prepare_async(t: StagedTransport, op: str, x: Buffer | None) -> Callable[...
 def start_send(t: StagedTransport, xh: np.ndarray, dst: int, tag: int, seq: int) -> Work:
     """The asynchronous send of a host array: the general path's message, its Work."""
     k = t._p2p_number("send", dst, tag)
-    return t._send_start(host_region(xh), dst, tag, k, seq, None, [])
+    return starts.send_start(t, host_region(xh), dst, tag, k, seq, None, [])
 
 
 def start_recv(t: StagedTransport, xh: np.ndarray, src: int, tag: int, seq: int) -> Work:
     """The asynchronous receive into a host array: the general path's message, its Work."""
     k = t._p2p_number("recv", src, tag)
-    work = t._recv_start(host_region(xh), src, tag, k, seq, None, [])
+    work = starts.recv_start(t, host_region(xh), src, tag, k, seq, None, [])
     work.source = src
     return work
 

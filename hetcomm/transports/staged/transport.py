@@ -18,14 +18,14 @@ from mpi4py import MPI
 
 from ...errors import CommTimeout, HetcommError, PeerLost, TransportUnavailable
 from ...ops import ReduceOp
-from ...work import Work, completed, take_blocking
+from ...work import Work, take_blocking
 from .. import hostcoll
 from ..base import Context, Transport
 from ..local import Region
-from . import links, p2p, prepared, pull
+from . import links, p2p, prepared, pull, starts
 from .channel import Channel
 from .connect import Opener
-from .cts import CTS_COLL, CTS_P2P, ClearToSend
+from .cts import CTS_COLL, ClearToSend
 from .eager import EAGER_BYTES, EAGER_SLOTS
 from .messages import Messages
 from .ops import _STOP, PeerTimeout, _Drivers, _Op, stamp
@@ -272,51 +272,6 @@ class StagedTransport(Transport):
         if ch.eager_in is not None:
             p2p.progress(self, ch, ch.eager_in)
 
-    def _on_calling_thread(self, peer: int) -> bool:
-        """Whether a send to or receive from `peer` can start on the calling thread: their
-        channel is open and rings the shm doorbell, so nothing there blocks (else a driver
-        runs it; the first message opens the channel, which both ranks do together)."""
-        if peer not in self._channels or self.closed:
-            return False
-        doorbell = self._channels[peer].doorbell()
-        return doorbell is not None and doorbell.alive
-
-    def _op_work(
-        self,
-        name: str,
-        seq: int,
-        x: Buffer | Region,
-        op: _Op,
-        deadline: float,
-        cleanup: Callable[[], None],
-    ) -> Work:
-        """The Work of a message started on the calling thread: done when `op` is, failing
-        with CommTimeout (naming the peer and why) when `deadline` passes first; `cleanup`
-        runs once it ends either way."""
-
-        def poll() -> bool:
-            if not op.done.is_set() and time.monotonic() < deadline:
-                return False
-            try:
-                op.wait(deadline)  # past the deadline it does not block
-            except PeerTimeout as exc:
-                raise CommTimeout(
-                    self.comm.name, name, seq, self.timeout, exc.ranks, str(exc)
-                ) from None
-            finally:
-                cleanup()
-            return True
-
-        work = Work(
-            self.comm,
-            name,
-            seq,
-            poll,
-            waiter=lambda seconds: op.done.wait(min(seconds, deadline - time.monotonic())),
-        )
-        work.info = {"transport": "staged", "bytes": x.nbytes, "stages": len(op.spans)}
-        return work
-
     def _ready(self, bufs: list[Buffer], reduce_op: ReduceOp | None = None) -> Any:
         """On the calling thread, for device buffers: an event after the caller's queued work,
         which every copy and kernel of the operation waits for (the caller's later work is
@@ -333,7 +288,7 @@ class StagedTransport(Transport):
         """Eagerly through a shared slot (a small message to a rank of this host), else chunks
         over every rail to `dst` once its clear-to-send names this message. A blocking send
         runs here to its end; an asynchronous one starts here where nothing must wait."""
-        return self._message("send", x, dst, tag, seq, p2p.send, self._send_start)
+        return self._message("send", x, dst, tag, seq, p2p.send, starts.send_start)
 
     def _message(
         self,
@@ -348,7 +303,8 @@ class StagedTransport(Transport):
         """The general path of a send or receive (`op`) of `x`: numbered, its region and
         ready event made, then run here to its end where the call is blocking
         (`run(self, region, peer, tag, k, deadline, ready)`: p2p.send or p2p.recv), else
-        started (`start(region, peer, tag, k, seq, ready, bufs)`)."""
+        started (`start(self, region, peer, tag, k, seq, ready, bufs)`: starts.send_start or
+        starts.recv_start)."""
         blocking = take_blocking()
         stamp(op)
         region = self._region(x)
@@ -359,50 +315,7 @@ class StagedTransport(Transport):
             return self._inline(
                 op, seq, x.nbytes, lambda d: run(self, region, peer, tag, k, d, ready)
             )
-        return start(region, peer, tag, k, seq, ready, [x])
-
-    def _send_start(
-        self,
-        region: Region,
-        dst: int,
-        tag: int,
-        k: int,
-        seq: int,
-        ready: Any,
-        bufs: list[Buffer],
-    ) -> Work:
-        """The Work of asynchronous send `k` of (`dst`, `tag`): done at once where the message
-        went into the ring, else started here or on a driver (`bufs`: the caller's buffers, for
-        the driver's ready event; none for host memory)."""
-        deadline = time.monotonic() + self.timeout
-        ch = self._channels.get(dst) if dst != self.rank and not self.closed else None
-        marked = False
-        out = ch.eager_out if ch is not None else None
-        ticket = None
-        if ch is not None and out is not None:
-            ticket = out.ticket()  # its place among the sends that take slots, kept if it waits
-            if region.nbytes <= out.slot_bytes:
-                if p2p.send_eager(self, ch, region, tag, k, deadline, ready, False, ticket):
-                    work = completed(self.comm, "send", seq)
-                    work.info = {"transport": "staged", "bytes": region.nbytes, "stages": 1}
-                    return work
-            elif pull.lends(out, region):
-                lent = p2p.lend(self, ch, region, tag, k, deadline, False, ticket)
-                if lent is not None:
-                    return pull.send_work(self, ch, *lent, region, tag, k, seq, deadline)
-            else:
-                marked = p2p.mark(self, ch, tag, k, region.nbytes, deadline, False, ticket)
-        if (out is None or marked) and self._on_calling_thread(dst):
-            # no driver: the chunks are queued here if the receive is posted already, else by
-            # the thread that files its clear-to-send
-            self.paths["send rails"] += 1
-            op = self.messages.start_send(dst, region, CTS_P2P, tag, k, deadline, ready)
-            return self._op_work("send", seq, region, op, deadline, lambda: self.cts.unwait(op))
-
-        def body(deadline: float, ready: Any) -> None:
-            p2p.send(self, region, dst, tag, k, deadline, ready, marked, ticket)
-
-        return self._run("send", seq, bufs, body, nbytes=region.nbytes)
+        return start(self, region, peer, tag, k, seq, ready, [x])
 
     def recv(self, x: Buffer, src: int, tag: int, seq: int) -> Work:
         """Receive into `x` from `src` (see _recv); the Work's `source` is `src`, known ahead."""
@@ -414,99 +327,7 @@ class StagedTransport(Transport):
         """Take the eager message of this number from its shared slot, else post a
         clear-to-send to `src` and copy the chunks in as they land. A blocking receive runs
         here to its end; an asynchronous one is polled by its Work where it can be."""
-        return self._message("recv", x, src, tag, seq, p2p.recv, self._recv_start)
-
-    def _recv_start(
-        self,
-        region: Region,
-        src: int,
-        tag: int,
-        k: int,
-        seq: int,
-        ready: Any,
-        bufs: list[Buffer],
-    ) -> Work:
-        """The Work of asynchronous receive `k` of (`src`, `tag`) into `region`: polled on
-        the ring or the rails with no thread where it can be, else run on a driver (`bufs`
-        as _send_start's)."""
-        deadline = time.monotonic() + self.timeout
-        n = region.nbytes
-
-        def body(deadline: float, ready: Any) -> None:
-            p2p.recv(self, region, src, tag, k, deadline, ready)
-
-        if src != self.rank and not self.closed:
-            ch = self._channels.get(src)
-            if ch is None:
-                return self._when_open(
-                    src,
-                    seq,
-                    deadline,
-                    lambda ch: (
-                        self._recv_async(ch, region, tag, k, seq, deadline, ready)
-                        or self._run("recv", seq, bufs, body, nbytes=n)
-                    ),
-                )
-            work = self._recv_async(ch, region, tag, k, seq, deadline, ready)
-            if work is not None:
-                return work
-        return self._run("recv", seq, bufs, body, nbytes=n)
-
-    def _recv_async(
-        self, ch: Channel, region: Region, tag: int, k: int, seq: int, deadline: float, ready: Any
-    ) -> Work | None:
-        """The Work of an asynchronous receive over an open channel, polled by its waiter
-        with no thread where it can be; None where a driver must run it."""
-        inbox = ch.eager_in
-        if inbox is not None:
-            return p2p.posted_work(self, ch, inbox, region, tag, k, seq, deadline, ready)
-        if self._on_calling_thread(ch.peer):
-            # no driver: the clear-to-send goes out from here, and the Work completes when
-            # the thread that lands the last chunk says so
-            self.paths["recv rails"] += 1
-            op = self.messages.post_recv(ch.peer, region, CTS_P2P, tag, k, deadline, ready)
-            return self._op_work(
-                "recv", seq, region, op, deadline, lambda: self.messages.forget(op)
-            )
-        return None
-
-    def _when_open(
-        self, peer: int, seq: int, deadline: float, then: Callable[[Channel], Work]
-    ) -> Work:
-        """The Work of an asynchronous receive whose channel is not open yet: a driver opens
-        it (both ranks do, together) and `then(channel)` makes the receive's own Work there,
-        which this one polls. The driver is free again once the channel is open, so receives that
-        wait do not hold the drivers (which a ring of messages waiting for them would need)."""
-
-        inner: list[Work] = []
-
-        def open_it(by: float) -> None:
-            # the receive is posted here, as soon as the channel is open: a ring of messages
-            # for receives that nobody polls yet drains all the same
-            inner.append(then(self.channel(peer, by)))
-
-        opened = self._driver.submit(open_it, deadline)
-
-        def poll() -> bool:
-            if not opened.is_set():
-                return False
-            if not inner:
-                try:
-                    opened.check()
-                except PeerTimeout as exc:
-                    raise CommTimeout(
-                        self.comm.name, "recv", seq, self.timeout, exc.ranks, str(exc)
-                    ) from None
-            return inner[0].test()
-
-        def waiter(seconds: float) -> bool:
-            if not opened.is_set():
-                return opened.wait(seconds)
-            time.sleep(min(seconds, 50e-6))  # the receive's own Work is polled meanwhile
-            return False
-
-        work = Work(self.comm, "recv", seq, poll, waiter=waiter)
-        return work
+        return self._message("recv", x, src, tag, seq, p2p.recv, starts.recv_start)
 
     # ---- prepared calls (prepared.py, collectives.py) -----------------------------------------
 
