@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...errors import PeerLost
-from ...work import Work
+from ...work import Work, completed
 from ..local import Region
 from . import p2p, starts
 from .ops import PeerTimeout
@@ -58,9 +58,16 @@ def prepare_async(t: StagedTransport, op: str, x: Buffer | None) -> Callable[...
 
 
 def start_send(t: StagedTransport, xh: np.ndarray, dst: int, tag: int, seq: int) -> Work:
-    """The asynchronous send of a host array: the general path's message, its Work."""
+    """The asynchronous send of a host array: complete at once where it went into the ring's
+    next slot (_eager), else the general path's message (in the same ticket's turn), its
+    Work."""
     k = t._p2p_number("send", dst, tag)
-    return starts.send_start(t, host_region(xh), dst, tag, k, seq, None, [])
+    sent, ticket = _eager(t, xh, dst, tag, k)
+    if sent:
+        work = completed(t.comm, "send", seq)
+        work.info = {"transport": "staged", "bytes": xh.nbytes, "stages": 1}
+        return work
+    return starts.send_start(t, host_region(xh), dst, tag, k, seq, None, [], ticket)
 
 
 def start_recv(t: StagedTransport, xh: np.ndarray, src: int, tag: int, seq: int) -> Work:
@@ -73,22 +80,35 @@ def start_recv(t: StagedTransport, xh: np.ndarray, src: int, tag: int, seq: int)
 
 def run_send(t: StagedTransport, xh: np.ndarray, dst: int, tag: int, seq: int) -> bool:
     """The prepared blocking send of a host array: into the ring's next slot where it can go
-    there at once (EagerOut.send), else p2p.send (in the same ticket's turn)."""
+    there at once (_eager), else p2p.send (in the same ticket's turn)."""
     k = t._p2p_number("send", dst, tag)
-    ch = t._channels.get(dst)
-    out = ch.eager_out if ch is not None else None
-    ticket = None
-    if out is not None and 0 < xh.nbytes <= out.slot_bytes and not t.closed:
-        ticket = out.ticket()
-        if out.send(xh.data.cast("B"), tag, k, ticket):
-            t.paths["send eager"] += 1
-            return True
+    sent, ticket = _eager(t, xh, dst, tag, k)
+    if sent:
+        return True
     try:
         deadline = time.monotonic() + t.limit()
         p2p.send(t, host_region(xh), dst, tag, k, deadline, None, ticket=ticket)
     except (PeerTimeout, PeerLost) as exc:
         raise t._fatal("send", seq, exc) from None
     return True
+
+
+def _eager(
+    t: StagedTransport, xh: np.ndarray, dst: int, tag: int, k: int
+) -> tuple[bool, int | None]:
+    """Send message `k` of (`dst`, `tag`) through the pair's ring where it fits a slot and the
+    ring's next slot is free now (EagerOut.send). Returns whether it went, and the ticket
+    drawn for its place among the sends that take slots (None where it does not fit the
+    ring): a send that did not go keeps it."""
+    ch = t._channels.get(dst)
+    out = ch.eager_out if ch is not None else None
+    if out is None or not 0 < xh.nbytes <= out.slot_bytes or t.closed:
+        return False, None
+    ticket = out.ticket()
+    if out.send(xh.data.cast("B"), tag, k, ticket):
+        t.paths["send eager"] += 1
+        return True, ticket
+    return False, ticket
 
 
 def run_recv(t: StagedTransport, xh: np.ndarray, src: int, tag: int, seq: int) -> bool:

@@ -77,17 +77,19 @@ def send_start(
     seq: int,
     ready: Any,
     bufs: list[Buffer],
+    ticket: int | None = None,
 ) -> Work:
     """The Work of asynchronous send `k` of (`dst`, `tag`): done at once where the message
     went into the ring, else started here or on a driver (`bufs`: the caller's buffers, for
-    the driver's ready event; none for host memory)."""
+    the driver's ready event; none for host memory). `ticket`: its place among the sends
+    that take the ring's slots, where the caller drew it already."""
     deadline = time.monotonic() + t.timeout
     ch = t._channels.get(dst) if dst != t.rank and not t.closed else None
     marked = False
     out = ch.eager_out if ch is not None else None
-    ticket = None
     if ch is not None and out is not None:
-        ticket = out.ticket()  # its place among the sends that take slots, kept if it waits
+        if ticket is None:
+            ticket = out.ticket()  # its place among the sends that take slots, kept if it waits
         if region.nbytes <= out.slot_bytes:
             if p2p.send_eager(t, ch, region, tag, k, deadline, ready, False, ticket):
                 work = completed(t.comm, "send", seq)
