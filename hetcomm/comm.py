@@ -257,10 +257,13 @@ class Communicator(Entry):
         if prepare_async is not None and key is not None:
             route.start = prepare_async(op, xb, out, rop, root)
         if key is not None:
-            if len(self._routes) >= MAX_ROUTES:
-                self._routes.clear()
-            self._routes[key] = route
+            self._keep_route(key, route)
         return route
+
+    def _keep_route(self, key: Hashable, route: Route) -> None:
+        if len(self._routes) >= MAX_ROUTES:
+            self._routes.clear()
+        self._routes[key] = route
 
     def _root(self, root: Any, what: str) -> int:
         if isinstance(root, bool) or not isinstance(root, (int, np.integer)):

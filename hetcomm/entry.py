@@ -375,6 +375,32 @@ class Entry:
             raise self._mpi_error(route.op, seq, exc) from exc
         return seq
 
+    def _run_pair(
+        self,
+        route: Route,
+        xh: Any,
+        dst: int,
+        tag: int,
+        oh: Any,
+        src: int,
+        recv_tag: int,
+        timeout: float | None,
+    ) -> bool:
+        """A sendrecv's prepared exchange (grouping.exchange) within `timeout` (None: the
+        configured one), taking one point-to-point sequence number: whether it ran (False: it
+        declined, having moved nothing)."""
+        if timeout is not None:
+            args = (route, xh, dst, tag, oh, src, recv_tag, None)
+            ran: bool = self._timed(timeout, "sendrecv", self._run_pair, *args)
+            return ran
+        assert route.run is not None
+        self._p2p_seq = seq = self._p2p_seq + 1
+        route.runs += 1
+        try:
+            return route.run(xh, dst, tag, oh, src, recv_tag, seq)
+        except MPI.Exception as exc:
+            raise self._mpi_error("sendrecv", seq, exc) from exc
+
     def _start_prepared(
         self, route: Route, timeout: float | None, keep: tuple[Any, ...], *arrays: Any
     ) -> Work | None:

@@ -10,7 +10,7 @@ from . import work as _work
 from .argcheck import check_timeout, writable
 from .arrays import as_buffer
 from .errors import InvalidArgument
-from .routes import host_view
+from .routes import Route, host_view, no_general
 from .work import Follow, Work
 
 if TYPE_CHECKING:
@@ -140,9 +140,31 @@ def exchange(
         return False
     if timeout is not None:
         check_timeout(timeout, "sendrecv")
+    pair = _pair(comm, send, receive, x, out)
+    # the transport's own exchange where it has one (mpi: MPI_Sendrecv's requests, polled)
+    if pair.run is not None and comm._run_pair(pair, xh, dst, tag, oh, src, recv_tag, timeout):
+        return True
     sent = comm._start_p2p(send, x, xh, dst, tag, timeout)
     seq = comm._run_p2p(receive, oh, src, recv_tag, timeout)
     if seq is not None:  # the prepared receive declined: the general path takes it, numbered seq
         general.recv(comm, receive, out, src, recv_tag, False, timeout, seq)
     sent.wait()
     return True
+
+
+def _pair(comm: Communicator, send: Route, receive: Route, x: Any, out: Any) -> Route:
+    """The route of a sendrecv of these two arrays' signatures (kept beside theirs): the
+    transport's prepared exchange of the pair where it has one (`Transport.prepare` of
+    "sendrecv", given the send's buffer and the receive's), else none (`run` None)."""
+    key = ("sendrecv", send, receive)
+    pair = comm._routes.get(key)
+    if pair is None:
+        transport = send.transport
+        prepare = getattr(transport, "prepare", None)
+        run = None
+        if prepare is not None and receive.transport is transport:
+            xb, ob = as_buffer(x, "sendrecv: x"), as_buffer(out, "sendrecv: out")
+            run = prepare("sendrecv", xb, ob, None, -1)
+        pair = Route("sendrecv", transport, send.vec, no_general, run=run)
+        comm._keep_route(key, pair)
+    return pair

@@ -7,7 +7,8 @@ takes): a small collective through its cached persistent request (mpi/persistent
 one as one non-blocking call polled here, or, where `schedule.laned` says so, the blocking call
 queued on the transport's lane and waited for here within the call's timeout. A prepared call
 declines (returns False, having moved nothing) while the lane has jobs queued, so that the
-general path queues behind them. Sends and receives have prepared asynchronous starts too.
+general path queues behind them. Sends and receives have prepared asynchronous starts too, and
+a sendrecv of two host arrays a prepared call of its own (an MPI_Sendrecv, polled).
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ class Prepared:
             return partial(self._run_send, DATATYPES[x.dtype]) if x is not None else None
         if op == "recv":
             return partial(self._run_recv, DATATYPES[x.dtype]) if x is not None else None
+        if op == "sendrecv":
+            if x is None or out is None:
+                return None
+            return partial(self._run_exchange, DATATYPES[x.dtype], DATATYPES[out.dtype])
         if op == "barrier":
             recipe = self._t._recipe("barrier", None, 0, None, -1)
             if recipe is None:
@@ -404,6 +409,29 @@ class Prepared:
 
     def _run_send(self, dt: MPI.Datatype, xh: np.ndarray, dst: int, tag: int, seq: int) -> bool:
         self._drive(self._mpi.Isend((xh, dt), dst, tag), "send", seq)
+        return True
+
+    def _run_exchange(
+        self,
+        dx: MPI.Datatype,
+        do: MPI.Datatype,
+        xh: np.ndarray,
+        dst: int,
+        tag: int,
+        oh: np.ndarray,
+        src: int,
+        recv_tag: int,
+        seq: int,
+    ) -> bool:
+        """A blocking sendrecv: the receive posted, then the send, both polled here (MPI moves
+        either in a Test of the other) until both have completed, as MPI_Sendrecv."""
+        got = BusyPoll(OneReceive(self._mpi.Irecv((oh, do), src, recv_tag), src, oh.nbytes).poll)
+        sent = BusyPoll(self._mpi.Isend((xh, dx), dst, tag).Test)
+        for _ in range(QUICK_TESTS):
+            if got() and sent():
+                return True
+        busy = BusyPoll(lambda: got() and sent())
+        wait_for(self.comm, "sendrecv", seq, busy, self.comm.call_timeout, busy.wait)
         return True
 
     def _run_recv(self, dt: MPI.Datatype, xh: np.ndarray, src: int, tag: int, seq: int) -> bool:
