@@ -35,14 +35,18 @@ def prepare(
     rop: ReduceOp | None,
     root: int,
 ) -> Callable[..., bool] | None:
-    """StagedTransport.prepare: sends and receives here, collectives where collectives.py
-    prepares them, None for the rest."""
+    """StagedTransport.prepare: sends, receives and the sendrecv of two host arrays here,
+    collectives where collectives.py prepares them, None for the rest."""
     if op in ("send", "recv"):
         if x is None:
             return None
         if x.host is None:
             return _device_p2p(t, op, x)
         return partial(run_send if op == "send" else run_recv, t)
+    if op == "sendrecv":
+        if x is None or out is None or x.host is None or out.host is None:
+            return None
+        return partial(run_exchange, t)
     if op == "barrier":
         return None
     from . import collectives
@@ -90,6 +94,31 @@ def run_send(t: StagedTransport, xh: np.ndarray, dst: int, tag: int, seq: int) -
         p2p.send(t, host_region(xh), dst, tag, k, deadline, None, ticket=ticket)
     except (PeerTimeout, PeerLost) as exc:
         raise t._fatal("send", seq, exc) from None
+    return True
+
+
+def run_exchange(
+    t: StagedTransport,
+    xh: np.ndarray,
+    dst: int,
+    tag: int,
+    oh: np.ndarray,
+    src: int,
+    recv_tag: int,
+    seq: int,
+) -> bool:
+    """The prepared sendrecv of two host arrays: the send into the ring at once where it fits
+    (_eager), else started (the general path's start, in the same ticket's turn); then the
+    receive run on this thread (run_recv); then the send waited for. The send never holds
+    this thread, so two ranks exchanging cannot wait on each other."""
+    k = t._p2p_number("send", dst, tag)
+    sent, ticket = _eager(t, xh, dst, tag, k)
+    started = None
+    if not sent:
+        started = starts.send_start(t, host_region(xh), dst, tag, k, seq, None, [], ticket)
+    run_recv(t, oh, src, recv_tag, seq)
+    if started is not None:
+        started.wait(t.comm.call_timeout)
     return True
 
 
