@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import general
 from . import work as _work
 from .argcheck import check_timeout, writable
 from .arrays import as_buffer
@@ -111,12 +110,10 @@ def exchange(
     recv_tag: int,
     timeout: float | None,
 ) -> bool:
-    """A blocking sendrecv of host arrays through its two routes, with no group block: the
-    send started (its route's prepared start), the receive run to its end on this thread (its
-    route's prepared call), then the send waited for. The send never holds this thread, and
-    the receive is driven here, so two ranks exchanging cannot wait for each other, whatever
-    a transport's send needs of its receiver. False, having moved nothing, where either call
-    would take another path or be refused (the group block then makes or refuses both)."""
+    """A blocking sendrecv of host arrays through the transport's prepared exchange of the
+    pair (`prepare("sendrecv")`, kept as a route beside the send's and the receive's), with no
+    group block. False, having moved nothing, where the transport has none or either call
+    would be refused (the group block then makes or refuses both)."""
     size, top = comm.size, comm._tag_ub
     if (
         comm._aborted is not None
@@ -132,7 +129,7 @@ def exchange(
         return False
     receive = comm._p2p_route("recv", out)
     send = comm._p2p_route("send", x)
-    if send.start is None or receive.run is None or receive.view is not host_view:
+    if receive.view is not host_view or send.view is not host_view:
         return False
     oh = host_view(out, True)
     xh = host_view(x, False)
@@ -141,15 +138,7 @@ def exchange(
     if timeout is not None:
         check_timeout(timeout, "sendrecv")
     pair = _pair(comm, send, receive, x, out)
-    # the transport's own exchange where it has one (mpi: MPI_Sendrecv's requests, polled)
-    if pair.run is not None and comm._run_pair(pair, xh, dst, tag, oh, src, recv_tag, timeout):
-        return True
-    sent = comm._start_p2p(send, x, xh, dst, tag, timeout)
-    seq = comm._run_p2p(receive, oh, src, recv_tag, timeout)
-    if seq is not None:  # the prepared receive declined: the general path takes it, numbered seq
-        general.recv(comm, receive, out, src, recv_tag, False, timeout, seq)
-    sent.wait()
-    return True
+    return pair.run is not None and comm._run_pair(pair, xh, dst, tag, oh, src, recv_tag, timeout)
 
 
 def _pair(comm: Communicator, send: Route, receive: Route, x: Any, out: Any) -> Route:

@@ -219,11 +219,11 @@ def test_sendrecv_refusals_move_nothing(hetcomm_comm, hetcomm_shared_seed, error
 def test_a_repeated_sendrecv_takes_its_prepared_calls(
     hetcomm_comm, hetcomm_shared_seed, errors, monkeypatch
 ):
-    """A blocking sendrecv of host arrays, repeated, is served by a prepared path with no
-    group block: the transport's own exchange of the pair where it has one (mpi, staged), else its
-    send's prepared start and its receive's prepared call; each result right when the
-    signature changes between calls (count, dtype, tags, a timeout of its own, sizes from 8 B
-    to past MPI's eager limit), the output's neighbours untouched and the input unchanged."""
+    """A blocking sendrecv of host arrays, repeated, is served by the transport's own
+    exchange of the pair where it has one (mpi, staged), with no group block (else by the
+    block's two calls); each result right when the signature changes between calls (count,
+    dtype, tags, a timeout of its own, sizes from 8 B to past MPI's eager limit), the output's
+    neighbours untouched and the input unchanged."""
     from hetcomm import grouping
 
     blocks = []  # the group blocks run: the path taken where a prepared call is missing
