@@ -217,10 +217,13 @@ def hetcomm_run(
     pick, root = _pair(sets), ROOT
     each: Callable[[], Any] = sync if device else (lambda: None)
     if op == "sendrecv":
-        if form == "exchange":
+        if form.startswith("exchange"):
+            waited = form == "exchange-async"
 
             def exchange(s: Buffers, peer: int) -> None:
-                comm.sendrecv(s.x, peer, s.y, peer)
+                work = comm.sendrecv(s.x, peer, s.y, peer, async_op=waited)
+                if work is not None:
+                    work.wait()
 
             return _exchange(exchange, sets, comm.rank, comm.size, each)
         send, receive = (
@@ -277,6 +280,13 @@ def mpi4py_run(raw: Any, op: str, form: str, sets: Sequence[Buffers]) -> Run:
         if form == "exchange":
             return _exchange(
                 lambda s, peer: raw.Sendrecv(s.x, peer, recvbuf=s.y, source=peer), sets, rank, ranks
+            )
+        if form == "exchange-async":
+            return _exchange(
+                lambda s, peer: MPI.Request.Waitall([raw.Irecv(s.y, peer), raw.Isend(s.x, peer)]),
+                sets,
+                rank,
+                ranks,
             )
         if form == "async":
             return _pingpong(
@@ -347,7 +357,7 @@ def torch_run(
 
     pick, root = _pair(sets), ROOT
     if op == "sendrecv":
-        if form == "exchange":
+        if form.startswith("exchange"):
             return None
         if form == "async":
             return _pingpong(

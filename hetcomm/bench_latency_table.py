@@ -19,7 +19,8 @@ from typing import Any
 #: (op, form) of every row of the host and device sections, in table order. "async": the call
 #: made asynchronous (async_op=True; MPI's non-blocking call) and waited for at once, in place
 #: for all_reduce, reduce and broadcast, out of place for the others; for send/recv, each send
-#: and receive of the ping-pong so. "exchange": both ranks of a pair call sendrecv at once
+#: and receive of the ping-pong so. "exchange": both ranks of a pair call sendrecv at once;
+#: "exchange-async": the same sendrecv made asynchronous and waited for at once
 FORMS: tuple[tuple[str, str], ...] = (
     ("all_reduce", "in-place"),
     ("all_reduce", "out-of-place"),
@@ -40,6 +41,7 @@ FORMS: tuple[tuple[str, str], ...] = (
     ("sendrecv", "ping-pong"),
     ("sendrecv", "async"),
     ("sendrecv", "exchange"),
+    ("sendrecv", "exchange-async"),
     ("all_reduce_coalesced", "in-place"),
     ("barrier", "-"),
 )
@@ -150,14 +152,15 @@ def header(meta: Mapping[str, Any]) -> list[str]:
     lines.append(
         "# sendrecv ping-pong and async: ranks 2k and 2k+1 send to each other in turn; every "
         "time is one way = round trip / 2; exchange: both send and receive at once "
-        "(Communicator.sendrecv, MPI_Sendrecv), the time of one exchange"
+        "(Communicator.sendrecv, MPI_Sendrecv; exchange-async: async_op=True and waited, "
+        "Irecv + Isend and Waitall), the time of one exchange"
     )
     return lines
 
 
 def pingpong(op: str, form: str) -> bool:
     """Whether a row's calls are a ping-pong, timed one way (half its round trip)."""
-    return op == "sendrecv" and form != "exchange"
+    return op == "sendrecv" and not form.startswith("exchange")
 
 
 def table(rows: Sequence[LatencyRow], meta: Mapping[str, Any] | None = None) -> str:

@@ -677,8 +677,13 @@ class Communicator(Entry):
         classic ring step (each rank sends right and receives left) cannot deadlock.
         `recv_tag` defaults to `tag`."""
         rtag = tag if recv_tag is None else recv_tag
-        if not async_op and grouping.exchange(self, x, dst, out, src, tag, rtag, timeout):
-            return None
+        if not async_op:
+            if grouping.exchange(self, x, dst, out, src, tag, rtag, timeout):
+                return None
+        else:
+            started = grouping.start_exchange(self, x, dst, out, src, tag, rtag, timeout)
+            if started is not None:
+                return started
         with self.group():
             sent = self.send(x, dst, tag, async_op=async_op, timeout=timeout)
             got = self.recv(out, src, rtag, async_op=async_op, timeout=timeout)

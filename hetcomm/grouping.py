@@ -10,7 +10,7 @@ from .argcheck import check_timeout, writable
 from .arrays import as_buffer
 from .errors import InvalidArgument
 from .routes import Route, host_view, no_general
-from .work import Follow, Work
+from .work import Follow, Work, all_of
 
 if TYPE_CHECKING:
     from .comm import Communicator
@@ -114,31 +114,77 @@ def exchange(
     pair (`prepare("sendrecv")`, kept as a route beside the send's and the receive's), with no
     group block. False, having moved nothing, where the transport has none or either call
     would be refused (the group block then makes or refuses both)."""
+    if _work.observing:
+        return False
+    host = _host_pair(comm, x, dst, out, src, tag, recv_tag, timeout)
+    if host is None:
+        return False
+    send, receive, xh, oh = host
+    pair = _pair(comm, send, receive, x, out)
+    return pair.run is not None and comm._run_pair(pair, xh, dst, tag, oh, src, recv_tag, timeout)
+
+
+def start_exchange(
+    comm: Communicator,
+    x: Any,
+    dst: int,
+    out: Any,
+    src: int,
+    tag: int,
+    recv_tag: int,
+    timeout: float | None,
+) -> Work | None:
+    """An asynchronous sendrecv of host arrays: the receive's prepared start, then the send's,
+    with no group block, their Works joined (the receive's first). None, having moved nothing,
+    where either has no prepared start or either call would be refused (the group block then
+    makes or refuses both)."""
+    host = _host_pair(comm, x, dst, out, src, tag, recv_tag, timeout)
+    if host is None:
+        return None
+    send, receive, xh, oh = host
+    if send.start is None or receive.start is None:
+        return None
+    got = comm._start_p2p(receive, out, oh, src, recv_tag, timeout)
+    sent = comm._start_p2p(send, x, xh, dst, tag, timeout)
+    return all_of(comm, [got, sent], "sendrecv")
+
+
+def _host_pair(
+    comm: Communicator,
+    x: Any,
+    dst: int,
+    out: Any,
+    src: int,
+    tag: int,
+    recv_tag: int,
+    timeout: float | None,
+) -> tuple[Route, Route, Any, Any] | None:
+    """The send's and the receive's routes of a sendrecv and their host views, once every
+    argument is known good; None where the calls go through a group block instead (an
+    argument to refuse there, a device array, a group block open, the communicator closed)."""
     size, top = comm.size, comm._tag_ub
     if (
         comm._aborted is not None
         or comm._closed
         or comm._group is not None
-        or _work.observing
         or dst.__class__ is not int
         or src.__class__ is not int
         or tag.__class__ is not int
         or recv_tag.__class__ is not int
         or not (0 <= dst < size and 0 <= src < size and 0 <= tag <= top and 0 <= recv_tag <= top)
     ):
-        return False
+        return None
     receive = comm._p2p_route("recv", out)
     send = comm._p2p_route("send", x)
     if receive.view is not host_view or send.view is not host_view:
-        return False
+        return None
     oh = host_view(out, True)
     xh = host_view(x, False)
     if oh is None or xh is None:
-        return False
+        return None
     if timeout is not None:
         check_timeout(timeout, "sendrecv")
-    pair = _pair(comm, send, receive, x, out)
-    return pair.run is not None and comm._run_pair(pair, xh, dst, tag, oh, src, recv_tag, timeout)
+    return send, receive, xh, oh
 
 
 def _pair(comm: Communicator, send: Route, receive: Route, x: Any, out: Any) -> Route:

@@ -216,14 +216,16 @@ def test_sendrecv_refusals_move_nothing(hetcomm_comm, hetcomm_shared_seed, error
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
 def test_a_repeated_sendrecv_takes_its_prepared_calls(
-    hetcomm_comm, hetcomm_shared_seed, errors, monkeypatch
+    hetcomm_comm, hetcomm_shared_seed, errors, monkeypatch, async_op
 ):
-    """A blocking sendrecv of host arrays, repeated, is served by the transport's own
-    exchange of the pair where it has one (mpi, staged), with no group block (else by the
-    block's two calls); each result right when the signature changes between calls (count,
-    dtype, tags, a timeout of its own, sizes from 8 B to past MPI's eager limit), the output's
-    neighbours untouched and the input unchanged."""
+    """A sendrecv of host arrays, repeated, is served by the transport's own calls where it
+    has them (mpi, staged), with no group block (else by the block's two calls): blocking, by
+    its exchange of the pair; asynchronous, by the receive's and the send's prepared starts.
+    Each result right when the signature changes between calls (count, dtype, tags, a timeout
+    of its own, sizes from 8 B to past MPI's eager limit), the output's neighbours untouched
+    and the input unchanged."""
     from hetcomm import grouping
 
     blocks = []  # the group blocks run: the path taken where a prepared call is missing
@@ -244,17 +246,20 @@ def test_a_repeated_sendrecv_takes_its_prepared_calls(
         out = np.full(count + 2, -7, dtype)
         what = f"call {call} ({count} x {dtype})"
         got = out[1:-1]
-        if errors.run(
-            what, comm.sendrecv, x, right, got, left, tag, recv_tag=rtag, timeout=timeout
-        ):
+        opts = {"recv_tag": rtag, "timeout": timeout, "async_op": async_op}
+        if errors.run(what, _sendrecv, comm, x, right, got, left, tag, **opts):
             errors.expect(np.array_equal(out[1:-1], stack[left].astype(dtype)), f"{what}: data")
             errors.expect(out[0] == -7 and out[-1] == -7, f"{what}: wrote outside the output")
             errors.expect(np.array_equal(x, keep), f"{what}: the input changed")
     routes = comm.routes()
     pairs = [r for r in routes if r["op"] == "sendrecv"]
     paired = sum(r["runs"] for r in pairs if r["prepared"])
+    errors.expect(not (async_op and paired), f"async: {paired} calls took the blocking exchange")
     prepared = paired == 10
-    for op, path in (("recv", "prepared"), ("send", "prepared_async")):
+    for op, path in (
+        ("recv", "prepared_async" if async_op else "prepared"),
+        ("send", "prepared_async"),
+    ):
         mine = [r for r in routes if r["op"] == op]
         errors.expect(len(mine) == 3, f"{op}: {len(mine)} routes for 3 signatures")
         served = sum(r["runs"] if r[path] else r["uses"] for r in mine)
@@ -263,3 +268,10 @@ def test_a_repeated_sendrecv_takes_its_prepared_calls(
     if prepared:
         errors.expect(not blocks, f"{len(blocks)} of 10 calls made a group block")
     errors.verify()
+
+
+def _sendrecv(comm, *args, **opts):
+    """comm.sendrecv, its Work waited for where it made one (an asynchronous call)."""
+    work = comm.sendrecv(*args, **opts)
+    if work is not None:
+        work.wait()

@@ -110,8 +110,9 @@ def test_every_api_op_form_has_a_row():
     }
     assert ("all_reduce", "out-of-place") in FORMS and ("all_reduce", "in-place") in FORMS
     # send/recv as a ping-pong of blocking and of asynchronous calls, and Communicator.sendrecv
-    assert [f for op, f in FORMS if op == "sendrecv"] == ["ping-pong", "async", "exchange"]
-    assert [pingpong(*f) for f in FORMS if f[0] == "sendrecv"] == [True, True, False]
+    forms = [f for op, f in FORMS if op == "sendrecv"]
+    assert forms == ["ping-pong", "async", "exchange", "exchange-async"]
+    assert [pingpong(*f) for f in FORMS if f[0] == "sendrecv"] == [True, True, False, False]
     for op in ("all_gather", "reduce_scatter", "all_to_all"):
         assert (op, "in-place") in FORMS and (op, "out-of-place") in FORMS
     assert {op for op, _ in TORCH_FORMS} == {
@@ -128,6 +129,7 @@ def test_select_forms_and_iterations():
         ("sendrecv", "ping-pong"),
         ("sendrecv", "async"),
         ("sendrecv", "exchange"),
+        ("sendrecv", "exchange-async"),
         ("barrier", "-"),
     ]
     assert select_forms("barrier", TORCH_FORMS) == []
