@@ -19,6 +19,7 @@ from .errors import InvalidArgument
 if TYPE_CHECKING:
     from .arrays import Buffer
     from .comm import Communicator
+    from .pointtopoint import PointToPoint
     from .routes import Route
     from .transports.base import Transport
     from .work import Work
@@ -121,7 +122,7 @@ def broadcast(
 
 
 def send(
-    comm: Communicator,
+    comm: PointToPoint,
     route: Route,
     x: Any,
     dst: int,
@@ -138,7 +139,7 @@ def send(
 
 
 def recv(
-    comm: Communicator,
+    comm: PointToPoint,
     route: Route,
     x: Any,
     src: int,
@@ -160,7 +161,7 @@ def recv(
 
 
 def _p2p(
-    comm: Communicator,
+    comm: PointToPoint,
     route: Route,
     xc: Buffer,
     peer: int,

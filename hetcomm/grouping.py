@@ -13,7 +13,7 @@ from .routes import Route, host_view, no_general
 from .work import Follow, Work, all_of
 
 if TYPE_CHECKING:
-    from .comm import Communicator
+    from .pointtopoint import PointToPoint
 
 
 class Queued:
@@ -33,7 +33,7 @@ class Queued:
 class Group:
     """The context manager of Communicator.group()."""
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: PointToPoint) -> None:
         self.comm = comm
 
     def __enter__(self) -> Group:
@@ -55,7 +55,7 @@ class Group:
 
 
 def queue(
-    comm: Communicator,
+    comm: PointToPoint,
     op: str,
     x: Any,
     peer: int,
@@ -86,7 +86,7 @@ def queue(
     return Work(comm, op, comm._p2p_seq, poll, waiter=follow.wait, drive=follow.drive)
 
 
-def run(comm: Communicator, items: list[Queued]) -> None:
+def run(comm: PointToPoint, items: list[Queued]) -> None:
     """Start the calls of a group block, receives first, then wait for the blocking ones,
     receives first too: a peer may land a send only once its own sends are done (staged
     messages past the eager ring), and meanwhile this thread lands what comes to it."""
@@ -101,7 +101,7 @@ def run(comm: Communicator, items: list[Queued]) -> None:
 
 
 def exchange(
-    comm: Communicator,
+    comm: PointToPoint,
     x: Any,
     dst: int,
     out: Any,
@@ -125,7 +125,7 @@ def exchange(
 
 
 def start_exchange(
-    comm: Communicator,
+    comm: PointToPoint,
     x: Any,
     dst: int,
     out: Any,
@@ -150,7 +150,7 @@ def start_exchange(
 
 
 def _host_pair(
-    comm: Communicator,
+    comm: PointToPoint,
     x: Any,
     dst: int,
     out: Any,
@@ -187,7 +187,7 @@ def _host_pair(
     return send, receive, xh, oh
 
 
-def _pair(comm: Communicator, send: Route, receive: Route, x: Any, out: Any) -> Route:
+def _pair(comm: PointToPoint, send: Route, receive: Route, x: Any, out: Any) -> Route:
     """The route of a sendrecv of these two arrays' signatures (kept beside theirs): the
     transport's prepared exchange of the pair where it has one (`Transport.prepare` of
     "sendrecv", given the send's buffer and the receive's), else none (`run` None)."""
