@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpi4py import MPI
 
-from ...errors import HetcommError
+from ...errors import HetcommError, TransportUnavailable
 from .. import flags, tags
 from ..shm import SegmentError, SharedSlots
 from . import links
@@ -133,24 +133,33 @@ class Opener:
         if shm:
             base = f"hetcomm-{t.token.hex()[:12]}"
             slots = slots_that_fit(t.slots, t.chunk_bytes, 2 * len(shm))
-            for p in shm:
-                opened[p].shm_out = SharedSlots(
-                    f"{base}-{t.rank}-{p}", slots, t.chunk_bytes, create=True
-                )
-            rings = {p: self._eager_ring(opened[p], f"{base}-e{t.rank}-{p}") for p in shm}
-            names = self._swap(
-                {p: (f"{base}-{t.rank}-{p}", slots, t.chunk_bytes, rings[p]) for p in shm},
-                deadline,
-            )
-            for p in shm:
-                name, count, slot_bytes, ring = names[p]
-                opened[p].shm_in = SharedSlots(name, count, slot_bytes, create=False)
-                if ring is not None:
-                    ename, eslots, ebytes = ring
-                    seg = SharedSlots(ename, 1, segment_bytes(eslots, ebytes), create=False)
-                    opened[p].eager_in = EagerIn(seg, eslots, ebytes, t.single_copy)
+            # a rank that cannot make or map its segments says why in the swaps, instead of
+            # its names, so that both ends of each pair fail at once, naming the cause
+            mine: dict[int, Any] = {}
+            try:
+                for p in shm:
+                    opened[p].shm_out = SharedSlots(
+                        f"{base}-{t.rank}-{p}", slots, t.chunk_bytes, create=True
+                    )
+                rings = {p: self._eager_ring(opened[p], f"{base}-e{t.rank}-{p}") for p in shm}
+                mine = {p: (f"{base}-{t.rank}-{p}", slots, t.chunk_bytes, rings[p]) for p in shm}
+            except OSError as exc:
+                mine = dict.fromkeys(shm, _failed(exc))
+            names = self._swap(mine, deadline)
+            _refuse(t.rank, mine, names)
+            mapped: dict[int, Any] = dict.fromkeys(shm)
+            try:
+                for p in shm:
+                    name, count, slot_bytes, ring = names[p]
+                    opened[p].shm_in = SharedSlots(name, count, slot_bytes, create=False)
+                    if ring is not None:
+                        ename, eslots, ebytes = ring
+                        seg = SharedSlots(ename, 1, segment_bytes(eslots, ebytes), create=False)
+                        opened[p].eager_in = EagerIn(seg, eslots, ebytes, t.single_copy)
+            except OSError as exc:
+                mapped = dict.fromkeys(shm, _failed(exc))
             # both sides have mapped both segments: the names can go
-            self._swap({p: None for p in shm}, deadline)
+            _refuse(t.rank, mapped, self._swap(mapped, deadline))
             for p in shm:
                 opened[p].shm_out.unlink()  # type: ignore[union-attr]
                 out = opened[p].eager_out
@@ -172,3 +181,25 @@ class Opener:
             return None
         ch.eager_out = EagerOut(seg, t.eager_slots, t.eager_bytes)
         return name, t.eager_slots, t.eager_bytes
+
+
+class _Failed(str):
+    """What a rank sends in place of its segments' names where it could not make or map
+    them: why (a str, so that it pickles as one)."""
+
+
+def _failed(exc: OSError) -> _Failed:
+    return _Failed(f"{type(exc).__name__}: {exc}")
+
+
+def _refuse(rank: int, mine: dict[int, Any], theirs: dict[int, Any]) -> None:
+    """Raise TransportUnavailable where this rank or a peer could not make or map the shared
+    segments of their channel (each side then raises, naming the cause)."""
+    why = [f"rank {rank}: {v}" for v in mine.values() if isinstance(v, _Failed)][:1]
+    why += [f"rank {p}: {v}" for p, v in sorted(theirs.items()) if isinstance(v, _Failed)]
+    if why:
+        raise TransportUnavailable(
+            "staged: the shared segments between ranks of this host could not be made or "
+            f"mapped ({'; '.join(why)}); free room in /dev/shm, or set HETCOMM_RAILS to "
+            "rails without shm"
+        )
