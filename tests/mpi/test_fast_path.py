@@ -202,7 +202,8 @@ def test_every_form_async_takes_its_prepared_start(hetcomm_comm, rng, errors):
     """Each form asynchronous, three calls per signature and two signatures (dtype and count
     change between them), then every form in flight at once, waited for last to first: each
     result right, nothing outside it touched; where the route has a prepared start (the mpi
-    transport's persistent collectives), every call takes it and none the general path."""
+    transport's persistent collectives, staged's shared segment), every call takes it and none the
+    general path."""
     comm = hetcomm_comm
     size, rank = comm.size, comm.rank
     forms = _forms(size, rank)
@@ -213,11 +214,12 @@ def test_every_form_async_takes_its_prepared_start(hetcomm_comm, rng, errors):
                 arrays = form.build(stack)
                 form.call(comm, arrays, async_op=True).wait()
                 _check(form, arrays, stack, errors, f"{form.name} {dtype} async call {i}")
+    segment = _staged_segment(comm)
     for r in comm.routes():  # forms of one signature (in place or not) share a route
         if r["prepared_async"]:
             errors.expect(r["runs"] in (3, 6) and r["uses"] == 0, f"start not taken: {r}")
-        elif r["transport"] == "mpi":
-            errors.expect(False, f"an mpi route without a prepared start: {r}")
+        elif r["transport"] == "mpi" or (r["transport"] == "staged" and segment):
+            errors.expect(False, f"a route without a prepared start: {r}")
     stacks = [_stack(rng, size, 4 * size, "float64") for _ in forms]
     built = [form.build(stack) for form, stack in zip(forms, stacks, strict=True)]
     works = [form.call(comm, a, async_op=True) for form, a in zip(forms, built, strict=True)]
@@ -225,6 +227,55 @@ def test_every_form_async_takes_its_prepared_start(hetcomm_comm, rng, errors):
         w.wait()
     for form, arrays, stack in zip(forms, built, stacks, strict=True):
         _check(form, arrays, stack, errors, f"{form.name} in flight with the others")
+    errors.verify()
+
+
+def _waited(form, comm, arrays):
+    form.call(comm, arrays, async_op=True).wait()
+
+
+def _staged_segment(comm) -> bool:
+    """Whether `comm` runs collectives on the staged transport through its shared segment
+    (every rank on one host, the rails not MPI's): the same answer on every rank."""
+    from hetcomm import introspect
+    from hetcomm.transports import hostcoll
+
+    staged = introspect.transport_of(comm, "all_reduce", np.zeros(1))
+    if staged.name != "staged" or staged.mode == "mpi":
+        return False
+    return hostcoll.unavailable(comm.topology) is None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_async_starts_where_the_segment_cannot_grow(
+    hetcomm_make_comm, hetcomm_transport, rng, errors, monkeypatch
+):
+    """staged: every form asynchronous through its prepared start where the shared segment
+    cannot be made at its size (as with /dev/shm full, on every rank): each call's turn
+    comes on a driver thread, which finds the segment cannot take it and runs the general
+    path's ring, on a copy of an input that overlaps its output; each result right,
+    nothing outside it touched, every call through the prepared start."""
+    from hetcomm.transports import hostcoll
+
+    if hetcomm_transport not in ("staged", "auto"):
+        pytest.skip(f"a staged test; this run's transport is {hetcomm_transport}")
+    comm = hetcomm_make_comm(transport="staged", timeout=60)
+    if not _staged_segment(comm):
+        pytest.skip("the staged transport has no shared segment here (ranks on two hosts)")
+    grew = []
+    monkeypatch.setattr(hostcoll.HostGroup, "_grow", lambda *a: grew.append(a) or False)
+    size, rank = comm.size, comm.rank
+    for form in _forms(size, rank):
+        for i in range(2):
+            stack = _stack(rng, size, 4 * size, "float64")
+            arrays = form.build(stack)
+            if errors.run(f"{form.name} call {i}", _waited, form, comm, arrays):
+                _check(form, arrays, stack, errors, f"{form.name} call {i}")
+    errors.expect(
+        len(grew) >= 2 * len(_forms(size, rank)), f"the segment was asked to grow {len(grew)} times"
+    )
+    for r in comm.routes():
+        errors.expect(r["prepared_async"] and r["uses"] == 0, f"start not taken: {r}")
     errors.verify()
 
 

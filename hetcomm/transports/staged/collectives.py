@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...arrays import own_block
+from ...arrays import as_buffer, own_block
 from ...errors import CommTimeout, PeerLost
 from ...ops import ReduceOp
 from .. import hostcoll, local, tags
@@ -25,6 +25,7 @@ from .schedule import block_spans, chunk_spans
 
 if TYPE_CHECKING:
     from ...arrays import Buffer
+    from ...work import Work
     from .transport import StagedTransport
 
 Body = Callable[[float, Any], None]
@@ -499,10 +500,12 @@ class _SegmentBody:
         body: Body,
         ring: Callable[[], Body],
         start: tuple[Any, ...],
+        ticket: int | None = None,
     ) -> None:
         self.t, self.what, self.group, self.nbytes = t, what, group, nbytes
         self.body, self.ring, self.start_args = body, ring, start
-        self.ticket = group.ticket()
+        # its turn: drawn now, where the operation is issued, unless drawn already
+        self.ticket = group.ticket() if ticket is None else ticket
 
     def __call__(self, deadline: float, ready: Any) -> None:
         t, group = self.t, self.group
@@ -582,6 +585,82 @@ def prepare(
     nothing, where the segment could not grow to its size (every rank does at that call).
     Each call copies its whole input into the segment before it writes any output, so the
     in-place forms (an output that overlaps the input) are served as they are (`in_place`)."""
+    found = _segment_calls(t, op, x, out, rop, root)
+    if found is None:
+        return None
+    group, nbytes, calls = found
+
+    def run(*arrays_and_seq: Any) -> bool:
+        seq = arrays_and_seq[-1]
+        fn, args, _ = calls(*arrays_and_seq[:-1])
+        timeout = t.limit()
+        deadline = time.monotonic() + timeout
+        try:
+            return group.run(group.ticket(), deadline, nbytes, fn, *args, deadline)
+        except hostcoll.Late as exc:
+            err: BaseException = CommTimeout(
+                t.comm.name, op, seq, timeout, exc.ranks or None, str(exc)
+            )
+        except hostcoll.Dead as exc:
+            err = PeerLost(f"group '{t.comm.name}': {op} #{seq}: {exc}", exc.ranks)
+        t.comm._abort(err)
+        raise err
+
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
+        run.in_place = True  # type: ignore[attr-defined]
+    return run
+
+
+def prepare_async(
+    t: StagedTransport,
+    op: str,
+    x: Buffer | None,
+    out: Buffer | None,
+    rop: ReduceOp | None,
+    root: int,
+) -> Callable[..., Work] | None:
+    """The asynchronous start of one signature on host arrays in the shared segment (the
+    contract of MpiTransport.prepare_async: prepare's arguments, a Work back), None where
+    prepare has none. It takes its turn at the segment now and begins there on the calling
+    thread where it can (HostGroup.start: its input is in, this rank has arrived), as the
+    general path's start does; else its body runs at its turn on a driver thread, and where
+    the segment cannot grow to its size, the general path's ring (on a copy of an input that
+    overlaps the output: the rings read while they write)."""
+    found = _segment_calls(t, op, x, out, rop, root)
+    if found is None:
+        return None
+    group, nbytes, calls = found
+
+    def start(*arrays_and_seq: Any) -> Work:
+        seq, arrays = arrays_and_seq[-1], arrays_and_seq[:-1]
+        fn, args, begin = calls(*arrays)
+        ticket = group.ticket()
+        posted = group.start(ticket, *begin)
+        if posted is not None:
+            return t._started(op, seq, nbytes, posted)
+
+        def in_segment(deadline: float, ready: Any) -> None:
+            fn(*args, deadline)
+
+        ring = partial(_ring_of, t, op, arrays, rop, root, seq)
+        body = _SegmentBody(t, f"{op} #{seq}", group, nbytes, in_segment, ring, begin, ticket)
+        return t._on_driver(op, seq, nbytes, body, None)
+
+    return start
+
+
+def _segment_calls(
+    t: StagedTransport,
+    op: str,
+    x: Buffer | None,
+    out: Buffer | None,
+    rop: ReduceOp | None,
+    root: int,
+) -> tuple[hostcoll.HostGroup, int, Callable[..., tuple[Callable[..., None], tuple, tuple]]] | None:
+    """For prepare and prepare_async: the segment a signature of host arrays takes, its bytes
+    per rank, and `calls(*arrays)`: the segment's call of those arrays (its function and
+    arguments, the deadline to follow) and HostGroup.start's arguments after the ticket. None
+    where the op, the memory, the group or the size keep it out of the segment."""
     if op not in _SEGMENT_OPS or x is None or x.host is None:
         return None
     if out is not None and out.host is None:
@@ -590,65 +669,80 @@ def prepare(
     group = _segment(t, nbytes)
     if group is None:
         return None
-
-    def drive(name: str, seq: int, fn: Callable[..., None], *args: Any) -> bool:
-        timeout = t.limit()
-        deadline = time.monotonic() + timeout
-        try:
-            return group.run(group.ticket(), deadline, nbytes, fn, *args, deadline)
-        except hostcoll.Late as exc:
-            err: BaseException = CommTimeout(
-                t.comm.name, name, seq, timeout, exc.ranks or None, str(exc)
-            )
-        except hostcoll.Dead as exc:
-            err = PeerLost(f"group '{t.comm.name}': {name} #{seq}: {exc}", exc.ranks)
-        t.comm._abort(err)
-        raise err
-
+    at_root = t.rank == root
+    calls: Callable[..., tuple[Callable[..., None], tuple, tuple]]
     if op == "all_reduce":
-        assert rop is not None
 
-        def run_all_reduce(xh: np.ndarray, oh: np.ndarray, seq: int) -> bool:
+        def calls(xh: np.ndarray, oh: np.ndarray) -> tuple[Callable[..., None], tuple, tuple]:
             fx = _flat(xh)
             fo = fx if oh is xh else _flat(oh)
-            return drive("all_reduce", seq, group.all_reduce, fx, fo, nbytes, dtype, rop)
+            args = (fx, fo, nbytes, dtype, rop)
+            return group.all_reduce, args, ("all_reduce", fx, fo, nbytes, dtype, rop, -1)
 
-        return run_all_reduce
-    if op == "reduce":
-        assert rop is not None
-        at_root = t.rank == root
+    elif op == "reduce":
 
-        def run_reduce(xh: np.ndarray, seq: int) -> bool:
+        def calls(xh: np.ndarray) -> tuple[Callable[..., None], tuple, tuple]:
             flat = _flat(xh)
-            out = flat if at_root else None
-            return drive("reduce", seq, group.reduce, flat, out, nbytes, dtype, rop, root)
+            args = (flat, flat if at_root else None, nbytes, dtype, rop, root)
+            return group.reduce, args, ("reduce", flat, flat, nbytes, dtype, rop, root)
 
-        return run_reduce
-    if op == "broadcast":
-        at_root = t.rank == root
+    elif op == "broadcast":
 
-        def run_broadcast(xh: np.ndarray, seq: int) -> bool:
+        def calls(xh: np.ndarray) -> tuple[Callable[..., None], tuple, tuple]:
             flat = _flat(xh)
             src, dst = (flat, None) if at_root else (None, flat)
-            return drive("broadcast", seq, group.broadcast, src, dst, nbytes, root)
+            args = (src, dst, nbytes, root)
+            return group.broadcast, args, ("broadcast", flat, flat, nbytes, "", None, root)
 
-        return run_broadcast
+    elif op == "reduce_scatter":
+
+        def calls(xh: np.ndarray, oh: np.ndarray) -> tuple[Callable[..., None], tuple, tuple]:
+            fx, fo = _flat(xh), _flat(oh)
+            args = (fx, fo, nbytes, dtype, rop)
+            return group.reduce_scatter, args, ("reduce_scatter", fx, fo, nbytes, dtype, rop, -1)
+
+    else:
+        blocks = group.all_gather if op == "all_gather" else group.all_to_all
+
+        def calls(xh: np.ndarray, oh: np.ndarray) -> tuple[Callable[..., None], tuple, tuple]:
+            fx, fo = _flat(xh), _flat(oh)
+            return blocks, (fx, fo, nbytes), (op, fx, fo, nbytes, "", None, -1)
+
+    return group, nbytes, calls
+
+
+def _ring_of(
+    t: StagedTransport,
+    op: str,
+    arrays: tuple[np.ndarray, ...],
+    rop: ReduceOp | None,
+    root: int,
+    seq: int,
+) -> Body:
+    """The general path's ring body of a prepared start's host arrays (as prepare_async
+    passes them: x, then the output where there is one), for a segment that could not grow
+    to the operation's size (nothing has moved yet: every rank finds so at that turn)."""
+    if op in ("reduce", "broadcast"):
+        x = as_buffer(arrays[0])
+        if op == "reduce":
+            assert rop is not None
+            return _reduce_ring(t, x, rop, root, seq)
+        return _broadcast_chain(t, x, root, seq)
+    xh, oh = arrays
+    inplace = op == "all_reduce" and xh is oh  # the one in-place form its ring serves as it is
+    if not inplace and np.may_share_memory(xh, oh):
+        xh = xh.copy()  # the other rings read the input while they write the output
+    x = as_buffer(xh)
+    out = x if inplace else as_buffer(oh)
+    if op == "all_reduce":
+        assert rop is not None
+        return _all_reduce_ring(t, x, out, rop, seq)
     if op == "reduce_scatter":
         assert rop is not None
-
-        def run_scatter(xh: np.ndarray, oh: np.ndarray, seq: int) -> bool:
-            fn = group.reduce_scatter
-            return drive("reduce_scatter", seq, fn, _flat(xh), _flat(oh), nbytes, dtype, rop)
-
-        run_scatter.in_place = True  # type: ignore[attr-defined]
-        return run_scatter
-    blocks = group.all_gather if op == "all_gather" else group.all_to_all
-
-    def run_blocks(xh: np.ndarray, oh: np.ndarray, seq: int) -> bool:
-        return drive(op, seq, blocks, _flat(xh), _flat(oh), nbytes)
-
-    run_blocks.in_place = True  # type: ignore[attr-defined]
-    return run_blocks
+        return _reduce_scatter_ring(t, out, x, rop, seq)
+    if op == "all_gather":
+        return _all_gather_ring(t, out, x, seq)
+    return _all_to_all_pairs(t, out, x, seq)
 
 
 def _flat(a: np.ndarray) -> np.ndarray:

@@ -184,6 +184,12 @@ class StagedTransport(Transport):
         posted = start() if start is not None else None
         if posted is not None:
             return self._started(op, seq, size, posted)
+        return self._on_driver(op, seq, size, body, ready)
+
+    def _on_driver(
+        self, op: str, seq: int, size: int, body: Callable[[float, Any], None], ready: Any
+    ) -> Work:
+        """`body(deadline, ready)` started on a driver thread, the Work completing with it."""
         self.paths["driver"] += 1
         deadline = time.monotonic() + self.timeout
         info = {"transport": "staged", "bytes": size, "stages": 0}
@@ -347,9 +353,13 @@ class StagedTransport(Transport):
     def prepare_async(
         self, op: str, x: Buffer | None, out: Buffer | None, rop: ReduceOp | None, root: int
     ) -> Callable[..., Work] | None:
-        """The asynchronous start of a send or receive of one signature on host arrays
-        (hetcomm.routes.Route.start; prepared.py)."""
-        return prepared.prepare_async(self, op, x)
+        """The asynchronous start of one signature on host arrays (hetcomm.routes.Route.start):
+        sends and receives (prepared.py), collectives where collectives.py prepares them."""
+        if op in ("send", "recv"):
+            return prepared.prepare_async(self, op, x)
+        from . import collectives
+
+        return collectives.prepare_async(self, op, x, out, rop, root)
 
     def limit(self) -> float:
         """The seconds a prepared call, issued on this thread, may take: the call's own
