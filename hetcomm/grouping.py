@@ -1,5 +1,7 @@
 """`with comm.group():` blocks: point-to-point calls queued where they are made and started
-together when the block ends (see Communicator.group)."""
+together when the block ends (see Communicator.group); and sendrecv's exchange of host arrays
+without one, through the transport's prepared calls (`exchange`, `start_exchange`), else a
+block of two calls."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from _data import compare, draw, reference
 from hetcomm import CommTimeout, ReduceOp, introspect
 from hetcomm.arrays import Buffer, as_buffer
 from hetcomm.transports import hostcoll, tags
-from hetcomm.transports.staged import collectives
+from hetcomm.transports.staged import collectives, segment
 from hetcomm.transports.staged.transport import StagedTransport
 
 _SENTINEL = 0xA5
@@ -278,7 +278,7 @@ def staged(hetcomm_make_comm, monkeypatch):
         monkeypatch.setattr(
             StagedTransport,
             "prepare",
-            lambda self, *args: collectives.prepare(self, *args),
+            lambda self, *args: segment.prepare(self, *args),
             raising=False,
         )
     comm = hetcomm_make_comm(transport="staged", timeout=60)
@@ -471,7 +471,7 @@ def test_staged_large_and_small_sizes(staged, rng, errors):
     """Sizes over the segment's limit take the rings; sizes under it the segment (which
     grows on the way), all right, every rank with the same bits."""
     n, r = staged.size, staged.rank
-    for count in (3, 70_000, collectives.SEGMENT_MAX_BYTES // 4 + 1, 1 << 16):
+    for count in (3, 70_000, segment.SEGMENT_MAX_BYTES // 4 + 1, 1 << 16):
         stack = draw(rng, "float32", (count,), n)
         x = stack[r].astype(np.float32)
         staged.all_reduce(x)

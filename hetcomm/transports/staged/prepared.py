@@ -36,7 +36,7 @@ def prepare(
     root: int,
 ) -> Callable[..., bool] | None:
     """StagedTransport.prepare: sends, receives and the sendrecv of two host arrays here,
-    collectives where collectives.py prepares them, None for the rest."""
+    collectives where segment.py prepares them, None for the rest."""
     if op in ("send", "recv"):
         if x is None:
             return None
@@ -49,16 +49,28 @@ def prepare(
         return partial(run_exchange, t)
     if op == "barrier":
         return None
-    from . import collectives
+    from . import segment
 
-    return collectives.prepare(t, op, x, out, rop, root)
+    return segment.prepare(t, op, x, out, rop, root)
 
 
-def prepare_async(t: StagedTransport, op: str, x: Buffer | None) -> Callable[..., Work] | None:
-    """StagedTransport.prepare_async: the start of a send or receive on host arrays."""
-    if op not in ("send", "recv") or x is None or x.host is None:
-        return None
-    return partial(start_send if op == "send" else start_recv, t)
+def prepare_async(
+    t: StagedTransport,
+    op: str,
+    x: Buffer | None,
+    out: Buffer | None,
+    rop: ReduceOp | None,
+    root: int,
+) -> Callable[..., Work] | None:
+    """StagedTransport.prepare_async: the start of a send or receive of a host array here,
+    collectives where segment.py prepares them, None for the rest."""
+    if op in ("send", "recv"):
+        if x is None or x.host is None:
+            return None
+        return partial(start_send if op == "send" else start_recv, t)
+    from . import segment
+
+    return segment.prepare_async(t, op, x, out, rop, root)
 
 
 def start_send(t: StagedTransport, xh: np.ndarray, dst: int, tag: int, seq: int) -> Work:

@@ -335,7 +335,7 @@ class StagedTransport(Transport):
         here to its end; an asynchronous one is polled by its Work where it can be."""
         return self._message("recv", x, src, tag, seq, p2p.recv, starts.recv_start)
 
-    # ---- prepared calls (prepared.py, collectives.py) -----------------------------------------
+    # ---- prepared calls (prepared.py, segment.py) ---------------------------------------------
 
     def prepare(
         self,
@@ -347,19 +347,15 @@ class StagedTransport(Transport):
     ) -> Callable[..., bool] | None:
         """The blocking call of one signature on host arrays, made on the calling thread with
         no Work (hetcomm.routes.Route): sends and receives (prepared.py), collectives where
-        collectives.py prepares them."""
+        segment.py prepares them."""
         return prepared.prepare(self, op, x, out, rop, root)
 
     def prepare_async(
         self, op: str, x: Buffer | None, out: Buffer | None, rop: ReduceOp | None, root: int
     ) -> Callable[..., Work] | None:
         """The asynchronous start of one signature on host arrays (hetcomm.routes.Route.start):
-        sends and receives (prepared.py), collectives where collectives.py prepares them."""
-        if op in ("send", "recv"):
-            return prepared.prepare_async(self, op, x)
-        from . import collectives
-
-        return collectives.prepare_async(self, op, x, out, rop, root)
+        sends and receives (prepared.py), collectives where segment.py prepares them."""
+        return prepared.prepare_async(self, op, x, out, rop, root)
 
     def limit(self) -> float:
         """The seconds a prepared call, issued on this thread, may take: the call's own
@@ -426,10 +422,10 @@ class StagedTransport(Transport):
             self.messages.finish_recv(rop, deadline)
 
     def stages_input(self, op: str, nbytes: int) -> bool:
-        """Where the shared segment takes the operation as it stands (collectives.py)."""
-        from . import collectives
+        """Where the shared segment takes the operation as it stands (segment.py)."""
+        from . import segment
 
-        return collectives.stages_input(self, op, nbytes)
+        return segment.stages_input(self, op, nbytes)
 
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
         """A ring of staged messages (see collectives.py)."""
@@ -526,9 +522,9 @@ class StagedTransport(Transport):
                 t.join(timeout=2)
             ch.release()
         self.listener.close()
-        from . import collectives
+        from . import segment
 
-        collectives.close_segment(self)  # before the GPU goes: its pages are registered there
+        segment.close_segment(self)  # before the GPU goes: its pages are registered there
         if self.gpu is not None:
             self.gpu.close()
 
