@@ -95,11 +95,15 @@ def test_all_reduce_every_dtype_and_op(hetcomm_make_comm, hetcomm_shared_seed, c
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("mode", ["leader", "peers"])
 def test_other_collectives(hetcomm_make_comm, hetcomm_shared_seed, mode):
+    """Every collective but all_reduce, out of place and in place, through the shared GPU's
+    leader (every collective of the group) or each rank's own copies and reductions."""
     comm = hetcomm_make_comm(transport="direct")
-    _direct(comm, mode)
+    t = _direct(comm, mode)
     n, r = comm.size, comm.rank
     rng = np.random.default_rng(hetcomm_shared_seed)
     problems = []
+    led = t.stats()["led"]
+    calls = 0
     for dtype in ("int8", "bfloat16", "float32", "float64"):
         count = 3 * n + 1
         data = np.stack([_values(rng, dtype, count * n) for _ in range(n)])
@@ -127,7 +131,26 @@ def test_other_collectives(hetcomm_make_comm, hetcomm_shared_seed, mode):
         want_a2a = np.concatenate([data[i].reshape(n, count)[r] for i in range(n)])
         if not np.array_equal(_host(a2a), want_a2a):
             problems.append(f"all_to_all {dtype}")
+        # in place, inside a guarded allocation: every other element stays as it was
+        guard = _tensor(np.arange(count * n + 64) % 5, dtype)
+        before = _host(guard)
+        inner = guard[32 : 32 + count * n]
+        inner[r * count : (r + 1) * count] = part
+        comm.all_gather(inner, inner[r * count : (r + 1) * count])
+        if not np.array_equal(_host(inner), data[:, :count].reshape(-1)):
+            problems.append(f"all_gather in place {dtype}")
+        inner.copy_(_tensor(data[r], dtype))
+        comm.all_to_all(inner, inner)
+        if not np.array_equal(_host(inner), want_a2a):
+            problems.append(f"all_to_all in place {dtype}")
+        g = _host(guard)
+        if not (np.array_equal(g[:32], before[:32]) and np.array_equal(g[-32:], before[-32:])):
+            problems.append(f"{dtype}: an in-place collective wrote outside its output")
+        calls += 2 * len(OPS) + 5
     comm.barrier()
+    made = t.stats()["led"] - led
+    if made != (calls if mode == "leader" and t.shared else 0):
+        problems.append(f"{made} of {calls} collectives went through the leader ({mode})")
     assert_all_ranks(comm, not problems, "; ".join(problems[:6]))
 
 

@@ -97,10 +97,13 @@ class DirectTransport(Transport):
         self._tag_ub = int(self.svc.Get_attr(MPI.TAG_UB) or 32767)
         self._lead_tag = tags.lead_base(self._tag_ub)
         self._done_flag = np.zeros(1, np.int8)  # the leader's "done" message
-        # ranks that share one GPU: the leader (rank 0) does a reduction for all of them in one
-        # pass from one process, which saves the GPU the switches between processes' kernels
+        # ranks that share one GPU: the leader (rank 0) does every collective for all of them
+        # from one process (one pass of a reduction, every copy on its stream), which saves the
+        # GPU the switches between processes' contexts (about 250 us each on an H100 shared
+        # by 4 ranks: BENCHMARKS, "Device collectives on 4 ranks sharing one GPU")
         devices = {r.device for r in comm.topology.ranks}
         self.shared = len(devices) == 1 and 1 < self.size <= schedule.MAX_SOURCES
+        self.led = 0  # collectives made through the leader
         device_kernels.kernel("copy16")
         self._prepared_p2p = PreparedP2P(self)
 
@@ -321,16 +324,21 @@ class DirectTransport(Transport):
         do not pay a round trip between them. The other ranks' side runs beside their other
         operations; rank 0's keeps its place among the collectives.
         """
+        self.led += 1
         t_rec = self._lead_tag + 2 * (seq % tags.LEAD_TAGS)
         t_done = t_rec + 1
         if self.rank != 0:
-            rec = np.concatenate(
-                [self.peers.describe(b.ptr, b.nbytes, [0], full=True) for b in bufs]
-            )
             done = np.zeros(1, np.int8)
             finished = self.svc.Irecv(done, 0, t_done)
 
             def member(done: np.ndarray = done) -> Step:  # `done` lives until it arrived
+                # described on the proxy's thread, where the device's context is current: on
+                # the calling thread the driver's range query of a new allocation failed with
+                # CUDA_ERROR_INVALID_CONTEXT (CuPy arrays made under a non-default stream)
+                peers = self.peers
+                rec = np.concatenate(
+                    [peers.describe(b.ptr, b.nbytes, [0], full=True) for b in bufs]
+                )
                 yield self.svc.Isend(rec.view(np.uint8), 0, t_rec)
                 yield finished
 
@@ -429,6 +437,15 @@ class DirectTransport(Transport):
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
         """The root reduces every peer's `x` into its own."""
         self._prepare(x.dtype, op)
+        if self.shared:
+
+            def reduce(table: np.ndarray) -> None:
+                xs = self._addresses(table, 0, x.ptr)
+                self._reduce(xs[root], xs, x.count, x.dtype, op)
+                if op is ReduceOp.AVG:
+                    self._average(xs[root], x.count, x.dtype)
+
+            return self._leader_op("reduce", seq, (x,), x.nbytes, reduce)
 
         def body() -> Step:
             got: list[np.ndarray] = []
@@ -444,6 +461,14 @@ class DirectTransport(Transport):
 
     def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
         """Every rank copies the root's `x` into its own."""
+        if self.shared:
+
+            def broadcast(table: np.ndarray) -> None:
+                xs = self._addresses(table, 0, x.ptr)
+                for dst in xs:
+                    self._copy(dst, xs[root], x.nbytes)
+
+            return self._leader_op("broadcast", seq, (x,), x.nbytes, broadcast)
 
         def body() -> Step:
             got: list[np.ndarray] = []
@@ -457,6 +482,16 @@ class DirectTransport(Transport):
 
     def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
         """Every rank copies each peer's `x` into that peer's block of `out`."""
+        if self.shared:
+
+            def all_gather(table: np.ndarray) -> None:
+                # in place, a rank's x is its own block of out: that copy is skipped (_copy)
+                xs = self._addresses(table, 0, x.ptr)
+                for dst in self._addresses(table, 1, out.ptr):
+                    for p, src in enumerate(xs):
+                        self._copy(dst + p * x.nbytes, src, x.nbytes)
+
+            return self._leader_op("all_gather", seq, (x, out), out.nbytes, all_gather)
 
         def body() -> Step:
             got: list[np.ndarray] = []
@@ -471,6 +506,16 @@ class DirectTransport(Transport):
     def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
         """Every rank copies its block of each peer's `x` into `out`."""
         block = x.nbytes // self.size
+        if self.shared:
+
+            def all_to_all(table: np.ndarray) -> None:
+                # x and out never overlap here: the communicator copies an in-place x first
+                xs = self._addresses(table, 0, x.ptr)
+                for r, dst in enumerate(self._addresses(table, 1, out.ptr)):
+                    for p, src in enumerate(xs):
+                        self._copy(dst + p * block, src + r * block, block)
+
+            return self._leader_op("all_to_all", seq, (x, out), x.nbytes, all_to_all)
 
         def body() -> Step:
             got: list[np.ndarray] = []
@@ -634,8 +679,10 @@ class DirectTransport(Transport):
         self._prepared.add(key)
 
     def stats(self) -> dict[str, int]:
-        """Registration cache counters: mappings opened (misses), reused (hits), held."""
-        return {"hits": self.peers.hits, "misses": self.peers.misses, "mapped": self.peers.mapped}
+        """Registration cache counters: mappings opened (misses), reused (hits), held; and
+        the collectives made through the shared GPU's leader."""
+        peers = self.peers
+        return {"hits": peers.hits, "misses": peers.misses, "mapped": peers.mapped, "led": self.led}
 
     def close(self) -> None:
         """Stop the proxy, wait for its stream and unmap the peers' memory."""
