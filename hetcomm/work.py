@@ -95,6 +95,47 @@ def observers() -> tuple[Observer, ...]:
     return _observers
 
 
+class Signal:
+    """What another thread sets once an operation has ended (a lane's or driver's job, the
+    direct proxy's task): `notify(fn)` has `fn()` called once it is set, on the thread that
+    sets it, or at once where it is set already. A Work whose transport completes it on such
+    a thread carries it (Work.signal), so that what waits on the Work without polling (a torch
+    future) is completed by that thread."""
+
+    __slots__ = ("_fired", "_listeners")
+
+    def __init__(self) -> None:
+        self._fired = False
+        self._listeners: list[Callable[[], None]] | None = None
+
+    def notify(self, fn: Callable[[], None]) -> None:
+        with _LISTENING:
+            if self._listeners is None:
+                self._listeners = [fn]
+            else:
+                self._listeners.append(fn)
+        if self._fired:  # set meanwhile: its own look may have found nobody listening yet
+            self._call_listeners()
+
+    def fire(self) -> None:
+        """Call once the operation has ended (its outcome in place): tell every listener."""
+        self._fired = True
+        if self._listeners is not None:
+            self._call_listeners()
+
+    def _call_listeners(self) -> None:
+        with _LISTENING:  # each listener is taken once, by whichever thread comes first
+            listeners, self._listeners = self._listeners, None
+        for fn in listeners or ():
+            try:
+                fn()
+            except Exception:  # the setting thread is a transport's: it must go on
+                log.exception("hetcomm: a listener of an operation's end failed")
+
+
+_LISTENING = threading.Lock()
+
+
 class Work:
     """An operation in flight: `wait(timeout)`, `test()`, `exception()`.
 
@@ -105,7 +146,8 @@ class Work:
     `info` is None or a dict a transport fills with facts for the trace (HETCOMM_TRACE):
     "transport" (its name), "bytes" (the operation's size on this rank), "stages" (the pieces
     it moved in), or anything JSON can hold. `source`: for a receive, the rank the message
-    came from (set on completion; what a receive from ANY_SOURCE learns).
+    came from (set on completion; what a receive from ANY_SOURCE learns). `signal`: the
+    Signal another thread sets once the operation has ended, where one does (else None).
     """
 
     __slots__ = (
@@ -123,6 +165,7 @@ class Work:
         "observed",
         "op",
         "seq",
+        "signal",
         "source",
     )
 
@@ -136,6 +179,7 @@ class Work:
         timeout: float | None = None,
         waiter: Callable[[float], bool] | None = None,
         drive: Callable[[float], bool] | None = None,
+        signal: Signal | None = None,
     ) -> None:
         self._comm = comm
         self.op, self.seq = op, seq
@@ -153,6 +197,7 @@ class Work:
         self._t0 = time.perf_counter()  # the start of the operation, for the trace
         self.info: dict[str, Any] | None = None
         self.source: int | None = None  # a receive's sender, once complete
+        self.signal = signal
         # whether observers are told of it (not of a wait inside another operation)
         self.observed = True
 

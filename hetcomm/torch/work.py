@@ -3,11 +3,15 @@
 A call torch waits for at once (asyncOp=False in its options: `dist.<op>` without async_op) runs
 as the Communicator's blocking call and returns None, which torch takes as a call that has
 completed. Others start at once (non-blocking hetcomm calls, in issue order) and return a
-`Work`; the issuing thread drives each for a moment (most small ones end there), `Work.wait()`
-drives it on the waiting thread, and a daemon thread polls the rest so that `Work.get_future()`
-completes without a wait (DDP waits on futures only). The daemon leaves alone an operation a
-thread waits on: it sleeps until that wait ends rather than waking to poll beside it. A torch
-future is made only when asked for.
+`Work`; the issuing thread drives each for a moment (most small ones end there), and
+`Work.wait()` drives it on the waiting thread. What nobody waits on still completes, so that
+`Work.get_future()` does without a wait (DDP waits on futures only): an operation that a
+transport's own thread ends (a lane's or driver's job, the direct proxy's task: its Work's
+`signal`) is completed by that thread, the moment it ends; the rest (MPI requests, which move
+only inside MPI calls, and operations that end with this rank's own reads) are polled by a
+daemon thread, which also fails the first kind past their deadline. The daemon leaves alone an
+operation a thread waits on: it sleeps until that wait ends rather than waking to poll beside
+it. A torch future is made only when asked for.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from .errors import torch_error
 from .profile import Record
 
 if TYPE_CHECKING:
+    from ..work import Signal
     from ..work import Work as HetcommWork
 
 log = logging.getLogger("hetcomm")
@@ -53,6 +58,7 @@ class _Pending:
         "key",
         "limit",
         "name",
+        "pushed",
         "record",
         "result",
         "source",
@@ -76,6 +82,9 @@ class _Pending:
         self.record: Record | None = None  # its torch profiler event, while a profiler records
         self.key: int | None = None  # its queue of the progress thread, once given to it
         self.waited = False  # a thread is in wait(), driving it: the progress thread leaves it
+        # the threads that end its Works complete it (their signals): the progress thread
+        # leaves it until its deadline
+        self.pushed = False
         self._lock = threading.RLock()
         # made when asked for (DDP asks; a blocking call never does), completed by whichever
         # of the two comes last: the operation's completion or the question
@@ -127,6 +136,26 @@ class _Pending:
                 return False
             os.sched_yield()  # the peer may need this core (more ranks than cores)
         return True
+
+    def signals(self) -> list[Signal] | None:
+        """The signals of its Works where each has one (a transport's thread ends it), else
+        None."""
+        signals: list[Signal] = []
+        for work in self._works:
+            signal = getattr(work, "signal", None)
+            if signal is None:
+                return None
+            signals.append(signal)
+        return signals or None
+
+    def signalled(self) -> None:
+        """A signal of one of its Works has fired (on the thread that fired it): complete it
+        here where every Work has ended; where another thread holds it (a wait() completes it
+        itself; a poll that looked too early may not), the progress thread takes it over."""
+        if self.poll():
+            _PROGRESS.waited(self.key)
+        elif not self.waited and all(s._fired for s in self.signals() or ()):
+            _PROGRESS.take_over(self)
 
     def test(self) -> bool:
         """poll(), raising what the operation failed with (so a _Pending can be a part)."""
@@ -224,10 +253,12 @@ class _Progress:
     """A daemon thread completing operations nobody waits on, in issue order per group.
 
     It polls the oldest operation of each group, unless a thread waits on it (wait() drives
-    it there): while every group's oldest is waited on it sleeps, and the waiting thread wakes
-    it once its wait ends and the group has more. A poll beside a wait only took the
-    interpreter from the waiting thread: on the CPU VM, a 1 MiB dist.send/recv over the mpi
-    transport took 142 us one way so, 104 us without the polls (the bare non-blocking call: 88).
+    it there) or the threads that end its Works complete it (pushed: it polls that one only
+    once past its deadline, to fail it): while no group's oldest is its to poll it sleeps, and
+    the thread that completed one wakes it once the group has more. A poll beside a wait only
+    took the interpreter from the waiting thread: on the CPU VM, a 1 MiB dist.send/recv over
+    the mpi transport took 142 us one way so, 104 us without the polls (the bare non-blocking
+    call: 88).
     """
 
     def __init__(self) -> None:
@@ -238,15 +269,28 @@ class _Progress:
         self._records: list[Record] = []
 
     def add(self, key: int, pending: _Pending) -> None:
+        signals = pending.signals()
         with self._cond:
             pending.key = key
+            pending.pushed = signals is not None
             self._queues.setdefault(key, collections.deque()).append(pending)
             self._start()
             self._cond.notify()
+        for signal in signals or ():
+            signal.notify(pending.signalled)
 
-    def waited(self, key: int) -> None:
-        """A wait on an operation of group `key` has ended: the group's ended operations leave
-        its queue, and the thread is woken where the next one is nobody's to drive."""
+    def take_over(self, pending: _Pending) -> None:
+        """Poll `pending` from now on (its Works have ended, but it is not complete yet)."""
+        with self._cond:
+            pending.pushed = False
+            self._cond.notify()
+
+    def waited(self, key: int | None) -> None:
+        """A wait on an operation of group `key` has ended (or the thread that ended it has
+        completed it): the group's ended operations leave its queue, and the thread is woken
+        where the next one is its to poll."""
+        if key is None:
+            return
         with self._cond:
             queue = self._queues.get(key)
             if not queue:
@@ -259,6 +303,15 @@ class _Progress:
     def _polled(self) -> bool:
         """Whether some group's oldest operation is this thread's to poll (under the lock)."""
         return any(_head(q) is not None for q in self._queues.values())
+
+    def _next_deadline(self) -> float | None:
+        """Seconds until the first deadline of a group's oldest operation that the threads
+        ending its Works complete (None: no such one), when this thread fails it if it has
+        not completed (under the lock)."""
+        first = min(
+            (q[0].deadline for q in self._queues.values() if q and q[0].pushed), default=None
+        )
+        return None if first is None else max(first - time.monotonic(), 0.0)
 
     def _start(self) -> None:
         """The thread, started on first use (under the condition's lock)."""
@@ -303,7 +356,7 @@ class _Progress:
         while True:
             with self._cond:
                 while not self._stop and not self._records and not self._polled():
-                    self._cond.wait()
+                    self._cond.wait(self._next_deadline())
                     sleep = _POLL_MIN_S
                 if self._stop:
                     return
@@ -331,9 +384,14 @@ class _Progress:
 
 def _head(queue: collections.deque[_Pending]) -> _Pending | None:
     """The oldest operation of a group's queue where it is the progress thread's to poll (an
-    ended one, to take off, or one no thread waits on), else None (call under the lock)."""
+    ended one, to take off; one no thread waits on and no thread ending its Works completes,
+    or past its deadline), else None (call under the lock)."""
     head = queue[0] if queue else None
-    return head if head is not None and (head.done or not head.waited) else None
+    if head is None or head.done:
+        return head
+    if head.waited or (head.pushed and time.monotonic() < head.deadline):
+        return None
+    return head
 
 
 # Sleeps between polls double from the first value to the second (the progress thread) or the

@@ -7,6 +7,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
+from ..work import Signal
+
 if TYPE_CHECKING:
     from ..arrays import Buffer
     from ..config import Config
@@ -161,8 +163,9 @@ def _done_already(*args: Any) -> None:
     """A Job's call once made: a Job is run once, and what its call held is not kept."""
 
 
-class Job:
-    """A call queued on a transport's own thread; set once it has returned or raised.
+class Job(Signal):
+    """A call queued on a transport's own thread; set once it has returned or raised (its
+    listeners are told then, on the thread that sets it).
 
     Completion is one lock, held from creation until `set`: a waiter blocks on it directly and
     wakes with one hand-off, where an Event's waiter also waits for the Event's own lock after
@@ -172,6 +175,7 @@ class Job:
     __slots__ = ("_done", "_lock", "call", "error")
 
     def __init__(self, call: Callable[..., Any]) -> None:
+        super().__init__()
         self.call = call  # made with run()'s arguments
         self.error: BaseException | None = None
         self._done = False
@@ -196,6 +200,7 @@ class Job:
         if not self._done:
             self._done = True
             self._lock.release()
+            self.fire()
 
     def is_set(self) -> bool:
         """Whether the call has returned or raised."""

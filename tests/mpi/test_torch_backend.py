@@ -11,6 +11,7 @@ together (`errors.verify()`), so that a mismatch on one rank cannot leave the ot
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 
@@ -22,6 +23,7 @@ from _data import compare, draw, logical, reference, to_array
 
 import hetcomm.torch as ht
 from hetcomm import ReduceOp
+from hetcomm.torch.work import _Pending
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -128,6 +130,42 @@ class TestCollectives:
             op=ReduceOp.SUM,
             dtype="float64",
         )
+        errors.verify()
+
+    def test_future_completed_by_the_thread_that_ends_the_operation(self, rng, errors, pg):
+        """DDP's futures without a poll: a large asynchronous all_reduce that a transport's own
+        thread ends (the mpi lane's job, a staged driver's body, the hier worker's job: its
+        Work has a signal) completes its torch future on that thread, the moment it ends; the
+        progress thread, which polls what no thread ends (MPI requests), takes no part in
+        it. Data against a float64 sum every round (tests/unit/test_torch_progress.py pins
+        the mechanism itself)."""
+        n, me = dist.get_world_size(), dist.get_rank()
+        for round in range(6):
+            stack = draw(rng, "float64", (1 << 17 << round % 2,), n)  # 1 and 2 MiB
+            t = torch_tensor(stack[me], "float64")
+            work = dist.all_reduce(t, async_op=True)
+            pending = work._pending
+            signalled = isinstance(pending, _Pending) and pending.signals() is not None
+            where: list[str] = []
+            fut = work.get_future()
+            fut.then(lambda f, where=where: where.append(threading.current_thread().name))
+            deadline = time.monotonic() + 30
+            while not fut.done() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            errors.expect(fut.done(), f"round {round}: the future completed without a wait()")
+            if signalled:
+                errors.expect(
+                    where[:1] != ["hetcomm-torch-progress"],
+                    f"round {round}: completed on {where}, not the thread that ended it",
+                )
+            errors += compare(
+                logical(t),
+                stack.sum(axis=0),
+                f"round {round}",
+                stack=stack,
+                op=ReduceOp.SUM,
+                dtype="float64",
+            )
         errors.verify()
 
     def test_allreduce_coalesced(self, rng, errors, pg) -> None:

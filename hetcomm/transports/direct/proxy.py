@@ -18,18 +18,21 @@ from mpi4py import MPI
 
 from ...kernels.device import on_device
 from ...trace import Stamps
+from ...work import Signal
 from .. import tags
 
 # a step of an operation waits for one of these: an MPI request, a GPU event, or nothing (None)
 Step = Generator[Any, None, None]
 
 
-class Task:
-    """One operation on the proxy: a generator of waits, and its outcome."""
+class Task(Signal):
+    """One operation on the proxy: a generator of waits, and its outcome (its listeners are
+    told once it has one, on the thread that ran its last step)."""
 
     __slots__ = ("done", "error", "finished", "gen", "here", "waiting")
 
     def __init__(self, gen: Step) -> None:
+        super().__init__()
         self.gen = gen
         self.here = True  # may still run on the calling thread (Proxy.wait)
         self.waiting: Any = None
@@ -215,6 +218,7 @@ class Proxy:
         except BaseException as exc:
             task.error = exc
         task.finished.set()
+        task.fire()
         return True
 
     def _synchronize(self, w: Any) -> None:

@@ -188,6 +188,7 @@ class DirectTransport(Transport):
             seq,
             task.poll,
             waiter=lambda seconds: proxy.wait(task, collective, seconds),
+            signal=task,
         )
         work.info = {"transport": self.name, "bytes": nbytes}
         return work
@@ -538,6 +539,7 @@ class DirectTransport(Transport):
             seq,
             task.poll,
             waiter=lambda seconds: proxy.wait(task, True, seconds),
+            signal=task,
         )
 
     # ---- point-to-point: one rank of the pair copies (schedule.copier) ----------------------

@@ -176,7 +176,7 @@ class HierTransport(Transport):
             self._worker = InOrderWorker(f"hetcomm-hier-{self.rank}", self._refusal)
         with self._worker.lock:
             job = self._worker.submit(run)
-        work = Work(self.comm, op, seq, job.is_set, [job.check], waiter=job.wait)
+        work = Work(self.comm, op, seq, job.is_set, [job.check], waiter=job.wait, signal=job)
         work.info = {
             "transport": self.name,
             "bytes": max(b.nbytes for b in bufs),
@@ -444,7 +444,15 @@ class HierTransport(Transport):
         flat = self._setup().flat
         transport, part_seq = flat._start(op, buf)
         inner = start(transport, part_seq)
-        return Work(self.comm, op, seq, inner.test, waiter=inner._waiter, drive=inner.drive)
+        return Work(
+            self.comm,
+            op,
+            seq,
+            inner.test,
+            waiter=inner._waiter,
+            drive=inner.drive,
+            signal=inner.signal,
+        )
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
         """On the flat communicator of the same members."""

@@ -150,7 +150,9 @@ class MpiTransport(Transport):
                 work.info = {"transport": "mpi", "bytes": nbytes, "stages": 1}
                 return work
             job = lane.submit(partial(_to_the_end, nonblocking) if nonblocking_call else blocking)
-        work = Work(self.comm, op, seq, job.is_set, [job.check, *finish], waiter=job.wait)
+        work = Work(
+            self.comm, op, seq, job.is_set, [job.check, *finish], waiter=job.wait, signal=job
+        )
         work.info = {"transport": "mpi", "bytes": nbytes, "stages": 1}
         return work
 
@@ -171,7 +173,9 @@ class MpiTransport(Transport):
 
         with self._lane.lock:
             job = self._lane.submit(run)
-        work = Work(self.comm, op, seq, job.is_set, [job.check, *finish], waiter=job.wait)
+        work = Work(
+            self.comm, op, seq, job.is_set, [job.check, *finish], waiter=job.wait, signal=job
+        )
         work.info = {"transport": "mpi", "bytes": nbytes, "stages": len(calls)}
         return work
 
@@ -312,7 +316,7 @@ class MpiTransport(Transport):
                 work = Work(self.comm, op, seq, busy, finish, waiter=busy.wait)
             else:
                 job = slot.job = lane.submit(slot.run)
-                work = Work(self.comm, op, seq, poll, finish, waiter=job.wait)
+                work = Work(self.comm, op, seq, poll, finish, waiter=job.wait, signal=job)
         work.info = {"transport": "mpi", "bytes": nbytes, "stages": 1, "persistent": True}
         return work
 

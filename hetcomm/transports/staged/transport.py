@@ -210,7 +210,14 @@ class StagedTransport(Transport):
         # a blocking call would; else it sleeps until the driver ends the body: no spinning
         # while the transport's own threads need the interpreter
         work = Work(
-            self.comm, op, seq, job.is_set, [job.check], waiter=job.wait, drive=job.run_here
+            self.comm,
+            op,
+            seq,
+            job.is_set,
+            [job.check],
+            waiter=job.wait,
+            drive=job.run_here,
+            signal=job,
         )
         work.info = info
         return work
