@@ -99,8 +99,8 @@ class Signal:
     """What another thread sets once an operation has ended (a lane's or driver's job, the
     direct proxy's task): `notify(fn)` has `fn()` called once it is set, on the thread that
     sets it, or at once where it is set already. A Work whose transport completes it on such
-    a thread carries it (Work.signal), so that what waits on the Work without polling (a torch
-    future) is completed by that thread."""
+    a thread carries it (Work.signal), so that what follows the Work without polling it (the
+    torch layer's operations, for their futures) is completed by that thread."""
 
     __slots__ = ("_fired", "_listeners")
 

@@ -7,7 +7,9 @@ completed. Others start at once (non-blocking hetcomm calls, in issue order) and
 `Work.wait()` drives it on the waiting thread. What nobody waits on still completes, so that
 `Work.get_future()` does without a wait (DDP waits on futures only): an operation that a
 transport's own thread ends (a lane's or driver's job, the direct proxy's task: its Work's
-`signal`) is completed by that thread, the moment it ends; the rest (MPI requests, which move
+`signal`) is completed by that thread, the moment it ends, and the progress thread, woken at
+once, settles its future (whose callbacks are user code, kept off the transport's thread); the
+rest (MPI requests, which move
 only inside MPI calls, and operations that end with this rank's own reads) are polled by a
 daemon thread, which also fails the first kind past their deadline. The daemon leaves alone an
 operation a thread waits on: it sleeps until that wait ends rather than waking to poll beside
@@ -152,7 +154,12 @@ class _Pending:
         """A signal of one of its Works has fired (on the thread that fired it): complete it
         here where every Work has ended; where another thread holds it (a wait() completes it
         itself; a poll that looked too early may not), the progress thread takes it over."""
-        if self.poll():
+        _SIGNALLED.active = True
+        try:
+            completed = self.poll()
+        finally:
+            _SIGNALLED.active = False
+        if completed:
             _PROGRESS.waited(self.key)
         elif not self.waited and all(s._fired for s in self.signals() or ()):
             _PROGRESS.take_over(self)
@@ -246,7 +253,17 @@ class _Pending:
             self.done = True
             future = self._future
         if future is not None:
-            self._settle_future(future)
+            if getattr(_SIGNALLED, "active", False):
+                # on a transport's thread: the future's callbacks are user code (DDP's comm
+                # hooks), and one that made a blocking call there would wait for that very
+                # thread (the direct proxy); the progress thread, woken now, runs them
+                _PROGRESS.settle(self)
+            else:
+                self._settle_future(future)
+
+
+# set while a transport's thread completes an operation (_Pending.signalled)
+_SIGNALLED = threading.local()
 
 
 class _Progress:
@@ -267,6 +284,7 @@ class _Progress:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._records: list[Record] = []
+        self._settling: list[_Pending] = []  # completed operations whose futures to settle
 
     def add(self, key: int, pending: _Pending) -> None:
         signals = pending.signals()
@@ -344,6 +362,16 @@ class _Progress:
             self._start()
             self._cond.notify()
 
+    def settle(self, pending: _Pending) -> None:
+        """Settle the future of completed `pending` on this thread, now."""
+        with self._cond:
+            if not self._stop:
+                self._settling.append(pending)
+                self._start()
+                self._cond.notify()
+                return
+        pending._settle_future(pending.future)
+
     def stop(self) -> None:
         with self._cond:
             self._stop = True
@@ -355,13 +383,21 @@ class _Progress:
         sleep = _POLL_MIN_S
         while True:
             with self._cond:
-                while not self._stop and not self._records and not self._polled():
+                while (
+                    not self._stop
+                    and not self._records
+                    and not self._settling
+                    and not self._polled()
+                ):
                     self._cond.wait(self._next_deadline())
                     sleep = _POLL_MIN_S
+                settling, self._settling = self._settling, []
                 if self._stop:
-                    return
+                    break
                 queues = [q for q in self._queues.values() if q]
                 records, self._records = self._records, []
+            for pending in settling:
+                pending._settle_future(pending.future)
             for record in records:
                 record.end()
             progressed = False
@@ -375,11 +411,13 @@ class _Progress:
                         while queue and queue[0].done:
                             queue.popleft()
                     progressed = True
-            if progressed:
+            if progressed or settling:
                 sleep = _POLL_MIN_S
             else:
                 time.sleep(sleep)
                 sleep = min(sleep * 2, _POLL_MAX_S)
+        for pending in settling:
+            pending._settle_future(pending.future)
 
 
 def _head(queue: collections.deque[_Pending]) -> _Pending | None:

@@ -1,8 +1,10 @@
 """hetcomm.torch's operations in flight without MPI: who completes a torch future.
 
 An operation whose Works a transport's own thread ends (a Signal, as a lane's job or the direct
-proxy's task carry) is completed by that thread the moment it ends; the progress thread polls
-only what nobody ends (MPI requests), and fails the first kind once past its deadline.
+proxy's task carry) is completed by that thread the moment it ends, and its future settled by
+the progress thread, woken at once (the future's callbacks are user code: never on a transport's
+thread); the progress thread polls only what nobody ends (MPI requests), and fails the first
+kind once past its deadline.
 """
 
 from __future__ import annotations
@@ -23,14 +25,16 @@ from hetcomm.work import Signal  # noqa: E402
 
 
 class _Ended:
-    """A hetcomm Work stand-in: done once `end()` has run; counts who polls it, and from
-    which thread; waits like a transport's (raising CommTimeout) where it never ends."""
+    """A hetcomm Work stand-in: done once `end()` has run; notes which threads poll it and
+    which one saw it complete; waits like a transport's (raising CommTimeout) where it never
+    ends."""
 
     def __init__(self, signal: Signal | None) -> None:
         self.signal = signal
         self.source = None
         self.ended = False
         self.polled_by: set[str] = set()
+        self.completed_by: str | None = None
 
     def end(self) -> None:
         self.ended = True
@@ -38,7 +42,10 @@ class _Ended:
             self.signal.fire()
 
     def test(self) -> bool:
-        self.polled_by.add(threading.current_thread().name)
+        name = threading.current_thread().name
+        self.polled_by.add(name)
+        if self.ended and self.completed_by is None:
+            self.completed_by = name
         return self.ended
 
     def wait(self, timeout: float | None = None) -> None:
@@ -64,29 +71,52 @@ def _until(check, seconds: float = 10.0) -> bool:
     return check()
 
 
-def test_the_thread_that_ends_the_operation_completes_its_future() -> None:
+def test_the_thread_that_ends_the_operation_completes_it() -> None:
     works = [_Ended(Signal()), _Ended(Signal())]
     pending, where = _issued(works, 30.0, 7001)
     time.sleep(0.05)  # the progress thread would have polled a Work without a signal by now
     assert not pending.future.done()
-    enders = []
     for i, work in enumerate(works):
         ender = threading.Thread(target=work.end, name=f"unit-ender-{i}")
         ender.start()
         ender.join()
-        enders.append(ender.name)
-    assert _until(pending.future.done)
-    assert where == ["unit-ender-1"]  # the second end completes it, on its own thread
-    assert pending.error is None and pending.future.value()[0] is pending.result[0]
+        if i == 0:
+            assert not pending.done  # the second Work has not ended
+    assert pending.done  # completed by the second ender, before it returned
+    assert [w.completed_by for w in works] == ["unit-ender-0", "unit-ender-1"]
     for work in works:
         assert "hetcomm-torch-progress" not in work.polled_by, work.polled_by
+    # its future's callbacks (user code) ran on the progress thread, never on an ender
+    assert _until(pending.future.done)
+    assert where == ["hetcomm-torch-progress"]
+    assert pending.error is None and pending.future.value()[0] is pending.result[0]
+
+
+def test_a_blocking_wait_in_a_future_callback_does_not_hold_the_ending_thread() -> None:
+    """A callback that waits for something the ending thread does next (as a blocking call
+    in a comm hook waits for a transport's thread) completes: it does not run there."""
+    later = _Ended(Signal())
+    first = _Ended(Signal())
+    pending, _ = _issued([first], 30.0, 7006)
+    chained = pending.future.then(lambda f: _until(lambda: later.ended, 5.0))
+
+    def ender() -> None:
+        first.end()  # a callback run here would wait 5 s for the next line
+        later.end()
+
+    thread = threading.Thread(target=ender, name="unit-ender")
+    start = time.monotonic()
+    thread.start()
+    assert _until(chained.done, 10.0)
+    assert chained.value() is True and time.monotonic() - start < 4.0
 
 
 def test_a_signal_fired_before_it_is_handed_over_completes_it_at_once() -> None:
     work = _Ended(Signal())
     work.end()
     pending, where = _issued([work], 30.0, 7002)
-    assert pending.future.done() and where == [threading.current_thread().name]
+    assert pending.done and work.completed_by == threading.current_thread().name
+    assert _until(pending.future.done) and pending.error is None
 
 
 def test_an_operation_without_a_signal_is_polled() -> None:
