@@ -114,7 +114,7 @@ def test_a_blocking_wait_in_a_future_callback_does_not_hold_the_ending_thread() 
 def test_a_signal_fired_before_it_is_handed_over_completes_it_at_once() -> None:
     work = _Ended(Signal())
     work.end()
-    pending, where = _issued([work], 30.0, 7002)
+    pending, _ = _issued([work], 30.0, 7002)
     assert pending.done and work.completed_by == threading.current_thread().name
     assert _until(pending.future.done) and pending.error is None
 
