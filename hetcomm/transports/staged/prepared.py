@@ -87,9 +87,17 @@ def start_send(t: StagedTransport, xh: np.ndarray, dst: int, tag: int, seq: int)
 
 
 def start_recv(t: StagedTransport, xh: np.ndarray, src: int, tag: int, seq: int) -> Work:
-    """The asynchronous receive into a host array: the general path's message, its Work."""
+    """The asynchronous receive into a host array: posted on the pair's ring where its
+    channel is open (p2p.posted_work), else the general path's start, its Work."""
     k = t._p2p_number("recv", src, tag)
-    work = starts.recv_start(t, host_region(xh), src, tag, k, seq, None, [])
+    ch = t._channels.get(src)
+    inbox = ch.eager_in if ch is not None else None
+    if inbox is not None and not t.closed:
+        work = p2p.posted_work(
+            t, ch, inbox, host_region(xh), tag, k, seq, time.monotonic() + t.timeout, None
+        )
+    else:
+        work = starts.recv_start(t, host_region(xh), src, tag, k, seq, None, [])
     work.source = src
     return work
 
@@ -225,4 +233,5 @@ def run_device(
 
 def host_region(xh: np.ndarray) -> Region:
     """The bytes of a contiguous host array, as the Region its prepared calls move."""
-    return Region(xh.nbytes, xh.reshape(-1).view(np.uint8))
+    flat = xh if xh.ndim == 1 else xh.reshape(-1)
+    return Region(xh.nbytes, flat.view(np.uint8))
