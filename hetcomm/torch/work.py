@@ -8,12 +8,11 @@ completed. Others start at once (non-blocking hetcomm calls, in issue order) and
 `Work.get_future()` does without a wait (DDP waits on futures only): an operation that a
 transport's own thread ends (a lane's or driver's job, the direct proxy's task: its Work's
 `signal`) is completed by that thread, the moment it ends, and the progress thread, woken at
-once, settles its future (whose callbacks are user code, kept off the transport's thread); the
-rest (MPI requests, which move
-only inside MPI calls, and operations that end with this rank's own reads) are polled by a
-daemon thread, which also fails the first kind past their deadline. The daemon leaves alone an
-operation a thread waits on: it sleeps until that wait ends rather than waking to poll beside
-it. A torch future is made only when asked for.
+once, settles its future (whose callbacks are user code, kept off the transport's thread).
+The progress thread polls the rest (MPI requests, which move only inside MPI calls, and
+operations that end with this rank's own reads) and fails the first kind past their deadline.
+It leaves alone an operation a thread waits on: it sleeps until that wait ends rather than
+waking to poll beside it. A torch future is made only when asked for.
 """
 
 from __future__ import annotations
@@ -287,6 +286,8 @@ class _Progress:
         self._settling: list[_Pending] = []  # completed operations whose futures to settle
 
     def add(self, key: int, pending: _Pending) -> None:
+        """Complete `pending` (of group `key`) in its group's order: told by the signals of
+        its Works where each has one, else polled."""
         signals = pending.signals()
         with self._cond:
             pending.key = key
