@@ -91,11 +91,9 @@ def start_recv(t: StagedTransport, xh: np.ndarray, src: int, tag: int, seq: int)
     channel is open (p2p.posted_work), else the general path's start, its Work."""
     k = t._p2p_number("recv", src, tag)
     ch = t._channels.get(src)
-    inbox = ch.eager_in if ch is not None else None
-    if inbox is not None and not t.closed:
-        work = p2p.posted_work(
-            t, ch, inbox, host_region(xh), tag, k, seq, time.monotonic() + t.timeout, None
-        )
+    if ch is not None and ch.eager_in is not None and not t.closed:
+        deadline = time.monotonic() + t.timeout
+        work = p2p.posted_work(t, ch, ch.eager_in, host_region(xh), tag, k, seq, deadline, None)
     else:
         work = starts.recv_start(t, host_region(xh), src, tag, k, seq, None, [])
     work.source = src
