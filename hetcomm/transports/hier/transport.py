@@ -443,16 +443,8 @@ class HierTransport(Transport):
         the Work follows the part's."""
         flat = self._setup().flat
         transport, part_seq = flat._start(op, buf)
-        inner = start(transport, part_seq)
-        return Work(
-            self.comm,
-            op,
-            seq,
-            inner.test,
-            waiter=inner._waiter,
-            drive=inner.drive,
-            signal=inner.signal,
-        )
+        w = start(transport, part_seq)
+        return Work(self.comm, op, seq, w.test, waiter=w._waiter, drive=w.drive, signal=w.signal)
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
         """On the flat communicator of the same members."""
