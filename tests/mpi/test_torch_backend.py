@@ -148,9 +148,10 @@ class TestCollectives:
             signalled = isinstance(pending, _Pending) and pending.signals() is not None
             where: list[str] = []
             fut = work.get_future()
-            fut.then(lambda f, where=where: where.append(threading.current_thread().name))
+            # the callback runs just after the future is marked done: wait for the chained one
+            chained = fut.then(lambda f, where=where: where.append(threading.current_thread().name))
             deadline = time.monotonic() + 30
-            while not fut.done() and time.monotonic() < deadline:
+            while not chained.done() and time.monotonic() < deadline:
                 time.sleep(0.001)
             errors.expect(fut.done(), f"round {round}: the future completed without a wait()")
             errors.expect(
