@@ -30,6 +30,11 @@ class Region:
         return Region(nbytes, None, self.dev + offset, self.keep)
 
 
+def flat_bytes(a: np.ndarray) -> np.ndarray:
+    """The bytes of a contiguous host array, as a flat uint8 view (no copy)."""
+    return (a if a.ndim == 1 else a.reshape(-1)).view(np.uint8)
+
+
 def copy_host(dst: np.ndarray, src: np.ndarray) -> None:
     """Copy the bytes of `src` into `dst` (same byte length, any dtypes)."""
     np.copyto(dst.view(np.uint8), src.view(np.uint8))

@@ -17,7 +17,7 @@ from .. import hostcoll, local
 from ..local import Region
 from .cts import CTS_COLL
 from .schedule import block_spans, chunk_spans
-from .segment import Body, on_segment, segment_for, segment_input, segment_output
+from .segment import Body, SegmentBody, segment_for, segment_input, segment_output
 
 if TYPE_CHECKING:
     from ...arrays import Buffer
@@ -180,7 +180,7 @@ def _through_segment(
 
     dtype, rop = reduction or ("", None)
     start = (name, xr.host, orr.host, xr.nbytes, dtype, rop, -1)
-    return on_segment(t, f"{name} #{seq}", group, xr.nbytes, in_segment, ring, start)
+    return SegmentBody(t, f"{name} #{seq}", group, xr.nbytes, in_segment, ring, start)
 
 
 def _all_reduce_ring(t: StagedTransport, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Body:
@@ -261,7 +261,7 @@ def reduce(t: StagedTransport, x: Buffer, op: ReduceOp, root: int, seq: int) -> 
             group.reduce(src, res, xr.nbytes, x.dtype, op, root, deadline)
 
     start = ("reduce", xr.host, xr.host, xr.nbytes, x.dtype, op, root)
-    return on_segment(t, f"reduce #{seq}", group, xr.nbytes, in_segment, ring, start)
+    return SegmentBody(t, f"reduce #{seq}", group, xr.nbytes, in_segment, ring, start)
 
 
 def _reduce_ring(t: StagedTransport, x: Buffer, op: ReduceOp, root: int, seq: int) -> Body:
@@ -309,7 +309,7 @@ def broadcast(t: StagedTransport, x: Buffer, root: int, seq: int) -> Body:
             group.broadcast(None, res, xr.nbytes, root, deadline)
 
     start = ("broadcast", xr.host, xr.host, xr.nbytes, "", None, root)
-    return on_segment(t, f"broadcast #{seq}", group, xr.nbytes, in_segment, ring, start)
+    return SegmentBody(t, f"broadcast #{seq}", group, xr.nbytes, in_segment, ring, start)
 
 
 def _broadcast_chain(t: StagedTransport, x: Buffer, root: int, seq: int) -> Body:

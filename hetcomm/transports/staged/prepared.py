@@ -17,7 +17,7 @@ import numpy as np
 
 from ...errors import PeerLost
 from ...work import Work, completed
-from ..local import Region
+from ..local import Region, flat_bytes
 from . import p2p, starts
 from .ops import PeerTimeout
 
@@ -231,5 +231,4 @@ def run_device(
 
 def host_region(xh: np.ndarray) -> Region:
     """The bytes of a contiguous host array, as the Region its prepared calls move."""
-    flat = xh if xh.ndim == 1 else xh.reshape(-1)
-    return Region(xh.nbytes, flat.view(np.uint8))
+    return Region(xh.nbytes, flat_bytes(xh))

@@ -19,7 +19,7 @@ import numpy as np
 from ...errors import CommTimeout, PeerLost
 from ...ops import ReduceOp
 from .. import hostcoll, tags
-from ..local import Region
+from ..local import Region, flat_bytes
 from .ops import PeerTimeout
 
 if TYPE_CHECKING:
@@ -92,27 +92,13 @@ def _new_segment(t: StagedTransport) -> tuple[hostcoll.HostGroup, int] | None:
     return hostcoll.HostGroup(t.rank, t.size, t.svc, tags.HOSTCOLL, closed), limit
 
 
-def on_segment(
-    t: StagedTransport,
-    what: str,
-    group: hostcoll.HostGroup,
-    nbytes: int,
-    body: Body,
-    ring: Callable[[], Body],
-    start: tuple[Any, ...],
-) -> Body:
-    """`body` in the segment at this operation's turn (drawn now, in the group's order of
-    operations); `ring()`'s body (made then) where the segment cannot take it (every rank
-    finds so together). `what`: the operation and its sequence number, for errors; `start`:
-    HostGroup.start's arguments after the ticket, for a start on the issuing thread (used
-    where both arrays are host memory)."""
-    return SegmentBody(t, what, group, nbytes, body, ring, start)
-
-
 class SegmentBody:
-    """A collective's body through the shared segment at its turn (see on_segment), and
-    `start()`: the same operation begun on the issuing thread where it can begin without
-    waiting (HostGroup.start), else None (the body then runs, on a driver or the waiter)."""
+    """A collective's `body` in the segment at its turn (drawn when it is made, in the group's
+    order of operations, unless given); `ring()`'s body (made then) where the segment cannot
+    take it (every rank finds so together). `what`: the operation and its sequence number,
+    for errors. `start()`: the same operation begun on the issuing thread where it can begin
+    without waiting (HostGroup.start, with `start`'s arguments after the ticket, where both
+    arrays are host memory), else None (the body then runs, on a driver or the waiter)."""
 
     __slots__ = ("body", "group", "nbytes", "ring", "start_args", "t", "ticket", "what")
 
@@ -305,22 +291,22 @@ def _segment_calls(
     if op == "all_reduce":
 
         def calls(xh: np.ndarray, oh: np.ndarray) -> tuple[Callable[..., None], tuple, tuple]:
-            fx = _flat(xh)
-            fo = fx if oh is xh else _flat(oh)
+            fx = flat_bytes(xh)
+            fo = fx if oh is xh else flat_bytes(oh)
             args = (fx, fo, nbytes, dtype, rop)
             return group.all_reduce, args, ("all_reduce", fx, fo, nbytes, dtype, rop, -1)
 
     elif op == "reduce":
 
         def calls(xh: np.ndarray) -> tuple[Callable[..., None], tuple, tuple]:
-            flat = _flat(xh)
+            flat = flat_bytes(xh)
             args = (flat, flat if at_root else None, nbytes, dtype, rop, root)
             return group.reduce, args, ("reduce", flat, flat, nbytes, dtype, rop, root)
 
     elif op == "broadcast":
 
         def calls(xh: np.ndarray) -> tuple[Callable[..., None], tuple, tuple]:
-            flat = _flat(xh)
+            flat = flat_bytes(xh)
             src, dst = (flat, None) if at_root else (None, flat)
             args = (src, dst, nbytes, root)
             return group.broadcast, args, ("broadcast", flat, flat, nbytes, "", None, root)
@@ -328,7 +314,7 @@ def _segment_calls(
     elif op == "reduce_scatter":
 
         def calls(xh: np.ndarray, oh: np.ndarray) -> tuple[Callable[..., None], tuple, tuple]:
-            fx, fo = _flat(xh), _flat(oh)
+            fx, fo = flat_bytes(xh), flat_bytes(oh)
             args = (fx, fo, nbytes, dtype, rop)
             return group.reduce_scatter, args, ("reduce_scatter", fx, fo, nbytes, dtype, rop, -1)
 
@@ -336,12 +322,7 @@ def _segment_calls(
         blocks = group.all_gather if op == "all_gather" else group.all_to_all
 
         def calls(xh: np.ndarray, oh: np.ndarray) -> tuple[Callable[..., None], tuple, tuple]:
-            fx, fo = _flat(xh), _flat(oh)
+            fx, fo = flat_bytes(xh), flat_bytes(oh)
             return blocks, (fx, fo, nbytes), (op, fx, fo, nbytes, "", None, -1)
 
     return group, nbytes, calls
-
-
-def _flat(a: np.ndarray) -> np.ndarray:
-    """The bytes of a contiguous array, as a flat uint8 view."""
-    return a.reshape(-1).view(np.uint8)
