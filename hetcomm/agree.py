@@ -161,7 +161,10 @@ class SharedCheck:
 
     Collective seq uses record seq % records.ring. A rank writes a record again (for
     collective seq + ring) only once every other rank has read it (each rank's `done` word: the
-    latest collective whose records it has read), so a record is never overwritten while read.
+    latest collective whose records it has read; a carried collective's records are read once
+    it has landed), so a record is never overwritten while read; and where it carried data in
+    it, only once it has read it itself (its own row is one of those a carried collective
+    lands from, and an asynchronous call writes its record before the earlier ones land).
     """
 
     __slots__ = (
@@ -289,6 +292,12 @@ class SharedCheck:
             if records.others_done < oldest:
                 self._idle()
                 return False  # a rank has not read this record's previous contents yet
+        if q[self._done] < oldest:
+            before = self._headers[self._i]
+            if before is not None and before[-8:] == _CARRIED:
+                # the previous collective carried this rank's data, and has not landed here
+                self._idle()
+                return False
         raw, carry = self._raw, self._carry
         if carry is not None and carry is not False:
             at = self._payload_at[records.rank] - records.start  # in `raw`
@@ -332,8 +341,8 @@ class SharedCheck:
                 if q[flag] != 1:
                     self._carried = False
         self._agreed = agreed
-        if q[self._done] < seq:
-            q[self._done] = seq
+        if not (self._carried and agreed) and q[self._done] < seq:
+            q[self._done] = seq  # (a carried collective's: once landed)
         self._complete = True
 
     def _idle(self) -> None:
@@ -355,6 +364,13 @@ class SharedCheck:
     def carried(self) -> bool:
         """After completion: whether every rank took the carried path."""
         return self._carried
+
+    def landed(self) -> None:
+        """A carried collective has landed what it needs from the records (right after its
+        completion, on the thread that saw it): the others may write theirs again."""
+        q, seq = self._q, self._seq
+        if q[self._done] < seq:
+            q[self._done] = seq
 
     def payload(self, rank: int, nbytes: int) -> bytes:
         """After completion: the first `nbytes` bytes `rank` carried (a copy)."""

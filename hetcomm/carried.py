@@ -3,8 +3,8 @@
 Where every rank of a communicator is on one host, the check goes through a shared segment
 (hetcomm.agree.SharedCheck): each rank writes its signature into its own record and waits until
 every rank has. That is a synchronisation of every rank, which the operation's own messages
-would only follow. So a blocking collective of at most `agree.SharedRecords.PAYLOAD` bytes of
-host input carries its data in the records instead, and the check is the whole operation: the
+would only follow. So a collective of at most `agree.SharedRecords.PAYLOAD` bytes of host
+input carries its data in the records instead, and the check is the whole operation: the
 root's input for a broadcast, every rank's input for the others. Once every record holds the
 collective, each rank lands what it needs from the records: a broadcast copies the root's
 bytes, a reduce (at the root), an all_reduce and a reduce_scatter (this rank's block) reduce
@@ -12,9 +12,17 @@ the ranks' rows in rank order with one kernel call (`kernels.reduce.reduce_rows`
 reductions go, so every rank of an all_reduce gets the same bits), an all_gather and an
 all_to_all copy rows or blocks of rows. Every rank's input is in the records before any output
 is written, so in-place forms need nothing of their own. Each record's flag word says whether
-its rank takes this path; where one does not (an asynchronous call, device memory, tracing, a
-layout the prepared call cannot take) every rank reads so and runs the operation through its
-transport, as it would have.
+its rank takes this path; where one does not (device memory, tracing, a layout the prepared
+call cannot take, an asynchronous call without a prepared start) every rank reads so and runs
+the operation through its transport, as it would have.
+
+A blocking call lands as soon as its check completes (`run`). An asynchronous one writes its
+record and returns; once its check has completed it lands where its deferred start would have
+started the transport's operation (`begin`), on the thread that saw the check complete: the
+call itself where the other ranks were there already, else whichever thread next drives the
+communicator's deferred starts (a wait, the next collective, the starter thread). A carried
+collective's records count as read only once it has landed, and a rank writes a record in which
+it carried data again only once it has landed that (agree.SharedCheck).
 """
 
 from __future__ import annotations
@@ -28,11 +36,13 @@ from mpi4py import MPI
 from . import agree
 from .arrays import may_share_memory
 from .ops import ReduceOp
+from .work import completed
 
 if TYPE_CHECKING:
     from .arrays import Buffer
     from .comm import Communicator
     from .routes import Route
+    from .work import Context, Work
 
 # what each op's rank carries: the root's input (broadcast), or every rank's (the others)
 OPS = frozenset(("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all"))
@@ -93,9 +103,7 @@ def run(
     comm._last_entered = seq = comm._arrive(route)
     if comm._deferred.queue:
         comm._flush_deferred(route.op, seq, comm.call_timeout)
-    # a broadcast's data comes from the root, the others' from every rank
-    carries = route.op != "broadcast" or comm.rank == route.root
-    check = comm._check_blocking(route, seq, comm.call_timeout, xh if carries else False)
+    check = comm._check_blocking(route, seq, comm.call_timeout, carry(comm.rank, route, xh))
     assert isinstance(check, agree.SharedCheck)
     if not check.carried():
         return _transport(comm, route, xh, oh, seq)
@@ -103,8 +111,43 @@ def run(
     route.carried += 1
     land = route.land
     assert land is not None
-    land(check, xh, oh)
+    try:
+        land(check, xh, oh)
+    finally:
+        check.landed()
     return True
+
+
+def carry(rank: int, route: Route, xh: np.ndarray) -> np.ndarray | bool:
+    """What rank `rank`'s record carries in a carried call of `route` on input `xh`: the
+    root's input for a broadcast (False elsewhere: it takes the path with no data), every
+    rank's for the others."""
+    return xh if route.op != "broadcast" or rank == route.root else False
+
+
+def begin(
+    comm: Context,
+    route: Route,
+    check: agree.SharedCheck,
+    start: Callable[[int], Work],
+    xh: np.ndarray,
+    oh: np.ndarray | None,
+    seq: int,
+) -> Work:
+    """The start of an asynchronous call of `route` whose check (started with `carry`'s data)
+    has completed and agreed: where every rank took the carried path, it lands here from the
+    records and its Work is complete; else the transport's prepared start (`start(seq)`), as
+    every other rank then makes it."""
+    if not check.carried():
+        return start(seq)
+    route.carried += 1
+    land = route.land
+    assert land is not None
+    try:
+        land(check, xh, oh)
+    finally:
+        check.landed()
+    return completed(comm, route.op, seq)
 
 
 def _transport(

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
-from . import agree
+from . import agree, carried
 from . import work as _work
 from .argcheck import check_timeout
 from .arrays import Buffer
@@ -147,11 +147,17 @@ class Entry:
         return check
 
     def _admit(
-        self, route: Route, start: Callable[[int], Work], device: Buffer | None = None
+        self,
+        route: Route,
+        start: Callable[[int], Work],
+        device: Buffer | None = None,
+        host: tuple[np.ndarray, np.ndarray | None] | None = None,
     ) -> Work:
         """An asynchronous collective: its sequence number and arrival at once, its check
         started, and the operation itself started once the check has completed (and every
-        earlier deferred one has started). Returns the Work the caller gets."""
+        earlier deferred one has started). `host`: the input and output host arrays of a call
+        that may ride in the check's records (hetcomm.carried), landed from there where every
+        rank's does. Returns the Work the caller gets."""
         seq = self._arrive(route)
         if not self._checking:
             if self._deferred:
@@ -160,19 +166,25 @@ class Entry:
         if self._deferred:
             self._deferred.advance()  # start what can start now, without waiting
         check = self._check_slot(route, seq, None)
+        begin: Callable[[], Work] = partial(start, seq)
         try:
-            test = check.start(seq).Test
+            if host is None:
+                test = check.start(seq).Test
+            else:
+                assert isinstance(check, agree.SharedCheck)
+                begin = partial(carried.begin, self, route, check, start, *host, seq)
+                test = check.start(seq, carried.carry(self.rank, route, host[0])).Test
             if not self._deferred:
                 # ranks in step: the check completes within a few polls, and the operation
-                # starts here at once; else it is deferred, and this call does not wait
+                # starts (or lands) here at once; else it is deferred, and this call does not
+                # wait
                 for _ in range(QUICK_POLLS):
                     if test():
                         if not check.agreed():
                             raise self._mismatch(route.op, seq, check.mine.copy())
-                        return start(seq)
+                        return begin()
         except MPI.Exception as exc:
             raise self._mpi_error(route.op, seq, exc) from exc
-        begin: Callable[[], Work] = partial(start, seq)
         if device is not None:
             # it may start on another thread: with the caller's stream and device there
             from .kernels.device import on_behalf_of
@@ -411,8 +423,11 @@ class Entry:
         route.runs += 1
         if timeout is not None:
             check_timeout(timeout, route.op)
+        host = None
+        if route.land is not None and not _work.observing:
+            host = (arrays[0], arrays[1] if len(arrays) > 1 else None)
         try:
-            work = self._admit(route, partial(route.start, *arrays))
+            work = self._admit(route, partial(route.start, *arrays), host=host)
         except MPI.Exception as exc:
             raise self._mpi_error(route.op, self._seq, exc) from exc
         return self._finish(work, True, timeout, keep)

@@ -277,9 +277,9 @@ def _close(got: np.ndarray, want: np.ndarray, dtype: str) -> bool:
 def test_a_rank_off_the_carried_path_takes_every_rank_off_it(
     hetcomm_make_comm, hetcomm_shared_seed, errors, odd_one
 ):
-    """Rank 0 calls asynchronously, with a timeout of its own, or on a strided view (each
-    keeps it off the carried path) while the others call plainly: every rank reads so in the
-    records, and the transport's path gives the same results."""
+    """Rank 0 calls asynchronously, with a timeout of its own, or on a strided view (which
+    keeps it off the carried path) while the others call plainly: every rank reads in the
+    records which path every rank takes, and takes the same one with the same results."""
     comm = hetcomm_make_comm(name="offpath", timeout=30)
     rng = np.random.default_rng(hetcomm_shared_seed)
     size, me = comm.size, comm.rank
@@ -362,4 +362,120 @@ def test_empty_broadcasts_and_reduces(hetcomm_make_comm, errors, shape):
     x = np.full(3, comm.rank + 1.0)
     if errors.run("broadcast afterwards", comm.broadcast, x, 1):
         errors.expect((x == 2.0).all(), f"broadcast afterwards gave {x}")
+    errors.verify()
+
+
+def _async_case(comm, op: str, i: int, every: np.ndarray):
+    """(call, output, backing bytes around the output, what the output must hold) of
+    collective `i` of the asynchronous test: `op` on this rank's row of `every`, in place on
+    even `i`, out of place on odd."""
+    size, me = comm.size, comm.rank
+    count, root = every.shape[1], i % size
+    block = count // size
+    total = every.astype(np.float64).sum(axis=0)
+    if op == "all_gather":
+        backing, flat = _placed(np.zeros(size * count))
+        out = flat.reshape(size, count)
+        if i % 2 == 0:
+            out[me] = every[me]
+            return partial(comm.all_gather, out, out[me]), out, backing, every
+        return partial(comm.all_gather, out, every[me].copy()), out, backing, every
+    if op == "all_to_all":
+        want = every[:, me * block : (me + 1) * block].reshape(-1)
+        if i % 2 == 0:
+            backing, out = _placed(every[me])
+            return partial(comm.all_to_all, out, out), out, backing, want
+        backing, out = _placed(np.zeros(count))
+        return partial(comm.all_to_all, out, every[me].copy()), out, backing, want
+    if op == "broadcast":
+        backing, x = _placed(every[me])
+        return partial(comm.broadcast, x, root), x, backing, every[root]
+    if op == "reduce":
+        backing, x = _placed(every[me])
+        want = total if me == root else every[me]
+        return partial(comm.reduce, x, root), x, backing, want
+    if op == "all_reduce":
+        backing, x = _placed(every[me])
+        if i % 2 == 0:
+            return partial(comm.all_reduce, x), x, backing, total
+        backing, out = _placed(np.zeros(count))
+        return partial(comm.all_reduce, x, out=out), out, backing, total
+    # reduce_scatter
+    mine = total[me * block : (me + 1) * block]
+    backing, x = _placed(every[me])
+    if i % 2 == 0:
+        return (
+            partial(comm.reduce_scatter, x[me * block : (me + 1) * block], x),
+            x[me * block : (me + 1) * block],
+            backing,
+            mine,
+        )
+    backing, out = _placed(np.zeros(block))
+    return partial(comm.reduce_scatter, out, x), out, backing, mine
+
+
+@pytest.mark.mpi(min_size=2)
+def test_asynchronous_small_collectives_ride_in_the_records(
+    hetcomm_make_comm, hetcomm_shared_seed, errors
+):
+    """Many small asynchronous collectives in flight at once (more than the records' ring, so
+    records are written again while earlier calls have not landed), every op and form, some
+    ranks calling a collective blocking where others call it asynchronously, waited for in a
+    different order on each rank: each lands right (against float64 numpy), nothing outside
+    its output written, and where the check has its shared form every one rode in the records
+    (the transport moved none of them)."""
+    comm = hetcomm_make_comm(name="carried-async", timeout=30)
+    rng = np.random.default_rng(hetcomm_shared_seed)
+    carrying = introspect.check_form(comm) == "shared memory"
+    size, me = comm.size, comm.rank
+    ops = ("broadcast", "reduce", "all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+    count = 4 * size  # float64: 32 * size bytes, within a record for every size tested
+    n = 3 * Agreement.SHARED_RING + 5
+    cases, works = [], []
+    for i in range(n):
+        op = ops[i % len(ops)]
+        every = rng.integers(-9, 10, (size, count)).astype(np.float64)
+        call, out, backing, want = _async_case(comm, op, i, every)
+        blocking = (i + me) % 7 == 0  # some ranks blocking where the others are not
+        what = f"#{i} {op} ({'blocking' if blocking else 'async'})"
+        try:
+            work = call() if blocking else call(async_op=True)
+        except Exception as exc:
+            errors.append(f"{what}: {type(exc).__name__}: {exc}")
+            break
+        cases.append((what, out, backing, want))
+        if work is not None:
+            works.append((what, work))
+    order = np.random.default_rng(me).permutation(len(works))
+    for k in order:
+        what, work = works[k]
+        errors.run(f"{what}: wait", work.wait)
+    for what, out, backing, want in cases:
+        errors.expect(np.array_equal(out, want), f"{what}: got {out}, want {want}")
+        errors.expect(_ends_untouched(backing), f"{what}: outside the output written")
+    carried = sum(r["carried"] for r in comm.routes())
+    if carrying:
+        errors.expect(carried == len(cases), f"{carried} of {len(cases)} carried: {comm.routes()}")
+    else:
+        errors.expect(carried == 0, f"carried without the shared form: {comm.routes()}")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_asynchronous_mismatch_is_caught_on_every_rank(hetcomm_make_comm, errors):
+    """Rank 1 all_reduces twice the elements the others do, every rank asynchronously: a
+    MismatchError on every rank (at the call or at its wait), every buffer as it was, and
+    the next agreeing collective right."""
+    comm = hetcomm_make_comm(name="async-mismatch", timeout=30)
+    x = np.full(6 if comm.rank == 1 else 3, comm.rank + 1.0)
+
+    def call():
+        work = comm.all_reduce(x, async_op=True)
+        work.wait()
+
+    _mismatch_everywhere(comm, errors, "async all_reduce", call, x)
+    y = np.full(3, comm.rank + 1.0)
+    if errors.run("all_reduce after", lambda: comm.all_reduce(y, async_op=True).wait()):
+        want = sum(range(1, comm.size + 1))
+        errors.expect((y == want).all(), f"all_reduce after the mismatch: {y}")
     errors.verify()

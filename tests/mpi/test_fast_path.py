@@ -267,7 +267,8 @@ def test_async_starts_where_the_segment_cannot_grow(
     size, rank = comm.size, comm.rank
     for form in _forms(size, rank):
         for i in range(2):
-            stack = _stack(rng, size, 4 * size, "float64")
+            # above what rides in the check's records (hetcomm.carried)
+            stack = _stack(rng, size, 48 * size, "float64")
             arrays = form.build(stack)
             if errors.run(f"{form.name} call {i}", _waited, form, comm, arrays):
                 _check(form, arrays, stack, errors, f"{form.name} call {i}")

@@ -159,3 +159,55 @@ def test_reduce_rows_reduces_in_row_order(dtype, op):
     out = np.full(9, 1, rows.dtype)
     reduce_rows(strided, out, op)
     assert np.array_equal(out, want, equal_nan=True), (out, want)
+
+
+def test_a_carried_record_is_written_again_only_once_its_collective_has_landed():
+    """An asynchronous call writes its record at once, while an earlier carried collective
+    may not have landed on this rank yet (it lands when the deferred starts reach it): no
+    rank writes that collective's record again before it has landed everywhere, this rank
+    included (its own row is one of those it lands from)."""
+    records = _ranks(2, ring=2)
+    vec = _sig(2)
+    rng = np.random.default_rng()
+    first, later = rng.standard_normal((2, 2)), rng.standard_normal((2, 2))
+    a = [agree.SharedCheck(records[0], i) for i in range(4)]
+    b = [agree.SharedCheck(records[1], i) for i in range(4)]
+    for c in a + b:
+        c.load(vec)
+    for r, c in enumerate((a[1], b[1])):
+        c.start(1, first[r])
+    # rank 1 sees collective 1 complete and lands it; rank 0 has not looked yet
+    assert b[1].Test() and b[1].agreed() and b[1].carried()
+    b[1].landed()
+    a[2].start(2)  # rank 0 goes on: collective 2 is on the other record
+    # collective 3 reuses record 1: rank 0 has not landed collective 1 (its own row is in it)
+    assert not a[3].start(3, later[0])._written
+    assert not b[3].start(3, later[1])._written  # nor rank 1: rank 0 has not read record 1
+    assert a[1].Test() and a[1].agreed() and a[1].carried()
+    assert not b[3].Test()  # complete on rank 0 but not landed: still not rank 1's to write
+    assert np.array_equal(a[1].rows(np.dtype(np.float64), 2), first)  # still collective 1's
+    a[1].landed()
+    b[2].start(2)
+    assert a[2].Test() and b[2].Test()
+    a[3].Test()  # both write now, and find each other there
+    assert b[3].Test() and a[3].Test()
+    assert a[3].agreed() and a[3].carried()
+    assert np.array_equal(a[3].rows(np.dtype(np.float64), 2), later)
+
+
+def test_a_carried_collective_that_disagrees_frees_its_records_at_once():
+    """A mismatch lands nothing: the records are read (and the slot free) as the check
+    completes, so the next collectives on that record do not wait for a landing."""
+    records = _ranks(2, ring=1)
+    a, b = (agree.SharedCheck(r, 0) for r in records)
+    a.load(_sig(2))
+    b.load(_sig(3))
+    a.start(1, np.zeros(2))
+    b.start(1, np.zeros(3))
+    assert a.Test() and b.Test()
+    assert not a.agreed() and not b.agreed()
+    assert not a.busy and not b.busy
+    b.load(_sig(2))
+    a.start(2, np.ones(2))
+    b.start(2, np.ones(2))
+    assert a.Test() and b.Test() and a.agreed() and a.carried()
