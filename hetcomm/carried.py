@@ -108,6 +108,12 @@ def run(
     if not check.carried():
         return _transport(comm, route, xh, oh, seq)
     route.runs += 1
+    _land(route, check, xh, oh)
+    return True
+
+
+def _land(route: Route, check: agree.SharedCheck, xh: np.ndarray, oh: np.ndarray | None) -> None:
+    """Land a carried call of `route` from the records of its completed `check`."""
     route.carried += 1
     land = route.land
     assert land is not None
@@ -115,7 +121,6 @@ def run(
         land(check, xh, oh)
     finally:
         check.landed()
-    return True
 
 
 def carry(rank: int, route: Route, xh: np.ndarray) -> np.ndarray | bool:
@@ -140,13 +145,7 @@ def begin(
     every other rank then makes it."""
     if not check.carried():
         return start(seq)
-    route.carried += 1
-    land = route.land
-    assert land is not None
-    try:
-        land(check, xh, oh)
-    finally:
-        check.landed()
+    _land(route, check, xh, oh)
     return completed(comm, route.op, seq)
 
 
