@@ -27,7 +27,7 @@ from _data import compare, draw, reference
 
 from hetcomm import CommTimeout, ReduceOp, introspect
 from hetcomm.arrays import Buffer, as_buffer
-from hetcomm.transports import hostcoll, tags
+from hetcomm.transports import hostcoll, hostseg, tags
 from hetcomm.transports.staged import collectives, segment
 from hetcomm.transports.staged.transport import StagedTransport
 
@@ -47,7 +47,7 @@ def _counts(dtype: str, size: int) -> list[int]:
     the whole/sharded reduction boundary, past the first segment's halves)."""
     item = 1 if dtype == "bool" else np.dtype(_storage(dtype)).itemsize
     edge = hostcoll.REDUNDANT_MAX // item
-    return [0, 1, max(1, size - 1), 7, edge, edge + 1, hostcoll.INITIAL_BYTES // item + 3]
+    return [0, 1, max(1, size - 1), 7, edge, edge + 1, hostseg.INITIAL_BYTES // item + 3]
 
 
 def _storage(dtype: str) -> str:

@@ -13,7 +13,7 @@ from test_topology import rank_info
 
 from hetcomm.ops import ReduceOp
 from hetcomm.topology import Topology
-from hetcomm.transports import flags, hostcoll, shm
+from hetcomm.transports import flags, hostcoll, hostseg, shm
 
 
 def test_only_groups_of_one_host_and_node_have_a_segment():
@@ -83,7 +83,7 @@ def test_a_segment_that_cannot_be_had_sends_larger_operations_elsewhere(monkeypa
     def full(*args, **kwargs):
         raise shm.SegmentError("cannot reserve 4 MiB in /dev/shm (No space left on device)")
 
-    monkeypatch.setattr(hostcoll, "SharedSlots", full)
+    monkeypatch.setattr(hostseg, "SharedSlots", full)
     out[:] = 0
     assert not run(made + 1) and not out.any()
     assert group.limit == made
