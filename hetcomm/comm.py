@@ -313,11 +313,11 @@ class Communicator(PointToPoint):
                     return general.all_reduce(
                         self, route, x, out, inplace, False, timeout, self._last_entered
                     )
-        elif async_op and route.start is not None:
+        elif async_op and (route.start or route.land) is not None:
             xh = host_view(x, inplace)
             oh = xh if inplace or xh is None else host_view(out, True)
             if oh is not None and (inplace or not may_share_memory(xh, oh)):
-                return self._start_prepared(route, timeout, (x, out), xh, oh)
+                return self._start_prepared(route, timeout, (x, out, inplace), xh, oh)
         return general.all_reduce(self, route, x, out, inplace, async_op, timeout, None)
 
     def _route_all_reduce(
@@ -411,7 +411,7 @@ class Communicator(PointToPoint):
                 ):
                     return None
                 return route.general(route, x, False, timeout, self._last_entered)
-        elif async_op and route.start is not None:
+        elif async_op and (route.start or route.land) is not None:
             xh = host_view(x, write)
             if xh is not None:
                 return self._start_prepared(route, timeout, (x,), xh)
@@ -493,8 +493,9 @@ class Communicator(PointToPoint):
                 ):
                     return None
                 return route.general(route, out, x, False, timeout, self._last_entered)
-        elif async_op and route.start is not None:
-            # a prepared start copies every input in before it writes an output: any overlap
+        elif async_op and (route.start or route.land) is not None:
+            # a prepared start copies every input in before it writes an output, and a carried
+            # call reads every input before it writes: any overlap
             xh, oh = host_view(x, False), host_view(out, True)
             if xh is not None and oh is not None:
                 return self._start_prepared(route, timeout, (out, x), xh, oh)

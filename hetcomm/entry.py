@@ -322,7 +322,9 @@ class Entry:
         route.uses += 1
         if timeout is not None:
             check_timeout(timeout, route.op)
-        if async_op:
+        if async_op and seq is not None:
+            work = start(seq)  # admitted already (a carried call that some rank did not carry)
+        elif async_op:
             device = next((b for b in keep if isinstance(b, Buffer) and b.on_device), None)
             work = self._admit(route, start, device)
         else:
@@ -414,23 +416,31 @@ class Entry:
             raise self._mpi_error("sendrecv", seq, exc) from exc
 
     def _start_prepared(
-        self, route: Route, timeout: float | None, keep: tuple[Any, ...], *arrays: Any
+        self, route: Route, timeout: float | None, args: tuple[Any, ...], *arrays: Any
     ) -> Work | None:
         """An asynchronous collective through the transport's prepared start (route.start,
         given `arrays` as the prepared blocking call is), entered as the general path's are
-        (arrival, check, deferred start); `keep`: the caller's arrays, held by the Work."""
-        assert route.start is not None
-        route.runs += 1
-        if timeout is not None:
-            check_timeout(timeout, route.op)
+        (arrival, check, deferred start). `args`: the general path's leading arguments (the
+        caller's arrays, held by the Work; all_reduce's in-place flag). A call that may ride
+        in the check's records (route.land) tries that first; where the route has no prepared
+        start, its general path starts it where some rank does not take the records' path."""
         host = None
         if route.land is not None and not _work.observing:
             host = (arrays[0], arrays[1] if len(arrays) > 1 else None)
+        if route.start is not None:
+            start: Callable[[int], Work] = partial(route.start, *arrays)
+        elif host is not None:
+            start = partial(_started, partial(route.general, route, *args, True, timeout))
+        else:  # traced: the general path, as it would have been
+            return route.general(route, *args, True, timeout, None)
+        route.runs += 1
+        if timeout is not None:
+            check_timeout(timeout, route.op)
         try:
-            work = self._admit(route, partial(route.start, *arrays), host=host)
+            work = self._admit(route, start, host=host)
         except MPI.Exception as exc:
             raise self._mpi_error(route.op, self._seq, exc) from exc
-        return self._finish(work, True, timeout, keep)
+        return self._finish(work, True, timeout, args)
 
     def _start_p2p(
         self, route: Route, x: Any, xh: np.ndarray, peer: int, tag: int, timeout: float | None
@@ -449,3 +459,10 @@ class Entry:
             work._timeout = float(timeout)
         work._keep = (x,)  # the transport reads or writes it until completion
         return work
+
+
+def _started(general_start: Callable[[int], Work | None], seq: int) -> Work:
+    """The general path's start of an asynchronous call admitted already as `seq`."""
+    work = general_start(seq)
+    assert work is not None  # an asynchronous call's
+    return work

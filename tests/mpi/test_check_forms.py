@@ -272,6 +272,23 @@ def _close(got: np.ndarray, want: np.ndarray, dtype: str) -> bool:
     )
 
 
+def _two_per_rank(comm, op: str, x: np.ndarray, root: int, every: np.ndarray):
+    """(call, what it writes, what that must hold) of `op` on this rank's `x` (its row of
+    `every`, two elements per rank), its output made here where it has one."""
+    size, me = comm.size, comm.rank
+    out = np.zeros(size * every.shape[1] if op == "all_gather" else 2)
+    if op == "broadcast":
+        return partial(comm.broadcast, x, root), x, every[root]
+    if op == "reduce":
+        want = every.sum(axis=0) if me == root else every[me]
+        return partial(comm.reduce, x, root), x, want
+    if op == "all_reduce":
+        return partial(comm.all_reduce, x), x, every.sum(axis=0)
+    if op == "reduce_scatter":
+        return partial(comm.reduce_scatter, out, x), out, every.sum(axis=0)[2 * me : 2 * me + 2]
+    return partial(comm.all_gather, out, x), out, every.reshape(-1)
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("odd_one", ["async", "timeout", "strided"])
 def test_a_rank_off_the_carried_path_takes_every_rank_off_it(
@@ -296,20 +313,7 @@ def test_a_rank_off_the_carried_path_takes_every_rank_off_it(
                 kwargs = {"async_op": True} if odd_one == "async" else {}
                 if odd_one == "timeout":
                     kwargs = {"timeout": 30}
-            out = np.zeros(size * count if op == "all_gather" else 2)
-            if op == "broadcast":
-                call, want = partial(comm.broadcast, x, root), every[root]
-                got = x
-            elif op == "reduce":
-                call, got = partial(comm.reduce, x, root), x
-                want = every.sum(axis=0) if me == root else every[me]
-            elif op == "all_reduce":
-                call, got, want = partial(comm.all_reduce, x), x, every.sum(axis=0)
-            elif op == "reduce_scatter":
-                call, got = partial(comm.reduce_scatter, out, x), out
-                want = every.sum(axis=0)[2 * me : 2 * me + 2]
-            else:
-                call, got, want = partial(comm.all_gather, out, x), out, every.reshape(-1)
+            call, got, want = _two_per_rank(comm, op, x, root, every)
 
             def go(call=call, kwargs=kwargs):
                 work = call(**kwargs)
@@ -415,16 +419,22 @@ def _async_case(comm, op: str, i: int, every: np.ndarray):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("starts", ["prepared", "general"])
 def test_asynchronous_small_collectives_ride_in_the_records(
-    hetcomm_make_comm, hetcomm_shared_seed, errors
+    hetcomm_make_comm, hetcomm_shared_seed, errors, monkeypatch, starts
 ):
     """Many small asynchronous collectives in flight at once (more than the records' ring, so
     records are written again while earlier calls have not landed), every op and form, some
     ranks calling a collective blocking where others call it asynchronously, waited for in a
     different order on each rank: each lands right (against float64 numpy), nothing outside
     its output written, and where the check has its shared form every one rode in the records
-    (the transport moved none of them)."""
+    (the transport moved none of them). `general`: transports without prepared asynchronous
+    starts (as the mpi transport over an MPI without persistent collectives)."""
     comm = hetcomm_make_comm(name="carried-async", timeout=30)
+    if starts == "general":
+        introspect.transport_of(comm, "all_reduce", np.zeros(1))  # made now, before any route
+        for t in introspect.transports(comm).values():
+            monkeypatch.setattr(t, "prepare_async", None, raising=False)
     rng = np.random.default_rng(hetcomm_shared_seed)
     carrying = introspect.check_form(comm) == "shared memory"
     size, me = comm.size, comm.rank
@@ -478,4 +488,41 @@ def test_an_asynchronous_mismatch_is_caught_on_every_rank(hetcomm_make_comm, err
     if errors.run("all_reduce after", lambda: comm.all_reduce(y, async_op=True).wait()):
         want = sum(range(1, comm.size + 1))
         errors.expect((y == want).all(), f"all_reduce after the mismatch: {y}")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_asynchronous_calls_whose_records_are_not_carried_take_the_general_path(
+    hetcomm_make_comm, hetcomm_shared_seed, errors, monkeypatch
+):
+    """Transports without prepared asynchronous starts; rank 0 calls each collective on a
+    strided view (off the records' path), the others asynchronously: they read that in the
+    records after their check and start the general path then, with the sequence number they
+    entered; every result right against numpy."""
+    comm = hetcomm_make_comm(name="carried-general", timeout=30)
+    introspect.transport_of(comm, "all_reduce", np.zeros(1))
+    for t in introspect.transports(comm).values():
+        monkeypatch.setattr(t, "prepare_async", None, raising=False)
+    rng = np.random.default_rng(hetcomm_shared_seed)
+    size, me = comm.size, comm.rank
+    count = 2 * size
+    for round_ in range(2):
+        for op in ("broadcast", "reduce", "all_reduce", "reduce_scatter", "all_gather"):
+            root = round_ % size
+            every = rng.integers(-9, 10, (size, count)).astype(np.float64)
+            wide = np.zeros(2 * count)
+            x = wide[::2] if me == 0 else np.zeros(count)
+            x[...] = every[me]
+            call, got, want = _two_per_rank(comm, op, x, root, every)
+
+            def go(call=call):
+                work = call() if me == 0 else call(async_op=True)
+                if work is not None:
+                    work.wait()
+
+            what = f"{op} root {root}"
+            if errors.run(what, go):
+                errors.expect(np.array_equal(got, want), f"{what}: got {got}, want {want}")
+    carried = sum(r["carried"] for r in comm.routes())
+    errors.expect(carried == 0, f"{carried} carried with rank 0 off the path: {comm.routes()}")
     errors.verify()
