@@ -13,8 +13,8 @@ reductions go, so every rank of an all_reduce gets the same bits), an all_gather
 all_to_all copy rows or blocks of rows. Every rank's input is in the records before any output
 is written, so in-place forms need nothing of their own. Each record's flag word says whether
 its rank takes this path; where one does not (device memory, tracing, a layout the prepared
-call cannot take, an asynchronous call without a prepared start) every rank reads so and runs
-the operation through its transport, as it would have.
+call cannot take) every rank reads so and runs the operation through its transport, as it
+would have.
 
 A blocking call lands as soon as its check completes (`run`). An asynchronous one writes its
 record and returns; once its check has completed it lands where its deferred start would have
@@ -141,8 +141,8 @@ def begin(
 ) -> Work:
     """The start of an asynchronous call of `route` whose check (started with `carry`'s data)
     has completed and agreed: where every rank took the carried path, it lands here from the
-    records and its Work is complete; else the transport's prepared start (`start(seq)`), as
-    every other rank then makes it."""
+    records and its Work is complete; else the transport's start (`start(seq)`: the prepared
+    one, or the general path's), as every other rank then starts it."""
     if not check.carried():
         return start(seq)
     _land(route, check, xh, oh)

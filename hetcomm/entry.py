@@ -323,8 +323,13 @@ class Entry:
         if timeout is not None:
             check_timeout(timeout, route.op)
         if async_op and seq is not None:
-            work = start(seq)  # admitted already (a carried call that some rank did not carry)
-        elif async_op:
+            # admitted already (a carried call that some rank did not carry): started on the
+            # thread that saw its check complete; the caller's own Work follows this one and
+            # is the one finished (held, traced, guarded for ordering)
+            work = start(seq)
+            work._keep = (*work._keep, *keep)
+            return work
+        if async_op:
             device = next((b for b in keep if isinstance(b, Buffer) and b.on_device), None)
             work = self._admit(route, start, device)
         else:
