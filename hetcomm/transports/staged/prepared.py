@@ -87,15 +87,10 @@ def start_send(t: StagedTransport, xh: np.ndarray, dst: int, tag: int, seq: int)
 
 
 def start_recv(t: StagedTransport, xh: np.ndarray, src: int, tag: int, seq: int) -> Work:
-    """The asynchronous receive into a host array: posted on the pair's ring where its
-    channel is open (p2p.posted_work), else the general path's start, its Work."""
+    """The asynchronous receive into a host array: the general path's start (posted on the
+    pair's ring where its channel is open), its Work."""
     k = t._p2p_number("recv", src, tag)
-    ch = t._channels.get(src)
-    if ch is not None and ch.eager_in is not None and not t.closed:
-        deadline = time.monotonic() + t.timeout
-        work = p2p.posted_work(t, ch, ch.eager_in, host_region(xh), tag, k, seq, deadline, None)
-    else:
-        work = starts.recv_start(t, host_region(xh), src, tag, k, seq, None, [])
+    work = starts.recv_start(t, host_region(xh), src, tag, k, seq, None, [])
     work.source = src
     return work
 

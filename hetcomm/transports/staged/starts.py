@@ -128,27 +128,28 @@ def recv_start(
     the ring or the rails with no thread where it can be, else run on a driver (`bufs`
     as send_start's)."""
     deadline = time.monotonic() + t.timeout
+    peer = src != t.rank and not t.closed
+    ch = t._channels.get(src) if peer else None
+    if ch is not None:  # the common case first: nothing of the driver's path made for it
+        work = _recv_async(t, ch, region, tag, k, seq, deadline, ready)
+        if work is not None:
+            return work
     n = region.nbytes
 
     def body(deadline: float, ready: Any) -> None:
         p2p.recv(t, region, src, tag, k, deadline, ready)
 
-    if src != t.rank and not t.closed:
-        ch = t._channels.get(src)
-        if ch is None:
-            return _when_open(
-                t,
-                src,
-                seq,
-                deadline,
-                lambda ch: (
-                    _recv_async(t, ch, region, tag, k, seq, deadline, ready)
-                    or t._run("recv", seq, bufs, body, nbytes=n)
-                ),
-            )
-        work = _recv_async(t, ch, region, tag, k, seq, deadline, ready)
-        if work is not None:
-            return work
+    if peer and ch is None:
+        return _when_open(
+            t,
+            src,
+            seq,
+            deadline,
+            lambda ch: (
+                _recv_async(t, ch, region, tag, k, seq, deadline, ready)
+                or t._run("recv", seq, bufs, body, nbytes=n)
+            ),
+        )
     return t._run("recv", seq, bufs, body, nbytes=n)
 
 
