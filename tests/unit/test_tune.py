@@ -144,15 +144,16 @@ def test_rail_weights_are_relative_to_the_fastest_rail_of_each_kind() -> None:
     assert w == {"tcp a->b": 1.0, "tcp c->d": 0.25, "shm": 1.0, "mpi": 1.0}
 
 
-def test_rail_windows_follow_the_weights_only_for_several_weighted_tcp_rails() -> None:
+def test_rail_windows_bound_several_tcp_rails_by_their_weights() -> None:
     keys = ["tcp a->b", "tcp c->d"]
     assert rail_windows(keys, {"tcp a->b": 1.0, "tcp c->d": 0.25}) == [RAIL_DEPTH, 1]
     assert rail_windows(keys, {"tcp a->b": 0.5, "tcp c->d": 0.5}) == [RAIL_DEPTH, RAIL_DEPTH]
     assert rail_windows(keys, {"tcp a->b": 1.0, "tcp c->d": 0.01}) == [RAIL_DEPTH, 1]
-    assert rail_windows(keys, {"tcp a->b": 1.0}) == [None, None]  # one rail unweighted
+    # a rail without a weight: equal windows, so that no rail takes every chunk
+    assert rail_windows(keys, {"tcp a->b": 1.0}) == [RAIL_DEPTH, RAIL_DEPTH]
     assert rail_windows(["tcp a->b"], {"tcp a->b": 1.0}) == [None]
     assert rail_windows(["shm"], {"shm": 1.0}) == [None]
-    assert rail_windows(keys, {}) == [None, None]
+    assert rail_windows(keys, {}) == [RAIL_DEPTH, RAIL_DEPTH]
 
 
 def test_rail_key_drops_the_port() -> None:

@@ -69,14 +69,17 @@ def rail_windows(
     keys: Sequence[str], weights: Mapping[str, float], depth: int = RAIL_DEPTH
 ) -> list[int | None]:
     """Unacknowledged chunks each rail of one channel may hold: `depth` times its weight over
-    the fastest of these rails, at least 1. None (no limit) for every rail unless the channel
-    has two or more tcp rails, all with a weight.
+    the fastest of these rails, at least 1, where every rail has a weight; `depth` each where
+    some has none. None (no limit) for every rail unless the channel has two or more tcp rails.
 
     Without a limit a rail takes the next chunk as soon as its socket buffer has room, so a slow
-    rail hoards chunks and finishes last (docs/rails.md); the limit keeps its share near its speed.
+    rail hoards chunks and finishes last, and a rail whose sender thread runs late (a busy host)
+    may find every chunk taken (docs/rails.md); the limit keeps each rail's share near its speed.
     """
-    if len(keys) < 2 or any(not k.startswith("tcp ") or k not in weights for k in keys):
+    if len(keys) < 2 or any(not k.startswith("tcp ") for k in keys):
         return [None] * len(keys)
+    if any(k not in weights for k in keys):
+        return [depth] * len(keys)
     top = max(weights[k] for k in keys)
     return [max(1, round(depth * weights[k] / top)) for k in keys]
 
