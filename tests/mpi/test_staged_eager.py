@@ -219,6 +219,33 @@ def test_back_to_back_sends_keep_their_order(hetcomm_make_comm, errors, rng, blo
     errors.verify()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_sends_made_before_the_channel_opens_keep_their_place(hetcomm_make_comm, errors, rng):
+    """The first messages to a peer, asynchronous and many more than the ring's slots, made
+    before the pair's channel is open: the first ones wait for it on driver threads while the
+    calling thread goes on. Each keeps its place in the ring's order all the same; a send
+    made once the channel is open took a slot ahead of the earlier ones, so that the ring
+    filled with messages the receiver, waiting in MPI's order for the first, did not take
+    (both ranks stalled until the timeout, 2026-12-06)."""
+    comm = hetcomm_make_comm(transport="staged", timeout=20)
+    _staged(comm)  # no message yet: the channel opens with the first send
+    peer = _pair(comm)
+    if peer is not None:
+        count = 4 * EAGER_SLOTS + 8
+        msgs = [_data(rng, 1 + i % 5, "float64") for i in range(count)]
+        if comm.rank % 2 == 0:
+            works = [comm.send(x, peer, tag=6, async_op=True) for x in msgs]
+            for w in works:
+                w.wait()
+        else:
+            for i, x in enumerate(msgs):
+                got = np.full(x.size + 1, -1.0)
+                comm.recv(got[:-1], peer, tag=6)
+                errors.expect(np.array_equal(got[:-1], x), f"message {i}: wrong data")
+                errors.expect(got[-1] == -1.0, f"message {i}: wrote past the message")
+    errors.verify()
+
+
 # (sender's elements, receiver's elements) of float32, around the threshold
 THR32 = EAGER_BYTES // 4
 DISAGREE = {

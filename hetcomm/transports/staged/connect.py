@@ -179,7 +179,7 @@ class Opener:
         except SegmentError as exc:
             log.warning("staged: no eager messages to rank %d (%s)", ch.peer, exc)
             return None
-        ch.eager_out = EagerOut(seg, t.eager_slots, t.eager_bytes)
+        ch.eager_out = EagerOut(seg, t.eager_slots, t.eager_bytes, t.tickets(ch.peer))
         return name, t.eager_slots, t.eager_bytes
 
 

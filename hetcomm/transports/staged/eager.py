@@ -36,6 +36,7 @@ import secrets
 import select
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -122,13 +123,17 @@ class EagerOut(_Ring):
     send that found the ring full and waits for a slot on a driver thread keeps its place,
     and a later send may not take a slot freed meanwhile. Out of order, messages made later
     could fill the ring while the receiver waits, in MPI's order, for the one that has no
-    slot: 32 back-to-back asynchronous sends of 1 MiB stalled so (2026-12-01)."""
+    slot: 32 back-to-back asynchronous sends of 1 MiB stalled so (2026-12-01). `drawn`
+    counts the tickets: the transport's for this peer, from which asynchronous sends made
+    before the ring opened drew theirs already."""
 
-    def __init__(self, seg: SharedSlots, slots: int, slot_bytes: int) -> None:
+    def __init__(
+        self, seg: SharedSlots, slots: int, slot_bytes: int, drawn: Iterator[int] | None = None
+    ) -> None:
         super().__init__(seg, slots, slot_bytes)
         self._filling: set[int] = set()  # slots taken by a thread of this rank, not published
         self._next = 0  # where the search for a free slot starts: the slots go round in turn
-        self._drawn = itertools.count()
+        self._drawn = itertools.count() if drawn is None else drawn
         self._serving = 0  # the ticket whose send takes the next slot
         self._skipped: set[int] = set()  # later tickets given up before their turn
         self._lent: set[int] = set()  # slots of PULL messages whose receiver may read us

@@ -85,11 +85,15 @@ def send_start(
     that take the ring's slots, where the caller drew it already."""
     deadline = time.monotonic() + t.timeout
     ch = t._channels.get(dst) if dst != t.rank and not t.closed else None
+    if ticket is None and dst != t.rank:
+        # its place among the sends that take the ring's slots, kept if it waits; drawn
+        # here also where the channel is not open yet, so that a later send, made once it
+        # is, cannot fill the ring ahead of this one while the receiver waits for this one
+        ticket = next(t.tickets(dst))
     marked = False
     out = ch.eager_out if ch is not None else None
     if ch is not None and out is not None:
-        if ticket is None:
-            ticket = out.ticket()  # its place among the sends that take slots, kept if it waits
+        assert ticket is not None  # a peer's channel: drawn above
         if region.nbytes <= out.slot_bytes:
             if p2p.send_eager(t, ch, region, tag, k, deadline, ready, False, ticket):
                 work = completed(t.comm, "send", seq)

@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -102,6 +102,9 @@ class StagedTransport(Transport):
             "token": self.token,
         }
         self._channels: dict[int, Channel] = {}
+        # per peer, the order of the sends that take the pair's ring slots (EagerOut.ticket):
+        # drawn by each send where it is made, also before the channel opens
+        self._tickets: dict[int, Iterator[int]] = {}
         self._lock = threading.Lock()  # the p2p message counts
         self._opener = Opener(self)
         self.receives: dict[int, _Op] = {}
@@ -128,6 +131,13 @@ class StagedTransport(Transport):
         return None  # host memory always works; device memory needs cupy (checked per call)
 
     # ---- channels (connect.py) ----------------------------------------------------------
+
+    def tickets(self, peer: int) -> Iterator[int]:
+        """The ticket counter of the sends to `peer` (shared by its ring, once it opens)."""
+        drawn = self._tickets.get(peer)
+        if drawn is None:
+            drawn = self._tickets.setdefault(peer, itertools.count())
+        return drawn
 
     def channel(self, peer: int, deadline: float) -> Channel:
         """The channel to `peer`, opened on first use (both ranks reach this together)."""
