@@ -137,6 +137,9 @@ class EagerOut(_Ring):
         self._serving = 0  # the ticket whose send takes the next slot
         self._skipped: set[int] = set()  # later tickets given up before their turn
         self._lent: set[int] = set()  # slots of PULL messages whose receiver may read us
+        # PULL messages (slot, pub) the receiver had freed when a claim took their slots back
+        # before their sends looked: what it wrote of each (`collect`)
+        self._ended: dict[tuple[int, int], int] = {}
         w = self.words
         w[PID], w[PROBE] = os.getpid(), secrets.randbits(62) | 1
         w[PROBE_AT] = self.control.ctypes.data + PROBE * 8
@@ -169,6 +172,8 @@ class EagerOut(_Ring):
         with self.lock:
             if ticket != self._serving:
                 return None
+            if self._lent:
+                self._take_back()
             for i in range(slots):
                 s = (self._next + i) % slots
                 row = (s + 1) * _ROW
@@ -263,20 +268,47 @@ class EagerOut(_Ring):
 
     def returned(self, slot: int, pub: int) -> bool:
         """Whether the receiver has freed the message `pub` of `slot`."""
-        return self.words[(slot + 1) * _ROW + FREED] == pub
+        return self.words[(slot + 1) * _ROW + FREED] == pub or (slot, pub) in self._ended
 
-    def status(self, slot: int) -> int:
-        """What the receiver wrote of a freed PULL message: the bytes its receive took, or
-        NOT_READ."""
-        return self.words[(slot + 1) * _ROW + STATUS]
+    def collect(self, slot: int, pub: int) -> int | None:
+        """What the receiver wrote of the PULL message `pub` of `slot` once it has freed it
+        (the bytes its receive took, or NOT_READ), the slot then released; None before."""
+        with self.lock:
+            taken = self._ended.pop((slot, pub), None)
+            if taken is not None:
+                return taken
+            row = (slot + 1) * _ROW
+            if self.words[row + FREED] != pub:
+                return None
+            self._lent.discard(slot)
+            self._filling.discard(slot)
+            return self.words[row + STATUS]
 
-    def withdraw(self, slot: int) -> None:
-        """Take back the PULL message of `slot` (its send failed): from now on its receiver
-        fails it instead of taking it, even one reading it now (it checks again after)."""
-        self.words[(slot + 1) * _ROW + KIND] = GONE
+    def _take_back(self) -> None:
+        """Release the slots of PULL messages their receiver has freed, keeping what it wrote
+        for their sends (`collect`): a send is polled when its caller waits on it, which may
+        be after sends that need the slots (under `lock`)."""
+        w = self.words
+        for slot in list(self._lent):
+            row = (slot + 1) * _ROW
+            pub = w[row + PUB]
+            if w[row + FREED] == pub:
+                self._ended[(slot, pub)] = w[row + STATUS]
+                self._lent.discard(slot)
+                self._filling.discard(slot)
+
+    def withdraw(self, slot: int, pub: int) -> None:
+        """Take back the PULL message `pub` of `slot` (its send failed), unless its slot was
+        taken back already: from now on its receiver fails it instead of taking it, even one
+        reading it now (it checks again after)."""
+        with self.lock:
+            row = (slot + 1) * _ROW
+            if slot in self._lent and self.words[row + PUB] == pub:
+                self.words[row + KIND] = GONE
 
     def release(self, slot: int) -> None:
-        """The PULL message of `slot` has ended: the slot is free once the receiver frees it."""
+        """The withdrawn PULL message of `slot` has ended: the slot is free once the receiver
+        frees it."""
         with self.lock:
             self._lent.discard(slot)
             self._filling.discard(slot)
@@ -285,8 +317,8 @@ class EagerOut(_Ring):
         """Withdraw every PULL message not returned yet (the transport closes)."""
         with self.lock:
             lent = list(self._lent)
-        for slot in lent:
-            self.withdraw(slot)
+            for slot in lent:
+                self.words[(slot + 1) * _ROW + KIND] = GONE
 
     def unclaim(self, slot: int) -> None:
         """Give back a claimed slot that was not published (its copy failed)."""

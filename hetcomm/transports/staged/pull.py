@@ -76,10 +76,9 @@ def lent_back(out: EagerOut, slot: int, pub: int, nbytes: int, rank: int, peer: 
     """True once the receiver has freed the PULL message `pub` of `slot` (the slot is then
     released); raises what the receiver found: MismatchError where its receive takes another
     size, HetcommError where it could not read the message."""
-    if not out.returned(slot, pub):
+    taken = out.collect(slot, pub)
+    if taken is None:
         return False
-    taken = out.status(slot)
-    out.release(slot)
     if taken == nbytes:
         return True
     if taken == NOT_READ:
@@ -90,7 +89,7 @@ def lent_back(out: EagerOut, slot: int, pub: int, nbytes: int, rank: int, peer: 
 def give_up(out: EagerOut, slot: int, pub: int, nbytes: int, rank: int, peer: int) -> bool:
     """Withdraw a PULL message whose send fails (its array may change once this returns);
     True where the receiver had taken it whole after all (the send succeeded)."""
-    out.withdraw(slot)
+    out.withdraw(slot, pub)
     if out.returned(slot, pub):
         return lent_back(out, slot, pub, nbytes, rank, peer)
     out.release(slot)
