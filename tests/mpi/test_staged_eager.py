@@ -246,6 +246,46 @@ def test_sends_made_before_the_channel_opens_keep_their_place(hetcomm_make_comm,
     errors.verify()
 
 
+@pytest.mark.mpi(min_size=3)
+def test_a_full_ring_is_drained_while_its_receiver_waits_on_another_peer(
+    hetcomm_make_comm, errors, rng
+):
+    """Rank 2 posts receives of more small messages from rank 1 than the ring holds, then
+    waits first on a receive from rank 0; rank 0 sends that only after a message of rank 1,
+    which rank 1 sends only once its messages to rank 2 have gone, which needs rank 2 to take
+    them from the full ring while it waits on rank 0. MPI completes this (any wait makes
+    progress on every posted receive); a ring landed only by waits on its own peer stalled
+    until the timeout."""
+    comm = hetcomm_make_comm(transport="staged", timeout=20)
+    z, w = np.zeros(1), np.zeros(1)
+    for peer in range(3):  # the channels open first
+        if peer != comm.rank and comm.rank < 3:
+            comm.sendrecv(z, peer, w, peer)
+    count = 2 * EAGER_SLOTS
+    msgs = [_data(rng, 3, "float64") for _ in range(count)]
+    token = _data(rng, 2, "float64")
+    if comm.rank == 2:
+        got = [np.full(4, -1.0) for _ in range(count)]
+        works = [comm.recv(g[:-1], 1, tag=1, async_op=True) for g in got]
+        last = np.full(3, -1.0)
+        comm.recv(last[:-1], 0, tag=2, async_op=True).wait()
+        for w_ in works:
+            w_.wait()
+        errors.expect(np.array_equal(last[:-1], token) and last[-1] == -1.0, "rank 0's message")
+        for i, g in enumerate(got):
+            errors.expect(np.array_equal(g[:-1], msgs[i]), f"message {i}: wrong data")
+            errors.expect(g[-1] == -1.0, f"message {i}: wrote past the message")
+    elif comm.rank == 1:
+        for w_ in [comm.send(x, 2, tag=1, async_op=True) for x in msgs]:
+            w_.wait()
+        comm.send(token, 0, tag=3)
+    elif comm.rank == 0:
+        relay = np.zeros(2)
+        comm.recv(relay, 1, tag=3)
+        comm.send(relay, 2, tag=2)
+    errors.verify()
+
+
 # (sender's elements, receiver's elements) of float32, around the threshold
 THR32 = EAGER_BYTES // 4
 DISAGREE = {

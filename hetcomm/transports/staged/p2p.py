@@ -470,6 +470,8 @@ def posted_work(
         land(t, ch, found, rec)
     elif region.nbytes > inbox.slot_bytes:
         t.watcher.watch(ch, rec)
+    else:
+        t.watcher.start()  # its sweep lands the message where no thread polls this receive
 
     def look() -> bool:
         if not rec.done:

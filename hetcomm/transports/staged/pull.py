@@ -48,6 +48,9 @@ YIELD_MAX_S = 0.02
 # awake (looking every GRACE_S) after its last receive
 GRACE_S = 1e-3
 WARM_S = 0.05
+# and how often it lands what has come for any posted receive, small ones included, which
+# only a thread that polls a receive from the same peer lands otherwise
+SWEEP_S = 0.02
 
 
 def lends(out: EagerOut | None, region: Region) -> bool:
@@ -196,8 +199,16 @@ class Watcher:
     from it). For WARM_S after a receive is posted it stays awake, looking every GRACE_S, so
     that the next receive need not wake it: waking it at every receive cost a non-blocking
     1 MiB receive that was then waited on ~20 us (CPU VM, 2 ranks: 127 us one way against 101
-    us blocking, 108 us unwoken). Otherwise (a long wait on a receive included) it sleeps
-    until woken.
+    us blocking, 108 us unwoken).
+
+    Every SWEEP_S, while it runs (`start`: the first receive posted on a ring that was not
+    there yet starts it), it also lands whatever has come for any posted receive. A ring's
+    messages are otherwise landed only by a thread that polls or waits on a receive from the
+    same peer; a rank whose threads all wait on something else (a receive from another peer,
+    a send waiting for a slot in a third rank's ring) would leave the ring full, and its
+    sender, waiting for a slot, may be what the others wait on: 4 ranks that posted every
+    send and receive asynchronously and then waited in another order stalled so (2026-12-06).
+    MPI's progress rule asks the same of any wait.
     """
 
     def __init__(self, t: StagedTransport, progress: Callable[[Channel], None]) -> None:
@@ -216,14 +227,23 @@ class Watcher:
         with self._lock:
             self._posted.append((ch, rec, now))
             self._posted_at = now
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, daemon=True, name=f"hetcomm-watch-{self._t.rank}"
-                )
-                self._thread.start()
+            self._start()
             awake = self._awake
         if not awake:
             self._wake.set()
+
+    def start(self) -> None:
+        """Have the thread run (it sweeps every posted receive from then on)."""
+        if self._thread is None:
+            with self._lock:
+                self._start()
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, daemon=True, name=f"hetcomm-watch-{self._t.rank}"
+            )
+            self._thread.start()
 
     def resume(self) -> None:
         """A wait on a watched receive ended before the receive did: look at it now."""
@@ -237,9 +257,13 @@ class Watcher:
 
     def _run(self) -> None:
         t = self._t
+        next_sweep = time.monotonic() + SWEEP_S
         while not t.closed:
             self._wake.clear()  # before looking: a receive posted after the look wakes it
             now = time.monotonic()
+            if now >= next_sweep:
+                self._sweep()
+                next_sweep = now + SWEEP_S
             with self._lock:
                 self._posted = [p for p in self._posted if not p[1].done]
                 posted = [
@@ -249,7 +273,7 @@ class Watcher:
                 ]
                 self._awake = awake = now < self._posted_at + WARM_S
             if not posted:
-                self._wake.wait(GRACE_S if awake else 1.0)
+                self._wake.wait(GRACE_S if awake else SWEEP_S)
                 continue
             channels = list({id(ch): ch for ch, _ in posted}.values())
             try:
@@ -263,6 +287,15 @@ class Watcher:
                 # itself: logged, and looked at again later rather than not at all
                 log.exception("staged: the watcher's look at the rings failed")
                 time.sleep(flags.CHECK_SECONDS)
+
+    def _sweep(self) -> None:
+        """Land what has come for the posted receives of every ring."""
+        try:
+            for ch in list(self._t._channels.values()):
+                if ch.eager_in is not None and ch.eager_in.posted:
+                    self._progress(ch)
+        except Exception:
+            log.exception("staged: the watcher's sweep of the rings failed")
 
     def _look(self, channels: list[Channel], posted: list[tuple[Channel, Posted]]) -> bool:
         """Land what has come for the posted receives of `channels`; True once one of
