@@ -120,6 +120,69 @@ def test_same_tag_messages_match_in_order(hetcomm_comm, rng, errors):
     errors.verify()
 
 
+# element counts of float32 from one element to past staged's eager slot and its PULL reads
+ANY_ORDER_COUNTS = [1, 3, 600, 9000, 70_000, 300_000]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("opened", [False, True], ids=["first messages", "open channels"])
+def test_every_send_and_receive_asynchronous_waited_in_any_order(
+    hetcomm_make_comm, rng, errors, opened
+):
+    """Every rank makes 10-30 sends to every other rank on three tags and the matching
+    receives, all asynchronous, of sizes from one element to past the eager and PULL
+    thresholds, interleaved at random (those of one peer and tag in their order), then waits
+    on them in a random order. MPI completes this: a wait makes progress on everything
+    posted. Staged once stalled here three ways (2026-12-06): receives made before their
+    channel opened were posted only by drivers busy with sends; a ring stayed full of PULL
+    messages already read, whose slots came back only when their sends were polled; and a
+    ring was landed only by waits on its own peer."""
+    comm = hetcomm_make_comm(timeout=30)
+    me, size = comm.rank, comm.size
+    if opened:
+        z, w = np.zeros(1), np.zeros(1)
+        for peer in range(size):  # pairs in one order on every rank: no cycle
+            if peer != me:
+                comm.sendrecv(z, peer, w, peer)
+    base = int(rng.integers(1 << 30))
+
+    def messages(src: int, dst: int) -> list[tuple[int, np.ndarray]]:
+        r = np.random.default_rng([base, src, dst])
+        return [
+            (int(r.integers(3)), r.integers(-1000, 1000, int(r.choice(ANY_ORDER_COUNTS))))
+            for _ in range(int(r.integers(10, 31)))
+        ]
+
+    queues: dict[tuple[str, int, int], list[np.ndarray]] = {}
+    for peer in range(size):
+        if peer != me:
+            for tag, x in messages(me, peer):
+                queues.setdefault(("send", peer, tag), []).append(x.astype(np.float32))
+            for tag, x in messages(peer, me):
+                queues.setdefault(("recv", peer, tag), []).append(x.astype(np.float32))
+    mine = np.random.default_rng([base, me, size])  # this rank's own order
+    works, received = [], []
+    keys = list(queues)
+    while keys:
+        key = keys[int(mine.integers(len(keys)))]
+        x = queues[key].pop(0)
+        if not queues[key]:
+            keys.remove(key)
+        kind, peer, tag = key
+        if kind == "send":
+            works.append(comm.send(x, peer, tag=tag, async_op=True))
+        else:
+            y = np.full(x.size + 1, -1.0, np.float32)
+            works.append(comm.recv(y[:-1], peer, tag=tag, async_op=True))
+            received.append((f"from {peer}, tag {tag}, {x.size} elements", y, x))
+    for i in mine.permutation(len(works)):
+        works[i].wait()
+    for what, y, x in received:
+        errors += compare(y[:-1], x, what)
+        errors.expect(y[-1] == -1.0, f"{what}: wrote past the message")
+    errors.verify()
+
+
 @pytest.mark.mpi(min_size=2)
 def test_staged_send_recv_start_on_the_calling_thread(hetcomm_make_comm, rng, errors):
     """Once the shm channel between two ranks of a host is open, staged send and recv run

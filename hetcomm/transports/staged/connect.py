@@ -62,6 +62,8 @@ class Opener:
         finally:
             for lock in reversed(locks):
                 lock.release()
+        for p in missing:
+            t.opened(p)
         return [t._channels[p] for p in peers if p != t.rank]
 
     def _swap(self, values: dict[int, Any], deadline: float) -> dict[int, Any]:

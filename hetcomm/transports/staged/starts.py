@@ -184,35 +184,51 @@ def _recv_async(
 def _when_open(
     t: StagedTransport, peer: int, seq: int, deadline: float, then: Callable[[Channel], Work]
 ) -> Work:
-    """The Work of an asynchronous receive whose channel is not open yet: a driver opens
-    it (both ranks do, together) and `then(channel)` makes the receive's own Work there,
-    which this one polls. The driver is free again once the channel is open, so receives that
-    wait do not hold the drivers (which a ring of messages waiting for them would need)."""
+    """The Work of an asynchronous receive whose channel is not open yet: `then(channel)`
+    makes the receive's own Work, which this one polls, on the thread that opens the channel
+    (`StagedTransport.when_open`): whichever operation opens it, a driver's job made for this
+    receive if none does first (both ranks open it together). The receive is so posted as
+    soon as the channel is open: a ring of messages for receives that nobody polls yet
+    drains all the same, and receives that wait do not hold the drivers. A receive posted
+    only by its own job, queued behind sends that wait on the drivers for their receivers to
+    read them, stalled ranks whose first messages were all asynchronous (2026-12-06)."""
 
     inner: list[Work] = []
+    failed: list[BaseException] = []
+
+    def post(ch: Channel) -> None:
+        # on the thread that opened the channel, which may be another operation's: an
+        # error here is this receive's
+        try:
+            inner.append(then(ch))
+        except BaseException as exc:
+            failed.append(exc)
+
+    t.when_open(peer, post)
 
     def open_it(by: float) -> None:
-        # the receive is posted here, as soon as the channel is open: a ring of messages
-        # for receives that nobody polls yet drains all the same
-        inner.append(then(t.channel(peer, by)))
+        t.channel(peer, by)
 
     opened = t._driver.submit(open_it, deadline)
 
     def poll() -> bool:
-        if not opened.is_set():
-            return False
-        if not inner:
+        if inner:
+            return inner[0].test()
+        if failed:
+            raise failed[0]
+        if opened.is_set():
             try:
                 opened.check()
             except PeerTimeout as exc:
                 raise CommTimeout(
                     t.comm.name, "recv", seq, t.timeout, exc.ranks, str(exc)
                 ) from None
-        return inner[0].test()
+            return bool(inner) and inner[0].test()
+        return False
 
     def waiter(seconds: float) -> bool:
-        if not opened.is_set():
-            return opened.wait(seconds)
+        if not inner and not opened.is_set():
+            return opened.wait(min(seconds, 50e-6)) or bool(inner)
         time.sleep(min(seconds, 50e-6))  # the receive's own Work is polled meanwhile
         return False
 

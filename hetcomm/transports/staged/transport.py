@@ -105,6 +105,9 @@ class StagedTransport(Transport):
         # per peer, the order of the sends that take the pair's ring slots (EagerOut.ticket):
         # drawn by each send where it is made, also before the channel opens
         self._tickets: dict[int, Iterator[int]] = {}
+        # per peer whose channel is not open yet, what is to run once it is (`when_open`)
+        self._on_open: dict[int, list[Callable[[Channel], object]]] = {}
+        self._on_open_lock = threading.Lock()
         self._lock = threading.Lock()  # the p2p message counts
         self._opener = Opener(self)
         self.receives: dict[int, _Op] = {}
@@ -138,6 +141,25 @@ class StagedTransport(Transport):
         if drawn is None:
             drawn = self._tickets.setdefault(peer, itertools.count())
         return drawn
+
+    def when_open(self, peer: int, fn: Callable[[Channel], object]) -> None:
+        """`fn(channel)` once the channel to `peer` is open: here if it is, else on the thread
+        that opens it, right after (receives made before it opened are posted so at once, and
+        in the order they were made, whichever operation opens it)."""
+        with self._on_open_lock:
+            ch = self._channels.get(peer)
+            if ch is None:
+                self._on_open.setdefault(peer, []).append(fn)
+                return
+        fn(ch)
+
+    def opened(self, peer: int) -> None:
+        """The channel to `peer` has opened: run what waited for it (`when_open`)."""
+        with self._on_open_lock:
+            waiting = self._on_open.pop(peer, [])
+        ch = self._channels[peer]
+        for fn in waiting:
+            fn(ch)
 
     def channel(self, peer: int, deadline: float) -> Channel:
         """The channel to `peer`, opened on first use (both ranks reach this together)."""
