@@ -6,6 +6,7 @@ import gc
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import pytest
 
@@ -91,7 +92,7 @@ def test_a_body_ends_by_its_own_deadline_or_its_waiters_whichever_comes_first() 
 
 
 def test_the_drivers_run_what_nobody_waits_for_and_skip_what_a_waiter_took() -> None:
-    drivers = _Drivers(2, "test-drivers")
+    drivers = _Drivers(2, "test-drivers", most=2)
     try:
         gate = threading.Event()
         blockers = [drivers.submit(lambda by: gate.wait(), time.monotonic() + 30) for _ in (0, 1)]
@@ -102,5 +103,28 @@ def test_the_drivers_run_what_nobody_waits_for_and_skip_what_a_waiter_took() -> 
         gate.set()
         assert left.wait(10) and all(b.wait(10) for b in blockers)
         assert ran == ["stolen", "driver"]
+    finally:
+        drivers.shutdown(wait_s=2.0)
+
+
+def test_the_drivers_grow_while_every_one_waits_for_a_body_queued_behind() -> None:
+    """Ten bodies, each waiting for the next one queued to have run, on 2 drivers at first:
+    a fixed pool would wait until the deadline; the pool grows (up to `most`) and all end."""
+    drivers = _Drivers(2, "test-drivers", most=16)
+    try:
+        events = [threading.Event() for _ in range(11)]
+        events[-1].set()
+
+        def body(i: int) -> Callable[[float], None]:
+            def run(by: float) -> None:
+                assert events[i + 1].wait(max(0.0, by - time.monotonic()))
+                events[i].set()
+
+            return run
+
+        bodies = [drivers.submit(body(i), time.monotonic() + 10) for i in range(10)]
+        assert all(b.wait(15) for b in bodies)
+        assert all(b.error is None for b in bodies) and all(e.is_set() for e in events)
+        assert len(drivers._threads) <= 16
     finally:
         drivers.shutdown(wait_s=2.0)

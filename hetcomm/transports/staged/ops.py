@@ -91,43 +91,72 @@ class Body(Job):
         return True
 
 
+# the most driver threads one transport starts: bodies beyond that many waiting on their
+# peers at once wait for a driver to come free
+DRIVERS_MAX = 256
+
+
 class _Drivers:
-    """Daemon threads that run operations' bodies.
+    """Daemon threads that run operations' bodies: `count` at first, one more whenever a body
+    is queued and none is free (up to `most`). A body may wait on its peer (a send over
+    the rails for its clear-to-send, a receive for its message), so a fixed pool could be
+    all taken by bodies that wait for ones queued behind them, on this rank or another: two
+    ranks that made every send and receive asynchronous, more than the drivers, over tcp or
+    MPI rails and then waited in another order, waited so until the timeout (2026-12-06).
+    MPI completes every such set of calls; an idle driver sleeps and costs no core.
 
     Not concurrent.futures' pool: its exit hook joins every worker, and a body waiting for a
     rank that died would then hold the interpreter's exit until the body's own deadline.
     """
 
-    def __init__(self, count: int, name: str) -> None:
+    def __init__(self, count: int, name: str, most: int = DRIVERS_MAX) -> None:
         self.submitted = 0  # bodies handed over so far
+        self._most = most
         self._queue: queue.Queue[Any] = queue.Queue()
-        self._threads = [
-            threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True)
-            for i in range(count)
-        ]
-        for t in self._threads:
-            t.start()
+        self._name = name
+        self._lock = threading.Lock()  # the threads and the idle count
+        self._idle = 0  # drivers waiting for a body (a new one counts from its start)
+        self._threads: list[threading.Thread] = []
+        for _ in range(count):
+            self._add()
+
+    def _add(self) -> None:
+        thread = threading.Thread(
+            target=self._loop, name=f"{self._name}-{len(self._threads)}", daemon=True
+        )
+        self._threads.append(thread)
+        self._idle += 1
+        thread.start()
 
     def submit(self, fn: Callable[[float], None], deadline: float = math.inf) -> Body:
-        """Queue `fn(deadline)` for the next free driver."""
+        """Queue `fn(deadline)` for the next free driver (one more is started if none is)."""
         body = Body(fn, deadline)
         self.submitted += 1
         self._queue.put(body)
+        with self._lock:
+            if self._idle < self._queue.qsize() and len(self._threads) < self._most:
+                self._add()
         return body
 
     def _loop(self) -> None:
         while True:
             body = self._queue.get()
+            with self._lock:
+                self._idle -= 1
             if body is _STOP:
                 self._queue.put(_STOP)
                 return
             if body.claim():  # else a waiting thread runs it
                 body.run(body.deadline)
+            with self._lock:
+                self._idle += 1
 
     def shutdown(self, wait_s: float = 0.0) -> None:
         self._queue.put(_STOP)
         end = time.monotonic() + wait_s
-        for t in self._threads:
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
             t.join(max(0.0, end - time.monotonic()))
 
 
