@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import collections
 import math
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -112,50 +112,59 @@ class _Drivers:
     def __init__(self, count: int, name: str, most: int = DRIVERS_MAX) -> None:
         self.submitted = 0  # bodies handed over so far
         self._most = most
-        self._queue: queue.Queue[Any] = queue.Queue()
         self._name = name
-        self._lock = threading.Lock()  # the threads and the idle count
-        self._idle = 0  # drivers waiting for a body (a new one counts from its start)
+        # under `_ready`: the bodies not taken yet, the drivers waiting for one, the threads
+        self._ready = threading.Condition()
+        self._bodies: collections.deque[Any] = collections.deque()
+        self._idle = 0
         self._threads: list[threading.Thread] = []
-        for _ in range(count):
-            self._add()
+        with self._ready:
+            for _ in range(count):
+                self._add()
 
     def _add(self) -> None:
         thread = threading.Thread(
             target=self._loop, name=f"{self._name}-{len(self._threads)}", daemon=True
         )
         self._threads.append(thread)
-        self._idle += 1
+        self._idle += 1  # from its start: it takes a body queued before it runs
         thread.start()
 
     def submit(self, fn: Callable[[float], None], deadline: float = math.inf) -> Body:
         """Queue `fn(deadline)` for the next free driver (one more is started if none is)."""
         body = Body(fn, deadline)
         self.submitted += 1
-        self._queue.put(body)
-        with self._lock:
-            if self._idle < self._queue.qsize() and len(self._threads) < self._most:
+        with self._ready:
+            self._bodies.append(body)
+            if len(self._bodies) > self._idle and len(self._threads) < self._most:
                 self._add()
+            else:
+                self._ready.notify()
         return body
 
     def _loop(self) -> None:
+        ready = self._ready
         while True:
-            body = self._queue.get()
-            with self._lock:
+            with ready:
+                while not self._bodies:
+                    ready.wait()
+                body = self._bodies.popleft()
+                if body is _STOP:
+                    self._bodies.appendleft(_STOP)  # for the other drivers too
+                    ready.notify_all()
+                    return
                 self._idle -= 1
-            if body is _STOP:
-                self._queue.put(_STOP)
-                return
             if body.claim():  # else a waiting thread runs it
                 body.run(body.deadline)
-            with self._lock:
+            with ready:
                 self._idle += 1
 
     def shutdown(self, wait_s: float = 0.0) -> None:
-        self._queue.put(_STOP)
-        end = time.monotonic() + wait_s
-        with self._lock:
+        with self._ready:
+            self._bodies.append(_STOP)  # after the bodies queued so far
+            self._ready.notify_all()
             threads = list(self._threads)
+        end = time.monotonic() + wait_s
         for t in threads:
             t.join(max(0.0, end - time.monotonic()))
 
