@@ -316,8 +316,7 @@ class EagerOut(_Ring):
     def withdraw_all(self) -> None:
         """Withdraw every PULL message not returned yet (the transport closes)."""
         with self.lock:
-            lent = list(self._lent)
-            for slot in lent:
+            for slot in self._lent:
                 self.words[(slot + 1) * _ROW + KIND] = GONE
 
     def unclaim(self, slot: int) -> None:

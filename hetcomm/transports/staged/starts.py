@@ -216,14 +216,13 @@ def _when_open(
             return inner[0].test()
         if failed:
             raise failed[0]
-        if opened.is_set():
+        if opened.is_set():  # the channel open (its receive posted by the opener) or failed
             try:
                 opened.check()
             except PeerTimeout as exc:
                 raise CommTimeout(
                     t.comm.name, "recv", seq, t.timeout, exc.ranks, str(exc)
                 ) from None
-            return bool(inner) and inner[0].test()
         return False
 
     def waiter(seconds: float) -> bool:
