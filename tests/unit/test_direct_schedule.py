@@ -65,3 +65,48 @@ def test_one_rank_of_a_pair_sharing_a_device_copies_both_ways():
     assert schedule.copier(1, 0, ["gpu0", "gpu0"]) == schedule.copier(0, 1, ["gpu0", "gpu0"]) == 0
     with pytest.raises(ValueError, match="itself"):
         schedule.copier(2, 2, shared)
+
+
+def _reference_pieces(rows):
+    """Element by element: each byte's address on every rank, grouped into maximal runs that
+    stay within one array of every rank (the cuts pieces() must make)."""
+    per_rank = []
+    for row in rows:
+        owner = []
+        for j, (addr, n) in enumerate(row):
+            owner += [(j, addr + k) for k in range(n)]
+        per_rank.append(owner)
+    out = []
+    for i in range(len(per_rank[0])):
+        arrays = tuple(r[i][0] for r in per_rank)
+        if out and out[-1][0] == arrays:
+            out[-1][1] += 1
+        else:
+            out.append([arrays, 1, [r[i][1] for r in per_rank]])
+    return [(n, at) for _, n, at in out]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_pieces_cut_where_any_rank_array_ends(seed):
+    """Random splits of one total over 1-4 ranks (empty arrays included): the pieces cover
+    the concatenation in order, each within one array of every rank, at the right addresses."""
+    import random
+
+    rnd = random.Random(seed)
+    total = rnd.randint(0, 40)
+    rows = []
+    for r in range(rnd.randint(1, 4)):
+        cuts = sorted(rnd.randint(0, total) for _ in range(rnd.randint(0, 4)))
+        sizes = [b - a for a, b in itertools.pairwise([0, *cuts, total])]
+        rows.append([(1000 * (r + 1) + 100 * j, n) for j, n in enumerate(sizes)])
+    assert list(schedule.pieces(rows)) == _reference_pieces(rows)
+
+
+def test_pieces_of_ranks_split_alike_are_their_arrays():
+    rows = [[(10, 8), (50, 0), (90, 4)], [(20, 8), (60, 0), (70, 4)]]
+    assert list(schedule.pieces(rows)) == [(8, [10, 20]), (4, [90, 70])]
+
+
+def test_pieces_refuse_different_totals():
+    with pytest.raises(ValueError, match="different totals"):
+        list(schedule.pieces([[(0, 8)], [(0, 4)]]))

@@ -1,11 +1,14 @@
 """Pure arithmetic of the device-direct transport: shards, algorithm choice, source batches,
-which rank of a pair copies."""
+which rank of a pair copies, the pieces of several arrays."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator, Sequence
+
 from ..spans import ALIGN_BYTES, shards
 
-__all__ = ["ALIGN_BYTES", "algorithm", "batches", "copier", "shards"]
+__all__ = ["ALIGN_BYTES", "algorithm", "batches", "copier", "pieces", "shards"]
 
 # All-reduces up to this size read every peer's whole input in one kernel (one-shot); larger
 # ones reduce one shard per rank and gather the shards (two-shot). Measured on the H200:
@@ -49,3 +52,31 @@ def copier(src: int, dst: int, devices: list[str | None]) -> int:
     if devices[src] is not None and devices[src] == devices[dst]:
         return min(src, dst)
     return dst
+
+
+def pieces(rows: Sequence[Sequence[tuple[int, int]]]) -> Iterator[tuple[int, list[int]]]:
+    """The pieces of several ranks' arrays reduced element by element as one concatenation.
+
+    `rows[r]`: rank r's arrays in order, as (address, bytes); every rank's add up to the same
+    total. The concatenation is cut wherever any rank's array ends, so that each piece lies
+    within one array of every rank: yields (its bytes, each rank's address of its start), in
+    order. Ranks that split the total alike give one piece per (non-empty) array.
+    """
+    totals = {sum(n for _, n in row) for row in rows}
+    if len(totals) != 1:
+        raise ValueError(f"pieces: the ranks' arrays add up to different totals {sorted(totals)}")
+    cuts = sorted({end for row in rows for end in itertools.accumulate(n for _, n in row)} - {0})
+    index = [0] * len(rows)  # each rank's array holding the piece's start
+    start = [0] * len(rows)  # where that array starts in the concatenation
+    lo = 0
+    for hi in cuts:
+        at = []
+        for r, row in enumerate(rows):
+            j = index[r]
+            while start[r] + row[j][1] <= lo:  # arrays that end by `lo` (empty ones too)
+                start[r] += row[j][1]
+                j += 1
+            index[r] = j
+            at.append(row[j][0] + lo - start[r])
+        yield hi - lo, at
+        lo = hi
