@@ -46,7 +46,12 @@ from .ops import ReduceOp
 from .plan import OPS
 from .transports import flags
 
-_OP_CODES = {name: i + 1 for i, name in enumerate(OPS)}
+# the plan's operations, and all_reduce_coalesced where a shared GPU's leader reduces the
+# arrays one by one (direct): its "root" field holds how many arrays each rank gives, since
+# the leader reads that many records of every rank
+SIGNED = (*OPS, "all_reduce_coalesced")
+_OP_CODES = {name: i + 1 for i, name in enumerate(SIGNED)}
+_ARRAYS = _OP_CODES["all_reduce_coalesced"]
 _DTYPE_CODES = {name: code + 1 for name, code in CODES.items()}  # 0: no dtype
 _REDOP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
 _REDOPS = {i + 1: op.name for i, op in enumerate(ReduceOp)}
@@ -79,10 +84,14 @@ def differences(every: np.ndarray) -> list[str]:
     """'count differs: rank 0: 1024, rank 1: 2048' for each field that is not the same on every
     rank of `every` (one signature per row, as `signature` makes them)."""
     out = []
+    ops = every[:, 0]
+    arrays = bool((ops == _ARRAYS).all())
     for col, field in enumerate(FIELDS):
         values = every[:, col]
         if (values == values[0]).all():
             continue
+        if field == "root" and arrays:
+            field = "arrays"
         shown = [_show(field, int(v)) for v in values]
         out.append(f"{field} differs: " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown)))
     return out
@@ -90,7 +99,7 @@ def differences(every: np.ndarray) -> list[str]:
 
 def _show(field: str, v: int) -> str:
     if field == "operation":
-        return OPS[v - 1] if v > 0 else "?"
+        return SIGNED[v - 1] if v > 0 else "?"
     if field == "dtype":
         return DTYPES[v - 1] if v > 0 else "none"
     if field == "reduce op":

@@ -211,3 +211,23 @@ def test_a_carried_collective_that_disagrees_frees_its_records_at_once():
     a.start(2, np.ones(2))
     b.start(2, np.ones(2))
     assert a.Test() and b.Test() and a.agreed() and a.carried()
+
+
+def test_a_coalesced_call_through_the_leader_names_its_arrays():
+    """all_reduce_coalesced reduced array by array (a shared GPU's leader) signs how many
+    arrays each rank gives: two ranks with the same total in 1 and 2 arrays disagree, and the
+    difference is named as the arrays', not a root's; against a plain all_reduce, the
+    operation differs."""
+    records = _ranks(2)
+    one = agree.signature("all_reduce_coalesced", "float32", 6, ReduceOp.SUM, 1)
+    two = agree.signature("all_reduce_coalesced", "float32", 6, ReduceOp.SUM, 2)
+    checks = _slots(records, 1)
+    for c, vec in zip(checks, (one, two), strict=True):
+        c.load(vec)
+        c.quick(1)
+    assert all(c.Test() for c in checks)
+    assert [c.agreed() for c in checks] == [False, False]
+    assert agree.differences(np.stack([one, two])) == ["arrays differs: rank 0: 1, rank 1: 2"]
+    plain = agree.signature("all_reduce", "float32", 6, ReduceOp.SUM, -1)
+    said = agree.differences(np.stack([one, plain]))
+    assert said[0] == "operation differs: rank 0: all_reduce_coalesced, rank 1: all_reduce"
