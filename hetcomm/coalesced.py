@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import fusion
+from . import agree, fusion
 from . import work as _work
 from .argcheck import check_timeout, then
 from .arrays import Buffer, storage_dtype
@@ -87,8 +87,10 @@ def all_reduce_coalesced(
         ):
             return None
     packed: list[tuple[Buffer, list[Callable[[], None]], Any]] = []
-    for g in groups:
-        if g.on_device:
+    for g, transport in zip(groups, chosen):
+        if g.on_device and getattr(transport, "reduces_arrays", False):
+            packed.append(_in_place(g, transport))
+        elif g.on_device:
             dev = fusion.pack_device(g)
             packed.append((g.fused(ptr=dev.ptr), [dev.unpack], dev))
         else:
@@ -103,6 +105,10 @@ def all_reduce_coalesced(
         # a group on another transport than the one before starts once the groups before it
         # are done (the ordering guard waits for the collectives in flight)
         route = found or comm._route(_route_key(g, rop), "all_reduce", fb, no_general, rop)
+        if isinstance(holder, _Arrays) and found is None:
+            # the leader reads as many records of every rank as this rank has arrays: the
+            # check compares that number too
+            route.vec = agree.signature("all_reduce_coalesced", g.dtype, g.total, rop, len(g.bufs))
         seq, entered = entered, None
         if (
             seq is None
@@ -127,7 +133,13 @@ def all_reduce_coalesced(
             fb: Buffer = fb,
             steps: list[Callable[[], None]] = steps,
             transport: Transport = transport,
+            holder: Any = holder,
         ) -> Work:
+            if isinstance(holder, _Arrays):
+                work = transport.all_reduce_arrays(  # type: ignore[attr-defined]
+                    holder.spans, holder.dtype, rop, s, holder.ready
+                )
+                return then(work, steps)
             return then(transport.all_reduce(fb, fb, rop, s), steps)
 
         if fb.on_device and transport.name == "mpi":
@@ -150,6 +162,37 @@ def all_reduce_coalesced(
         # every blocking call's arrays alive
         comm._inflight = [w for w in comm._inflight if not w._done]
     return None
+
+
+class _Arrays:
+    """A device group that a shared GPU's leader reduces where its arrays are: each array's
+    (address, bytes), the events after which the leader may read them (one per stream they
+    are used on, recorded at the call), and the packed buffer standing in for arrays that
+    are not contiguous (else None)."""
+
+    __slots__ = ("dtype", "packed", "ready", "spans")
+
+    def __init__(self, dtype: str, spans: list[tuple[int, int]], ready: list[Any], packed: Any):
+        self.dtype, self.spans, self.ready, self.packed = dtype, spans, ready, packed
+
+
+def _in_place(g: fusion.Group, transport: Any) -> tuple[Buffer, list[Callable[[], None]], Any]:
+    """What all_reduce_coalesced starts a device group with where the transport reduces the
+    arrays where they are (DirectTransport.reduces_arrays): the group's arrays themselves
+    where each is contiguous; else their places in one packed buffer (packed after the work
+    queued on every array's stream, unpacked after). As packed's entries: the fused buffer
+    (which only describes the group to the plan here), the steps after, the _Arrays."""
+    if g.contiguous:
+        spans = [(b.ptr, b.nbytes) for b in g.bufs]
+        packed = None
+        steps: list[Callable[[], None]] = []
+    else:
+        packed = fusion.pack_device(g)
+        item = storage_dtype(g.dtype).itemsize
+        spans = [(packed.ptr + off * item, n * item) for off, n in zip(g.offsets, g.counts)]
+        steps = [packed.unpack]
+    held = _Arrays(g.dtype, spans, transport.ready_events(g.bufs), packed)
+    return g.fused(), steps, held
 
 
 def _arrays_key(arrays: Any, rop: ReduceOp) -> tuple[tuple[Any, ...] | None, Any]:
@@ -250,8 +293,10 @@ def _resolve(
 def _route_key(g: fusion.Group, rop: ReduceOp) -> tuple[Any, ...]:
     """What of a group decides its fused all_reduce's route (kept in the communicator's routes
     as an all_reduce's is): a repeated call takes the transport's prepared call for that
-    size."""
-    return ("all_reduce_coalesced", g.dtype, g.total, g.device, g.device_index, rop)
+    size. A device group's number of arrays too: where the leader reduces them one by one,
+    the route's signature holds it."""
+    arrays = len(g.bufs) if g.on_device else 0
+    return ("all_reduce_coalesced", g.dtype, g.total, g.device, g.device_index, arrays, rop)
 
 
 def _on_node(

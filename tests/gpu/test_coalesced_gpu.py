@@ -1,6 +1,8 @@
 """Tensor fusion on device arrays: the pack/unpack kernels alone, then all_reduce_coalesced under
 mpirun with ranks sharing the GPU (`mpirun -n 2 python -m mpi4py -m pytest --with-mpi tests/gpu`,
-and -n 4). Vendors are simulated, so the plan picks staged exactly as across a real boundary.
+and -n 4), three ways: staged (vendors simulated, so the plan picks it exactly as across a real
+boundary), direct through the shared GPU's leader (the arrays reduced where they are), and
+direct with the leader off (packed, as ranks on separate GPUs do).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hetcomm import InvalidArgument, ReduceOp
+from hetcomm import InvalidArgument, MismatchError, ReduceOp, introspect
 from hetcomm.testing import assert_all_ranks
 
 cupy = pytest.importorskip("cupy")
@@ -175,6 +177,36 @@ def test_pack_waits_for_every_stream() -> None:
 
 # ---- all_reduce_coalesced under mpirun ----------------------------------------------------------
 
+PATHS = ["staged", "direct leader", "direct peers"]
+
+
+def _comm(make: Any, path: str) -> tuple[Any, Any]:
+    """A communicator whose device collectives take `path`, and its direct transport (None for
+    staged); "direct peers" turns the shared GPU's leader off."""
+    if path == "staged":
+        return make(transport="staged", vendors=("nvidia", "amd")), None
+    comm = make(transport="direct")
+    t = introspect.transport_of(comm, "all_reduce", cupy.zeros(1))
+    assert t.name == "direct"
+    if path == "direct peers":
+        t.shared = False
+    return comm, t
+
+
+def _led(t: Any) -> int:
+    return t.stats()["led"] if t is not None else 0
+
+
+def _leader_problems(t: Any, path: str, before: int) -> list[str]:
+    """Whether the calls since `before` went through the shared GPU's leader, as `path` says."""
+    made = _led(t) - before
+    if path == "direct leader" and t.shared and not made:
+        return ["no call went through the leader"]
+    if path != "direct leader" and made:
+        return [f"{made} calls went through the leader ({path})"]
+    return []
+
+
 ARRAYS = [  # (library, dtype, layout, n)
     ("cupy", "float32", "contiguous", 1000),
     ("cupy", "int32", "strided", 33),
@@ -238,16 +270,24 @@ class Item:
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("async_op", [False, True])
-def test_every_op_mixed_device_and_host(hetcomm_make_comm, hetcomm_shared_seed, async_op) -> None:
-    comm = hetcomm_make_comm(transport="staged", vendors=("nvidia", "amd"))
+def test_every_op_mixed_device_and_host(
+    hetcomm_make_comm, hetcomm_shared_seed, async_op, path
+) -> None:
+    """Every reduce op over arrays of every library, dtype and layout (host arrays beside
+    them where the path moves host memory too), checked against numpy, and nothing outside
+    the arrays written."""
+    comm, t = _comm(hetcomm_make_comm, path)
     rng = np.random.default_rng(hetcomm_shared_seed)
     problems: list[str] = []
+    before = _led(t)
     for op in OPS:
         items = [
             Item(rng, comm.size, comm.rank, *spec)
             for spec in ARRAYS
             if not (op is ReduceOp.AVG and spec[1] == "bool")
+            and not (t is not None and spec[0] == "numpy")  # direct moves device memory
         ]
         work = comm.all_reduce_coalesced([i.array for i in items], op, async_op=async_op)
         if work is not None:
@@ -255,32 +295,91 @@ def test_every_op_mixed_device_and_host(hetcomm_make_comm, hetcomm_shared_seed, 
         torch.cuda.synchronize()
         for item in items:
             problems += item.problems(op)
+    problems += _leader_problems(t, path, before)
     assert_all_ranks(comm, not problems, "; ".join(problems[:6]))
 
 
 @pytest.mark.mpi(min_size=2)
-def test_stream_order(hetcomm_make_comm) -> None:
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("strided", [True, False], ids=["one strided", "contiguous"])
+def test_stream_order(hetcomm_make_comm, path, strided) -> None:
     """Work queued before the call is seen by it; work queued after wait() sees the result."""
-    comm = hetcomm_make_comm(transport="staged", vendors=("nvidia", "amd"))
+    comm, _ = _comm(hetcomm_make_comm, path)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         xs = [torch.zeros(n, device="cuda") for n in (8 << 20, 3, 1000)]
         torch.cuda._sleep(20_000_000)  # keep the stream busy: the adds below land late
         for x in xs:
             x.add_(comm.rank + 1)
-        work = comm.all_reduce_coalesced([xs[0], xs[1][::2], xs[2]], async_op=True)
+        middle = xs[1][::2] if strided else xs[1]
+        work = comm.all_reduce_coalesced([xs[0], middle, xs[2]], async_op=True)
         work.wait()
         ys = [x * 2 for x in xs]  # queued after wait(): must see the reduced values
     stream.synchronize()
     want = 2.0 * sum(range(1, comm.size + 1))
     ok = bool((ys[0] == want).all()) and bool((ys[2] == want).all())
-    ok = ok and ys[1].tolist() == [want, 2.0 * (comm.rank + 1), want]
+    mid = [want, 2.0 * (comm.rank + 1), want] if strided else [want] * 3
+    ok = ok and ys[1].tolist() == mid
     assert_all_ranks(comm, ok, f"expected {want} after the all_reduce_coalesced")
 
 
 @pytest.mark.mpi(min_size=2)
-def test_bad_device_calls(hetcomm_make_comm) -> None:
-    comm = hetcomm_make_comm(transport="staged", vendors=("nvidia", "amd"))
+@pytest.mark.parametrize("odd_strided", [False, True], ids=["contiguous", "odd ranks packed"])
+def test_ranks_that_cut_one_total_in_different_places(hetcomm_make_comm, odd_strided) -> None:
+    """Through the leader, each rank gives two arrays of one total cut in a place of its own
+    (on odd ranks the first one strided, so packed): every rank gets the element-wise sum of
+    the concatenations, as a fused buffer would give, and nothing beside the arrays moves."""
+    comm, t = _comm(hetcomm_make_comm, "direct leader")
+    n, r = comm.size, comm.rank
+    total = 40
+    data = np.random.default_rng(11).integers(-5, 5, (n, total)).astype(np.float32)
+    cut = 7 + 5 * r
+    step = 2 if odd_strided and r % 2 else 1
+    backing = cupy.full(3 * total + 10, SENTINEL, dtype=cupy.float32)
+    where = [np.arange(2, 2 + step * cut, step), np.arange(2 * total + 5, 3 * total + 5 - cut)]
+    first = backing[2 : 2 + step * cut : step]
+    second = backing[2 * total + 5 : 3 * total + 5 - cut]
+    first[...] = cupy.asarray(data[r, :cut])
+    second[...] = cupy.asarray(data[r, cut:])
+    before = cupy.asnumpy(backing)
+    outside = np.ones(before.size, bool)
+    outside[np.concatenate(where)] = False
+    led = _led(t)
+    comm.all_reduce_coalesced([first, second])
+    got = np.concatenate([cupy.asnumpy(first), cupy.asnumpy(second)])
+    problems = []
+    if not np.array_equal(got, data.sum(0)):
+        problems.append(f"wrong sum: {got.tolist()} against {data.sum(0).tolist()}")
+    if not np.array_equal(cupy.asnumpy(backing)[outside], before[outside]):
+        problems.append("wrote outside the arrays")
+    problems += _leader_problems(t, "direct leader", led)
+    assert_all_ranks(comm, not problems, "; ".join(problems))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_other_counts_of_arrays_raise_on_every_rank(hetcomm_make_comm) -> None:
+    """Through the leader, rank 0 gives one array and the others two of the same total: a
+    MismatchError naming the arrays on every rank, before any element moves."""
+    comm, t = _comm(hetcomm_make_comm, "direct leader")
+    if not t.shared:
+        pytest.skip("the ranks do not share one GPU: no leader")
+    x = cupy.arange(6, dtype=cupy.float32) + comm.rank
+    arrays = [x] if comm.rank == 0 else [x[:2], x[2:]]
+    said = ""
+    try:
+        comm.all_reduce_coalesced(arrays)
+    except MismatchError as exc:
+        said = str(exc)
+    ok = "arrays differs" in said and cupy.asnumpy(x).tolist() == list(
+        range(comm.rank, comm.rank + 6)
+    )
+    assert_all_ranks(comm, ok, f"expected a MismatchError naming the arrays, got {said!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("path", PATHS)
+def test_bad_device_calls(hetcomm_make_comm, path) -> None:
+    comm, _ = _comm(hetcomm_make_comm, path)
     x = cupy.arange(10, dtype=cupy.float32)
     problems = []
     for what, arrays in (

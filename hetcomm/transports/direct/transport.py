@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from mpi4py import MPI
 
-from ...dtypes import HALVES
+from ...dtypes import HALVES, TABLE
 from ...errors import InvalidArgument
 from ...kernels.device import kernel_op, kernel_type
 from ...ops import ReduceOp
@@ -149,6 +149,15 @@ class DirectTransport(PointToPoint, Transport):
         # on the device: the legacy stream a query or record names is the current device's
         return self.device_kernels.on_device(self.device, self._event_unless_done, stream)
 
+    def ready_events(self, bufs: Sequence[Buffer]) -> list[Any]:
+        """On the calling thread: for each stream that `bufs` are used on, an event where it
+        reaches this call (None where it has run everything; see _ready)."""
+        self._check("all_reduce_coalesced", tuple(bufs))
+        first: dict[int, Buffer] = {}
+        for b in bufs:
+            first.setdefault(self.device_kernels.current_stream(b), b)
+        return [self._ready(b) for b in first.values()]
+
     def _event_unless_done(self, stream: Any) -> Any:
         """None if `stream` (of the current device) has run everything queued on it, else a
         new event recorded on it."""
@@ -167,16 +176,20 @@ class DirectTransport(PointToPoint, Transport):
         body: Callable[[], Step],
         collective: bool = True,
         wait_ready: bool = True,
+        ready: Sequence[Any] | None = None,
     ) -> Work:
         """Hand the operation `body` to the proxy; unless told otherwise (`wait_ready`), it
-        starts once the caller's stream has run what was queued before the call."""
+        starts once the caller's stream has run what was queued before the call, or once the
+        events of `ready` have passed (None among them: nothing to wait for)."""
         stamp("prepared")
         self._check(op, bufs)
-        ready = self._ready(bufs[0]) if wait_ready else None
+        if ready is None:
+            ready = [self._ready(bufs[0])] if wait_ready else []
 
         def run() -> Step:
-            if ready is not None:
-                yield ready  # what the caller queued before the op has run
+            for event in ready:
+                if event is not None:
+                    yield event  # what the caller queued before the op has run
             yield from body()
 
         task = Task(run())
@@ -315,21 +328,27 @@ class DirectTransport(PointToPoint, Transport):
         bufs: tuple[Buffer, ...],
         nbytes: int,
         launch: Callable[[np.ndarray], Any],
+        spans: Sequence[tuple[int, int]] | None = None,
+        ready: Sequence[Any] | None = None,
     ) -> Work:
         """A collective that rank 0 does alone for every rank sharing its GPU.
 
-        Each other rank sends rank 0 its buffers' records once its stream is ready and waits for
-        rank 0's "done"; rank 0 waits for every record, queues the GPU work (`launch(table)`,
-        which returns what that work reads and must outlive it), waits for it, and sends
-        "done". Point-to-point messages tagged by the collective's
+        Each other rank sends rank 0 its buffers' records (or those of `spans`, (address,
+        bytes) each) once its stream is ready (or the events of `ready` have passed) and waits
+        for rank 0's "done"; rank 0 waits for every record, queues the GPU work
+        (`launch(table)`, which returns what that work reads and must outlive it), waits for
+        it, and sends "done". Point-to-point messages tagged by the collective's
         number, posted as soon as the operation is called, so that the other ranks' records of
         the next operation are already there when rank 0 ends this one: back-to-back operations
         do not pay a round trip between them. The other ranks' side runs beside their other
-        operations; rank 0's keeps its place among the collectives.
+        operations; rank 0's keeps its place among the collectives. An empty span's record is
+        all zeros (no allocation to name).
         """
         self.led += 1
         t_rec = self._lead_tag + 2 * (seq % tags.LEAD_TAGS)
         t_done = t_rec + 1
+        if spans is None:
+            spans = [(b.ptr, b.nbytes) for b in bufs]
         if self.rank != 0:
             done = np.zeros(1, np.int8)
             finished = self.svc.Irecv(done, 0, t_done)
@@ -340,13 +359,16 @@ class DirectTransport(PointToPoint, Transport):
                 # CUDA_ERROR_INVALID_CONTEXT (CuPy arrays made under a non-default stream)
                 peers = self.peers
                 rec = np.concatenate(
-                    [peers.describe(b.ptr, b.nbytes, [0], full=True) for b in bufs]
+                    [
+                        peers.describe(ptr, n, [0], full=True) if n else np.zeros(1, RECORD)
+                        for ptr, n in spans
+                    ]
                 )
                 yield self.svc.Isend(rec.view(np.uint8), 0, t_rec)
                 yield finished
 
-            return self._queue(name, seq, bufs, nbytes, member, collective=False)
-        table = np.zeros((self.size, len(bufs)), RECORD)
+            return self._queue(name, seq, bufs, nbytes, member, collective=False, ready=ready)
+        table = np.zeros((self.size, len(spans)), RECORD)
         arrived = [self.svc.Irecv(table[p].view(np.uint8), p, t_rec) for p in self._others]
 
         def leader() -> Step:
@@ -359,7 +381,7 @@ class DirectTransport(PointToPoint, Transport):
             del held
             yield [self.svc.Isend(self._done_flag, p, t_done) for p in self._others]
 
-        return self._queue(name, seq, bufs, nbytes, leader)
+        return self._queue(name, seq, bufs, nbytes, leader, ready=ready)
 
     def _reduce_all(
         self, outs: list[int], srcs: list[int], count: int, dtype: str, op: ReduceOp
@@ -367,6 +389,48 @@ class DirectTransport(PointToPoint, Transport):
         """outs[k] = op over srcs for every k, one pass (AVG divides in the same pass)."""
         if count:
             self._reduce_into(outs, srcs, count, dtype, op, self.size if op is ReduceOp.AVG else 0)
+
+    @property
+    def reduces_arrays(self) -> bool:
+        """Whether all_reduce_coalesced reduces the arrays where they are (all_reduce_arrays)
+        rather than packed into one buffer per rank: where the group shares one GPU, whose
+        leader reads every rank's arrays itself, so that no rank packs or unpacks (a kernel in
+        every process, which makes the GPU switch between their contexts)."""
+        return self.shared
+
+    def all_reduce_arrays(
+        self,
+        spans: Sequence[tuple[int, int]],
+        dtype: str,
+        op: ReduceOp,
+        seq: int,
+        ready: Sequence[Any],
+    ) -> Work:
+        """all_reduce_coalesced in place, through the shared GPU's leader, of the contiguous
+        arrays at `spans` ((address, bytes) in the call's order, every rank as many), once the
+        events of `ready` have passed (the arrays' streams at the call). The leader reduces
+        every rank's arrays as one concatenation, cut wherever any rank's array ends
+        (schedule.pieces), so ranks that split the same total differently get what a fused
+        buffer would give; one pass per piece."""
+        assert self.shared
+        self._prepare(dtype, op)
+
+        def all_reduce(table: np.ndarray) -> None:
+            rows = [
+                list(spans)
+                if p == self.rank
+                else [
+                    (self.peers.resolve(p, rec) if rec["nbytes"] else 0, int(rec["nbytes"]))
+                    for rec in table[p]
+                ]
+                for p in range(self.size)
+            ]
+            item = TABLE[dtype].itemsize
+            for n, at in schedule.pieces(rows):
+                self._reduce_all(at, at, n // item, dtype, op)
+
+        nbytes = sum(n for _, n in spans)
+        return self._leader_op("all_reduce_coalesced", seq, (), nbytes, all_reduce, spans, ready)
 
     def _alone(self, x: Buffer, out: Buffer) -> Step:
         if out.ptr != x.ptr:
