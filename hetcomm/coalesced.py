@@ -106,8 +106,8 @@ def all_reduce_coalesced(
         # are done (the ordering guard waits for the collectives in flight)
         route = found or comm._route(_route_key(g, rop), "all_reduce", fb, no_general, rop)
         if isinstance(holder, _Arrays) and found is None:
-            # the leader reads as many records of every rank as this rank has arrays: the
-            # check compares that number too
+            # direct's leader reads as many records of every rank as this rank has arrays:
+            # the check compares that number too (on every transport that takes them so)
             route.vec = agree.signature("all_reduce_coalesced", g.dtype, g.total, rop, len(g.bufs))
         seq, entered = entered, None
         if (
@@ -165,7 +165,7 @@ def all_reduce_coalesced(
 
 
 class _Arrays:
-    """A device group that a shared GPU's leader reduces where its arrays are: each array's
+    """A device group that the transport reduces where its arrays are: each array's
     (address, bytes), the events after which the leader may read them (one per stream they
     are used on, recorded at the call), and the packed buffer standing in for arrays that
     are not contiguous (else None)."""
@@ -178,7 +178,8 @@ class _Arrays:
 
 def _in_place(g: fusion.Group, transport: Any) -> tuple[Buffer, list[Callable[[], None]], Any]:
     """What all_reduce_coalesced starts a device group with where the transport reduces the
-    arrays where they are (DirectTransport.reduces_arrays): the group's arrays themselves
+    arrays where they are (`reduces_arrays`: direct's and staged's, where the ranks share one
+    GPU; `all_reduce_arrays` then takes them): the group's arrays themselves
     where each is contiguous; else their places in one packed buffer (packed after the work
     queued on every array's stream, unpacked after). As packed's entries: the fused buffer
     (which only describes the group to the plan here), the steps after, the _Arrays."""

@@ -349,9 +349,10 @@ class Communicator(PointToPoint):
         order. Host and device arrays may be mixed; device arrays on two devices may not. An
         empty list does nothing (None, or a completed Work). An array given twice, arrays that
         overlap, read-only arrays, unsupported dtypes and ops are refused before anything moves.
-        Where the ranks share one GPU under direct, its leader reduces every rank's device
-        arrays where they are (no pack or unpack on each rank; strided ones still packed), and
-        the check compares how many arrays each rank gives.
+        Where the ranks share one GPU (direct: its leader reduces them; staged: each copied to
+        and from the host), device arrays are moved where they are, with no pack or unpack
+        kernel on each rank (strided ones still packed), and the check compares how many
+        arrays each rank gives.
         """
         return coalesced.all_reduce_coalesced(self, arrays, op, async_op, timeout)
 

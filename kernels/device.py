@@ -6,7 +6,7 @@ import contextlib
 import functools
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -238,6 +238,19 @@ class StagingDevice:
         ready = cupy.cuda.Event(disable_timing=True)
         ready.record(external_stream(stream, self.device))
         return ready
+
+    def after_all(self, events: Sequence[Any]) -> Any:
+        """On the calling thread: one event after every one of `events` (None among them:
+        nothing to wait for), or None where there is none to wait for."""
+        pending = [e for e in events if e is not None]
+        if len(pending) <= 1:
+            return pending[0] if pending else None
+        stream = self._stream()
+        for event in pending:
+            stream.wait_event(event)
+        joined = self.cupy.cuda.Event(disable_timing=True)
+        joined.record(stream)
+        return joined
 
     # ---- copies ------------------------------------------------------------------------------
 

@@ -324,12 +324,14 @@ def test_stream_order(hetcomm_make_comm, path, strided) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("path", ["staged", "direct leader"])
 @pytest.mark.parametrize("odd_strided", [False, True], ids=["contiguous", "odd ranks packed"])
-def test_ranks_that_cut_one_total_in_different_places(hetcomm_make_comm, odd_strided) -> None:
-    """Through the leader, each rank gives two arrays of one total cut in a place of its own
-    (on odd ranks the first one strided, so packed): every rank gets the element-wise sum of
-    the concatenations, as a fused buffer would give, and nothing beside the arrays moves."""
-    comm, t = _comm(hetcomm_make_comm, "direct leader")
+def test_ranks_that_cut_one_total_in_different_places(hetcomm_make_comm, odd_strided, path) -> None:
+    """Arrays moved where they are (the ranks share the GPU), each rank giving two arrays of
+    one total cut in a place of its own (on odd ranks the first one strided, so packed):
+    every rank gets the element-wise sum of the concatenations, as a fused buffer would give,
+    and nothing beside the arrays moves."""
+    comm, t = _comm(hetcomm_make_comm, path)
     n, r = comm.size, comm.rank
     total = 40
     data = np.random.default_rng(11).integers(-5, 5, (n, total)).astype(np.float32)
@@ -352,17 +354,19 @@ def test_ranks_that_cut_one_total_in_different_places(hetcomm_make_comm, odd_str
         problems.append(f"wrong sum: {got.tolist()} against {data.sum(0).tolist()}")
     if not np.array_equal(cupy.asnumpy(backing)[outside], before[outside]):
         problems.append("wrote outside the arrays")
-    problems += _leader_problems(t, "direct leader", led)
+    problems += _leader_problems(t, path, led)
     assert_all_ranks(comm, not problems, "; ".join(problems))
 
 
 @pytest.mark.mpi(min_size=2)
-def test_other_counts_of_arrays_raise_on_every_rank(hetcomm_make_comm) -> None:
-    """Through the leader, rank 0 gives one array and the others two of the same total: a
-    MismatchError naming the arrays on every rank, before any element moves."""
-    comm, t = _comm(hetcomm_make_comm, "direct leader")
-    if not t.shared:
-        pytest.skip("the ranks do not share one GPU: no leader")
+@pytest.mark.parametrize("path", ["staged", "direct leader"])
+def test_other_counts_of_arrays_raise_on_every_rank(hetcomm_make_comm, path) -> None:
+    """Arrays moved where they are, rank 0 giving one array and the others two of the same
+    total: a MismatchError naming the arrays on every rank, before any element moves."""
+    comm, _ = _comm(hetcomm_make_comm, path)
+    x0 = cupy.zeros(1, dtype=cupy.float32)
+    if not introspect.transport_of(comm, "all_reduce", x0).reduces_arrays:
+        pytest.skip("the ranks do not share one GPU: the arrays are packed")
     x = cupy.arange(6, dtype=cupy.float32) + comm.rank
     arrays = [x] if comm.rank == 0 else [x[:2], x[2:]]
     said = ""

@@ -4,6 +4,7 @@ collective's body is the segment's where the group and the size allow, else the 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from functools import partial
@@ -11,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...arrays import as_buffer, own_block
+from ...arrays import Buffer, as_buffer, own_block
+from ...dtypes import TABLE
 from ...ops import ReduceOp
 from .. import hostcoll, local
 from ..local import Region
@@ -20,7 +22,6 @@ from .schedule import block_spans, chunk_spans
 from .segment import Body, SegmentBody, segment_for, segment_input, segment_output
 
 if TYPE_CHECKING:
-    from ...arrays import Buffer
     from .transport import StagedTransport
 
 
@@ -152,6 +153,76 @@ def all_reduce(t: StagedTransport, x: Buffer, out: Buffer, op: ReduceOp, seq: in
 
     ring = partial(_all_reduce_ring, t, x, out, op, seq)
     return _through_segment(t, "all_reduce", seq, x, out, ring, run, (x.dtype, op))
+
+
+def all_reduce_arrays(
+    t: StagedTransport, spans: list[tuple[int, int]], dtype: str, op: ReduceOp, seq: int
+) -> Body:
+    """all_reduce_coalesced of device arrays in place, at `spans` ((address, bytes) each):
+    each array copied between the device and its place in the shared segment (the rank's
+    input, then the result) where the segment takes the total, with no pack or unpack kernel
+    (on a GPU the ranks share, a kernel in each process makes the GPU switch between their
+    contexts); else copied into one device buffer, reduced by the rings and copied back.
+    Ranks that pack instead meet this one in the segment or the rings alike: the bytes are
+    laid out the same."""
+    total = sum(n for _, n in spans)
+    places = list(zip(spans, itertools.accumulate((n for _, n in spans), initial=0)))
+
+    def ring() -> Body:
+        def body(deadline: float, ready: Any) -> None:
+            if not total:
+                return  # every rank's arrays are empty (the check compared the totals)
+            gpu = t.gpu
+            mem, ptr = gpu.alloc(total)
+            fused = Region(total, None, ptr, mem)
+            for (p, n), at in places:
+                if n:
+                    gpu.copy_device(fused.sub(at, n), Region(n, None, p), ready)
+            item = TABLE[dtype].itemsize
+            buf = Buffer(
+                obj=mem,
+                kind="cupy",
+                dtype=dtype,
+                shape=(total // item,),
+                device="cuda",
+                device_index=gpu.device,
+                ptr=ptr,
+                contiguous=True,
+                readonly=False,
+                host=None,
+            )
+            _all_reduce_ring(t, buf, buf, op, seq)(deadline, None)
+            for (p, n), at in places:
+                if n:
+                    gpu.copy_device(Region(n, None, p), fused.sub(at, n), None)
+
+        return body
+
+    group = segment_for(t, total)
+    if group is None:
+        return ring()
+
+    def in_segment(deadline: float, ready: Any) -> None:
+        gpu = t.gpu
+        group.register_with_gpu(gpu.device)
+        mine = group.mine(total)
+        last = None
+        for (p, n), at in places:  # in order on one stream: the last one's end is every one's
+            if n:
+                last = gpu.copy_to_host_async(mine[at : at + n], Region(n, None, p), ready)
+        if last is not None:
+            last.synchronize()
+        with gpu.bounce(total) as res:
+            group.all_reduce(None, res, total, dtype, op, deadline)
+            for (p, n), at in places:
+                if n:
+                    last = gpu.copy_from_host_async(Region(n, None, p), res[at : at + n], None)
+            if last is not None:
+                last.synchronize()  # before the bounce buffer goes back
+
+    start = ("all_reduce", None, None, total, dtype, op, -1)
+    what = f"all_reduce_coalesced #{seq}"
+    return SegmentBody(t, what, group, total, in_segment, ring, start)
 
 
 def _through_segment(

@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -119,6 +119,10 @@ class StagedTransport(Transport):
         self._driver = _Drivers(4, f"hetcomm-staged-{self.rank}")
         self.closed = False
         self.gpu: Any = None
+        # every rank on one GPU (all_reduce_coalesced then moves device arrays where they
+        # are: reduces_arrays)
+        devices = {r.device for r in comm.topology.ranks}
+        self._shared_gpu = self.size > 1 and len(devices) == 1 and None not in devices
         self.stats: dict[str, int] = {}
         self._stats_lock = threading.Lock()
         self._counting = threading.local()  # .info: the trace facts of the op a driver runs
@@ -200,15 +204,18 @@ class StagedTransport(Transport):
         body: Callable[[float, Any], None],
         reduce_op: ReduceOp | None = None,
         nbytes: int | None = None,
+        ready: Any = None,
     ) -> Work:
         """Start `body(deadline, ready)` on a driver thread, the Work completing with it; a
         blocking call's (hetcomm.work.take_blocking) runs here instead, to its end.
 
         Its `info` (for the trace) counts as stages the chunks this rank sends and receives
-        over rails; `nbytes` is the operation's size (default: the first buffer's).
+        over rails; `nbytes` is the operation's size (default: the first buffer's); `ready`:
+        the device event the body waits for (default: the caller's stream for `bufs`).
         """
         blocking = take_blocking()
-        ready = self._ready(bufs, reduce_op)
+        if ready is None:
+            ready = self._ready(bufs, reduce_op)
         size = bufs[0].nbytes if nbytes is None else nbytes
         if blocking:
             return self._inline(op, seq, size, lambda deadline: body(deadline, ready))
@@ -472,6 +479,46 @@ class StagedTransport(Transport):
 
         return self._run(
             "all_reduce", seq, [x, out], collectives.all_reduce(self, x, out, op, seq), op
+        )
+
+    @property
+    def reduces_arrays(self) -> bool:
+        """Whether all_reduce_coalesced moves device arrays where they are (copies between
+        each array and its place in the host buffers: all_reduce_arrays) rather than packed
+        into one device buffer: where the ranks share one GPU, on which a pack and an unpack
+        kernel in every process make the GPU switch between their contexts."""
+        return self._shared_gpu
+
+    def ready_events(self, bufs: Sequence[Buffer]) -> list[Any]:
+        """On the calling thread: for each stream that `bufs` are used on, an event after the
+        work queued on it so far."""
+        from ...kernels.device import current_stream
+
+        gpu = self.staging()
+        first: dict[int, Buffer] = {}
+        for b in bufs:
+            first.setdefault(current_stream(b), b)
+        return [gpu.ready_event(b) for b in first.values()]
+
+    def all_reduce_arrays(
+        self,
+        spans: Sequence[tuple[int, int]],
+        dtype: str,
+        op: ReduceOp,
+        seq: int,
+        ready: Sequence[Any],
+    ) -> Work:
+        """all_reduce_coalesced in place of the contiguous device arrays at `spans`
+        ((address, bytes), in the call's order), once the events of `ready` have passed (see
+        collectives.all_reduce_arrays)."""
+        from . import collectives
+
+        gpu = self.staging()
+        gpu.prepare(dtype, op.value)  # the rings, where they take it, reduce on the GPU
+        body = collectives.all_reduce_arrays(self, list(spans), dtype, op, seq)
+        total = sum(n for _, n in spans)
+        return self._run(
+            "all_reduce_coalesced", seq, [], body, nbytes=total, ready=gpu.after_all(ready)
         )
 
     def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
