@@ -88,7 +88,7 @@ def all_reduce_coalesced(
             return None
     packed: list[tuple[Buffer, list[Callable[[], None]], Any]] = []
     for g, transport in zip(groups, chosen):
-        if g.on_device and getattr(transport, "reduces_arrays", False):
+        if g.on_device and transport.reduces_arrays:
             packed.append(_in_place(g, transport))
         elif g.on_device:
             dev = fusion.pack_device(g)
@@ -136,9 +136,7 @@ def all_reduce_coalesced(
             holder: Any = holder,
         ) -> Work:
             if isinstance(holder, _Arrays):
-                work = transport.all_reduce_arrays(  # type: ignore[attr-defined]
-                    holder.spans, holder.dtype, rop, s, holder.ready
-                )
+                work = transport.all_reduce_arrays(holder.spans, holder.dtype, rop, s, holder.ready)
                 return then(work, steps)
             return then(transport.all_reduce(fb, fb, rop, s), steps)
 
@@ -176,7 +174,9 @@ class _Arrays:
         self.dtype, self.spans, self.ready, self.packed = dtype, spans, ready, packed
 
 
-def _in_place(g: fusion.Group, transport: Any) -> tuple[Buffer, list[Callable[[], None]], Any]:
+def _in_place(
+    g: fusion.Group, transport: Transport
+) -> tuple[Buffer, list[Callable[[], None]], Any]:
     """What all_reduce_coalesced starts a device group with where the transport reduces the
     arrays where they are (`reduces_arrays`: direct's and staged's, where the ranks share one
     GPU; `all_reduce_arrays` then takes them): the group's arrays themselves

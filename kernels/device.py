@@ -114,6 +114,14 @@ def stream_reader(kind: str, device_index: int | None) -> Callable[[], int] | No
     return read
 
 
+def one_per_stream(bufs: Sequence[Any]) -> list[Any]:
+    """The first of `bufs` on each stream they are used on (current_stream), in their order."""
+    first: dict[int, Any] = {}
+    for b in bufs:
+        first.setdefault(current_stream(b), b)
+    return list(first.values())
+
+
 def on_behalf_of(buf: Any, call: Callable[[], Any]) -> Callable[[], Any]:
     """`call`, to run on another thread as if on this one: with this thread's current stream
     for `buf` (cupy's and torch's are per thread) and `buf`'s device current there."""

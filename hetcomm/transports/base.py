@@ -4,7 +4,7 @@ its communicator, optional capabilities, and the call queued on a transport's th
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from ..work import Signal
@@ -147,6 +147,34 @@ class Transport:
 
     def barrier(self, seq: int) -> Work:
         """Complete once every rank has entered the barrier."""
+        raise NotImplementedError
+
+    @property
+    def reduces_arrays(self) -> bool:
+        """Whether all_reduce_coalesced hands this transport its device arrays where they are
+        (all_reduce_arrays) rather than packed into one buffer for all_reduce: where a pack
+        and an unpack kernel in every process cost more than moving each array (ranks
+        sharing one GPU, which switches between their contexts for each kernel)."""
+        return False
+
+    def ready_events(self, bufs: Sequence[Buffer]) -> list[Any]:
+        """On the calling thread: an event (or None, nothing to wait for) per stream that
+        `bufs`, device arrays, are used on, where that stream reaches this call."""
+        raise NotImplementedError
+
+    def all_reduce_arrays(
+        self,
+        spans: Sequence[tuple[int, int]],
+        dtype: str,
+        op: ReduceOp,
+        seq: int,
+        ready: Sequence[Any],
+    ) -> Work:
+        """all_reduce_coalesced in place of contiguous device arrays of `dtype` at `spans`
+        ((address, bytes) in the call's order, every rank as many, adding up to the same
+        total), once the events of `ready` (ready_events') have passed: the result is what
+        one all_reduce of their concatenation gives, whatever places the ranks cut it at.
+        Only where `reduces_arrays`."""
         raise NotImplementedError
 
     def drain(self, op: str, seq: int) -> None:

@@ -150,13 +150,9 @@ class DirectTransport(PointToPoint, Transport):
         return self.device_kernels.on_device(self.device, self._event_unless_done, stream)
 
     def ready_events(self, bufs: Sequence[Buffer]) -> list[Any]:
-        """On the calling thread: for each stream that `bufs` are used on, an event where it
-        reaches this call (None where it has run everything; see _ready)."""
+        """Transport.ready_events: None where a stream has run everything (see _ready)."""
         self._check("all_reduce_coalesced", tuple(bufs))
-        first: dict[int, Buffer] = {}
-        for b in bufs:
-            first.setdefault(self.device_kernels.current_stream(b), b)
-        return [self._ready(b) for b in first.values()]
+        return [self._ready(b) for b in self.device_kernels.one_per_stream(bufs)]
 
     def _event_unless_done(self, stream: Any) -> Any:
         """None if `stream` (of the current device) has run everything queued on it, else a
@@ -392,10 +388,7 @@ class DirectTransport(PointToPoint, Transport):
 
     @property
     def reduces_arrays(self) -> bool:
-        """Whether all_reduce_coalesced reduces the arrays where they are (all_reduce_arrays)
-        rather than packed into one buffer per rank: where the group shares one GPU, whose
-        leader reads every rank's arrays itself, so that no rank packs or unpacks (a kernel in
-        every process, which makes the GPU switch between their contexts)."""
+        """Where the group shares one GPU, whose leader reads every rank's arrays itself."""
         return self.shared
 
     def all_reduce_arrays(
@@ -406,12 +399,10 @@ class DirectTransport(PointToPoint, Transport):
         seq: int,
         ready: Sequence[Any],
     ) -> Work:
-        """all_reduce_coalesced in place, through the shared GPU's leader, of the contiguous
-        arrays at `spans` ((address, bytes) in the call's order, every rank as many), once the
-        events of `ready` have passed (the arrays' streams at the call). The leader reduces
-        every rank's arrays as one concatenation, cut wherever any rank's array ends
-        (schedule.pieces), so ranks that split the same total differently get what a fused
-        buffer would give; one pass per piece."""
+        """Transport.all_reduce_arrays through the shared GPU's leader: it reduces every
+        rank's arrays as one concatenation, cut wherever any rank's array ends
+        (schedule.pieces), one pass per piece; it reads as many records of every rank as it
+        has arrays itself (the check compares the counts)."""
         assert self.shared
         self._prepare(dtype, op)
 

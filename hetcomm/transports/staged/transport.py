@@ -483,22 +483,16 @@ class StagedTransport(Transport):
 
     @property
     def reduces_arrays(self) -> bool:
-        """Whether all_reduce_coalesced moves device arrays where they are (copies between
-        each array and its place in the host buffers: all_reduce_arrays) rather than packed
-        into one device buffer: where the ranks share one GPU, on which a pack and an unpack
-        kernel in every process make the GPU switch between their contexts."""
+        """Where the ranks share one GPU: each array is copied between the device and its
+        place in the host buffers (collectives.all_reduce_arrays)."""
         return self._shared_gpu
 
     def ready_events(self, bufs: Sequence[Buffer]) -> list[Any]:
-        """On the calling thread: for each stream that `bufs` are used on, an event after the
-        work queued on it so far."""
-        from ...kernels.device import current_stream
+        """Transport.ready_events."""
+        from ...kernels.device import one_per_stream
 
         gpu = self.staging()
-        first: dict[int, Buffer] = {}
-        for b in bufs:
-            first.setdefault(current_stream(b), b)
-        return [gpu.ready_event(b) for b in first.values()]
+        return [gpu.ready_event(b) for b in one_per_stream(bufs)]
 
     def all_reduce_arrays(
         self,
@@ -508,9 +502,7 @@ class StagedTransport(Transport):
         seq: int,
         ready: Sequence[Any],
     ) -> Work:
-        """all_reduce_coalesced in place of the contiguous device arrays at `spans`
-        ((address, bytes), in the call's order), once the events of `ready` have passed (see
-        collectives.all_reduce_arrays)."""
+        """Transport.all_reduce_arrays (collectives.all_reduce_arrays)."""
         from . import collectives
 
         gpu = self.staging()
