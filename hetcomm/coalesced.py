@@ -164,14 +164,14 @@ def all_reduce_coalesced(
 
 class _Arrays:
     """A device group that the transport reduces where its arrays are: each array's
-    (address, bytes), the events after which the leader may read them (one per stream they
-    are used on, recorded at the call), and the packed buffer standing in for arrays that
-    are not contiguous (else None)."""
+    (address, bytes) and the events after which the transport may read them (one per stream
+    they are used on, recorded at the call). A packed buffer standing in for strided arrays
+    lives as long as its unpack step."""
 
-    __slots__ = ("dtype", "packed", "ready", "spans")
+    __slots__ = ("dtype", "ready", "spans")
 
-    def __init__(self, dtype: str, spans: list[tuple[int, int]], ready: list[Any], packed: Any):
-        self.dtype, self.spans, self.ready, self.packed = dtype, spans, ready, packed
+    def __init__(self, dtype: str, spans: list[tuple[int, int]], ready: list[Any]):
+        self.dtype, self.spans, self.ready = dtype, spans, ready
 
 
 def _in_place(
@@ -185,14 +185,13 @@ def _in_place(
     (which only describes the group to the plan here), the steps after, the _Arrays."""
     if g.contiguous:
         spans = [(b.ptr, b.nbytes) for b in g.bufs]
-        packed = None
         steps: list[Callable[[], None]] = []
     else:
         packed = fusion.pack_device(g)
         item = storage_dtype(g.dtype).itemsize
         spans = [(packed.ptr + off * item, n * item) for off, n in zip(g.offsets, g.counts)]
         steps = [packed.unpack]
-    held = _Arrays(g.dtype, spans, transport.ready_events(g.bufs), packed)
+    held = _Arrays(g.dtype, spans, transport.ready_events(g.bufs))
     return g.fused(), steps, held
 
 

@@ -552,7 +552,7 @@ def pack_device(g: Group) -> Any:
     current stream; returns the kernels' Packed (`.ptr`, `.unpack()`)."""
     from .kernels import device, fusion
 
-    streams = list(dict.fromkeys(device.current_stream(b) for b in g.bufs))
+    streams = list(device.by_stream(g.bufs))
     return fusion.shared().pack(
         device_entries(g), g.total, g.bufs[0].itemsize, g.device_index, streams
     )

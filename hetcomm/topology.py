@@ -84,6 +84,11 @@ class Topology:
         """The vendors in the group, sorted."""
         return sorted({r.vendor for r in self.ranks})
 
+    def share_one_device(self) -> bool:
+        """Whether the group has several ranks, all on one and the same device."""
+        devices = {r.device for r in self.ranks}
+        return len(self.ranks) > 1 and len(devices) == 1 and None not in devices
+
     def islands(self) -> list[tuple[int, ...]]:
         """Ranks grouped by (host, vendor): members that a native library could serve together."""
         found: dict[tuple[str, str], list[int]] = {}

@@ -114,12 +114,13 @@ def stream_reader(kind: str, device_index: int | None) -> Callable[[], int] | No
     return read
 
 
-def one_per_stream(bufs: Sequence[Any]) -> list[Any]:
-    """The first of `bufs` on each stream they are used on (current_stream), in their order."""
+def by_stream(bufs: Sequence[Any]) -> dict[int, Any]:
+    """Each stream `bufs` are used on (current_stream), in their order, with the first of them
+    used on it."""
     first: dict[int, Any] = {}
     for b in bufs:
         first.setdefault(current_stream(b), b)
-    return list(first.values())
+    return first
 
 
 def on_behalf_of(buf: Any, call: Callable[[], Any]) -> Callable[[], Any]:

@@ -426,3 +426,17 @@ def test_table_every_rank_without_interfaces() -> None:
 def test_table_simulated_gpu_vendor_on_other_gpu() -> None:
     topo = Topology([rank_info(0, "a", "amd", detected_vendor="nvidia", device_index=0)])
     assert "amd (sim; is nvidia)" in topo.table()
+
+
+def test_ranks_share_one_device_only_where_every_rank_is_on_the_same_one():
+    def gpu(rank: int, uuid: str | None, vendor: str = "nvidia") -> RankInfo:
+        index = None if uuid is None else 0
+        return rank_info(rank, "a", vendor, device_index=index, device_uuid=uuid)
+
+    assert Topology([gpu(0, UUID0), gpu(1, UUID0), gpu(2, UUID0)]).share_one_device()
+    # simulated vendors on one real GPU: the device is its UUID, whatever the vendor said
+    assert Topology([gpu(0, UUID0), gpu(1, UUID0, "amd")]).share_one_device()
+    assert not Topology([gpu(0, UUID0), gpu(1, UUID1)]).share_one_device()
+    assert not Topology([gpu(0, UUID0)]).share_one_device()  # one rank shares nothing
+    assert not Topology([gpu(0, None, "cpu"), gpu(1, None, "cpu")]).share_one_device()
+    assert not mixed_four().share_one_device()

@@ -85,7 +85,7 @@ class PointToPoint:
             if entry.done[0] != x.nbytes:
                 raise self._mismatch(op, peer, int(entry.done[0]), x.nbytes, x.describe())
 
-        return self._queue(op, seq, (x,), x.nbytes, body, collective=False, wait_ready=False)
+        return self._queue(op, seq, (x,), x.nbytes, body, collective=False, ready=())
 
     def _post_in_order(self, queue: deque[Lent], peer: int, tags: tuple[int, int]) -> Any:
         """Send the records at the head of `queue` whose buffers are ready and post the
@@ -131,7 +131,7 @@ class PointToPoint:
             if not ok:
                 raise self._mismatch(op, peer, theirs, x.nbytes, x.describe())
 
-        return self._queue(op, seq, (x,), x.nbytes, body, collective=False, wait_ready=False)
+        return self._queue(op, seq, (x,), x.nbytes, body, collective=False, ready=())
 
     @staticmethod
     def _mismatch(op: str, peer: int, theirs: int, nbytes: int, what: str) -> InvalidArgument:

@@ -102,8 +102,7 @@ class DirectTransport(PointToPoint, Transport):
         # from one process (one pass of a reduction, every copy on its stream), which saves the
         # GPU the switches between processes' contexts (about 250 us each on an H100 shared
         # by 4 ranks: BENCHMARKS, "Device collectives on 4 ranks sharing one GPU")
-        devices = {r.device for r in comm.topology.ranks}
-        self.shared = len(devices) == 1 and 1 < self.size <= schedule.MAX_SOURCES
+        self.shared = comm.topology.share_one_device() and self.size <= schedule.MAX_SOURCES
         self.led = 0  # collectives made through the leader
         device_kernels.kernel("copy16")
         self._prepared_p2p = PreparedP2P(self)
@@ -152,7 +151,7 @@ class DirectTransport(PointToPoint, Transport):
     def ready_events(self, bufs: Sequence[Buffer]) -> list[Any]:
         """Transport.ready_events: None where a stream has run everything (see _ready)."""
         self._check("all_reduce_coalesced", tuple(bufs))
-        return [self._ready(b) for b in self.device_kernels.one_per_stream(bufs)]
+        return [self._ready(b) for b in self.device_kernels.by_stream(bufs).values()]
 
     def _event_unless_done(self, stream: Any) -> Any:
         """None if `stream` (of the current device) has run everything queued on it, else a
@@ -171,16 +170,15 @@ class DirectTransport(PointToPoint, Transport):
         nbytes: int,
         body: Callable[[], Step],
         collective: bool = True,
-        wait_ready: bool = True,
         ready: Sequence[Any] | None = None,
     ) -> Work:
-        """Hand the operation `body` to the proxy; unless told otherwise (`wait_ready`), it
-        starts once the caller's stream has run what was queued before the call, or once the
-        events of `ready` have passed (None among them: nothing to wait for)."""
+        """Hand the operation `body` to the proxy; it starts once the caller's stream has run
+        what was queued before the call, or where `ready` is given once its events have
+        passed (None among them, or none at all: nothing to wait for)."""
         stamp("prepared")
         self._check(op, bufs)
         if ready is None:
-            ready = [self._ready(bufs[0])] if wait_ready else []
+            ready = [self._ready(bufs[0])]
 
         def run() -> Step:
             for event in ready:

@@ -119,10 +119,7 @@ class StagedTransport(Transport):
         self._driver = _Drivers(4, f"hetcomm-staged-{self.rank}")
         self.closed = False
         self.gpu: Any = None
-        # every rank on one GPU (all_reduce_coalesced then moves device arrays where they
-        # are: reduces_arrays)
-        devices = {r.device for r in comm.topology.ranks}
-        self._shared_gpu = self.size > 1 and len(devices) == 1 and None not in devices
+        self._one_gpu = comm.topology.share_one_device()  # see reduces_arrays
         self.stats: dict[str, int] = {}
         self._stats_lock = threading.Lock()
         self._counting = threading.local()  # .info: the trace facts of the op a driver runs
@@ -485,14 +482,14 @@ class StagedTransport(Transport):
     def reduces_arrays(self) -> bool:
         """Where the ranks share one GPU: each array is copied between the device and its
         place in the host buffers (collectives.all_reduce_arrays)."""
-        return self._shared_gpu
+        return self._one_gpu
 
     def ready_events(self, bufs: Sequence[Buffer]) -> list[Any]:
         """Transport.ready_events."""
-        from ...kernels.device import one_per_stream
+        from ...kernels.device import by_stream
 
         gpu = self.staging()
-        return [gpu.ready_event(b) for b in one_per_stream(bufs)]
+        return [gpu.ready_event(b) for b in by_stream(bufs).values()]
 
     def all_reduce_arrays(
         self,
