@@ -187,6 +187,53 @@ __global__ void reduce_peers_f32x4(PEER_ARGS(float4)) {
     }
 }
 
+// Many small pieces in one launch (all_reduce_coalesced where the ranks share one GPU): piece
+// blockIdx.y is `n[y]` elements at `p[y][0..nranks)`, one address per rank, each both a source
+// (in rank order) and an output, as reduce_peers with the same pointers as sources and outputs.
+// The table travels by value in the launch's parameters, so one launch needs no copy of it.
+// Pieces never overlap (the caller refuses overlapping arrays), so blocks of different pieces
+// never touch the same memory.
+#define PIECES 32
+struct Pieces {
+    unsigned long long n[PIECES];
+    unsigned long long p[PIECES][8];
+};
+#define PIECE_POINTERS(T) \
+    const unsigned long long n = t.n[blockIdx.y]; \
+    T* d[8]; \
+    _Pragma("unroll") for (int k = 0; k < 8; ++k) d[k] = (T*)t.p[blockIdx.y][k]
+#define STORE_RANKS(value) \
+    _Pragma("unroll") for (int k = 0; k < 8; ++k) { if (k < nranks) d[k][i] = (value); }
+
+template <typename T, typename Op>
+__global__ void reduce_pieces(Pieces t, int nranks, long long div) {
+    PIECE_POINTERS(T);
+    FOR_EACH_ELEMENT {
+        T acc = d[0][i];
+#pragma unroll
+        for (int k = 1; k < 8; ++k) {
+            if (k < nranks) acc = Op::f(acc, d[k][i]);
+        }
+        if (div > 0) acc = (T)(acc / (T)div);
+        STORE_RANKS(acc)
+    }
+}
+
+template <int Half, typename Op>
+__global__ void reduce_pieces_half(Pieces t, int nranks, long long div) {
+    PIECE_POINTERS(u16);
+    FOR_EACH_ELEMENT {
+        float acc = Half ? bf16_to_f32(d[0][i]) : f16_to_f32(d[0][i]);
+#pragma unroll
+        for (int k = 1; k < 8; ++k) {
+            if (k < nranks) acc = Op::f(acc, Half ? bf16_to_f32(d[k][i]) : f16_to_f32(d[k][i]));
+        }
+        if (div > 0) acc = acc / (float)div;
+        u16 out = Half ? f32_to_bf16(acc) : f32_to_f16(acc);
+        STORE_RANKS(out)
+    }
+}
+
 // Copies by the SMs, 16 bytes per load. The direct transport copies peer memory with
 // cudaMemcpyAsync, which measured faster through an IPC mapping on the H200 (1976-2009 GB/s
 // against 1820-1888 GB/s for this kernel); it uses this one where PEER_COPY = "kernel".

@@ -14,6 +14,7 @@ import pytest
 
 from hetcomm import InvalidArgument, MismatchError, ReduceOp, introspect
 from hetcomm.testing import assert_all_ranks
+from hetcomm.transports.direct import schedule
 
 cupy = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")
@@ -295,6 +296,40 @@ def test_every_op_mixed_device_and_host(
         torch.cuda.synchronize()
         for item in items:
             problems += item.problems(op)
+    problems += _leader_problems(t, path, before)
+    assert_all_ranks(comm, not problems, "; ".join(problems[:6]))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(
+    "dtype, op",
+    [
+        ("float32", ReduceOp.SUM),
+        ("float32", ReduceOp.AVG),
+        ("bfloat16", ReduceOp.SUM),
+        ("float16", ReduceOp.MIN),
+        ("int64", ReduceOp.MAX),
+    ],
+)
+def test_many_arrays_of_one_dtype(hetcomm_make_comm, hetcomm_shared_seed, path, dtype, op) -> None:
+    """More arrays of one dtype than a launch's table of pieces holds (the shared GPU's
+    leader reduces the small ones PIECES at a time, direct/schedule.py), of 1 to 3000
+    elements and one past the table's size limit, in one call: every one as numpy says,
+    nothing beside them written, on every path."""
+    comm, t = _comm(hetcomm_make_comm, path)
+    rng = np.random.default_rng(hetcomm_shared_seed)
+    sizes = [int(n) for n in rng.integers(1, 3000, 2 * schedule.PIECES + 5)]
+    sizes[7] = schedule.TABLE_BYTES // np.dtype(dtype if dtype != "bfloat16" else "f2").itemsize + 3
+    libs = ["torch"] if dtype == "bfloat16" else ["cupy", "torch"]
+    items = [
+        Item(rng, comm.size, comm.rank, libs[i % len(libs)], dtype, "contiguous", n)
+        for i, n in enumerate(sizes)
+    ]
+    before = _led(t)
+    comm.all_reduce_coalesced([i.array for i in items], op)
+    torch.cuda.synchronize()
+    problems = [p for item in items for p in item.problems(op)]
     problems += _leader_problems(t, path, before)
     assert_all_ranks(comm, not problems, "; ".join(problems[:6]))
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
+import numpy as np
 import pytest
 
+from hetcomm import kernels
 from hetcomm.transports.direct import schedule
 from hetcomm.transports.direct.transport import group_unavailable
 
@@ -110,3 +113,37 @@ def test_pieces_of_ranks_split_alike_are_their_arrays():
 def test_pieces_refuse_different_totals():
     with pytest.raises(ValueError, match="different totals"):
         list(schedule.pieces([[(0, 8)], [(0, 4)]]))
+
+
+@pytest.mark.parametrize("count", [0, 1, 31, 32, 33, 70])
+@pytest.mark.parametrize("ranks", [1, 3, 8])
+def test_tables_hold_every_piece_once_padded_with_zeros(count, ranks):
+    """Pieces in launch tables of PIECES: each piece's elements and every rank's address in
+    order, nothing else set, the longest piece of each table named."""
+    import random
+
+    rnd = random.Random(count * 10 + ranks)
+    small = [
+        (rnd.randint(1, 1 << 16), [rnd.randint(1, 1 << 48) for _ in range(ranks)])
+        for _ in range(count)
+    ]
+    got = []
+    for table, npieces, longest in schedule.tables(small):
+        assert isinstance(table, np.void) and table.dtype == schedule.PIECES_DTYPE
+        assert 1 <= npieces <= schedule.PIECES
+        n, p = table["n"], table["p"]
+        assert not n[npieces:].any() and not p[npieces:].any() and not p[:, ranks:].any()
+        rows = [(int(n[j]), [int(a) for a in p[j, :ranks]]) for j in range(npieces)]
+        assert longest == max(c for c, _ in rows)
+        got += rows
+    assert got == small
+    assert len(list(schedule.tables(small))) == -(-count // schedule.PIECES)
+
+
+def test_tables_fit_the_kernel_parameters():
+    """The table is the kernel's by-value parameter (kernels/reduce.cu, "Pieces"): its size
+    there, and under the 4 KiB CUDA and HIP allow a launch's parameters."""
+    assert schedule.PIECES_DTYPE.itemsize == schedule.PIECES * (1 + schedule.MAX_SOURCES) * 8
+    assert schedule.PIECES_DTYPE.itemsize + 16 <= 4096
+    source = (Path(kernels.__file__).parent / "reduce.cu").read_text()
+    assert f"#define PIECES {schedule.PIECES}\n" in source

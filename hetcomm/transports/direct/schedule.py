@@ -6,9 +6,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 
+import numpy as np
+
 from ..spans import ALIGN_BYTES, shards
 
-__all__ = ["ALIGN_BYTES", "algorithm", "batches", "copier", "pieces", "shards"]
+__all__ = ["ALIGN_BYTES", "algorithm", "batches", "copier", "pieces", "shards", "tables"]
 
 # All-reduces up to this size read every peer's whole input in one kernel (one-shot); larger
 # ones reduce one shard per rank and gather the shards (two-shot). Measured on the H200:
@@ -16,6 +18,13 @@ __all__ = ["ALIGN_BYTES", "algorithm", "batches", "copier", "pieces", "shards"]
 ONE_SHOT_BYTES = 256 * 1024
 # a peer-reduction kernel reads at most this many sources; more are folded in batches
 MAX_SOURCES = 8
+# Pieces of all_reduce_coalesced up to this size are reduced together, up to PIECES of them in
+# one launch whose parameters hold their table (kernels/reduce.cu, "Pieces"): below it a
+# launch costs more than the reduction itself. A larger piece takes launches of its own (16
+# bytes per load where it can).
+TABLE_BYTES = 256 * 1024
+PIECES = 32
+PIECES_DTYPE = np.dtype([("n", np.uint64, (PIECES,)), ("p", np.uint64, (PIECES, MAX_SOURCES))])
 
 
 def algorithm(nbytes: int, size: int) -> str:
@@ -80,3 +89,16 @@ def pieces(rows: Sequence[Sequence[tuple[int, int]]]) -> Iterator[tuple[int, lis
             at.append(row[j][0] + lo - start[r])
         yield hi - lo, at
         lo = hi
+
+
+def tables(small: Sequence[tuple[int, Sequence[int]]]) -> Iterator[tuple[np.void, int, int]]:
+    """The launch tables of pieces (elements, each rank's address), PIECES at a time: yields
+    (the table as the kernel's by-value parameter, its pieces, its longest piece's elements).
+    Rows past the pieces and addresses past the ranks stay zero."""
+    for lo in range(0, len(small), PIECES):
+        chunk = small[lo : lo + PIECES]
+        table = np.zeros(1, PIECES_DTYPE)
+        for j, (count, at) in enumerate(chunk):
+            table["n"][0, j] = count
+            table["p"][0, j, : len(at)] = at
+        yield table[0], len(chunk), max(count for count, _ in chunk)

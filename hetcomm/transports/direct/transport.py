@@ -399,10 +399,12 @@ class DirectTransport(PointToPoint, Transport):
     ) -> Work:
         """Transport.all_reduce_arrays through the shared GPU's leader: it reduces every
         rank's arrays as one concatenation, cut wherever any rank's array ends
-        (schedule.pieces), one pass per piece; it reads as many records of every rank as it
-        has arrays itself (the check compares the counts)."""
+        (schedule.pieces): the small pieces in one launch over a table of them
+        (schedule.tables), a large one in launches of its own. It reads as many records of
+        every rank as it has arrays itself (the check compares the counts)."""
         assert self.shared
         self._prepare(dtype, op)
+        kernel = self.device_kernels.kernel(_kernel_name(dtype, op, "reduce_pieces"))
 
         def all_reduce(table: np.ndarray) -> None:
             rows = [
@@ -415,8 +417,17 @@ class DirectTransport(PointToPoint, Transport):
                 for p in range(self.size)
             ]
             item = TABLE[dtype].itemsize
+            small = []
             for n, at in schedule.pieces(rows):
-                self._reduce_all(at, at, n // item, dtype, op)
+                if n > schedule.TABLE_BYTES:
+                    self._reduce_all(at, at, n // item, dtype, op)
+                else:
+                    small.append((n // item, at))
+            div = np.int64(self.size if op is ReduceOp.AVG else 0)
+            for pieces, npieces, longest in schedule.tables(small):
+                blocks = max(1, min(2048 // npieces, (longest + _THREADS - 1) // _THREADS))
+                with self._proxy.stream:
+                    kernel((blocks, npieces), (_THREADS,), (pieces, np.int32(self.size), div))
 
         nbytes = sum(n for _, n in spans)
         return self._leader_op("all_reduce_coalesced", seq, (), nbytes, all_reduce, spans, ready)
@@ -661,8 +672,9 @@ class DirectTransport(PointToPoint, Transport):
 _RETIRED: list[Any] = []
 
 
-def _kernel_name(dtype: str, op: ReduceOp) -> str:
-    """The peer-reduction kernel for `dtype` and `op` (kernels/reduce.cu; AVG sums)."""
+def _kernel_name(dtype: str, op: ReduceOp, family: str = "reduce_peers") -> str:
+    """The peer-reduction kernel of `family` (reduce_peers, reduce_pieces) for `dtype` and
+    `op` (kernels/reduce.cu; AVG sums)."""
     half = "_half" if dtype in HALVES else ""
     name = "sum" if op is ReduceOp.AVG else op.value
-    return f"reduce_peers{half}{kernel_type(dtype)}, {kernel_op(dtype, name)}>"
+    return f"{family}{half}{kernel_type(dtype)}, {kernel_op(dtype, name)}>"
