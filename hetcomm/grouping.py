@@ -112,16 +112,17 @@ def exchange(
     recv_tag: int,
     timeout: float | None,
 ) -> bool:
-    """A blocking sendrecv of host arrays through the transport's prepared exchange of the
-    pair (`prepare("sendrecv")`, kept as a route beside the send's and the receive's), with no
-    group block. False, having moved nothing, where the transport has none or either call
-    would be refused (the group block then makes or refuses both)."""
+    """A blocking sendrecv through the transport's prepared exchange of the pair
+    (`prepare("sendrecv")`, kept as a route beside the send's and the receive's; host arrays,
+    or device addresses where the routes read those), with no group block. False, having moved
+    nothing, where the transport has none or either call would be refused (the group block then
+    makes or refuses both)."""
     if _work.observing:
         return False
-    host = _host_pair(comm, x, dst, out, src, tag, recv_tag, timeout)
-    if host is None:
+    views = _pair_views(comm, x, dst, out, src, tag, recv_tag, timeout)
+    if views is None:
         return False
-    send, receive, xh, oh = host
+    send, receive, xh, oh = views
     pair = _pair(comm, send, receive, x, out)
     return pair.run is not None and comm._run_pair(pair, xh, dst, tag, oh, src, recv_tag, timeout)
 
@@ -140,18 +141,18 @@ def start_exchange(
     with no group block, their Works joined (the receive's first). None, having moved nothing,
     where either has no prepared start or either call would be refused (the group block then
     makes or refuses both)."""
-    host = _host_pair(comm, x, dst, out, src, tag, recv_tag, timeout)
-    if host is None:
+    views = _pair_views(comm, x, dst, out, src, tag, recv_tag, timeout)
+    if views is None:
         return None
-    send, receive, xh, oh = host
-    if send.start is None or receive.start is None:
+    send, receive, xh, oh = views
+    if send.start is None or receive.start is None or send.view is not host_view:
         return None
     got = comm._start_p2p(receive, out, oh, src, recv_tag, timeout)
     sent = comm._start_p2p(send, x, xh, dst, tag, timeout)
     return all_of(comm, [got, sent], "sendrecv")
 
 
-def _host_pair(
+def _pair_views(
     comm: PointToPoint,
     x: Any,
     dst: int,
@@ -161,9 +162,11 @@ def _host_pair(
     recv_tag: int,
     timeout: float | None,
 ) -> tuple[Route, Route, Any, Any] | None:
-    """The send's and the receive's routes of a sendrecv and their host views, once every
-    argument is known good; None where the calls go through a group block instead (an
-    argument to refuse there, a device array, a group block open, the communicator closed)."""
+    """The send's and the receive's routes of a sendrecv and what their prepared calls take
+    of each array (route.view: a host view, or a device address), once every argument is
+    known good; None where the calls go through a group block instead (an argument to refuse
+    there, arrays of two kinds of memory or views, a group block open, the communicator
+    closed)."""
     size, top = comm.size, comm._tag_ub
     if (
         comm._aborted is not None
@@ -178,10 +181,11 @@ def _host_pair(
         return None
     receive = comm._p2p_route("recv", out)
     send = comm._p2p_route("send", x)
-    if receive.view is not host_view or send.view is not host_view:
+    view = send.view
+    if receive.view is not view:
         return None
-    oh = host_view(out, True)
-    xh = host_view(x, False)
+    oh = view(out, True)
+    xh = view(x, False)
     if oh is None or xh is None:
         return None
     if timeout is not None:

@@ -436,3 +436,67 @@ def test_prepared_send_recv_every_form_and_signature_change(hetcomm_make_comm, h
                 f"{after - before} of 2 calls behind an asynchronous one took the general path"
             )
     assert_all_ranks(comm, not problems, "; ".join(problems))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sendrecv_pairs_and_rings_take_the_prepared_exchange(
+    hetcomm_make_comm, hetcomm_shared_seed
+):
+    """Blocking device sendrecv, repeated: a ring shift (send right, receive left) and pairs
+    exchanging (ranks 2k and 2k+1; the last of an odd group sits out), CuPy and torch arrays,
+    1 to 70000 elements. Each receive holds the peer's data and nothing beside it changed, the
+    send buffer is as it was, and every call took the transport's prepared exchange (counted).
+    Sizes that differ raise on both ends of a pair, and the exchange after is right."""
+    comm = hetcomm_make_comm(transport="direct")
+    n, r = comm.size, comm.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    partner = r ^ 1 if r ^ 1 < n else None
+    rng = np.random.default_rng(hetcomm_shared_seed)
+    pad = 16
+    problems: list[str] = []
+
+    def cp(values, dtype):
+        return cupy.asarray(values.astype(dtype))
+
+    def host(a):
+        return _host(a) if isinstance(a, torch.Tensor) else cupy.asnumpy(a).astype(np.float64)
+
+    def exchange(label, make, dtype, count, dst, src, tag):
+        data = rng.integers(0, 100, (n, count)).astype(np.float64)
+        x = make(data[r], dtype)
+        buf = make(np.full(count + 2 * pad, -7.0), dtype)
+        y = buf[pad:-pad]
+        comm.sendrecv(x, dst, y, src, tag=tag)
+        got = host(buf)
+        if not np.array_equal(got[pad:-pad], data[src]):
+            problems.append(f"{label}: wrong data")
+        if (got[:pad] != -7).any() or (got[-pad:] != -7).any():
+            problems.append(f"{label}: wrote beside the receive buffer")
+        if not np.array_equal(host(x), data[r]):
+            problems.append(f"{label}: the send buffer changed")
+
+    before, _ = _p2p_counts(comm, "sendrecv")
+    calls = 0
+    for rep in range(2):
+        for make, dtype in ((cp, "float32"), (_tensor, "bfloat16"), (cp, "int64")):
+            for count in (1, 1000, 70000):
+                what = f"{dtype} x{count} #{rep}"
+                exchange(f"ring {what}", make, dtype, count, right, left, 3)
+                calls += 1
+                if partner is not None:
+                    exchange(f"pair {what}", make, dtype, count, partner, partner, 4)
+                    calls += 1
+    runs, _ = _p2p_counts(comm, "sendrecv")
+    if runs - before != calls:
+        problems.append(f"{runs - before} of {calls} sendrecv calls took the prepared exchange")
+    if partner is not None:
+        mine = 10 + 2 * (r % 2)  # even ranks send and expect 10 elements, odd ones 12
+        x, y = cupy.ones(mine, cupy.float32), cupy.zeros(mine, cupy.float32)
+        try:
+            comm.sendrecv(x, partner, y, partner, tag=5)
+            problems.append("sizes that differ: no error")
+        except InvalidArgument as exc:
+            if "bytes" not in str(exc):
+                problems.append(f"sizes that differ: {exc}")
+        exchange("pair after a mismatch", cp, "float32", 300, partner, partner, 6)
+    assert_all_ranks(comm, not problems, "; ".join(problems[:6]))

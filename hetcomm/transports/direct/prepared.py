@@ -49,6 +49,9 @@ class PreparedP2P:
         # into it on the lending side: a call is one or the other)
         self._done = np.zeros(1, np.int64)
         self._event: Any = None  # the copy's (or the caller's stream's) end, reused
+        # a sendrecv's two directions: the peers' records (copying sides) and the "done"s
+        self._pair_got = np.empty(2, RECORD)
+        self._pair_done = np.zeros(2, np.int64)
 
     def prepare(self, op: str, x: Buffer | None) -> Callable[..., bool] | None:
         """The prepared call of a send or receive of `x`'s signature: `run(ptr, peer, tag,
@@ -66,6 +69,106 @@ class PreparedP2P:
         if stream is None:
             return None
         return partial(self._run, op, x.nbytes, stream, x.describe())
+
+    def prepare_pair(self, x: Buffer | None, out: Buffer | None) -> Callable[..., bool] | None:
+        """The prepared sendrecv of two device arrays of one library on this device:
+        `run(xptr, dst, tag, optr, src, recv_tag, seq)` (grouping.exchange). None where the
+        group block takes every call (host or empty arrays, another device, two libraries'
+        streams)."""
+        from ...kernels.device import stream_reader
+
+        t = self.t
+        if x is None or out is None or not (x.on_device and out.on_device):
+            return None
+        if not (x.count and out.count) or x.kind != out.kind:
+            return None
+        if x.device_index != t.device or out.device_index != t.device:
+            return None
+        stream = stream_reader(x.kind, x.device_index)
+        if stream is None:
+            return None
+        return partial(self._exchange, x.nbytes, out.nbytes, stream, x.describe(), out.describe())
+
+    def _exchange(
+        self,
+        nx: int,
+        no: int,
+        stream: Callable[[], int],
+        wx: str,
+        wo: str,
+        xptr: int,
+        dst: int,
+        tag: int,
+        optr: int,
+        src: int,
+        recv_tag: int,
+        seq: int,
+    ) -> bool:
+        """A sendrecv on the calling thread: each direction's messages as _copy's and _lend's
+        (the same tags and order, so the peers may take either path), every request posted
+        before any is waited for, so that a ring of exchanges cannot wait on itself. A lending
+        side waits for the caller's stream first (its buffer is read or written by the peer);
+        a copying side queues its copy on that stream once the peer's record is in, and sends
+        "done" once it has run. False (nothing moved) where _run would decline."""
+        t = self.t
+        if dst == t.rank or src == t.rank or self.rt.getDevice() != t.device:
+            return False
+        copies_send = schedule.copier(t.rank, dst, t._devices) == t.rank
+        copies_recv = schedule.copier(src, t.rank, t._devices) == t.rank
+        stags = t._tags(tag, "send", copies_send)
+        rtags = t._tags(recv_tag, "recv", not copies_recv)
+        proxy = t._proxy
+        if not proxy.claim():
+            return False
+        try:
+            s = t.device_kernels.external_stream(stream(), t.device)
+            if self._event is None:
+                self._event = t.cupy.cuda.Event(disable_timing=True)
+            if not (copies_send and copies_recv) and not s.done:
+                self._reach(s, "sendrecv", seq)
+            got, done, svc = self._pair_got, self._pair_done, self.svc
+            # per direction: (copies, peer, tags, our address, our bytes, what, index)
+            sides = (
+                (copies_send, dst, stags, xptr, nx, wx, 0),
+                (copies_recv, src, rtags, optr, no, wo, 1),
+            )
+            waits, records = [], []
+            for copies, peer, tags, ptr, n, _, i in sides:
+                if copies:
+                    records.append(svc.Irecv(got[i : i + 1].view(np.uint8), peer, tags[0]))
+                else:
+                    rec = self._record(ptr, n)
+                    waits.append(svc.Isend(rec.view(np.uint8), peer, tags[0]))
+                    waits.append(svc.Irecv(done[i : i + 1], peer, tags[1]))
+            self._wait(partial(MPI.Request.Testall, records), "sendrecv", seq)
+            wrong = []
+            for copies, peer, _, ptr, n, what, i in sides:
+                if not copies:
+                    continue
+                theirs = int(got[i : i + 1].view(np.uint64)[2])  # the record's nbytes
+                if theirs == n:
+                    mapped, _ = t.peers.address(peer, got[i : i + 1])
+                    to, fro = (mapped, ptr) if i == 0 else (ptr, mapped)
+                    self.rt.memcpyAsync(to, fro, n, D2D, s.ptr)
+                else:
+                    t.peers.learn(peer, got[i])  # its handle may come only this once
+                    wrong.append((i, peer, theirs, n, what))
+                done[i] = n
+            if records:
+                self._reach(s, "sendrecv", seq)  # the copies have run
+            for copies, peer, tags, _, _, _, i in sides:
+                if copies:
+                    waits.append(svc.Isend(done[i : i + 1], peer, tags[1]))
+            self._wait(partial(MPI.Request.Testall, waits), "sendrecv", seq)
+        finally:
+            proxy.release()
+        for copies, peer, _, _, n, what, i in sides:
+            if not copies and done[i] != n:
+                wrong.append((i, peer, int(done[i]), n, what))
+        if wrong:
+            i, peer, theirs, n, what = wrong[0]
+            raise t._mismatch("send" if i == 0 else "recv", peer, theirs, n, what)
+        return True
 
     def _run(
         self,

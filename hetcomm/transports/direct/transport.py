@@ -632,6 +632,8 @@ class DirectTransport(PointToPoint, Transport):
         """The blocking call of one signature on device arrays, run on the calling thread with
         no Work (hetcomm.routes.Route.run): sends and receives (direct/prepared.py); None for
         the collectives, which the proxy runs."""
+        if op == "sendrecv":
+            return self._prepared_p2p.prepare_pair(x, out)
         if op not in ("send", "recv"):
             return None
         return self._prepared_p2p.prepare(op, x)
