@@ -630,8 +630,8 @@ class DirectTransport(PointToPoint, Transport):
         self, op: str, x: Buffer | None, out: Buffer | None, rop: ReduceOp | None, root: int
     ) -> Callable[..., bool] | None:
         """The blocking call of one signature on device arrays, run on the calling thread with
-        no Work (hetcomm.routes.Route.run): sends and receives (direct/prepared.py); None for
-        the collectives, which the proxy runs."""
+        no Work (hetcomm.routes.Route.run): sends, receives and the sendrecv of a pair
+        (direct/prepared.py); None for the collectives, which the proxy runs."""
         if op == "sendrecv":
             return self._prepared_p2p.prepare_pair(x, out)
         if op not in ("send", "recv"):
