@@ -300,10 +300,12 @@ class Communicator(PointToPoint):
         if route is None:
             route = self._route_all_reduce(key, x, op, out, inplace)
         if (route.run or route.land) is not None and not async_op and not _work.observing:
-            xh = host_view(x, inplace)
+            xh = route.view(x, inplace)
             if xh is not None:
-                oh = xh if inplace else host_view(out, True)
-                if oh is not None and (inplace or not may_share_memory(xh, oh)):
+                oh = xh if inplace else route.view(out, True)
+                if oh is not None and (
+                    inplace or getattr(route.run, "in_place", False) or not may_share_memory(xh, oh)
+                ):
                     if (
                         carried.run(self, route, xh, timeout, oh)
                         if route.land is not None
@@ -406,7 +408,7 @@ class Communicator(PointToPoint):
         array receives), else the route's general path, with the sequence number the
         prepared call took where it declined."""
         if (route.run or route.land) is not None and not async_op and not _work.observing:
-            xh = host_view(x, write)
+            xh = route.view(x, write)
             if xh is not None:
                 if (
                     carried.run(self, route, xh, timeout)
@@ -480,8 +482,8 @@ class Communicator(PointToPoint):
         if route is None:
             route = self._route_blocks(key, op, out, x, rop, out_blocks, x_blocks, method)
         if (route.run or route.land) is not None and not async_op and not _work.observing:
-            xh = host_view(x, False)
-            oh = host_view(out, True)
+            xh = route.view(x, False)
+            oh = route.view(out, True)
             # the carried path takes any overlap (every input is in the records before an output
             # is written); a prepared call that serves in-place forms tells overlaps apart itself
             carry = route.land is not None

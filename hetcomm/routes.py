@@ -71,8 +71,9 @@ class Route:
         self.land: Callable[..., None] | None = None
         self.carried = 0
         self.dtype: str | None = None
-        # how a call's array is read for `run` (sends and receives): host_view, or for a
-        # route of device memory device_view
+        # how a call's array is read for `run`: host_view, or for a route of device memory
+        # device_view (an address: a prepared call of device memory that serves overlapping
+        # arrays tells overlaps apart itself, `run.in_place`)
         self.view: Callable[[Any, bool], Any] = host_view
         # calls served by the prepared call, and by the general path (for tests and stats)
         self.runs = 0

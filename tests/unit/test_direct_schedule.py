@@ -147,3 +147,27 @@ def test_tables_fit_the_kernel_parameters():
     assert schedule.PIECES_DTYPE.itemsize + 16 <= 4096
     source = (Path(kernels.__file__).parent / "reduce.cu").read_text()
     assert f"#define PIECES {schedule.PIECES}\n" in source
+
+
+@pytest.mark.parametrize(
+    ("op", "x_at", "nx", "out_at", "no", "rank", "want"),
+    [
+        # apart (either order, touching ends) and the same memory
+        ("all_reduce", 0, 64, 64, 64, 0, True),
+        ("all_reduce", 128, 64, 0, 128, 3, True),
+        ("all_reduce", 0, 64, 0, 64, 1, True),
+        ("all_reduce", 0, 64, 32, 64, 0, False),  # partly: the general path refuses it
+        # all_gather: x is this rank's block of out, and no other block
+        ("all_gather", 1000 + 2 * 16, 16, 1000, 64, 2, True),
+        ("all_gather", 1000 + 1 * 16, 16, 1000, 64, 2, False),
+        ("all_gather", 1000 + 2 * 16 + 4, 16, 1000, 64, 2, False),
+        # reduce_scatter: out is this rank's block of x
+        ("reduce_scatter", 1000, 64, 1000 + 3 * 16, 16, 3, True),
+        ("reduce_scatter", 1000, 64, 1000 + 2 * 16, 16, 3, False),
+        # all_to_all reads every x before it writes an out: any overlap
+        ("all_to_all", 0, 64, 16, 64, 1, True),
+        ("all_to_all", 0, 64, 0, 64, 1, True),
+    ],
+)
+def test_the_overlaps_the_leader_serves(op, x_at, nx, out_at, no, rank, want) -> None:
+    assert schedule.served(op, x_at, nx, out_at, no, rank) is want

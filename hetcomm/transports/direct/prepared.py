@@ -122,10 +122,8 @@ class PreparedP2P:
             return False
         try:
             s = t.device_kernels.external_stream(stream(), t.device)
-            if self._event is None:
-                self._event = t.cupy.cuda.Event(disable_timing=True)
             if not (copies_send and copies_recv) and not s.done:
-                self._reach(s, "sendrecv", seq)
+                self.reach(s, "sendrecv", seq)
             got, done, svc = self._pair_got, self._pair_done, self.svc
             # per direction: (copies, peer, tags, our address, our bytes, what, index)
             sides = (
@@ -137,10 +135,10 @@ class PreparedP2P:
                 if copies:
                     records.append(svc.Irecv(got[i : i + 1].view(np.uint8), peer, tags[0]))
                 else:
-                    rec = self._record(ptr, n)
+                    rec = self.record(ptr, n)
                     waits.append(svc.Isend(rec.view(np.uint8), peer, tags[0]))
                     waits.append(svc.Irecv(done[i : i + 1], peer, tags[1]))
-            self._wait(partial(MPI.Request.Testall, records), "sendrecv", seq)
+            self.wait(partial(MPI.Request.Testall, records), "sendrecv", seq)
             wrong = []
             for copies, peer, _, ptr, n, what, i in sides:
                 if not copies:
@@ -155,11 +153,11 @@ class PreparedP2P:
                     wrong.append((i, peer, theirs, n, what))
                 done[i] = n
             if records:
-                self._reach(s, "sendrecv", seq)  # the copies have run
+                self.reach(s, "sendrecv", seq)  # the copies have run
             for copies, peer, tags, _, _, _, i in sides:
                 if copies:
                     waits.append(svc.Isend(done[i : i + 1], peer, tags[1]))
-            self._wait(partial(MPI.Request.Testall, waits), "sendrecv", seq)
+            self.wait(partial(MPI.Request.Testall, waits), "sendrecv", seq)
         finally:
             proxy.release()
         for copies, peer, _, _, n, what, i in sides:
@@ -198,8 +196,6 @@ class PreparedP2P:
         try:
             stamp("prepared")
             s = t.device_kernels.external_stream(stream(), t.device)
-            if self._event is None:
-                self._event = t.cupy.cuda.Event(disable_timing=True)
             if copier:
                 self._copy(op, nbytes, what, s, ptr, peer, tags, seq)
             else:
@@ -222,7 +218,7 @@ class PreparedP2P:
         """The copying side: the peer's record, the copy on the caller's stream, its end, then
         "done" with the size copied (the peer's buffer is free once it reads that)."""
         t, got = self.t, self._got
-        self._wait(self.svc.Irecv(got.view(np.uint8), peer, tags[0]).Test, op, seq)
+        self.wait(self.svc.Irecv(got.view(np.uint8), peer, tags[0]).Test, op, seq)
         theirs = int(got.view(np.uint64)[2])  # the record's nbytes
         if theirs == nbytes:
             mapped, _ = t.peers.address(peer, got)
@@ -230,11 +226,11 @@ class PreparedP2P:
             dst, src = (mapped, ptr) if op == "send" else (ptr, mapped)
             self.rt.memcpyAsync(dst, src, nbytes, D2D, s.ptr)
             stamp("copy queued")
-            self._reach(s, op, seq)
+            self.reach(s, op, seq)
         else:
             t.peers.learn(peer, got[0])  # its handle may come only this once
         self._done[0] = nbytes
-        self._wait(self.svc.Isend(self._done, peer, tags[1]).Test, op, seq)
+        self.wait(self.svc.Isend(self._done, peer, tags[1]).Test, op, seq)
         if theirs != nbytes:
             raise t._mismatch(op, peer, theirs, nbytes, what)
 
@@ -252,19 +248,19 @@ class PreparedP2P:
         """The lending side: once the caller's stream has run what it queued before the call,
         the buffer's record goes to the peer, and the call ends with the peer's "done"."""
         if not s.done:
-            self._reach(s, op, seq)
+            self.reach(s, op, seq)
         stamp("ready")
-        rec = self._record(ptr, nbytes)
+        rec = self.record(ptr, nbytes)
         done = self._done
         reqs = [
             self.svc.Isend(rec.view(np.uint8), peer, tags[0]),
             self.svc.Irecv(done, peer, tags[1]),
         ]
-        self._wait(partial(MPI.Request.Testall, reqs), op, seq)
+        self.wait(partial(MPI.Request.Testall, reqs), op, seq)
         if done[0] != nbytes:
             raise self.t._mismatch(op, peer, int(done[0]), nbytes, what)
 
-    def _record(self, ptr: int, nbytes: int) -> np.ndarray:
+    def record(self, ptr: int, nbytes: int) -> np.ndarray:
         """The full record (handle included) of `nbytes` at `ptr`: kept while the allocation at
         `ptr` is the one it was made for (its buffer id, never reused, is one driver query)."""
         peers = self.t.peers
@@ -279,14 +275,16 @@ class PreparedP2P:
         self._records[key] = (ident, rec)
         return rec
 
-    def _reach(self, s: Any, op: str, seq: int) -> None:
+    def reach(self, s: Any, op: str, seq: int) -> None:
         """Wait here until stream `s` has run what is queued on it now (an event recorded
         there, polled)."""
         event = self._event
+        if event is None:
+            event = self._event = self.t.cupy.cuda.Event(disable_timing=True)
         event.record(s)
-        self._wait(partial(getattr, event, "done"), op, seq)
+        self.wait(partial(getattr, event, "done"), op, seq)
 
-    def _wait(self, poll: Callable[[], Any], op: str, seq: int) -> None:
+    def wait(self, poll: Callable[[], Any], op: str, seq: int) -> None:
         """Wait here for `poll`: a few polls, then the bounded wait (the call's timeout)."""
         for _ in range(_QUICK):
             if poll():

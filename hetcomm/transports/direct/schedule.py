@@ -1,5 +1,5 @@
 """Pure arithmetic of the device-direct transport: shards, algorithm choice, source batches,
-which rank of a pair copies, the pieces of several arrays."""
+which rank of a pair copies, the pieces of several arrays, the overlaps the leader serves."""
 
 from __future__ import annotations
 
@@ -10,7 +10,16 @@ import numpy as np
 
 from ..spans import ALIGN_BYTES, shards
 
-__all__ = ["ALIGN_BYTES", "algorithm", "batches", "copier", "pieces", "shards", "tables"]
+__all__ = [
+    "ALIGN_BYTES",
+    "algorithm",
+    "batches",
+    "copier",
+    "pieces",
+    "served",
+    "shards",
+    "tables",
+]
 
 # All-reduces up to this size read every peer's whole input in one kernel (one-shot); larger
 # ones reduce one shard per rank and gather the shards (two-shot). Measured on the H200:
@@ -102,3 +111,20 @@ def tables(small: Sequence[tuple[int, Sequence[int]]]) -> Iterator[tuple[np.void
             table["n"][0, j] = count
             table["p"][0, j, : len(at)] = at
         yield table[0], len(chunk), max(count for count, _ in chunk)
+
+
+def served(op: str, xp: int, nx: int, op_: int, no: int, rank: int) -> bool:
+    """Whether the leader's work serves x at `xp` and out at `op_` as they lie: apart, the
+    same memory (in place), or the in-place forms of NCCL's layout (all_gather's x is this
+    rank's block of out, reduce_scatter's out is this rank's block of x); all_to_all reads
+    every x before it writes an out. Other overlaps go to the general path (which copies x
+    first, or refuses)."""
+    if xp + nx <= op_ or op_ + no <= xp or op == "all_to_all":
+        return True
+    if op == "all_reduce":
+        return xp == op_
+    if op == "all_gather":
+        return xp == op_ + rank * nx
+    if op == "reduce_scatter":
+        return op_ == xp + rank * no
+    return False

@@ -37,6 +37,7 @@ from ...work import Work, take_blocking
 from .. import tags
 from ..base import Context, Transport
 from . import schedule
+from .leader import PreparedLeader, launcher
 from .peer import RECORD, PeerMap
 from .pointtopoint import Lent, PointToPoint
 from .prepared import D2D, PreparedP2P
@@ -105,7 +106,11 @@ class DirectTransport(PointToPoint, Transport):
         self.shared = comm.topology.share_one_device() and self.size <= schedule.MAX_SOURCES
         self.led = 0  # collectives made through the leader
         device_kernels.kernel("copy16")
+        # the stream GPU work is queued on: the proxy's, or the caller's while a prepared
+        # collective runs on the calling thread (it holds the proxy's claim meanwhile)
+        self.stream: Any = self._proxy.stream
         self._prepared_p2p = PreparedP2P(self)
+        self._prepared_leader = PreparedLeader(self, self._prepared_p2p)
 
     @classmethod
     def unavailable(cls, topology: Topology) -> str | None:
@@ -233,7 +238,7 @@ class DirectTransport(PointToPoint, Transport):
         copy kernel: docs/BENCHMARKS.md, "direct"); none of memory onto itself (the in-place
         all_gather's own block)."""
         if nbytes and dst != src:
-            self.cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, D2D, self._proxy.stream.ptr)
+            self.cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, D2D, self.stream.ptr)
 
     def _reduce(self, dst: int, srcs: list[int], count: int, dtype: str, op: ReduceOp) -> None:
         """dst = op over srcs (in order), `count` elements, on the proxy's stream."""
@@ -279,12 +284,12 @@ class DirectTransport(PointToPoint, Transport):
             np.int64(div),
         )
         blocks = max(1, min(2048, (count + _THREADS - 1) // _THREADS))
-        with self._proxy.stream:
+        with self.stream:
             self.device_kernels.kernel(name)((blocks,), (_THREADS,), args)
 
     def _average(self, ptr: int, count: int, dtype: str) -> None:
         if count:
-            self.device_kernels.divide_on(self._proxy.stream, ptr, count, self.size, dtype)
+            self.device_kernels.divide_on(self.stream, ptr, count, self.size, dtype)
 
     def _one_shot_scratch(self) -> Any:
         if not self._scratch:
@@ -300,13 +305,7 @@ class DirectTransport(PointToPoint, Transport):
         if self.size == 1:
             return self._queue("all_reduce", seq, (x, out), x.nbytes, lambda: self._alone(x, out))
         if self.shared:
-
-            def all_reduce(table: np.ndarray) -> None:
-                xs = self._addresses(table, 0, x.ptr)
-                outs = self._addresses(table, 1, out.ptr)
-                self._reduce_all(outs, xs, x.count, x.dtype, op)
-
-            return self._leader_op("all_reduce", seq, (x, out), x.nbytes, all_reduce)
+            return self._led("all_reduce", seq, x, out, op, -1)
         if schedule.algorithm(x.nbytes, self.size) == "one-shot":
             return self._queue(
                 "all_reduce", seq, (x, out), x.nbytes, lambda: self._one_shot(x, out, op)
@@ -339,8 +338,7 @@ class DirectTransport(PointToPoint, Transport):
         all zeros (no allocation to name).
         """
         self.led += 1
-        t_rec = self._lead_tag + 2 * (seq % tags.LEAD_TAGS)
-        t_done = t_rec + 1
+        t_rec, t_done = self._lead_tags(seq)
         if spans is None:
             spans = [(b.ptr, b.nbytes) for b in bufs]
         if self.rank != 0:
@@ -376,6 +374,27 @@ class DirectTransport(PointToPoint, Transport):
             yield [self.svc.Isend(self._done_flag, p, t_done) for p in self._others]
 
         return self._queue(name, seq, bufs, nbytes, leader, ready=ready)
+
+    def _led(
+        self,
+        op: str,
+        seq: int,
+        x: Buffer,
+        out: Buffer | None,
+        rop: ReduceOp | None,
+        root: int,
+    ) -> Work:
+        """`op` through the shared GPU's leader on the proxy (leader.launcher's GPU work)."""
+        launch = launcher(self, op, x, out, rop, root)
+        o = x if out is None else out
+        bufs = (x,) if out is None else (x, out)
+        nbytes = o.nbytes if op == "all_gather" else x.nbytes
+        return self._leader_op(op, seq, bufs, nbytes, lambda table: launch(table, x.ptr, o.ptr))
+
+    def _lead_tags(self, seq: int) -> tuple[int, int]:
+        """The tags of collective `seq`'s records to the leader and of its "done"."""
+        t_rec = self._lead_tag + 2 * (seq % tags.LEAD_TAGS)
+        return t_rec, t_rec + 1
 
     def _reduce_all(
         self, outs: list[int], srcs: list[int], count: int, dtype: str, op: ReduceOp
@@ -426,7 +445,7 @@ class DirectTransport(PointToPoint, Transport):
             div = np.int64(self.size if op is ReduceOp.AVG else 0)
             for pieces, npieces, longest in schedule.tables(small):
                 blocks = max(1, min(2048 // npieces, (longest + _THREADS - 1) // _THREADS))
-                with self._proxy.stream:
+                with self.stream:
                     kernel((blocks, npieces), (_THREADS,), (pieces, np.int32(self.size), div))
 
         nbytes = sum(n for _, n in spans)
@@ -478,16 +497,7 @@ class DirectTransport(PointToPoint, Transport):
         """Each rank reduces its block straight from its peers' `x`."""
         self._prepare(x.dtype, op)
         if self.shared:
-
-            def reduce_scatter(table: np.ndarray) -> None:
-                xs = self._addresses(table, 0, x.ptr)
-                outs = self._addresses(table, 1, out.ptr)
-                for r, dst in enumerate(outs):
-                    self._reduce(dst, [p + r * out.nbytes for p in xs], out.count, x.dtype, op)
-                    if op is ReduceOp.AVG:
-                        self._average(dst, out.count, out.dtype)
-
-            return self._leader_op("reduce_scatter", seq, (x, out), x.nbytes, reduce_scatter)
+            return self._led("reduce_scatter", seq, x, out, op, -1)
 
         def body() -> Step:
             got: list[np.ndarray] = []
@@ -506,14 +516,7 @@ class DirectTransport(PointToPoint, Transport):
         """The root reduces every peer's `x` into its own."""
         self._prepare(x.dtype, op)
         if self.shared:
-
-            def reduce(table: np.ndarray) -> None:
-                xs = self._addresses(table, 0, x.ptr)
-                self._reduce(xs[root], xs, x.count, x.dtype, op)
-                if op is ReduceOp.AVG:
-                    self._average(xs[root], x.count, x.dtype)
-
-            return self._leader_op("reduce", seq, (x,), x.nbytes, reduce)
+            return self._led("reduce", seq, x, None, op, root)
 
         def body() -> Step:
             got: list[np.ndarray] = []
@@ -530,13 +533,7 @@ class DirectTransport(PointToPoint, Transport):
     def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
         """Every rank copies the root's `x` into its own."""
         if self.shared:
-
-            def broadcast(table: np.ndarray) -> None:
-                xs = self._addresses(table, 0, x.ptr)
-                for dst in xs:
-                    self._copy(dst, xs[root], x.nbytes)
-
-            return self._leader_op("broadcast", seq, (x,), x.nbytes, broadcast)
+            return self._led("broadcast", seq, x, None, None, root)
 
         def body() -> Step:
             got: list[np.ndarray] = []
@@ -551,15 +548,7 @@ class DirectTransport(PointToPoint, Transport):
     def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
         """Every rank copies each peer's `x` into that peer's block of `out`."""
         if self.shared:
-
-            def all_gather(table: np.ndarray) -> None:
-                # in place, a rank's x is its own block of out: that copy is skipped (_copy)
-                xs = self._addresses(table, 0, x.ptr)
-                for dst in self._addresses(table, 1, out.ptr):
-                    for p, src in enumerate(xs):
-                        self._copy(dst + p * x.nbytes, src, x.nbytes)
-
-            return self._leader_op("all_gather", seq, (x, out), out.nbytes, all_gather)
+            return self._led("all_gather", seq, x, out, None, -1)
 
         def body() -> Step:
             got: list[np.ndarray] = []
@@ -575,25 +564,7 @@ class DirectTransport(PointToPoint, Transport):
         """Every rank copies its block of each peer's `x` into `out`."""
         block = x.nbytes // self.size
         if self.shared:
-
-            def all_to_all(table: np.ndarray) -> Any:
-                xs = self._addresses(table, 0, x.ptr)
-                outs = self._addresses(table, 1, out.ptr)
-                staged = None
-                if any(o < a + x.nbytes and a < o + out.nbytes for a, o in zip(xs, outs)):
-                    # a rank's out overlaps its x (in place, which the communicator passes as
-                    # it is: stages_input): every x is read into scratch before any out is
-                    # written, all on this stream
-                    staged = self.cupy.cuda.alloc(self.size * x.nbytes)
-                    for p, src in enumerate(xs):
-                        self._copy(staged.ptr + p * x.nbytes, src, x.nbytes)
-                    xs = [staged.ptr + p * x.nbytes for p in range(self.size)]
-                for r, dst in enumerate(outs):
-                    for p, src in enumerate(xs):
-                        self._copy(dst + p * block, src + r * block, block)
-                return staged  # kept until the stream has run the copies
-
-            return self._leader_op("all_to_all", seq, (x, out), x.nbytes, all_to_all)
+            return self._led("all_to_all", seq, x, out, None, -1)
 
         def body() -> Step:
             got: list[np.ndarray] = []
@@ -631,12 +602,15 @@ class DirectTransport(PointToPoint, Transport):
     ) -> Callable[..., bool] | None:
         """The blocking call of one signature on device arrays, run on the calling thread with
         no Work (hetcomm.routes.Route.run): sends, receives and the sendrecv of a pair
-        (direct/prepared.py); None for the collectives, which the proxy runs."""
+        (direct/prepared.py), and where the ranks share one GPU the collectives its leader
+        does for them (direct/leader.py); None for the rest, which the proxy runs."""
         if op == "sendrecv":
             return self._prepared_p2p.prepare_pair(x, out)
-        if op not in ("send", "recv"):
-            return None
-        return self._prepared_p2p.prepare(op, x)
+        if op in ("send", "recv"):
+            return self._prepared_p2p.prepare(op, x)
+        if self.shared and self.size > 1:
+            return self._prepared_leader.prepare(op, x, out, rop, root)
+        return None
 
     # ---- life cycle ----------------------------------------------------------------------------
 
@@ -653,10 +627,17 @@ class DirectTransport(PointToPoint, Transport):
         self._prepared.add(key)
 
     def stats(self) -> dict[str, int]:
-        """Registration cache counters: mappings opened (misses), reused (hits), held; and
-        the collectives made through the shared GPU's leader."""
+        """Registration cache counters: mappings opened (misses), reused (hits), held; the
+        collectives made through the shared GPU's leader, and how many of those were its
+        prepared call (direct/leader.py)."""
         peers = self.peers
-        return {"hits": peers.hits, "misses": peers.misses, "mapped": peers.mapped, "led": self.led}
+        return {
+            "hits": peers.hits,
+            "misses": peers.misses,
+            "mapped": peers.mapped,
+            "led": self.led,
+            "prepared": self._prepared_leader.ran,
+        }
 
     def close(self) -> None:
         """Stop the proxy, wait for its stream and unmap the peers' memory."""
