@@ -150,24 +150,26 @@ def test_tables_fit_the_kernel_parameters():
 
 
 @pytest.mark.parametrize(
-    ("op", "x_at", "nx", "out_at", "no", "rank", "want"),
+    ("op", "x_at", "nx", "out_at", "no", "rank", "reads_first", "want"),
     [
         # apart (either order, touching ends) and the same memory
-        ("all_reduce", 0, 64, 64, 64, 0, True),
-        ("all_reduce", 128, 64, 0, 128, 3, True),
-        ("all_reduce", 0, 64, 0, 64, 1, True),
-        ("all_reduce", 0, 64, 32, 64, 0, False),  # partly: the general path refuses it
+        ("all_reduce", 0, 64, 64, 64, 0, False, True),
+        ("all_reduce", 128, 64, 0, 128, 3, False, True),
+        ("all_reduce", 0, 64, 0, 64, 1, False, True),
+        ("all_reduce", 0, 64, 32, 64, 0, False, False),  # partly: the general path refuses it
         # all_gather: x is this rank's block of out, and no other block
-        ("all_gather", 1000 + 2 * 16, 16, 1000, 64, 2, True),
-        ("all_gather", 1000 + 1 * 16, 16, 1000, 64, 2, False),
-        ("all_gather", 1000 + 2 * 16 + 4, 16, 1000, 64, 2, False),
+        ("all_gather", 1000 + 2 * 16, 16, 1000, 64, 2, False, True),
+        ("all_gather", 1000 + 1 * 16, 16, 1000, 64, 2, False, False),
+        ("all_gather", 1000 + 2 * 16 + 4, 16, 1000, 64, 2, False, False),
         # reduce_scatter: out is this rank's block of x
-        ("reduce_scatter", 1000, 64, 1000 + 3 * 16, 16, 3, True),
-        ("reduce_scatter", 1000, 64, 1000 + 2 * 16, 16, 3, False),
-        # all_to_all reads every x before it writes an out: any overlap
-        ("all_to_all", 0, 64, 16, 64, 1, True),
-        ("all_to_all", 0, 64, 0, 64, 1, True),
+        ("reduce_scatter", 1000, 64, 1000 + 3 * 16, 16, 3, False, True),
+        ("reduce_scatter", 1000, 64, 1000 + 2 * 16, 16, 3, False, False),
+        # all_to_all: any overlap where every x is read before an out is written, else none
+        ("all_to_all", 0, 64, 16, 64, 1, True, True),
+        ("all_to_all", 0, 64, 0, 64, 1, True, True),
+        ("all_to_all", 0, 64, 0, 64, 1, False, False),
+        ("all_to_all", 0, 64, 64, 64, 1, False, True),
     ],
 )
-def test_the_overlaps_the_leader_serves(op, x_at, nx, out_at, no, rank, want) -> None:
-    assert schedule.served(op, x_at, nx, out_at, no, rank) is want
+def test_the_overlaps_a_collective_serves(op, x_at, nx, out_at, no, rank, reads_first, want):
+    assert schedule.served(op, x_at, nx, out_at, no, rank, reads_first) is want

@@ -173,11 +173,14 @@ class Proxy:
         self._pokes = [r for r in self._pokes if not r.Test()]
         self._pokes.append(self.svc.Isend(_POKE, self.rank, tags.DIRECT_WAKE))
 
-    def mark(self) -> Mark:
-        """A new mark at the end of the proxy's stream (recorded by whichever thread runs the
-        operation: the proxy, or the calling thread while the proxy is idle)."""
+    def mark(self, stream: Any) -> Mark:
+        """A new mark at the end of `stream` (recorded by whichever thread runs the operation:
+        the proxy, or the calling thread while the proxy is idle). The proxy's stream, or a
+        caller's where a prepared call holds the proxy (direct/collectives.py): that call
+        waits for its marks before it lets go, so every mark before a later one of the proxy's
+        stream is reached once that one is."""
         event = self.cupy.cuda.Event(disable_timing=True)
-        event.record(self.stream)
+        event.record(stream)
         self._marks += 1
         return Mark(event, self._marks)
 

@@ -1,5 +1,5 @@
 """Pure arithmetic of the device-direct transport: shards, algorithm choice, source batches,
-which rank of a pair copies, the pieces of several arrays, the overlaps the leader serves."""
+which rank of a pair copies, the pieces of several arrays, the overlaps a collective serves."""
 
 from __future__ import annotations
 
@@ -113,13 +113,13 @@ def tables(small: Sequence[tuple[int, Sequence[int]]]) -> Iterator[tuple[np.void
         yield table[0], len(chunk), max(count for count, _ in chunk)
 
 
-def served(op: str, xp: int, nx: int, op_: int, no: int, rank: int) -> bool:
-    """Whether the leader's work serves x at `xp` and out at `op_` as they lie: apart, the
-    same memory (in place), or the in-place forms of NCCL's layout (all_gather's x is this
-    rank's block of out, reduce_scatter's out is this rank's block of x); all_to_all reads
-    every x before it writes an out. Other overlaps go to the general path (which copies x
-    first, or refuses)."""
-    if xp + nx <= op_ or op_ + no <= xp or op == "all_to_all":
+def served(op: str, xp: int, nx: int, op_: int, no: int, rank: int, reads_first: bool) -> bool:
+    """Whether a collective's steps serve x at `xp` and out at `op_` as they lie: apart, the
+    same memory (in place), the in-place forms of NCCL's layout (all_gather's x is this rank's
+    block of out, reduce_scatter's out is this rank's block of x), or any overlap where every
+    x is read before any out is written (`reads_first`: the shared GPU's all_to_all). Other
+    overlaps go to the general path (which copies x first, or refuses)."""
+    if xp + nx <= op_ or op_ + no <= xp or reads_first:
         return True
     if op == "all_reduce":
         return xp == op_

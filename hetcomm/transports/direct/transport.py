@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -37,7 +38,8 @@ from ...work import Work, take_blocking
 from .. import tags
 from ..base import Context, Transport
 from . import schedule
-from .leader import PreparedLeader, launcher
+from .collectives import PreparedCollectives
+from .leader import launcher
 from .peer import RECORD, PeerMap
 from .pointtopoint import Lent, PointToPoint
 from .prepared import D2D, PreparedP2P
@@ -46,6 +48,7 @@ from .proxy import Proxy, Step, Task, stamp
 if TYPE_CHECKING:
     from ...arrays import Buffer
     from ...topology import Topology
+    from .collectives import Span
 
 log = logging.getLogger("hetcomm")
 
@@ -110,7 +113,7 @@ class DirectTransport(PointToPoint, Transport):
         # collective runs on the calling thread (it holds the proxy's claim meanwhile)
         self.stream: Any = self._proxy.stream
         self._prepared_p2p = PreparedP2P(self)
-        self._prepared_leader = PreparedLeader(self, self._prepared_p2p)
+        self._prepared_colls = PreparedCollectives(self, self._prepared_p2p)
 
     @classmethod
     def unavailable(cls, topology: Topology) -> str | None:
@@ -217,7 +220,7 @@ class DirectTransport(PointToPoint, Transport):
                 self.peers.learn(p, rec)
         into.append(table)
 
-    def _records(self, bufs: list[Buffer]) -> np.ndarray:
+    def _records(self, bufs: list[Span]) -> np.ndarray:
         return np.concatenate([self.peers.describe(b.ptr, b.nbytes, self._others) for b in bufs])
 
     def _addresses(self, table: np.ndarray, col: int, mine: int) -> list[int]:
@@ -228,7 +231,7 @@ class DirectTransport(PointToPoint, Transport):
         ]
 
     def _sync(self) -> Step:
-        yield self._proxy.mark()
+        yield self._proxy.mark(self.stream)
 
     def _barrier(self) -> Step:
         yield self.svc.Ibarrier()
@@ -300,54 +303,113 @@ class DirectTransport(PointToPoint, Transport):
     # ---- operations ------------------------------------------------------------------------
 
     def all_reduce(self, x: Buffer, out: Buffer, op: ReduceOp, seq: int) -> Work:
-        """One shared segment when the group shares one, else one-shot or two-shot by size."""
-        self._prepare(x.dtype, op)
-        if self.size == 1:
-            return self._queue("all_reduce", seq, (x, out), x.nbytes, lambda: self._alone(x, out))
-        if self.shared:
-            return self._led("all_reduce", seq, x, out, op, -1)
-        if schedule.algorithm(x.nbytes, self.size) == "one-shot":
-            return self._queue(
-                "all_reduce", seq, (x, out), x.nbytes, lambda: self._one_shot(x, out, op)
-            )
-        return self._queue(
-            "all_reduce", seq, (x, out), x.nbytes, lambda: self._two_shot(x, out, op)
-        )
+        """The shared GPU's leader for all, else one-shot or two-shot by size."""
+        return self._collective("all_reduce", seq, x, out, op, -1)
 
-    def _leader_op(
+    def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
+        """Each rank reduces its block straight from its peers' `x`."""
+        return self._collective("reduce_scatter", seq, x, out, op, -1)
+
+    def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
+        """The root reduces every peer's `x` into its own."""
+        return self._collective("reduce", seq, x, None, op, root)
+
+    def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
+        """Every rank copies the root's `x` into its own."""
+        return self._collective("broadcast", seq, x, None, None, root)
+
+    def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        """Every rank copies each peer's `x` into that peer's block of `out`."""
+        return self._collective("all_gather", seq, x, out, None, -1)
+
+    def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
+        """Every rank copies its block of each peer's `x` into `out`."""
+        return self._collective("all_to_all", seq, x, out, None, -1)
+
+    def _collective(
         self,
-        name: str,
+        op: str,
         seq: int,
-        bufs: tuple[Buffer, ...],
-        nbytes: int,
-        launch: Callable[[np.ndarray], Any],
-        spans: Sequence[tuple[int, int]] | None = None,
-        ready: Sequence[Any] | None = None,
+        x: Buffer,
+        out: Buffer | None,
+        rop: ReduceOp | None,
+        root: int,
     ) -> Work:
-        """A collective that rank 0 does alone for every rank sharing its GPU.
+        """`op` on the proxy, started once the caller's stream has run what came before."""
+        if rop is not None:
+            self._prepare(x.dtype, rop)
+        steps, collective = self.steps(op, seq, x, out, rop, root)
+        bufs = (x,) if out is None else (x, out)
+        nbytes = out.nbytes if op == "all_gather" and out is not None else x.nbytes
+        return self._queue(op, seq, bufs, nbytes, steps, collective)
 
-        Each other rank sends rank 0 its buffers' records (or those of `spans`, (address,
-        bytes) each) once its stream is ready (or the events of `ready` have passed) and waits
-        for rank 0's "done"; rank 0 waits for every record, queues the GPU work
-        (`launch(table)`, which returns what that work reads and must outlive it), waits for
-        it, and sends "done". Point-to-point messages tagged by the collective's
-        number, posted as soon as the operation is called, so that the other ranks' records of
-        the next operation are already there when rank 0 ends this one: back-to-back operations
-        do not pay a round trip between them. The other ranks' side runs beside their other
-        operations; rank 0's keeps its place among the collectives. An empty span's record is
-        all zeros (no allocation to name).
+    def steps(
+        self,
+        op: str,
+        seq: int,
+        x: Span,
+        out: Span | None,
+        rop: ReduceOp | None,
+        root: int,
+    ) -> tuple[Callable[[], Step], bool]:
+        """The steps of collective `seq` (`op` on `x` and `out`: Buffers, or a prepared call's
+        Spans), queued on the transport's stream; and whether they keep their place among the
+        collectives (False: another rank's side of an op of the shared GPU's leader, which runs
+        beside its other operations). Messages it receives are posted now, in issue order."""
+        if op == "all_reduce" and self.size == 1:
+            assert out is not None
+            return partial(self._alone, x, out), True
+        if self.shared:
+            spans = (
+                [(x.ptr, x.nbytes)] if out is None else [(x.ptr, x.nbytes), (out.ptr, out.nbytes)]
+            )
+            return self._lead(seq, spans, launcher(self, op, x, out, rop, root))
+        if op == "all_reduce":
+            assert out is not None and rop is not None
+            if schedule.algorithm(x.nbytes, self.size) == "one-shot":
+                return partial(self._one_shot, x, out, rop), True
+            return partial(self._two_shot, x, out, rop), True
+        if op == "reduce_scatter":
+            assert out is not None and rop is not None
+            return partial(self._reduce_scatter, x, out, rop), True
+        if op == "reduce":
+            assert rop is not None
+            return partial(self._reduce_at, x, rop, root), True
+        if op == "broadcast":
+            return partial(self._broadcast, x, root), True
+        assert out is not None
+        if op == "all_gather":
+            return partial(self._all_gather, x, out), True
+        return partial(self._all_to_all, x, out), True
+
+    def _lead(
+        self,
+        seq: int,
+        spans: Sequence[tuple[int, int]],
+        launch: Callable[[np.ndarray], Any],
+    ) -> tuple[Callable[[], Step], bool]:
+        """The steps of a collective that rank 0 does alone for every rank sharing its GPU.
+
+        Each other rank sends rank 0 the records of `spans` ((address, bytes) each) once its
+        stream is ready and waits for rank 0's "done"; rank 0 waits for every record, queues
+        the GPU work (`launch(table)`, which returns what that work reads and must outlive
+        it), waits for it, and sends "done". Point-to-point messages tagged by the
+        collective's number, posted as soon as the operation is called, so that the other
+        ranks' records of the next operation are already there when rank 0 ends this one:
+        back-to-back operations do not pay a round trip between them. The other ranks' side
+        runs beside their other operations; rank 0's keeps its place among the collectives.
+        An empty span's record is all zeros (no allocation to name).
         """
         self.led += 1
         t_rec, t_done = self._lead_tags(seq)
-        if spans is None:
-            spans = [(b.ptr, b.nbytes) for b in bufs]
         if self.rank != 0:
             done = np.zeros(1, np.int8)
             finished = self.svc.Irecv(done, 0, t_done)
 
             def member(done: np.ndarray = done) -> Step:  # `done` lives until it arrived
-                # described on the proxy's thread, where the device's context is current: on
-                # the calling thread the driver's range query of a new allocation failed with
+                # described where the device's context is current (the proxy's thread, or a
+                # prepared call's once it checked the device): on a thread without it the
+                # driver's range query of a new allocation failed with
                 # CUDA_ERROR_INVALID_CONTEXT (CuPy arrays made under a non-default stream)
                 peers = self.peers
                 rec = np.concatenate(
@@ -359,7 +421,7 @@ class DirectTransport(PointToPoint, Transport):
                 yield self.svc.Isend(rec.view(np.uint8), 0, t_rec)
                 yield finished
 
-            return self._queue(name, seq, bufs, nbytes, member, collective=False, ready=ready)
+            return member, False
         table = np.zeros((self.size, len(spans)), RECORD)
         arrived = [self.svc.Irecv(table[p].view(np.uint8), p, t_rec) for p in self._others]
 
@@ -373,23 +435,7 @@ class DirectTransport(PointToPoint, Transport):
             del held
             yield [self.svc.Isend(self._done_flag, p, t_done) for p in self._others]
 
-        return self._queue(name, seq, bufs, nbytes, leader, ready=ready)
-
-    def _led(
-        self,
-        op: str,
-        seq: int,
-        x: Buffer,
-        out: Buffer | None,
-        rop: ReduceOp | None,
-        root: int,
-    ) -> Work:
-        """`op` through the shared GPU's leader on the proxy (leader.launcher's GPU work)."""
-        launch = launcher(self, op, x, out, rop, root)
-        o = x if out is None else out
-        bufs = (x,) if out is None else (x, out)
-        nbytes = o.nbytes if op == "all_gather" else x.nbytes
-        return self._leader_op(op, seq, bufs, nbytes, lambda table: launch(table, x.ptr, o.ptr))
+        return leader, True
 
     def _lead_tags(self, seq: int) -> tuple[int, int]:
         """The tags of collective `seq`'s records to the leader and of its "done"."""
@@ -448,15 +494,16 @@ class DirectTransport(PointToPoint, Transport):
                 with self.stream:
                     kernel((blocks, npieces), (_THREADS,), (pieces, np.int32(self.size), div))
 
+        steps, collective = self._lead(seq, spans, all_reduce)
         nbytes = sum(n for _, n in spans)
-        return self._leader_op("all_reduce_coalesced", seq, (), nbytes, all_reduce, spans, ready)
+        return self._queue("all_reduce_coalesced", seq, (), nbytes, steps, collective, ready)
 
-    def _alone(self, x: Buffer, out: Buffer) -> Step:
+    def _alone(self, x: Span, out: Span) -> Step:
         if out.ptr != x.ptr:
             self._copy(out.ptr, x.ptr, x.nbytes)
         yield from self._sync()
 
-    def _one_shot(self, x: Buffer, out: Buffer, op: ReduceOp) -> Step:
+    def _one_shot(self, x: Span, out: Span, op: ReduceOp) -> Step:
         # the input is copied into one of two scratch buffers first, so that `out` may be `x`
         # and peers never read memory the caller owns; two buffers used alternately suffice,
         # since an op's exchange completes only after every rank has ended the op before
@@ -472,7 +519,7 @@ class DirectTransport(PointToPoint, Transport):
             self._average(out.ptr, out.count, out.dtype)
         yield from self._sync()
 
-    def _two_shot(self, x: Buffer, out: Buffer, op: ReduceOp) -> Step:
+    def _two_shot(self, x: Span, out: Span, op: ReduceOp) -> Step:
         got: list[np.ndarray] = []
         yield from self._exchange(self._records([x, out]), got)
         xs = self._addresses(got[0], 0, x.ptr)
@@ -493,88 +540,51 @@ class DirectTransport(PointToPoint, Transport):
         yield from self._sync()
         yield from self._barrier()  # nobody reads our buffers any more
 
-    def reduce_scatter(self, out: Buffer, x: Buffer, op: ReduceOp, seq: int) -> Work:
-        """Each rank reduces its block straight from its peers' `x`."""
-        self._prepare(x.dtype, op)
-        if self.shared:
-            return self._led("reduce_scatter", seq, x, out, op, -1)
+    def _reduce_scatter(self, x: Span, out: Span, op: ReduceOp) -> Step:
+        got: list[np.ndarray] = []
+        yield from self._exchange(self._records([x]), got)
+        block = out.nbytes * self.rank
+        xs = [p + block for p in self._addresses(got[0], 0, x.ptr)]
+        self._reduce(out.ptr, xs, out.count, x.dtype, op)
+        if op is ReduceOp.AVG:
+            self._average(out.ptr, out.count, out.dtype)
+        yield from self._sync()
+        yield from self._barrier()
 
-        def body() -> Step:
-            got: list[np.ndarray] = []
-            yield from self._exchange(self._records([x]), got)
-            block = out.nbytes * self.rank
-            xs = [p + block for p in self._addresses(got[0], 0, x.ptr)]
-            self._reduce(out.ptr, xs, out.count, x.dtype, op)
+    def _reduce_at(self, x: Span, op: ReduceOp, root: int) -> Step:
+        got: list[np.ndarray] = []
+        yield from self._exchange(self._records([x]), got)
+        if self.rank == root:
+            self._reduce(x.ptr, self._addresses(got[0], 0, x.ptr), x.count, x.dtype, op)
             if op is ReduceOp.AVG:
-                self._average(out.ptr, out.count, out.dtype)
+                self._average(x.ptr, x.count, x.dtype)
             yield from self._sync()
-            yield from self._barrier()
+        yield from self._barrier()
 
-        return self._queue("reduce_scatter", seq, (x, out), x.nbytes, body)
-
-    def reduce(self, x: Buffer, op: ReduceOp, root: int, seq: int) -> Work:
-        """The root reduces every peer's `x` into its own."""
-        self._prepare(x.dtype, op)
-        if self.shared:
-            return self._led("reduce", seq, x, None, op, root)
-
-        def body() -> Step:
-            got: list[np.ndarray] = []
-            yield from self._exchange(self._records([x]), got)
-            if self.rank == root:
-                self._reduce(x.ptr, self._addresses(got[0], 0, x.ptr), x.count, x.dtype, op)
-                if op is ReduceOp.AVG:
-                    self._average(x.ptr, x.count, x.dtype)
-                yield from self._sync()
-            yield from self._barrier()
-
-        return self._queue("reduce", seq, (x,), x.nbytes, body)
-
-    def broadcast(self, x: Buffer, root: int, seq: int) -> Work:
-        """Every rank copies the root's `x` into its own."""
-        if self.shared:
-            return self._led("broadcast", seq, x, None, None, root)
-
-        def body() -> Step:
-            got: list[np.ndarray] = []
-            yield from self._exchange(self._records([x]), got)
-            if self.rank != root:
-                self._copy(x.ptr, self.peers.resolve(root, got[0][root, 0]), x.nbytes)
-                yield from self._sync()
-            yield from self._barrier()
-
-        return self._queue("broadcast", seq, (x,), x.nbytes, body)
-
-    def all_gather(self, out: Buffer, x: Buffer, seq: int) -> Work:
-        """Every rank copies each peer's `x` into that peer's block of `out`."""
-        if self.shared:
-            return self._led("all_gather", seq, x, out, None, -1)
-
-        def body() -> Step:
-            got: list[np.ndarray] = []
-            yield from self._exchange(self._records([x]), got)
-            for p, src in enumerate(self._addresses(got[0], 0, x.ptr)):
-                self._copy(out.ptr + p * x.nbytes, src, x.nbytes)
+    def _broadcast(self, x: Span, root: int) -> Step:
+        got: list[np.ndarray] = []
+        yield from self._exchange(self._records([x]), got)
+        if self.rank != root:
+            self._copy(x.ptr, self.peers.resolve(root, got[0][root, 0]), x.nbytes)
             yield from self._sync()
-            yield from self._barrier()
+        yield from self._barrier()
 
-        return self._queue("all_gather", seq, (x, out), out.nbytes, body)
+    def _all_gather(self, x: Span, out: Span) -> Step:
+        got: list[np.ndarray] = []
+        yield from self._exchange(self._records([x]), got)
+        for p, src in enumerate(self._addresses(got[0], 0, x.ptr)):
+            self._copy(out.ptr + p * x.nbytes, src, x.nbytes)
+        yield from self._sync()
+        yield from self._barrier()
 
-    def all_to_all(self, out: Buffer, x: Buffer, seq: int) -> Work:
-        """Every rank copies its block of each peer's `x` into `out`."""
+    def _all_to_all(self, x: Span, out: Span) -> Step:
         block = x.nbytes // self.size
-        if self.shared:
-            return self._led("all_to_all", seq, x, out, None, -1)
-
-        def body() -> Step:
-            got: list[np.ndarray] = []
-            yield from self._exchange(self._records([x]), got)
-            for p, src in enumerate(self._addresses(got[0], 0, x.ptr)):
-                self._copy(out.ptr + p * block, src + self.rank * block, block)
-            yield from self._sync()
-            yield from self._barrier()
-
-        return self._queue("all_to_all", seq, (x, out), x.nbytes, body)
+        got: list[np.ndarray] = []
+        yield from self._exchange(self._records([x]), got)
+        for p, src in enumerate(self._addresses(got[0], 0, x.ptr)):
+            self._copy(out.ptr + p * block, src + self.rank * block, block)
+        yield from self._sync()
+        yield from self._barrier()
 
     def barrier(self, seq: int) -> Work:
         """A barrier on the proxy, in issue order with the collectives."""
@@ -602,15 +612,13 @@ class DirectTransport(PointToPoint, Transport):
     ) -> Callable[..., bool] | None:
         """The blocking call of one signature on device arrays, run on the calling thread with
         no Work (hetcomm.routes.Route.run): sends, receives and the sendrecv of a pair
-        (direct/prepared.py), and where the ranks share one GPU the collectives its leader
-        does for them (direct/leader.py); None for the rest, which the proxy runs."""
+        (direct/prepared.py), the collectives and the barrier (direct/collectives.py); None
+        where the proxy's path takes every call."""
         if op == "sendrecv":
             return self._prepared_p2p.prepare_pair(x, out)
         if op in ("send", "recv"):
             return self._prepared_p2p.prepare(op, x)
-        if self.shared and self.size > 1:
-            return self._prepared_leader.prepare(op, x, out, rop, root)
-        return None
+        return self._prepared_colls.prepare(op, x, out, rop, root)
 
     # ---- life cycle ----------------------------------------------------------------------------
 
@@ -636,7 +644,7 @@ class DirectTransport(PointToPoint, Transport):
             "misses": peers.misses,
             "mapped": peers.mapped,
             "led": self.led,
-            "prepared": self._prepared_leader.ran,
+            "prepared": self._prepared_colls.ran,
         }
 
     def close(self) -> None:

@@ -1,6 +1,7 @@
-"""The direct transport's prepared collectives through the shared GPU's leader
-(direct/leader.py): a blocking collective of device arrays, repeated, runs on the calling
-thread with no Work, every op form, and meets the proxy's path of the same call on other ranks.
+"""The direct transport's prepared collectives (direct/collectives.py): a blocking collective
+of device arrays, repeated, runs its steps on the calling thread with no Work, every op form,
+through the shared GPU's leader and without it (each rank's own steps: the path of ranks on
+GPUs of their own), and meets the proxy's path of the same call on other ranks.
 
 Run on a GPU machine: `mpirun -n 2 python -m mpi4py -m pytest --with-mpi tests/gpu` (and -n 4).
 """
@@ -20,16 +21,23 @@ torch = pytest.importorskip("torch")
 PAD = 16  # guard elements on each side of every output
 
 
-def _leader(comm):
+MODES = ["leader", "peers"]
+
+
+def _direct(comm, mode):
+    """The communicator's direct transport; mode 'peers' turns off the shared GPU's leader,
+    'leader' needs one."""
     t = introspect.transport_of(comm, "all_reduce", cupy.zeros(1))
     assert t.name == "direct"
-    if not t.shared:
+    if mode == "peers":
+        t.shared = False
+    elif not t.shared:
         pytest.skip("the ranks do not share one GPU: no leader")
     return t
 
 
 def _prepared(t) -> tuple[int, int]:
-    """(collectives made by the prepared call, through the leader at all) so far."""
+    """(collectives made by the prepared call, through the leader) so far."""
     stats = t.stats()
     return stats["prepared"], stats["led"]
 
@@ -55,11 +63,15 @@ class Forms:
     """Every op form on one signature (kind, dtype, per-rank block `count`), each call with
     fresh data in fresh guarded allocations, checked against numpy float64."""
 
-    def __init__(self, comm, rng, kind, dtype, count, problems):
+    def __init__(self, comm, rng, kind, dtype, count, problems, mode):
         self.comm, self.rng, self.kind, self.dtype, self.count = comm, rng, kind, dtype, count
         self.n, self.r = comm.size, comm.rank
         self.problems = problems
         self.calls = 0
+        # calls the general path takes: without the leader, an in-place all_to_all's x is
+        # copied first (every rank's steps write outputs others still read)
+        self.general = 0
+        self.mode = mode
 
     def _data(self, per_rank):
         return np.stack([small_values(self.rng, self.dtype, per_rank) for _ in range(self.n)])
@@ -134,22 +146,24 @@ class Forms:
         comm.all_to_all(x, x)
         self._check(f"all_to_all in place {label}", back, want)
         self.calls += 5
+        self.general += self.mode == "peers"
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", MODES)
 def test_every_form_takes_the_prepared_call_and_survives_signature_changes(
-    hetcomm_make_comm, hetcomm_shared_seed
+    hetcomm_make_comm, hetcomm_shared_seed, mode
 ):
     """Blocking collectives of device arrays, every form (in place and out of place, rooted
     at every rank), repeated with fresh data in fresh allocations as the signature changes
     between calls (count, dtype, reduce op, CuPy and torch): each is right, writes nothing
     beside its output, leaves its input as it was, and ran as the prepared call (counted)."""
     comm = hetcomm_make_comm(transport="direct")
-    t = _leader(comm)
+    t = _direct(comm, mode)
     rng = np.random.default_rng(hetcomm_shared_seed)
     problems: list[str] = []
     ran0, led0 = _prepared(t)
-    calls = 0
+    calls = general = 0
     for rep in range(2):
         for kind, dtype, count in (
             ("cupy", "float32", 1),
@@ -158,24 +172,29 @@ def test_every_form_takes_the_prepared_call_and_survives_signature_changes(
             ("torch", "float32", 4099),
             ("cupy", "bool", 3),
         ):
-            forms = Forms(comm, rng, kind, dtype, count, problems)
+            forms = Forms(comm, rng, kind, dtype, count, problems, mode)
             for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX)[: 1 + rep * 2]:
                 forms.run(op)
             calls += forms.calls
+            general += forms.general
     ran, made = (now - then for now, then in zip(_prepared(t), (ran0, led0)))
-    if ran != calls or made != calls:
-        problems.append(f"of {calls} calls {ran} took the prepared call, {made} the leader")
+    if ran != calls - general or made != (calls if mode == "leader" else 0):
+        problems.append(
+            f"of {calls} calls {ran} took the prepared call ({general} could not), {made} the "
+            "leader"
+        )
     assert_all_ranks(comm, not problems, "; ".join(problems[:6]))
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", ["cupy", "torch"])
-def test_ordered_after_the_callers_stream(hetcomm_make_comm, hetcomm_shared_seed, kind):
+def test_ordered_after_the_callers_stream(hetcomm_make_comm, hetcomm_shared_seed, kind, mode):
     """The input written by work still queued on the caller's (non-default) stream when the
     call is made: every rank's prepared call reads it only once that work has run, and the
     result is on that stream's side when the call returns."""
     comm = hetcomm_make_comm(transport="direct")
-    _leader(comm)
+    _direct(comm, mode)
     n, r = comm.size, comm.rank
     rng = np.random.default_rng(hetcomm_shared_seed)
     problems: list[str] = []
@@ -204,13 +223,14 @@ def test_ordered_after_the_callers_stream(hetcomm_make_comm, hetcomm_shared_seed
 
 
 @pytest.mark.mpi(min_size=2)
-def test_ranks_on_either_path_meet(hetcomm_make_comm, hetcomm_shared_seed):
+@pytest.mark.parametrize("mode", MODES)
+def test_ranks_on_either_path_meet(hetcomm_make_comm, hetcomm_shared_seed, mode):
     """The prepared call and the proxy's path exchange the same messages: in each round one
     rank (in turn, the leader too) makes its call asynchronously (the proxy's path) while the
     others block (the prepared call), and a blocking call made while an asynchronous one is in
     flight takes the proxy's path behind it. Every result is right."""
     comm = hetcomm_make_comm(transport="direct")
-    t = _leader(comm)
+    t = _direct(comm, mode)
     n, r = comm.size, comm.rank
     rng = np.random.default_rng(hetcomm_shared_seed)
     problems: list[str] = []
@@ -239,7 +259,7 @@ def test_ranks_on_either_path_meet(hetcomm_make_comm, hetcomm_shared_seed):
     # a blocking call takes the proxy's path whenever the proxy still holds an earlier
     # operation (on its way out, too): how many did is timing's, only the bounds are sure
     ran, made = (now - then for now, then in zip(_prepared(t), (ran0, led0)))
-    if not 0 < ran <= prepared + 3 * n or made != 3 * 3 * n:
+    if not 0 < ran <= prepared + 3 * n or made != (3 * 3 * n if mode == "leader" else 0):
         problems.append(
             f"{ran} prepared calls of {prepared + 3 * n} blocking ones, {made} of {3 * 3 * n} "
             "through the leader"
