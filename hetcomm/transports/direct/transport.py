@@ -15,8 +15,8 @@ shared GPU the lower rank in both directions, which spares the GPU a switch betw
 processes' contexts per message. The other rank lends its buffer: once its stream has the buffer
 ready it sends the buffer's record, records of one peer and tag strictly in issue order (MPI
 matches them in the order they are sent), and waits for the copier's "done". A blocking send
-or receive repeated while the proxy is idle runs on the calling thread instead, exchanging the
-same messages (direct/prepared.py).
+or receive, or a blocking collective, repeated while the proxy is idle runs on the calling
+thread instead, exchanging the same messages (direct/prepared.py, direct/collectives.py).
 """
 
 from __future__ import annotations
