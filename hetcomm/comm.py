@@ -303,9 +303,8 @@ class Communicator(PointToPoint):
             xh = route.view(x, inplace)
             if xh is not None:
                 oh = xh if inplace else route.view(out, True)
-                if oh is not None and (
-                    inplace or getattr(route.run, "in_place", False) or not may_share_memory(xh, oh)
-                ):
+                # (a device view is an address: the prepared call tells its overlaps apart)
+                if oh is not None and (inplace or not may_share_memory(xh, oh)):
                     if (
                         carried.run(self, route, xh, timeout, oh)
                         if route.land is not None
