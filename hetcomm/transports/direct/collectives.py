@@ -87,14 +87,12 @@ class PreparedCollectives:
         self, op: str, x: Buffer | None, out: Buffer | None, rop: ReduceOp | None, root: int
     ) -> Callable[..., bool] | None:
         """The prepared call of `op` on device arrays of this signature: `run(xptr, [optr,]
-        seq)` (routes.device_view's addresses; rooted ops take one), or `run(seq)` for a
-        barrier. None where the proxy's path takes every call: host or empty arrays, another
-        device, arrays of two libraries, array types whose current stream is not known."""
+        seq)` (routes.device_view's addresses; rooted ops take one). None where the proxy's
+        path takes every call: host or empty arrays, another device, arrays of two
+        libraries, array types whose current stream is not known here."""
         from ...kernels.device import stream_reader
 
         t = self.t
-        if op == "barrier":
-            return partial(self._run, op, None, -1, None, None, False, None)
         two = OPS.get(op)
         if two is None or x is None or not x.on_device or not x.count:
             return None
@@ -120,10 +118,10 @@ class PreparedCollectives:
         op: str,
         rop: ReduceOp | None,
         root: int,
-        like_x: Placed | None,
+        like_x: Placed,
         like_out: Placed | None,
         reads_first: bool,
-        stream: Callable[[], int] | None,
+        stream: Callable[[], int],
         *args: int,
     ) -> bool:
         """One call (`args`: x's address, out's for two-array ops, the sequence number): False
@@ -132,11 +130,8 @@ class PreparedCollectives:
         (they go first, in issue order)."""
         t = self.t
         seq = args[-1]
-        x = out = None
-        if like_x is not None:
-            x = Placed(args[0], like_x)
+        x, out = Placed(args[0], like_x), None
         if like_out is not None:
-            assert x is not None
             out = Placed(args[1], like_out)
             if not schedule.served(op, x.ptr, x.nbytes, out.ptr, out.nbytes, t.rank, reads_first):
                 return False
@@ -147,16 +142,12 @@ class PreparedCollectives:
             return False
         self.ran += 1
         try:
-            if stream is None:  # a barrier
-                self._drive(t._barrier(), op, seq)
-                return True
             s = t.device_kernels.external_stream(stream(), t.device)
             if not (s.done or t.size == 1 or (t.shared and t.rank == 0)):
                 # other ranks read and write our arrays once they have our records: what our
                 # stream was given before the call runs first (rank 0 of a shared GPU queues
                 # all its work on this stream itself)
                 self.p2p.reach(s, op, seq)
-            assert x is not None
             t.stream = s
             try:
                 steps, _ = t.steps(op, seq, x, out, rop, root)

@@ -612,8 +612,8 @@ class DirectTransport(PointToPoint, Transport):
     ) -> Callable[..., bool] | None:
         """The blocking call of one signature on device arrays, run on the calling thread with
         no Work (hetcomm.routes.Route.run): sends, receives and the sendrecv of a pair
-        (direct/prepared.py), the collectives and the barrier (direct/collectives.py); None
-        where the proxy's path takes every call."""
+        (direct/prepared.py), the collectives (direct/collectives.py); None where the proxy's
+        path takes every call (the barrier, all_reduce_coalesced)."""
         if op == "sendrecv":
             return self._prepared_p2p.prepare_pair(x, out)
         if op in ("send", "recv"):
