@@ -119,12 +119,12 @@ def test_prepared_records_kept_per_address_and_allocation(maps) -> None:
     mine, _ = maps
     t = types.SimpleNamespace(svc=None, cupy=FakeCupy, peers=mine)
     prepared = PreparedP2P(t)
-    first = prepared.record(0x10000 + 64, 256)
+    first = prepared._record(0x10000 + 64, 256)
     ranges = mine.driver.range_queries
-    again = prepared.record(0x10000 + 64, 256)
+    again = prepared._record(0x10000 + 64, 256)
     assert again is first and mine.driver.range_queries == ranges  # kept: one id query
-    assert fields(prepared.record(0x10000 + 64, 128))[2] == 128  # another size
+    assert fields(prepared._record(0x10000 + 64, 128))[2] == 128  # another size
     mine.driver.allocs[0x10000] = (4096, 11)  # freed, and allocated again at the same base
-    fresh = prepared.record(0x10000 + 64, 256)
+    fresh = prepared._record(0x10000 + 64, 256)
     assert fresh is not first
     assert fields(fresh)[0] == 11 and fields(fresh)[3] == 1  # the new allocation, its handle

@@ -135,7 +135,7 @@ class PreparedP2P:
                 if copies:
                     records.append(svc.Irecv(got[i : i + 1].view(np.uint8), peer, tags[0]))
                 else:
-                    rec = self.record(ptr, n)
+                    rec = self._record(ptr, n)
                     waits.append(svc.Isend(rec.view(np.uint8), peer, tags[0]))
                     waits.append(svc.Irecv(done[i : i + 1], peer, tags[1]))
             self.wait(partial(MPI.Request.Testall, records), "sendrecv", seq)
@@ -250,7 +250,7 @@ class PreparedP2P:
         if not s.done:
             self.reach(s, op, seq)
         stamp("ready")
-        rec = self.record(ptr, nbytes)
+        rec = self._record(ptr, nbytes)
         done = self._done
         reqs = [
             self.svc.Isend(rec.view(np.uint8), peer, tags[0]),
@@ -260,7 +260,7 @@ class PreparedP2P:
         if done[0] != nbytes:
             raise self.t._mismatch(op, peer, int(done[0]), nbytes, what)
 
-    def record(self, ptr: int, nbytes: int) -> np.ndarray:
+    def _record(self, ptr: int, nbytes: int) -> np.ndarray:
         """The full record (handle included) of `nbytes` at `ptr`: kept while the allocation at
         `ptr` is the one it was made for (its buffer id, never reused, is one driver query)."""
         peers = self.t.peers
