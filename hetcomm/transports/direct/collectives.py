@@ -96,6 +96,8 @@ class PreparedCollectives:
         two = OPS.get(op)
         if two is None or x is None or not x.on_device or not x.count:
             return None
+        if out is None and op == "all_reduce":
+            out = x  # in place: the call gives x twice
         if x.device_index != t.device:
             return None
         if two and (out is None or not out.on_device or not out.count or out.kind != x.kind):
