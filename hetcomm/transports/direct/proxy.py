@@ -72,10 +72,10 @@ stamp = Stamps()
 
 
 class Mark:
-    """A point on the proxy's stream: its event and its number in the stream's order. Work on
-    one stream completes in order, so once mark n is known reached every earlier one is, and
-    while it is not, no later one is: the proxy asks the GPU about one mark per pass instead of
-    about every operation in flight."""
+    """A point on a stream (the proxy's, or a prepared call's: Proxy.mark): its event and its
+    number in the order of marks. Work on one stream completes in order, so once mark n is
+    known reached every earlier one is, and while it is not, no later one is: the proxy asks
+    the GPU about one mark per pass instead of about every operation in flight."""
 
     __slots__ = ("event", "n")
 

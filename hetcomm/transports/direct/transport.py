@@ -237,14 +237,14 @@ class DirectTransport(PointToPoint, Transport):
         yield self.svc.Ibarrier()
 
     def _copy(self, dst: int, src: int, nbytes: int) -> None:
-        """Copy on the proxy's stream by cudaMemcpyAsync (faster through an IPC mapping than a
-        copy kernel: docs/BENCHMARKS.md, "direct"); none of memory onto itself (the in-place
-        all_gather's own block)."""
+        """Copy on the transport's stream by cudaMemcpyAsync (faster through an IPC mapping
+        than a copy kernel: docs/BENCHMARKS.md, "direct"); none of memory onto itself (the
+        in-place all_gather's own block)."""
         if nbytes and dst != src:
             self.cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, D2D, self.stream.ptr)
 
     def _reduce(self, dst: int, srcs: list[int], count: int, dtype: str, op: ReduceOp) -> None:
-        """dst = op over srcs (in order), `count` elements, on the proxy's stream."""
+        """dst = op over srcs (in order), `count` elements, on the transport's stream."""
         if count == 0:
             return
         if dst in srcs[schedule.MAX_SOURCES :]:
