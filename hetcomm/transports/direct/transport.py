@@ -401,7 +401,8 @@ class DirectTransport(PointToPoint, Transport):
         An empty span's record is all zeros (no allocation to name).
         """
         self.led += 1
-        t_rec, t_done = self._lead_tags(seq)
+        t_rec = self._lead_tag + 2 * (seq % tags.LEAD_TAGS)
+        t_done = t_rec + 1
         if self.rank != 0:
             done = np.zeros(1, np.int8)
             finished = self.svc.Irecv(done, 0, t_done)
@@ -436,11 +437,6 @@ class DirectTransport(PointToPoint, Transport):
             yield [self.svc.Isend(self._done_flag, p, t_done) for p in self._others]
 
         return leader, True
-
-    def _lead_tags(self, seq: int) -> tuple[int, int]:
-        """The tags of collective `seq`'s records to the leader and of its "done"."""
-        t_rec = self._lead_tag + 2 * (seq % tags.LEAD_TAGS)
-        return t_rec, t_rec + 1
 
     def _reduce_all(
         self, outs: list[int], srcs: list[int], count: int, dtype: str, op: ReduceOp
