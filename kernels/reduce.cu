@@ -136,32 +136,47 @@ __global__ void divide_half(u16* dst, unsigned long long n, long long d) {
 #define STORE_ALL(value) \
     _Pragma("unroll") for (int k = 0; k < 8; ++k) { if (k < nout) d[k][i] = (value); }
 
+// Element i reduced over sources s[0..nsrc), in order, divided by `div` where > 0: the one
+// loop of reduce_peers and reduce_pieces (s: pointers in registers, the loop unrolled).
 template <typename T, typename Op>
-__global__ void reduce_peers(PEER_ARGS(T)) {
-    PEER_POINTERS(T);
-    FOR_EACH_ELEMENT {
-        T acc = s0[i];
+__device__ __forceinline__ T reduce_at(const T* const* s, int nsrc, unsigned long long i,
+                                       long long div) {
+    T acc = s[0][i];
 #pragma unroll
-        for (int k = 1; k < 8; ++k) {
-            if (k < nsrc) acc = Op::f(acc, s[k][i]);
-        }
-        if (div > 0) acc = (T)(acc / (T)div);
-        STORE_ALL(acc)
+    for (int k = 1; k < 8; ++k) {
+        if (k < nsrc) acc = Op::f(acc, s[k][i]);
     }
+    if (div > 0) acc = (T)(acc / (T)div);
+    return acc;
 }
 
 // Halves accumulate in float32 over every source and round once.
 template <int Half, typename Op>
+__device__ __forceinline__ u16 reduce_half_at(const u16* const* s, int nsrc,
+                                              unsigned long long i, long long div) {
+    float acc = Half ? bf16_to_f32(s[0][i]) : f16_to_f32(s[0][i]);
+#pragma unroll
+    for (int k = 1; k < 8; ++k) {
+        if (k < nsrc) acc = Op::f(acc, Half ? bf16_to_f32(s[k][i]) : f16_to_f32(s[k][i]));
+    }
+    if (div > 0) acc = acc / (float)div;
+    return Half ? f32_to_bf16(acc) : f32_to_f16(acc);
+}
+
+template <typename T, typename Op>
+__global__ void reduce_peers(PEER_ARGS(T)) {
+    PEER_POINTERS(T);
+    FOR_EACH_ELEMENT {
+        T acc = reduce_at<T, Op>(s, nsrc, i, div);
+        STORE_ALL(acc)
+    }
+}
+
+template <int Half, typename Op>
 __global__ void reduce_peers_half(PEER_ARGS(u16)) {
     PEER_POINTERS(u16);
     FOR_EACH_ELEMENT {
-        float acc = Half ? bf16_to_f32(s0[i]) : f16_to_f32(s0[i]);
-#pragma unroll
-        for (int k = 1; k < 8; ++k) {
-            if (k < nsrc) acc = Op::f(acc, Half ? bf16_to_f32(s[k][i]) : f16_to_f32(s[k][i]));
-        }
-        if (div > 0) acc = acc / (float)div;
-        u16 out = Half ? f32_to_bf16(acc) : f32_to_f16(acc);
+        u16 out = reduce_half_at<Half, Op>(s, nsrc, i, div);
         STORE_ALL(out)
     }
 }
@@ -209,12 +224,7 @@ template <typename T, typename Op>
 __global__ void reduce_pieces(Pieces t, int nranks, long long div) {
     PIECE_POINTERS(T);
     FOR_EACH_ELEMENT {
-        T acc = d[0][i];
-#pragma unroll
-        for (int k = 1; k < 8; ++k) {
-            if (k < nranks) acc = Op::f(acc, d[k][i]);
-        }
-        if (div > 0) acc = (T)(acc / (T)div);
+        T acc = reduce_at<T, Op>(d, nranks, i, div);
         STORE_RANKS(acc)
     }
 }
@@ -223,13 +233,7 @@ template <int Half, typename Op>
 __global__ void reduce_pieces_half(Pieces t, int nranks, long long div) {
     PIECE_POINTERS(u16);
     FOR_EACH_ELEMENT {
-        float acc = Half ? bf16_to_f32(d[0][i]) : f16_to_f32(d[0][i]);
-#pragma unroll
-        for (int k = 1; k < 8; ++k) {
-            if (k < nranks) acc = Op::f(acc, Half ? bf16_to_f32(d[k][i]) : f16_to_f32(d[k][i]));
-        }
-        if (div > 0) acc = acc / (float)div;
-        u16 out = Half ? f32_to_bf16(acc) : f32_to_f16(acc);
+        u16 out = reduce_half_at<Half, Op>(d, nranks, i, div);
         STORE_RANKS(out)
     }
 }
