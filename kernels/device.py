@@ -292,9 +292,19 @@ class StagingDevice:
                 self._pool_cond.notify()
 
     def _copy(self, dst: int, src: int, nbytes: int, kind: int, ready: Any) -> None:
-        event = self._copy_async(dst, src, nbytes, kind, ready)
-        if event is not None:
-            event.synchronize()
+        """A copy on this thread's stream after `ready`, waited for. Its end is marked by the
+        thread's one reused event: nothing else holds it once the copy has been waited for
+        (making and destroying an event per copy cost microseconds of every message)."""
+        if nbytes == 0:
+            return
+        stream = self._stream()
+        end = getattr(self._local, "end", None)
+        if end is None:
+            with self.cupy.cuda.Device(self.device):
+                end = self._local.end = self._end_event()
+        self._queue(dst, src, nbytes, kind, ready, stream)
+        end.record(stream)
+        end.synchronize()
 
     def _copy_async(
         self, dst: int, src: int, nbytes: int, kind: int, ready: Any, stream: Any = None
@@ -303,14 +313,20 @@ class StagingDevice:
         if nbytes == 0:
             return None
         stream = stream or self._stream()
+        self._queue(dst, src, nbytes, kind, ready, stream)
+        event = self._end_event()
+        event.record(stream)
+        return event
+
+    def _queue(self, dst: int, src: int, nbytes: int, kind: int, ready: Any, stream: Any) -> None:
         if ready is not None:
             stream.wait_event(ready)
         memcpy_async(self.cupy.cuda.runtime, dst, src, nbytes, kind, stream.ptr)
+
+    def _end_event(self) -> Any:
         # non-blocking: the runtime chooses how a waiter waits (spins while cores are spare),
         # waking it within microseconds; a blocking event sleeps on an interrupt (slower here)
-        event = self.cupy.cuda.Event(block=False, disable_timing=True)
-        event.record(stream)
-        return event
+        return self.cupy.cuda.Event(block=False, disable_timing=True)
 
     def copy_to_host_async(self, dst: np.ndarray, src: Any, ready: Any) -> Any:
         """A copy into a shared slot (on the one outbound stream); the event of its end."""
