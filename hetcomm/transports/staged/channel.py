@@ -9,6 +9,8 @@ early), its queue of chunks to send, and its threads:
 - a signaller, started on first use: announces device chunks once their copy into a slot has
   ended (`signals`, `announce`); a completer: hands slots back once their copy out has ended
   (`completions`, `hand_back`).
+A message that the thread waiting for it moves itself over a shm-only channel (inline.py) uses
+none of them: the reader only files its clear-to-send and its slots for that thread.
 Fields set at opening are read by every thread; `early` and the two queues' creation are
 guarded by `_lock`, `dead` by `_lock` too; a link's `unacked` by its own lock. The transport
 (transport.py) opens, starts, stops and releases channels; the clear-to-send bookkeeping
@@ -340,6 +342,11 @@ class Channel:
                     self._reply(link, links.ACK, -1, op_id, idx)
                 elif kind == links.SLOT:
                     assert self.shm_in is not None
+                    if op is not None and op.inline is not None:
+                        # its own thread copies it out; a receive given up hands it back
+                        if op.done.is_set() or not op.inline.arrive(slot, idx, off, n):
+                            self._reply(link, links.FREE, slot, op_id, idx)
+                        continue
                     if op is not None and not op.done.is_set() and op.region.host is None:
                         gpu = self.owner.gpu
                         stamp("slot got", idx)

@@ -395,7 +395,7 @@ def _broadcast_chain(t: StagedTransport, x: Buffer, root: int, seq: int) -> Body
         left, right = (r - 1) % n, (r + 1) % n
         recvs = (
             [
-                t.messages.post_recv(left, s, CTS_COLL, seq, k, deadline, ready)
+                t.messages.post_recv(left, s, CTS_COLL, seq, k, deadline, ready, True)
                 for k, s in enumerate(segs)
             ]
             if pos > 0
@@ -406,7 +406,8 @@ def _broadcast_chain(t: StagedTransport, x: Buffer, root: int, seq: int) -> Body
             if pos > 0:
                 t.messages.finish_recv(recvs[k], deadline)
             if pos < n - 1:
-                sends.append(t.messages.start_send(right, s, CTS_COLL, seq, k, deadline, ready))
+                op = t.messages.start_send(right, s, CTS_COLL, seq, k, deadline, ready, True)
+                sends.append(op)
         for op in sends:
             t.messages.finish_send(op, deadline)
 

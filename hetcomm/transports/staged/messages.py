@@ -14,7 +14,7 @@ import numpy as np
 
 from ...errors import MismatchError
 from .. import tags
-from . import links
+from . import inline, links
 from .ops import PeerTimeout, _Op, stamp
 from .rails import ERROR_MPI, size_mismatch
 from .schedule import chunk_spans
@@ -40,15 +40,19 @@ class Messages:
         k2: int,
         deadline: float,
         ready: Any = None,
+        driven: bool = False,
     ) -> _Op:
-        """Register a receive into `region` and tell `peer` it may send."""
+        """Register a receive into `region` and tell `peer` it may send. `driven`: this thread
+        will wait for it to its end (finish_recv), so it moves the chunks itself where the
+        pair's only rail is shm (inline.py)."""
         t = self.t
-        if peer != t.rank:
-            t.channel(peer, deadline)
+        ch = t.channel(peer, deadline) if peer != t.rank else None
         spans = chunk_spans(region.nbytes, t.chunk_bytes)
         op = _Op(peer, region, spans, ready=ready, left=len(spans))
-        if peer != t.rank:
+        if ch is not None:
             t._count(len(spans))
+            if driven and spans:
+                inline.start(t, ch, op, False, deadline)
         op_id = next(t._op_ids)
         t.receives[op_id] = op
         if not spans:
@@ -66,10 +70,13 @@ class Messages:
         k2: int,
         deadline: float,
         ready: Any = None,
+        driven: bool = False,
     ) -> _Op:
         """Queue every chunk of a message on the peer's rails once `peer`'s clear-to-send is
         here: at once if it is; where it rings the shm doorbell, by the thread that files it
-        (this one returns at once); else (over MPI) after waiting for it here."""
+        (this one returns at once); else (over MPI) after waiting for it here. `driven`: this
+        thread will wait for it to its end (finish_send), so it moves the chunks itself where
+        the pair's only rail is shm (inline.py)."""
         t = self.t
         if peer == t.rank:
             return self._send_to_self(region, kind, k1, k2, deadline, ready)
@@ -77,6 +84,8 @@ class Messages:
         spans = chunk_spans(region.nbytes, t.chunk_bytes)
         op = _Op(peer, region, spans, ready=ready, left=len(spans))
         t._count(len(spans))
+        if driven and spans:
+            inline.start(t, ch, op, True, deadline)
         self._stage_early(ch, op)
         entry = t.cts.take_or_register(ch, op, (peer, kind, k1, k2), deadline)
         if entry is not None:
@@ -92,6 +101,9 @@ class Messages:
         except PeerTimeout:
             t.cts.unwait(op)
             raise
+        finally:
+            if op.inline is not None:
+                op.inline.close()
 
     def _stage_early(self, ch: Channel, op: _Op) -> None:
         """Copy the first chunks of a send over shm into free shared slots now, without waiting
@@ -140,6 +152,9 @@ class Messages:
             return
         if not op.spans:
             op.done.set()
+        if op.inline is not None:
+            op.inline.clear()  # its thread takes the early chunks and the rest
+            return
         early = ch.take_early(op) if op.early else []
         if early:
             link = ch.doorbell()
@@ -194,8 +209,11 @@ class Messages:
             self.forget(op)
 
     def forget(self, op: _Op) -> None:
-        """Drop a finished receive from the ops that arriving chunks look up."""
+        """Drop a finished receive from the ops that arriving chunks look up (the slots of an
+        inline one go back)."""
         t = self.t
+        if op.inline is not None:
+            op.inline.close()
         for key, value in list(t.receives.items()):
             if value is op:
                 del t.receives[key]

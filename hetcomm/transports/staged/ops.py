@@ -36,11 +36,15 @@ class _Op:
     early: list[tuple[int, Any, tuple[int, int]]] = field(default_factory=list)
     seen: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # inline.Inline where the thread that waits for the message moves it itself (inline.py)
+    inline: Any = None
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc
         self.done.set()
+        if self.inline is not None:
+            self.inline.driver.wake.set()
 
     def count(self, chunk: int) -> None:
         """One chunk sent (or arrived); duplicates from a resend are counted once."""
@@ -54,8 +58,15 @@ class _Op:
             stamp("op done")
             self.done.set()
 
+    def ended(self, until: float) -> bool:
+        """Whether the message has ended (done or failed) by `until` (monotonic): waiting on
+        `done`, or moving this thread's messages meanwhile where it moves this one (inline.py)."""
+        if self.inline is not None:
+            return bool(self.inline.driver.wait(self, until))
+        return self.done.wait(max(0.0, until - time.monotonic()))
+
     def wait(self, deadline: float) -> None:
-        if not self.done.wait(max(0.0, deadline - time.monotonic())):
+        if not self.ended(deadline):
             if self.awaiting_cts:
                 raise PeerTimeout(
                     [self.peer], f"rank {self.peer} never posted the matching receive"

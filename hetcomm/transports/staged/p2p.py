@@ -107,7 +107,7 @@ def send(
             mark(t, ch, tag, k, region.nbytes, deadline, True, ticket)
     t.paths["send rails"] += 1
     t.messages.finish_send(
-        t.messages.start_send(dst, region, CTS_P2P, tag, k, deadline, ready), deadline
+        t.messages.start_send(dst, region, CTS_P2P, tag, k, deadline, ready, True), deadline
     )
 
 
@@ -236,7 +236,7 @@ def recv(
     if ch is None or inbox is None:
         t.paths["recv rails"] += 1
         t.messages.finish_recv(
-            t.messages.post_recv(src, region, CTS_P2P, tag, k, deadline, ready), deadline
+            t.messages.post_recv(src, region, CTS_P2P, tag, k, deadline, ready, True), deadline
         )
         return
     if region.nbytes <= inbox.slot_bytes:
@@ -257,9 +257,9 @@ def recv(
     if not settle(t, ch, found, region, ready):
         return
     t.paths["recv rails"] += 1
-    op = t.messages.post_recv(src, region, CTS_P2P, tag, k, deadline, ready)
+    op = t.messages.post_recv(src, region, CTS_P2P, tag, k, deadline, ready, True)
     try:
-        while not op.done.wait(min(WATCH_S, max(0.0, deadline - time.monotonic()))):
+        while not op.ended(min(time.monotonic() + WATCH_S, deadline)):
             progress(t, ch, inbox)  # eager receives posted meanwhile may free the ring
             if time.monotonic() >= deadline:
                 break

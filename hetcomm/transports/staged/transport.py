@@ -455,10 +455,12 @@ class StagedTransport(Transport):
         """One step of a collective: send `out` to one rank while receiving `into` from one."""
         rop = None
         if into is not None:
-            rop = self.messages.post_recv(recv_from, into, CTS_COLL, seq, step, deadline, ready)
+            rop = self.messages.post_recv(
+                recv_from, into, CTS_COLL, seq, step, deadline, ready, True
+            )
         if out is not None:
             self.messages.finish_send(
-                self.messages.start_send(send_to, out, CTS_COLL, seq, step, deadline, ready),
+                self.messages.start_send(send_to, out, CTS_COLL, seq, step, deadline, ready, True),
                 deadline,
             )
         if rop is not None:

@@ -1,0 +1,293 @@
+"""Messages over the shm rail moved by the thread that waits for them.
+
+A message between two ranks of one host whose only rail is shm, started by a thread that will
+itself wait for it to the end (a blocking send or receive, a collective's steps on the thread
+that runs the collective), is moved by that thread alone: it takes the shared slots, queues
+every copy into or out of them, looks at each copy between its other steps, and announces a
+slot (SLOT) or hands it back (FREE) as soon as the copy has ended. The channel's reader thread
+still reads the socket (a clear-to-send, a chunk's slot, a slot handed back) and files what
+it reads for the message (`Inline.clear`, `Inline.arrive`), but queues no copy and waits for
+none; neither the rail's sender threads nor the signaller and completer take part.
+
+Why: every other thread that runs while a copy is queued slows the CUDA calls that queue it
+(on an H100, 5 us alone against 16-45 us while another thread of the process waited on an
+event), and each chunk of a message crossed three of them and their hand-offs (docs/staged.md,
+"Who moves a message's chunks"). Asynchronous messages, whose Work any thread may wait for, and
+channels with rails besides shm (whose chunks the rails share by speed) keep the threads.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ...errors import PeerLost
+from . import links
+from .ops import PeerTimeout, stamp
+
+if TYPE_CHECKING:
+    from .channel import Channel
+    from .ops import _Op
+    from .transport import StagedTransport
+
+# looking again at once (yielding the core) this long while nothing moved, then sleeping
+# until the reader thread files something for one of the thread's messages (or NAP_S)
+YIELD_S = 2e-3
+NAP_S = 1e-3
+
+
+def sole_shm(ch: Channel) -> links.Link | None:
+    """The shm rail's link where it is the channel's only rail (and both slot segments are
+    mapped), else None: a message may be driven inline only then."""
+    if ch.uses_mpi or len(ch.links) != 1 or ch.shm_out is None or ch.shm_in is None:
+        return None
+    link = ch.links[0]
+    return link if link.spec.kind == "shm" else None
+
+
+class Inline:
+    """What the driving thread keeps of one message it moves itself."""
+
+    __slots__ = (
+        "arrived", "ch", "cleared", "closed", "copies", "deadline", "driver", "link", "lock",
+        "next", "op", "send", "t",
+    )  # fmt: skip
+
+    def __init__(
+        self, t: StagedTransport, ch: Channel, link: links.Link, op: _Op, send: bool
+    ) -> None:
+        self.t, self.ch, self.link, self.op, self.send = t, ch, link, op, send
+        self.driver = driver()
+        self.deadline = float("inf")
+        self.cleared = False  # a send's clear-to-send has come (op.remote is set)
+        self.next = 0  # a send's next chunk to copy into a slot
+        # a receive's chunks that have come (slot, chunk, offset, bytes), filed by the reader
+        self.arrived: collections.deque[tuple[int, int, int, int]] = collections.deque()
+        # copies queued and not yet seen to end, in the order queued: (slot, chunk, offset,
+        # bytes, event); event None for host bytes, copied already
+        self.copies: collections.deque[tuple[int, int, int, int, Any]] = collections.deque()
+        self.lock = threading.Lock()  # `arrived` and `closed`, between the reader and driver
+        self.closed = False  # the receive was given up: the reader hands slots back itself
+
+    # ---- filed by the reader thread ----------------------------------------------------------
+
+    def clear(self) -> None:
+        """The send's clear-to-send has come (op.remote set): its chunks may go."""
+        self.cleared = True
+        self.driver.wake.set()
+
+    def arrive(self, slot: int, idx: int, off: int, n: int) -> bool:
+        """Chunk `idx` of the receive lies in slot `slot`; False where the receive was given
+        up (the caller hands the slot back)."""
+        with self.lock:
+            if self.closed:
+                return False
+            self.arrived.append((slot, idx, off, n))
+        self.driver.wake.set()
+        return True
+
+    # ---- the driving thread ------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Move what can move now without waiting; whether anything did."""
+        return self._send_step() if self.send else self._recv_step()
+
+    def _send_step(self) -> bool:
+        op, ch, t = self.op, self.ch, self.t
+        if not self.cleared or op.done.is_set():
+            return False
+        if not self.link.alive:
+            self._lost("its shm rail is gone")
+            return True
+        moved = False
+        out = ch.shm_out
+        assert out is not None
+        if op.early:
+            for slot, event, (off, n) in ch.take_early(op):
+                self.copies.append((slot, self.next, off, n, event))
+                self.next += 1
+                moved = True
+        while self.next < len(op.spans):
+            got = out.try_acquire(1)
+            if not got:
+                break
+            slot = got[0]
+            off, n = op.spans[self.next]
+            target = out.view(slot, n)
+            src = op.region.sub(off, n)
+            if src.host is not None:
+                np.copyto(target, src.host)
+                event = None
+            else:
+                out.register_with_gpu(t.gpu.device)
+                event = t.gpu.copy_to_host_async(target, src, op.ready)
+            stamp("d2h queued", self.next)
+            self.copies.append((slot, self.next, off, n, event))
+            self.next += 1
+            moved = True
+        while self.copies and _ended(self.copies[0][4]):
+            slot, idx, off, n, _ = self.copies.popleft()
+            t.count_bytes(self.link, n)
+            try:
+                self.link.send(links.SLOT, slot, op.remote, idx, off, n)
+            except links.RailError as exc:
+                ch._rail_down(self.link, exc)
+                self._lost(f"its shm rail failed: {exc}")
+                return True
+            stamp("d2h done", idx)
+            op.count(idx)
+            moved = True
+        return moved
+
+    def _lost(self, why: str) -> None:
+        peer = self.op.peer
+        self.op.fail(PeerLost(f"send to rank {peer}: {'; '.join(self.ch.dead) or why}", [peer]))
+
+    def _recv_step(self) -> bool:
+        op, ch, t = self.op, self.ch, self.t
+        shm_in = ch.shm_in
+        assert shm_in is not None
+        moved = False
+        while self.arrived:
+            with self.lock:
+                slot, idx, off, n = self.arrived.popleft()
+            src = shm_in.view(slot, n)
+            if op.region.host is not None:
+                ch._deliver(op, off, src)  # as the reader thread lands host bytes
+                event = None
+            else:
+                shm_in.register_with_gpu(t.gpu.device)
+                event = t.gpu.copy_from_host_async(op.region.sub(off, n), src, op.ready)
+                stamp("h2d queued", idx)
+            self.copies.append((slot, idx, off, n, event))
+            moved = True
+        while self.copies and _ended(self.copies[0][4]):
+            slot, idx, _, _, _ = self.copies.popleft()
+            stamp("h2d done", idx)
+            op.count(idx)
+            ch._reply(self.link, links.FREE, slot, 0, idx)
+            moved = True
+        return moved
+
+    def copying(self) -> bool:
+        """Whether a copy of this message is on the GPU (it ends without the reader's word)."""
+        return bool(self.copies)
+
+    def close(self) -> None:
+        """Give the message up (it ended, failed or timed out): every slot it holds goes back
+        once the copies through it have ended, so that neither rank loses a slot to it."""
+        with self.lock:
+            self.closed = True
+            arrived, self.arrived = list(self.arrived), collections.deque()
+        self.driver.drop(self)
+        held = [(c[0], c[4]) for c in self.copies]
+        self.copies.clear()
+        if self.send:
+            out = self.ch.shm_out
+            assert out is not None
+            for slot, event in held:
+                _settle(event)
+                out.release(slot)
+            return
+        for slot, event in held:
+            _settle(event)
+            self.ch._reply(self.link, links.FREE, slot, 0, 0)
+        for slot, *_ in arrived:
+            self.ch._reply(self.link, links.FREE, slot, 0, 0)
+
+
+def _ended(event: Any) -> bool:
+    return event is None or bool(event.done)
+
+
+def _settle(event: Any) -> None:
+    """Wait for a copy that is given up (a failure is the operation's, already raised)."""
+    if event is not None:
+        with contextlib.suppress(Exception):
+            event.synchronize()
+
+
+class Driver:
+    """The messages one thread moves itself (one per thread, made on first use)."""
+
+    def __init__(self) -> None:
+        self.messages: list[Inline] = []
+        # set by the reader thread when it files something for one of them, or by a failure
+        self.wake = threading.Event()
+
+    def add(self, inline: Inline) -> None:
+        """Move `inline` from now on."""
+        self.messages.append(inline)
+
+    def drop(self, inline: Inline) -> None:
+        """Stop moving `inline` (it ended or was given up)."""
+        if inline in self.messages:
+            self.messages.remove(inline)
+
+    def step(self) -> bool:
+        """One look at every message of the thread; whether anything moved. Messages that
+        have ended are dropped, and one past its deadline fails (a call that raised between
+        starting it and waiting for it left it here)."""
+        moved = False
+        now = time.monotonic()
+        for inline in list(self.messages):
+            op = inline.op
+            if not op.done.is_set() and now > inline.deadline:
+                op.fail(PeerTimeout([op.peer], f"no progress with rank {op.peer}"))
+            if op.done.is_set():
+                inline.close()
+                continue
+            if inline.step():
+                moved = True
+        return moved
+
+    def wait(self, op: _Op, until: float) -> bool:
+        """Move this thread's messages until `op` is done (True) or `until` (monotonic) passes
+        (False). Between looks it yields the core while a copy is on the GPU or for YIELD_S
+        after the last progress, then sleeps until the reader thread files something."""
+        now = time.monotonic()
+        spin_until = now + YIELD_S
+        while True:
+            self.wake.clear()
+            moved = self.step()
+            if op.done.is_set():
+                return True
+            now = time.monotonic()
+            if now >= until:
+                return False
+            if moved:
+                spin_until = now + YIELD_S
+            elif any(m.copying() for m in self.messages) or now < spin_until:
+                os.sched_yield()
+            else:
+                self.wake.wait(min(NAP_S, until - now))
+
+
+_local = threading.local()
+
+
+def driver() -> Driver:
+    """This thread's Driver."""
+    d: Driver | None = getattr(_local, "driver", None)
+    if d is None:
+        d = _local.driver = Driver()
+    return d
+
+
+def start(t: StagedTransport, ch: Channel, op: _Op, send: bool, deadline: float) -> None:
+    """Have this thread move `op` itself where its channel's only rail is shm (op.inline set);
+    else leave it to the channel's threads."""
+    link = sole_shm(ch)
+    if link is None:
+        return
+    t.paths["send inline" if send else "recv inline"] += 1
+    inline = Inline(t, ch, link, op, send)
+    inline.deadline = deadline
+    op.inline = inline
+    inline.driver.add(inline)
