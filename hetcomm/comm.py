@@ -303,8 +303,10 @@ class Communicator(PointToPoint):
             xh = route.view(x, inplace)
             if xh is not None:
                 oh = xh if inplace else route.view(out, True)
-                # (a device view is an address: the prepared call tells its overlaps apart)
-                if oh is not None and (inplace or not may_share_memory(xh, oh)):
+                # a device view is an address (int): the prepared call tells its overlaps apart
+                if oh is not None and (
+                    inplace or xh.__class__ is int or not may_share_memory(xh, oh)
+                ):
                     if (
                         carried.run(self, route, xh, timeout, oh)
                         if route.land is not None
