@@ -105,6 +105,8 @@ class Channel:
         self._completions: queue.Queue[Any] | None = None
         self._lock = threading.Lock()  # the two queues' creation, `early` and `dead`
         self.early = 0  # shared slots held by sends still waiting for their clear-to-send
+        # sends moved by their own thread (inline.Inline), woken when a slot comes back
+        self.inline_sends: list[Any] = []
         self.dead: list[str] = []  # why each rail that failed did
 
     def start(self) -> None:
@@ -317,6 +319,8 @@ class Channel:
                 if kind == links.FREE:
                     assert self.shm_out is not None
                     self.shm_out.release(slot)
+                    for waiting in list(self.inline_sends):
+                        waiting.driver.wake.set()
                     continue
                 if kind == links.ACK:
                     with link.unacked_lock:

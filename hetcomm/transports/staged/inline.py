@@ -2,12 +2,13 @@
 
 A message between two ranks of one host whose only rail is shm, started by a thread that will
 itself wait for it to the end (a blocking send or receive, a collective's steps on the thread
-that runs the collective), is moved by that thread alone: it takes the shared slots, queues
-every copy into or out of them, looks at each copy between its other steps, and announces a
-slot (SLOT) or hands it back (FREE) as soon as the copy has ended. The channel's reader thread
-still reads the socket (a clear-to-send, a chunk's slot, a slot handed back) and files what
-it reads for the message (`Inline.clear`, `Inline.arrive`), but queues no copy and waits for
-none; neither the rail's sender threads nor the signaller and completer take part.
+that runs the collective), of device bytes or of more than one chunk, is moved by that thread
+alone: it takes the shared slots, queues every copy into or out of them, looks at each copy
+between its other steps, and announces a slot (SLOT) or hands it back (FREE) as soon as the
+copy has ended. The channel's reader thread still reads the socket and files what it reads
+for the message (a clear-to-send, with the early chunks whose copies have ended: `Inline.clear`;
+a chunk's slot: `Inline.arrive`; a slot handed back wakes the sends), but queues no copy and
+waits for none; neither the rail's sender threads nor the signaller and completer take part.
 
 Why: every other thread that runs while a copy is queued slows the CUDA calls that queue it
 (on an H100, 5 us alone against 16-45 us while another thread of the process waited on an
@@ -36,9 +37,8 @@ if TYPE_CHECKING:
     from .ops import _Op
     from .transport import StagedTransport
 
-# looking again at once (yielding the core) this long while nothing moved, then sleeping
-# until the reader thread files something for one of the thread's messages (or NAP_S)
-YIELD_S = 2e-3
+# the longest sleep between two looks at a thread's messages while none of their copies is on
+# the GPU: the reader thread's word ends it sooner (a dead link is seen at the next look)
 NAP_S = 1e-3
 
 
@@ -78,8 +78,18 @@ class Inline:
     # ---- filed by the reader thread ----------------------------------------------------------
 
     def clear(self) -> None:
-        """The send's clear-to-send has come (op.remote set): its chunks may go."""
-        self.cleared = True
+        """The send's clear-to-send has come (op.remote set), on the thread that filed it: the
+        early chunks (copied into slots before it came) whose copies have ended are announced
+        here at once, as the channel does for a message of its threads, so that a message of
+        one chunk ends without waking the waiting thread first; that thread takes the rest."""
+        op = self.op
+        if op.early:
+            early = self.ch.take_early(op)
+            for idx, (slot, event, (off, n)) in enumerate(early):
+                self.copies.append((slot, idx, off, n, event))
+            self.next = len(early)
+            self._announce()
+        self.cleared = True  # last: the waiting thread touches nothing above before it
         self.driver.wake.set()
 
     def arrive(self, slot: int, idx: int, off: int, n: int) -> bool:
@@ -108,11 +118,6 @@ class Inline:
         moved = False
         out = ch.shm_out
         assert out is not None
-        if op.early:
-            for slot, event, (off, n) in ch.take_early(op):
-                self.copies.append((slot, self.next, off, n, event))
-                self.next += 1
-                moved = True
         while self.next < len(op.spans):
             got = out.try_acquire(1)
             if not got:
@@ -131,13 +136,18 @@ class Inline:
             self.copies.append((slot, self.next, off, n, event))
             self.next += 1
             moved = True
+        return self._announce() or moved
+
+    def _announce(self) -> bool:
+        """Announce the slots whose copies have ended, in order; whether any was."""
+        op, moved = self.op, False
         while self.copies and _ended(self.copies[0][4]):
             slot, idx, off, n, _ = self.copies.popleft()
-            t.count_bytes(self.link, n)
+            self.t.count_bytes(self.link, n)
             try:
                 self.link.send(links.SLOT, slot, op.remote, idx, off, n)
             except links.RailError as exc:
-                ch._rail_down(self.link, exc)
+                self.ch._rail_down(self.link, exc)
                 self._lost(f"its shm rail failed: {exc}")
                 return True
             stamp("d2h done", idx)
@@ -189,6 +199,8 @@ class Inline:
         held = [(c[0], c[4]) for c in self.copies]
         self.copies.clear()
         if self.send:
+            with contextlib.suppress(ValueError):
+                self.ch.inline_sends.remove(self)
             out = self.ch.shm_out
             assert out is not None
             for slot, event in held:
@@ -249,10 +261,9 @@ class Driver:
 
     def wait(self, op: _Op, until: float) -> bool:
         """Move this thread's messages until `op` is done (True) or `until` (monotonic) passes
-        (False). Between looks it yields the core while a copy is on the GPU or for YIELD_S
-        after the last progress, then sleeps until the reader thread files something."""
-        now = time.monotonic()
-        spin_until = now + YIELD_S
+        (False). Between looks it yields the core while a copy is on the GPU (its end is seen
+        by looking), else sleeps until the reader thread files something for one of them (a
+        clear-to-send, a slot, a slot handed back) or a failure wakes it."""
         while True:
             self.wake.clear()
             moved = self.step()
@@ -262,8 +273,8 @@ class Driver:
             if now >= until:
                 return False
             if moved:
-                spin_until = now + YIELD_S
-            elif any(m.copying() for m in self.messages) or now < spin_until:
+                continue
+            if any(m.copying() for m in self.messages):
                 os.sched_yield()
             else:
                 self.wake.wait(min(NAP_S, until - now))
@@ -282,12 +293,17 @@ def driver() -> Driver:
 
 def start(t: StagedTransport, ch: Channel, op: _Op, send: bool, deadline: float) -> None:
     """Have this thread move `op` itself where its channel's only rail is shm (op.inline set);
-    else leave it to the channel's threads."""
+    else leave it to the channel's threads. A message of host bytes in one chunk stays with
+    them too: it crosses no thread but the reader, which copies it out (or announces the
+    chunk copied in before the clear-to-send) as it reads, where this thread would first
+    have to be woken (1 MiB one way, CPU VM: 1.08-1.12x the time inline; docs/staged.md)."""
     link = sole_shm(ch)
-    if link is None:
+    if link is None or (op.region.host is not None and len(op.spans) < 2):
         return
     t.paths["send inline" if send else "recv inline"] += 1
     inline = Inline(t, ch, link, op, send)
     inline.deadline = deadline
     op.inline = inline
     inline.driver.add(inline)
+    if send:
+        ch.inline_sends.append(inline)  # woken when a slot comes back (Channel._recv_loop)
