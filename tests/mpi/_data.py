@@ -276,3 +276,14 @@ def snapshot(a: Any) -> np.ndarray:
         t = a.detach()
         return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().copy()
     return np.array(a, copy=True)
+
+
+def pair_exchange(comm: Any, peer: int, send: Any, recv_into: Any, tag: int = 0) -> None:
+    """One message each way between `comm`'s rank and `peer`: the even rank sends first, the
+    odd one receives first (a send over the rails waits for its receive)."""
+    if comm.rank % 2 == 0:
+        comm.send(send, peer, tag=tag)
+        comm.recv(recv_into, peer, tag=tag)
+    else:
+        comm.recv(recv_into, peer, tag=tag)
+        comm.send(send, peer, tag=tag)

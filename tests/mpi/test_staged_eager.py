@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from _data import pair_exchange as _exchange
 
 import hetcomm
 from hetcomm import introspect
@@ -67,16 +68,6 @@ def _opened(comm: hetcomm.Communicator, large: str = "pull") -> int | None:
 
 def _data(rng: np.random.Generator, n: int, dtype: str) -> np.ndarray:
     return rng.integers(0, 100, n).astype(dtype)
-
-
-def _exchange(comm, peer, send, recv_into, tag=0):
-    """Even rank sends first, odd receives first (rails sends wait for their receive)."""
-    if comm.rank % 2 == 0:
-        comm.send(send, peer, tag=tag)
-        comm.recv(recv_into, peer, tag=tag)
-    else:
-        comm.recv(recv_into, peer, tag=tag)
-        comm.send(send, peer, tag=tag)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from _data import pair_exchange as _exchange
 
 import hetcomm
 from hetcomm import introspect
@@ -39,16 +40,6 @@ def _setup(comm: hetcomm.Communicator) -> tuple[object, int | None]:
     if peer is not None:
         _exchange(comm, peer, np.zeros(1), np.zeros(1))
     return staged, peer
-
-
-def _exchange(comm, peer, send, into, tag=0):
-    """Even rank sends first, odd receives first."""
-    if comm.rank % 2 == 0:
-        comm.send(send, peer, tag=tag)
-        comm.recv(into, peer, tag=tag)
-    else:
-        comm.recv(into, peer, tag=tag)
-        comm.send(send, peer, tag=tag)
 
 
 def _inline_with(staged: object, peer: int) -> bool:
