@@ -30,7 +30,7 @@ import numpy as np
 
 from ...errors import PeerLost
 from . import links
-from .ops import PeerTimeout, stamp
+from .ops import stamp
 
 if TYPE_CHECKING:
     from .channel import Channel
@@ -60,11 +60,17 @@ class Inline:
     )  # fmt: skip
 
     def __init__(
-        self, t: StagedTransport, ch: Channel, link: links.Link, op: _Op, send: bool
+        self,
+        t: StagedTransport,
+        ch: Channel,
+        link: links.Link,
+        op: _Op,
+        send: bool,
+        deadline: float,
     ) -> None:
         self.t, self.ch, self.link, self.op, self.send = t, ch, link, op, send
         self.driver = driver()
-        self.deadline = float("inf")
+        self.deadline = deadline  # monotonic: past it the message fails (Driver.step)
         self.cleared = False  # a send's clear-to-send has come (op.remote is set)
         self.next = 0  # a send's next chunk to copy into a slot
         # a receive's chunks that have come (slot, chunk, offset, bytes), filed by the reader
@@ -251,7 +257,7 @@ class Driver:
         for inline in list(self.messages):
             op = inline.op
             if not op.done.is_set() and now > inline.deadline:
-                op.fail(PeerTimeout([op.peer], f"no progress with rank {op.peer}"))
+                op.fail(op.late())
             if op.done.is_set():
                 inline.close()
                 continue
@@ -301,8 +307,7 @@ def start(t: StagedTransport, ch: Channel, op: _Op, send: bool, deadline: float)
     if link is None or (op.region.host is not None and len(op.spans) < 2):
         return
     t.paths["send inline" if send else "recv inline"] += 1
-    inline = Inline(t, ch, link, op, send)
-    inline.deadline = deadline
+    inline = Inline(t, ch, link, op, send, deadline)
     op.inline = inline
     inline.driver.add(inline)
     if send:

@@ -67,13 +67,15 @@ class _Op:
 
     def wait(self, deadline: float) -> None:
         if not self.ended(deadline):
-            if self.awaiting_cts:
-                raise PeerTimeout(
-                    [self.peer], f"rank {self.peer} never posted the matching receive"
-                )
-            raise PeerTimeout([self.peer], f"no progress with rank {self.peer}")
+            raise self.late()
         if self.error is not None:
             raise self.error
+
+    def late(self) -> PeerTimeout:
+        """The error of the message when its deadline has passed."""
+        if self.awaiting_cts:
+            return PeerTimeout([self.peer], f"rank {self.peer} never posted the matching receive")
+        return PeerTimeout([self.peer], f"no progress with rank {self.peer}")
 
 
 class Body(Job):
