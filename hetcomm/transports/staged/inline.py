@@ -13,8 +13,9 @@ waits for none; neither the rail's sender threads nor the signaller and complete
 Why: every other thread that runs while a copy is queued slows the CUDA calls that queue it
 (on an H100, 5 us alone against 16-45 us while another thread of the process waited on an
 event), and each chunk of a message crossed three of them and their hand-offs (docs/staged.md,
-"Who moves a message's chunks"). Asynchronous messages, whose Work any thread may wait for, and
-channels with rails besides shm (whose chunks the rails share by speed) keep the threads.
+"Who moves a message's chunks"). Asynchronous messages, whose Work any thread may wait for,
+channels with rails besides shm (whose chunks the rails share by speed) and host messages of
+one chunk (see `start`) keep the threads.
 """
 
 from __future__ import annotations
