@@ -395,7 +395,7 @@ def _broadcast_chain(t: StagedTransport, x: Buffer, root: int, seq: int) -> Body
         left, right = (r - 1) % n, (r + 1) % n
         recvs = (
             [
-                t.messages.post_recv(left, s, CTS_COLL, seq, k, deadline, ready, True)
+                t.messages.post_recv(left, s, CTS_COLL, seq, k, deadline, ready, driven=True)
                 for k, s in enumerate(segs)
             ]
             if pos > 0
@@ -406,7 +406,7 @@ def _broadcast_chain(t: StagedTransport, x: Buffer, root: int, seq: int) -> Body
             if pos > 0:
                 t.messages.finish_recv(recvs[k], deadline)
             if pos < n - 1:
-                op = t.messages.start_send(right, s, CTS_COLL, seq, k, deadline, ready, True)
+                op = t.messages.start_send(right, s, CTS_COLL, seq, k, deadline, ready, driven=True)
                 sends.append(op)
         for op in sends:
             t.messages.finish_send(op, deadline)

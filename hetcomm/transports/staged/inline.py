@@ -56,20 +56,22 @@ class Inline:
     """What the driving thread keeps of one message it moves itself."""
 
     __slots__ = (
-        "arrived", "ch", "cleared", "closed", "copies", "deadline", "driver", "link", "lock",
-        "next", "op", "send", "t",
-    )  # fmt: skip
+        "arrived",
+        "ch",
+        "cleared",
+        "closed",
+        "copies",
+        "deadline",
+        "driver",
+        "link",
+        "lock",
+        "next",
+        "op",
+        "send",
+    )
 
-    def __init__(
-        self,
-        t: StagedTransport,
-        ch: Channel,
-        link: links.Link,
-        op: _Op,
-        send: bool,
-        deadline: float,
-    ) -> None:
-        self.t, self.ch, self.link, self.op, self.send = t, ch, link, op, send
+    def __init__(self, ch: Channel, link: links.Link, op: _Op, send: bool, deadline: float) -> None:
+        self.ch, self.link, self.op, self.send = ch, link, op, send
         self.driver = driver()
         self.deadline = deadline  # monotonic: past it the message fails (Driver.step)
         self.cleared = False  # a send's clear-to-send has come (op.remote is set)
@@ -116,7 +118,7 @@ class Inline:
         return self._send_step() if self.send else self._recv_step()
 
     def _send_step(self) -> bool:
-        op, ch, t = self.op, self.ch, self.t
+        op, ch, gpu = self.op, self.ch, self.ch.owner.gpu
         if not self.cleared or op.done.is_set():
             return False
         if not self.link.alive:
@@ -137,8 +139,8 @@ class Inline:
                 np.copyto(target, src.host)
                 event = None
             else:
-                out.register_with_gpu(t.gpu.device)
-                event = t.gpu.copy_to_host_async(target, src, op.ready)
+                out.register_with_gpu(gpu.device)
+                event = gpu.copy_to_host_async(target, src, op.ready)
             stamp("d2h queued", self.next)
             self.copies.append((slot, self.next, off, n, event))
             self.next += 1
@@ -150,7 +152,7 @@ class Inline:
         op, moved = self.op, False
         while self.copies and _ended(self.copies[0][4]):
             slot, idx, off, n, _ = self.copies.popleft()
-            self.t.count_bytes(self.link, n)
+            self.ch.owner.count_bytes(self.link, n)
             try:
                 self.link.send(links.SLOT, slot, op.remote, idx, off, n)
             except links.RailError as exc:
@@ -167,7 +169,7 @@ class Inline:
         self.op.fail(PeerLost(f"send to rank {peer}: {'; '.join(self.ch.dead) or why}", [peer]))
 
     def _recv_step(self) -> bool:
-        op, ch, t = self.op, self.ch, self.t
+        op, ch, gpu = self.op, self.ch, self.ch.owner.gpu
         shm_in = ch.shm_in
         assert shm_in is not None
         moved = False
@@ -179,8 +181,8 @@ class Inline:
                 ch._deliver(op, off, src)  # as the reader thread lands host bytes
                 event = None
             else:
-                shm_in.register_with_gpu(t.gpu.device)
-                event = t.gpu.copy_from_host_async(op.region.sub(off, n), src, op.ready)
+                shm_in.register_with_gpu(gpu.device)
+                event = gpu.copy_from_host_async(op.region.sub(off, n), src, op.ready)
                 stamp("h2d queued", idx)
             self.copies.append((slot, idx, off, n, event))
             moved = True
@@ -308,7 +310,7 @@ def start(t: StagedTransport, ch: Channel, op: _Op, send: bool, deadline: float)
     if link is None or (op.region.host is not None and len(op.spans) < 2):
         return
     t.paths["send inline" if send else "recv inline"] += 1
-    inline = Inline(t, ch, link, op, send, deadline)
+    inline = Inline(ch, link, op, send, deadline)
     op.inline = inline
     inline.driver.add(inline)
     if send:

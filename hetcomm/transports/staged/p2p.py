@@ -107,7 +107,7 @@ def send(
             mark(t, ch, tag, k, region.nbytes, deadline, True, ticket)
     t.paths["send rails"] += 1
     t.messages.finish_send(
-        t.messages.start_send(dst, region, CTS_P2P, tag, k, deadline, ready, True), deadline
+        t.messages.start_send(dst, region, CTS_P2P, tag, k, deadline, ready, driven=True), deadline
     )
 
 
@@ -235,9 +235,8 @@ def recv(
     inbox = ch.eager_in if ch is not None else None
     if ch is None or inbox is None:
         t.paths["recv rails"] += 1
-        t.messages.finish_recv(
-            t.messages.post_recv(src, region, CTS_P2P, tag, k, deadline, ready, True), deadline
-        )
+        op = t.messages.post_recv(src, region, CTS_P2P, tag, k, deadline, ready, driven=True)
+        t.messages.finish_recv(op, deadline)
         return
     if region.nbytes <= inbox.slot_bytes:
         if region.host is not None:
@@ -257,7 +256,7 @@ def recv(
     if not settle(t, ch, found, region, ready):
         return
     t.paths["recv rails"] += 1
-    op = t.messages.post_recv(src, region, CTS_P2P, tag, k, deadline, ready, True)
+    op = t.messages.post_recv(src, region, CTS_P2P, tag, k, deadline, ready, driven=True)
     try:
         while not op.ended(min(time.monotonic() + WATCH_S, deadline)):
             progress(t, ch, inbox)  # eager receives posted meanwhile may free the ring

@@ -459,10 +459,10 @@ class StagedTransport(Transport):
                 recv_from, into, CTS_COLL, seq, step, deadline, ready, True
             )
         if out is not None:
-            self.messages.finish_send(
-                self.messages.start_send(send_to, out, CTS_COLL, seq, step, deadline, ready, True),
-                deadline,
+            sop = self.messages.start_send(
+                send_to, out, CTS_COLL, seq, step, deadline, ready, driven=True
             )
+            self.messages.finish_send(sop, deadline)
         if rop is not None:
             self.messages.finish_recv(rop, deadline)
 
