@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .run import add_parser as add_run_parser
 
     add_run_parser(sub)
-    from .bench import add_parser as add_bench_parser
+    from .bench.main import add_parser as add_bench_parser
 
     add_bench_parser(sub)
     from .tune import add_parser as add_tune_parser

@@ -4,8 +4,8 @@ the same op on a Communicator without it, in the same interleaved rounds."""
 import pytest
 from mpi4py import MPI
 
-from hetcomm import bench
-from hetcomm.bench_latency_table import FORMS, parse_table
+from hetcomm.bench import main as bench
+from hetcomm.bench.latency_table import FORMS, parse_table
 
 
 @pytest.mark.mpi(min_size=2)

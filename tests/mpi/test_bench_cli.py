@@ -10,8 +10,8 @@ import tempfile
 import pytest
 from mpi4py import MPI
 
-from hetcomm import bench
-from hetcomm.bench_latency_table import FORMS
+from hetcomm.bench import main as bench
+from hetcomm.bench.latency_table import FORMS
 
 
 def _check_on_rank0(world, check, where):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hetcomm.bench_report import (
+from hetcomm.bench.report import (
     NCCL_DATA_COLUMNS,
     ROW_KEYS,
     add_ratios,
@@ -335,7 +335,7 @@ def test_plot_writes_png(tmp_path):
 
 def test_overhead_table_ratios():
     """The overhead table's ratios come from the rows: medians, and the per-round pairs."""
-    from hetcomm.bench_overhead import overhead_table
+    from hetcomm.bench.overhead import overhead_table
 
     def row(impl, us, **extra):
         return {
@@ -363,10 +363,10 @@ def test_overhead_table_ratios():
 def test_every_study_resolves_to_a_function():
     import importlib
 
-    from hetcomm.bench import STUDIES
+    from hetcomm.bench.main import STUDIES
 
     for name, (module, function, what) in STUDIES.items():
-        assert callable(getattr(importlib.import_module(f"hetcomm.{module}"), function)), name
+        assert callable(getattr(importlib.import_module(f"hetcomm.bench.{module}"), function)), name
         assert what
 
 
@@ -385,7 +385,7 @@ def test_every_study_resolves_to_a_function():
     ],
 )
 def test_bench_refuses_what_it_cannot_do_before_any_mpi(argv, message):
-    from hetcomm import bench
+    from hetcomm.bench import main as bench
 
     with pytest.raises(SystemExit, match=message):
         bench.main(argv)
@@ -394,7 +394,7 @@ def test_bench_refuses_what_it_cannot_do_before_any_mpi(argv, message):
 def test_bench_accepts_nccl_tests_spellings():
     import argparse
 
-    from hetcomm.bench import _defaults, _refuse, add_arguments
+    from hetcomm.bench.main import _defaults, _refuse, add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -420,8 +420,8 @@ def test_copies_study_says_it_needs_a_gpu(monkeypatch):
 
     from hetcomm.kernels import device
 
-    from hetcomm import bench_copies
+    from hetcomm.bench import copies
 
     monkeypatch.setattr(device, "unavailable", lambda: "no GPU visible to cupy")
     with pytest.raises(SystemExit, match="times copies on a GPU: no GPU visible to cupy"):
-        bench_copies.run(argparse.Namespace())
+        copies.run(argparse.Namespace())

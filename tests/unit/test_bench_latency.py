@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from hetcomm.bench_latency_calls import Arrays, Buffers, fill, pingpong_peer, result, wrong
-from hetcomm.bench_latency_table import (
+from hetcomm.bench.latency_calls import Arrays, Buffers, fill, pingpong_peer, result, wrong
+from hetcomm.bench.latency_table import (
     COLUMNS,
     FORMS,
     TORCH_FORMS,
@@ -21,7 +21,7 @@ from hetcomm.bench_latency_table import (
     to_json,
     torch_goal_us,
 )
-from hetcomm.bench_timing import (
+from hetcomm.bench.timing import (
     Interleaved,
     Stat,
     paired_difference,
@@ -317,7 +317,7 @@ def test_mismatch_switch_follows_the_config_field():
     import dataclasses
 
     import hetcomm
-    from hetcomm.bench_latency import MISMATCH_CHECK_FIELD, mismatch_config
+    from hetcomm.bench.latency import MISMATCH_CHECK_FIELD, mismatch_config
 
     config, state = mismatch_config("mpi", mismatch_check=False)
     assert config.transport == "mpi"

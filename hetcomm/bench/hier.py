@@ -4,7 +4,7 @@ simulated vendor islands, beside raw mpi4py, in one run.
 Ranks are cut into islands of the sizes `--islands` gives (2+2: ranks 0-1 "nvidia", 2-3 "amd";
 a third island is "cpu"). Two communicators over the same ranks run the same out-of-place
 float32 all_reduce, one with Config(transport="hier"), one with "mpi" (flat); mpi4py's
-Allreduce runs beside them, in interleaved rounds (bench_timing). Rows: per size the median per
+Allreduce runs beside them, in interleaved rounds (timing.py). Rows: per size the median per
 call, the spread and hier / flat.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from .bench_report import parse_size, size_steps
-from .bench_timing import Interleaved, Run, paired_ratio
+from .report import parse_size, size_steps
+from .timing import Interleaved, Run, paired_ratio
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)

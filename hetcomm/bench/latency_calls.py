@@ -1,4 +1,4 @@
-"""The buffers and calls of `hetcomm bench --latency` (bench_latency): the arrays each row works
+"""The buffers and calls of `hetcomm bench --latency` (latency.py): the arrays each row works
 on, their fill and check against a float64 reference, and each implementation's calls of one op
 form (hetcomm, raw mpi4py, torch.distributed), alternating two buffer sets."""
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from .bench_impls import Case
-from .bench_timing import Run
+from .impls import Case
+from .timing import Run
 
 #: the root of the rooted op forms
 ROOT = 0
@@ -93,7 +93,7 @@ def _case(op: str, count: int, dtype: str, rank: int, ranks: int) -> Case:
 
 
 def fill(arrays: Arrays, b: Buffers, dtype: str) -> None:
-    """Put the check's inputs (bench_impls.Case) into `b`; outputs get -1, a value no result has."""
+    """Put the check's inputs (impls.Case) into `b`; outputs get -1, a value no result has."""
     case = _case(b.op, b.count, dtype, b.rank, b.ranks)
     mine = case.input(b.rank)
     if b.op == "all_reduce_coalesced":
@@ -353,7 +353,7 @@ def torch_run(
 ) -> Run | None:
     """The op form through torch.distributed on `group` (torch tensors in `sets`), or None where
     torch has no such form (out-of-place all_reduce, all_reduce_coalesced)."""
-    from .torch import dist_function
+    from ..torch import dist_function
 
     pick, root = _pair(sets), ROOT
     if op == "sendrecv":

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .bench_timing import Interleaved, Run, paired_ratio
+from .timing import Interleaved, Run, paired_ratio
 
 SIZES = (8, 1024, 16384, 24576, 32768, 65536)
 
@@ -27,7 +27,7 @@ SIZES = (8, 1024, 16384, 24576, 32768, 65536)
 def run(args: argparse.Namespace) -> int:
     """`hetcomm bench --study copies [-b MIN -e MAX -f FACTOR] [--rounds N] [-n CALLS (50)]`,
     on a GPU (each rank on GPU local rank mod GPU count)."""
-    from .kernels import device
+    from ..kernels import device
 
     why = device.unavailable()
     if why is not None:
@@ -35,8 +35,8 @@ def run(args: argparse.Namespace) -> int:
     import cupy
     from mpi4py import MPI
 
-    from .bench_sweep import sizes_of
-    from .kernels.host_copies import memcpy_async
+    from ..kernels.host_copies import memcpy_async
+    from .sweep import sizes_of
 
     ctl = MPI.COMM_WORLD.Dup()
     rank, ranks = ctl.Get_rank(), ctl.Get_size()

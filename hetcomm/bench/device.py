@@ -14,7 +14,7 @@ traffic floor (every input read once, every output written once, at the copy's r
 
 Ranks simulate two vendors (even ranks nvidia, odd amd) so that the plan treats every pair as
 a vendor boundary, except for nccl (one vendor's library), which runs only where every rank
-has a GPU of its own. Interleaved rounds, medians and spread come from bench_timing.
+has a GPU of its own. Interleaved rounds, medians and spread come from timing.py.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from .bench_report import bus_factor, parse_size, size_steps
-from .bench_timing import Interleaved, Run, Stat, cupy_event_seconds
+from .report import bus_factor, parse_size, size_steps
+from .timing import Interleaved, Run, Stat, cupy_event_seconds
 
 MiB = 1 << 20
 P2P_SIZES = (8, 64 << 10, 1 * MiB, 16 * MiB, 256 * MiB)

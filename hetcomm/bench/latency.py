@@ -1,7 +1,7 @@
 """`hetcomm bench --latency`: an OSU-style latency table of every op, each beside its floor.
 
 Per size (8 B to 16 MiB by default) and per op form, hetcomm's call is timed in the same
-interleaved rounds as its floor (bench_timing): raw mpi4py doing the same op the same way on host
+interleaved rounds as its floor (timing.py): raw mpi4py doing the same op the same way on host
 buffers (and torch gloo where torch is installed); for the torch layer, `dist.<op>` through a
 hetcomm ProcessGroup, the same op on its bare Communicator and a trivial Python ProcessGroup;
 on device buffers, the copies and 1-byte messages that staged and direct cannot do without.
@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from .bench_latency_calls import (
+from ..kernels.host_copies import memcpy_async
+from .latency_calls import (
     Arrays,
     Buffers,
     TorchView,
@@ -33,7 +34,7 @@ from .bench_latency_calls import (
     torch_run,
     wrong,
 )
-from .bench_latency_table import (
+from .latency_table import (
     FORMS,
     SECTIONS,
     TORCH_FORMS,
@@ -45,10 +46,9 @@ from .bench_latency_table import (
     to_json,
     torch_goal_us,
 )
-from .bench_report import element_count
-from .bench_sweep import sizes_of
-from .bench_timing import Interleaved, Run, paired_difference, paired_ratio, share_cores
-from .kernels.host_copies import memcpy_async
+from .report import element_count
+from .sweep import sizes_of
+from .timing import Interleaved, Run, paired_difference, paired_ratio, share_cores
 
 #: the Config field that switches off the default mismatch check, where this hetcomm has one
 #: (`Config(check=False)` / HETCOMM_CHECK=0); `--no-mismatch-check` sets it
@@ -70,7 +70,7 @@ class _Creators:
 
 
 def _register_backends(dist: Any) -> None:
-    from .torch import METHOD_NAMES, ProcessGroupHetcomm
+    from ..torch import METHOD_NAMES, ProcessGroupHetcomm
 
     known = {b.lower() for b in dist.Backend.backend_list}
     if _BENCH_BACKEND not in known:
@@ -400,7 +400,7 @@ class Study:
             import torch
             import torch.distributed as dist
 
-            from .bench_impls import torch_gloo
+            from .impls import torch_gloo
         except ImportError as exc:
             return f"torch is not installed ({exc})"
         why = None

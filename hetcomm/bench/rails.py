@@ -10,7 +10,7 @@ HETCOMM_RAILS (docs/bench.md):
 Each rail count gets its own Communicator (Config(rails=the first k addresses, host=host<rank>,
 transport="staged"), so that rails and not shared memory join the ranks). Rank 0 sends, rank 1
 receives; a sample is one message, the slowest rank's time from a barrier; the rail counts take
-turns in interleaved rounds (bench_timing). Rows: median, min..max, Gbit/s, the ratio to one
+turns in interleaved rounds (timing.py). Rows: median, min..max, Gbit/s, the ratio to one
 rail (goals 1.8x for 2 rails, 3.4x for 4) and each rail's share of the bytes.
 """
 
@@ -22,7 +22,7 @@ import os
 import sys
 from typing import Any
 
-from .bench_timing import Interleaved, Run
+from .timing import Interleaved, Run
 
 MiB = 1 << 20
 GOALS = {2: 1.8, 4: 3.4}  # throughput ratio to one rail, for rails of equal speed
@@ -38,7 +38,7 @@ def rail_bytes(comm: Any) -> dict[str, int]:
     """Bytes each rail of `comm`'s staged transport carried ({} where it cannot tell): the
     transport's own counters, read through hetcomm.introspect (hetcomm has no public rail
     statistics yet)."""
-    from . import introspect
+    from .. import introspect
 
     transport = introspect.transports(comm).get("staged")
     stats = getattr(transport, "stats", None)

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench_report import REDUCING
+from .report import REDUCING
 
 
 def torch_gloo(mpi: Any) -> Any:

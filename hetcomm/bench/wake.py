@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench_timing import Interleaved, Run, paired_difference
+from .timing import Interleaved, Run, paired_difference
 
 SIZES = (8, 64 << 10, 1 << 20)
 

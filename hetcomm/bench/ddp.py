@@ -5,7 +5,7 @@ Both backends train the same ~10M-parameter MLP: the default process group is he
 second group made with `dist.new_group(backend="gloo")` is gloo's (its rendezvous runs over
 hetcomm's MPI store). A third way, "none", is the same step without communication (DDP's
 no_sync()), so each backend's cost over the computation shows; beside the steps, a bare
-all_reduce of the model's gradient size per backend. Interleaved rounds (bench_timing), a
+all_reduce of the model's gradient size per backend. Interleaved rounds (timing.py), a
 sample being `--steps` steps; rows: median per step, spread and the ratio to gloo.
 """
 
@@ -17,7 +17,7 @@ import json
 import sys
 from typing import Any
 
-from .bench_timing import Interleaved, Run, paired_ratio, share_cores
+from .timing import Interleaved, Run, paired_ratio, share_cores
 
 
 def add_arguments(group: Any) -> None:

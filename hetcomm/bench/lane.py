@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from .bench_report import parse_size, size_steps
-from .bench_timing import Interleaved, Run, paired_ratio
+from .report import parse_size, size_steps
+from .timing import Interleaved, Run, paired_ratio
 
 OPS = ("all_reduce", "reduce", "broadcast", "reduce_scatter")
 SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
@@ -84,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
 
     import hetcomm
 
-    from .introspect import transport_of
-    from .transports.mpi.schedule import laned
+    from ..introspect import transport_of
+    from ..transports.mpi.schedule import laned
 
     ops = tuple(args.op.split(",")) if args.op else OPS
     unknown = [op for op in ops if op not in OPS]

@@ -1,7 +1,7 @@
 """The coalesced study (`hetcomm bench --study coalesced`): all_reduce_coalesced of many small
 float32 arrays against one all_reduce per array, host memory, in one run.
 
-Both ways reduce the same arrays in interleaved rounds (bench_timing): a sample is one call of
+Both ways reduce the same arrays in interleaved rounds (timing.py): a sample is one call of
 the way (all `--arrays` arrays) from fresh inputs, the slowest rank's time; every result is
 checked against a float64 reference. Rows: the median of each way, its spread, and the median
 of the per-round ratios separate / coalesced.
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench_timing import Interleaved, Run, paired_ratio
+from .timing import Interleaved, Run, paired_ratio
 
 
 def add_arguments(group: Any) -> None:

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from .bench_impls import torch_gloo
-from .bench_timing import Interleaved, Run, paired_ratio, share_cores
+from .impls import torch_gloo
+from .timing import Interleaved, Run, paired_ratio, share_cores
 
 # (label, dtype, bytes) of the study
 OVERHEAD_CASES = (

@@ -5,9 +5,9 @@ Every benchmark runs under mpirun (`mpirun -n 2 python -m mpi4py -m hetcomm benc
 run (docs/bench.md):
 
 - no study: nccl-tests' sweep and its output format, out of place and in place, hetcomm's
-  transports beside raw mpi4py, torch gloo, naive staging and NCCL (bench_sweep);
+  transports beside raw mpi4py, torch gloo, naive staging and NCCL (sweep.py);
 - `--latency`: every op form from 8 B to 16 MiB beside its floor, in interleaved rounds
-  (bench_latency);
+  (latency.py);
 - `--study NAME`: the studies BENCHMARKS.md quotes (`STUDIES`, one module each).
 """
 
@@ -19,26 +19,26 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .bench_report import canonical_dtype
+from .report import canonical_dtype
 
 #: study name -> (module, its function, what it measures); the function takes the parsed
 #: arguments and returns the exit code; modules with study options have `add_arguments`
 STUDIES = {
-    "overhead": ("bench_overhead", "run", "in-place all_reduce of tensors, arrays vs mpi4py, gloo"),
-    "staged": ("bench_device", "run_staged", "GPU: staged send/recv, all_reduce vs PCIe, naive"),
-    "direct": ("bench_device", "run_direct", "GPU: direct send/recv, all_reduce vs the copy rate"),
-    "hier": ("bench_hier", "run", "hier vs flat all_reduce across simulated vendor islands"),
-    "rails": ("bench_rails", "run", "staged send/recv over 1..K emulated tcp rails"),
-    "coalesced": ("bench_coalesced", "run", "all_reduce_coalesced vs one all_reduce per array"),
-    "ddp": ("bench_ddp", "run", "a DDP training step through hetcomm vs gloo"),
-    "wake": ("bench_wake", "run", "a message after a pause: how soon a long wait sees it"),
-    "lane": ("bench_lane", "run", "large host collectives: blocking, on a thread, non-blocking"),
-    "copies": ("bench_copies", "run", "GPU: host<->device copies, 1D vs 2D rows, ranks sharing"),
+    "overhead": ("overhead", "run", "in-place all_reduce of tensors, arrays vs mpi4py, gloo"),
+    "staged": ("device", "run_staged", "GPU: staged send/recv, all_reduce vs PCIe, naive"),
+    "direct": ("device", "run_direct", "GPU: direct send/recv, all_reduce vs the copy rate"),
+    "hier": ("hier", "run", "hier vs flat all_reduce across simulated vendor islands"),
+    "rails": ("rails", "run", "staged send/recv over 1..K emulated tcp rails"),
+    "coalesced": ("coalesced", "run", "all_reduce_coalesced vs one all_reduce per array"),
+    "ddp": ("ddp", "run", "a DDP training step through hetcomm vs gloo"),
+    "wake": ("wake", "run", "a message after a pause: how soon a long wait sees it"),
+    "lane": ("lane", "run", "large host collectives: blocking, on a thread, non-blocking"),
+    "copies": ("copies", "run", "GPU: host<->device copies, 1D vs 2D rows, ranks sharing"),
 }
 
 
 def _study_module(name: str) -> Any:
-    return importlib.import_module(f"hetcomm.{STUDIES[name][0]}")
+    return importlib.import_module(f"hetcomm.bench.{STUDIES[name][0]}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -165,14 +165,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     group = p.add_argument_group("study options")
     for module in dict.fromkeys(m for m, _, _ in STUDIES.values()):
-        add = getattr(importlib.import_module(f"hetcomm.{module}"), "add_arguments", None)
+        add = getattr(importlib.import_module(f"hetcomm.bench.{module}"), "add_arguments", None)
         if add is not None:
             add(group)
 
 
 def _refuse(args: argparse.Namespace) -> None:
     """Exit with a clear message on what hetcomm bench cannot do."""
-    from .dtypes import DTYPES
+    from ..dtypes import DTYPES
 
     if args.ngpus != 1:
         raise SystemExit(
@@ -215,20 +215,20 @@ def run_args(args: argparse.Namespace) -> int:
         code: int = getattr(_study_module(args.study), STUDIES[args.study][1])(args)
         return code
     _defaults(args)
-    from .bench_sweep import sizes_of
+    from .sweep import sizes_of
 
     try:  # a bad size or step is a clear message before any rank starts MPI work
         sizes_of(args)
     except ValueError as exc:
         raise SystemExit(f"hetcomm bench: -b/-e/-f/-i: {exc}") from None
     if args.latency:
-        from .bench_latency import run_latency
+        from .latency import run_latency
 
         argv = getattr(args, "argv", None)
         if argv is None:
             argv = sys.argv[sys.argv.index("bench") + 1 :] if "bench" in sys.argv else []
         return run_latency(args, argv)
-    from .bench_sweep import run_sweep
+    from .sweep import run_sweep
 
     return run_sweep(args)
 

@@ -1,5 +1,5 @@
 """The nccl-tests sweep of `hetcomm bench`: per size, each op out of place and in place through
-hetcomm's transports and the baselines, reported in nccl-tests' own format (bench_report)."""
+hetcomm's transports and the baselines, reported in nccl-tests' own format (report.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench_impls import (
+from .impls import (
     Case,
     Gloo,
     Hetcomm,
@@ -24,7 +24,7 @@ from .bench_impls import (
     TorchNccl,
     to_tensor,
 )
-from .bench_report import (
+from .report import (
     FORMS,
     REDUCING,
     ROOTED,
@@ -38,7 +38,7 @@ from .bench_report import (
     size_steps,
     to_json,
 )
-from .bench_timing import cuda_event_timer, share_cores, wall_timer
+from .timing import cuda_event_timer, share_cores, wall_timer
 
 TRANSPORTS = ("auto", "mpi", "staged", "direct", "nccl", "hier")
 BASELINES = ("mpi4py", "gloo", "naive", "nccl")
@@ -119,7 +119,7 @@ class Sweep:
         import torch
         from mpi4py import MPI
 
-        from .errors import TransportUnavailable
+        from ..errors import TransportUnavailable
 
         self.args = args
         self.raw = MPI.COMM_WORLD.Dup()
@@ -271,7 +271,7 @@ def measure(
     form: str,
 ) -> tuple[float, int | None] | str:
     """(median over iterations of the slowest rank's seconds, #wrong or None), or why not."""
-    from .errors import HetcommError
+    from ..errors import HetcommError
 
     where = device if impl.on_device else "cpu"
     x, y, fresh = form_buffers(case, where, form == "in-place")
