@@ -15,7 +15,8 @@ from ..base import Job
 from ..local import Region
 
 _STOP = object()
-# the staged pipeline's steps, stamped while stamp.marks is a list (bench_staged.py timeline)
+# the staged pipeline's steps, stamped while stamp.marks is a list; no module reads them: a
+# profiling run sets and reads stamp.marks itself (docs/staged.md, "Where a message's time goes")
 stamp = Stamps()
 
 
