@@ -67,7 +67,7 @@ _IDLE_S = 0.05
 # 1502 -> 1685 GB/s with it; at 64 KiB - 16 MiB it made each operation 30-70 us slower
 _YIELD_BYTES = 64 << 20
 # the steps of direct operations (what the proxy waited for, ...), stamped while stamp.marks is
-# a list (direct_profile.py in docs/BENCHMARKS.md)
+# a list (the probe direct_profile.py in docs/lab-notes/benchmarks-2026-11.md sets and reads it)
 stamp = Stamps()
 
 
