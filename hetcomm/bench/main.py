@@ -257,7 +257,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv
     return run_args(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

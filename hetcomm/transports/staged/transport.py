@@ -456,7 +456,7 @@ class StagedTransport(Transport):
         rop = None
         if into is not None:
             rop = self.messages.post_recv(
-                recv_from, into, CTS_COLL, seq, step, deadline, ready, True
+                recv_from, into, CTS_COLL, seq, step, deadline, ready, driven=True
             )
         if out is not None:
             sop = self.messages.start_send(
