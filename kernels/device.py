@@ -189,6 +189,17 @@ def caller_stream(buf: Any) -> Any:
     return external_stream(current_stream(buf), buf.device_index)
 
 
+class OnStream:
+    """The `ready` of a blocking call's copy that goes on the caller's own stream (a cupy
+    stream object): queued there, it runs after the caller's work with no event recorded
+    there and no other stream waiting on one (StagingDevice._copy)."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+
 class StagingDevice:
     """Per-transport device state: pinned bounce buffers, a copy stream per thread, kernels."""
 
@@ -205,6 +216,7 @@ class StagingDevice:
         self._local = threading.local()
         self._outbound: Any = None
         self._outbound_lock = threading.Lock()
+        self._on: dict[int, OnStream] = {}
 
     # ---- streams and the caller's ordering ---------------------------------------------------
 
@@ -247,6 +259,17 @@ class StagingDevice:
         ready = cupy.cuda.Event(disable_timing=True)
         ready.record(external_stream(stream, self.device))
         return ready
+
+    def on_stream(self, stream: int) -> OnStream:
+        """The `ready` of a copy that this thread queues and waits for itself (a blocking
+        call's message that fits a ring's slot): raw stream handle `stream` of this device,
+        the caller's, where the copy goes. An event recorded on the caller's stream and a
+        copy stream waiting on it cost more than the 64 KiB copy they order."""
+        self.cupy.cuda.runtime.setDevice(self.device)
+        found = self._on.get(stream)
+        if found is None:
+            found = self._on[stream] = OnStream(external_stream(stream, self.device))
+        return found
 
     def after_all(self, events: Sequence[Any]) -> Any:
         """On the calling thread: one event after every one of `events` (None among them:
@@ -292,12 +315,16 @@ class StagingDevice:
                 self._pool_cond.notify()
 
     def _copy(self, dst: int, src: int, nbytes: int, kind: int, ready: Any) -> None:
-        """A copy on this thread's stream after `ready`, waited for. Its end is marked by the
-        thread's one reused event: nothing else holds it once the copy has been waited for
-        (making and destroying an event per copy cost microseconds of every message)."""
+        """A copy on this thread's stream after `ready` (on the caller's stream where `ready`
+        is an OnStream), waited for. Its end is marked by the thread's one reused event:
+        nothing else holds it once the copy has been waited for (making and destroying an
+        event per copy cost microseconds of every message)."""
         if nbytes == 0:
             return
-        stream = self._stream()
+        if ready.__class__ is OnStream:
+            stream, ready = ready.stream, None
+        else:
+            stream = self._stream()
         end = getattr(self._local, "end", None)
         if end is None:
             with self.cupy.cuda.Device(self.device):
@@ -338,11 +365,21 @@ class StagingDevice:
 
     def copy_to_host(self, dst: np.ndarray, src: Any, ready: Any) -> None:
         """Copy device region `src` into host `dst` after `ready`, and wait for it."""
-        self._copy(_addr(dst), src.dev, src.nbytes, 2, ready)  # cudaMemcpyDeviceToHost
+        self.copy_to_address(_addr(dst), src, ready)
 
     def copy_from_host(self, dst: Any, src: np.ndarray, ready: Any) -> None:
         """Copy host `src` into device region `dst` after `ready`, and wait for it."""
-        self._copy(dst.dev, _addr(src), dst.nbytes, 1, ready)  # cudaMemcpyHostToDevice
+        self.copy_from_address(dst, _addr(src), ready)
+
+    def copy_to_address(self, dst: int, src: Any, ready: Any) -> None:
+        """copy_to_host into the host memory at address `dst` (`src.nbytes` of it): for
+        memory whose address the caller knows (a ring's slot), where reading it from an
+        array costs a microsecond."""
+        self._copy(dst, src.dev, src.nbytes, 2, ready)  # cudaMemcpyDeviceToHost
+
+    def copy_from_address(self, dst: Any, src: int, ready: Any) -> None:
+        """copy_from_host out of the host memory at address `src` (`dst.nbytes` of it)."""
+        self._copy(dst.dev, src, dst.nbytes, 1, ready)  # cudaMemcpyHostToDevice
 
     def copy_device(self, dst: Any, src: Any, ready: Any) -> None:
         """Copy region `src` into region `dst`, whichever memory each is in."""

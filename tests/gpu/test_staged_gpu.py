@@ -184,6 +184,21 @@ def test_prepared_device_send_recv(hetcomm_make_comm, hetcomm_shared_seed) -> No
         if runs1 - runs0 < 8 or uses1 != uses0:
             problems.append(f"sends: {runs1 - runs0} prepared, {uses1 - uses0} general")
 
+        # a message that fits the ring's slot is copied on the caller's stream, with no event
+        # recorded there; a larger one's chunks wait for one
+        gpu = comm._transports.make("staged").staging()
+        events = []
+        record = gpu.ready_on
+        gpu.ready_on = lambda stream: events.append(stream) or record(stream)
+        try:
+            exchange("cupy", 1000, "float32", "eager, events counted")
+            eager = len(events)
+            exchange("torch", 70000, "float32", "rails, events counted")
+        finally:
+            del gpu.ready_on
+        if eager or len(events) < 2:
+            problems.append(f"events on the caller's stream: {eager} eager, {len(events)} in all")
+
         # the caller's stream: the data written behind a long kernel on a stream of its own
         data = rng.integers(0, 100, (2, 4096)).astype(np.float32)
         x = torch.zeros(4096, device="cuda")
