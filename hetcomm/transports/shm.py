@@ -63,6 +63,8 @@ class SharedSlots:
     def register_with_gpu(self, device_index: int) -> None:
         """Pin and map the pages for the GPU (cudaHostRegister), once, from the context of
         the device that copies through them."""
+        if self._registered:  # set only once registered: the lock is for the first call
+            return
         with self._register_lock:
             if self._registered:
                 return

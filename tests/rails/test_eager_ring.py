@@ -6,6 +6,7 @@ data, and what the receiver found reaches the sender."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import uuid
 from collections.abc import Iterator
@@ -53,9 +54,21 @@ def ring() -> Iterator[tuple[EagerOut, EagerIn]]:
 def _send(out: EagerOut, tag: int, number: int, data: np.ndarray, kind: int = DATA) -> int:
     slot = out.claim(out.ticket())
     assert slot is not None
-    out.target(slot, data.nbytes)[:] = data.view(np.uint8)
+    out.put(slot, data.view(np.uint8))
     out.publish(slot, tag, number, data.nbytes, kind)
     return slot
+
+
+def test_a_slots_address_is_where_its_bytes_are(ring):
+    """A device copy's end in a slot (`address`) is the slot's bytes in this process, on
+    either end of the ring (each maps the segment at an address of its own)."""
+    out, inbox = ring
+    data = np.random.default_rng().integers(0, 255, (out.slots, 8), dtype=np.uint8)
+    for s in range(out.slots):
+        out.put(s, data[s])
+        for end in (out, inbox):
+            mem = np.ctypeslib.as_array((ctypes.c_uint8 * 8).from_address(end.address(s)))
+            assert np.array_equal(mem, data[s])
 
 
 def test_messages_are_found_by_tag_and_number_in_any_order(ring):
@@ -171,7 +184,7 @@ def test_an_unpublished_slot_is_not_seen(ring):
     out, inbox = ring
     slot = out.claim(out.ticket())
     assert slot is not None
-    out.target(slot, 4)[:] = 1
+    out.put(slot, np.ones(4, np.uint8))
     assert inbox.take(0, 0) is None  # claimed and written, not published
     out.unclaim(slot)
     assert out.claim(out.ticket()) == slot
@@ -353,7 +366,7 @@ def test_slots_of_pull_messages_read_come_back_before_their_sends_look(ring):
     fresh = rng.integers(0, 255, 9, dtype=np.uint8)
     slot = out.claim(waiting)  # a slot of a PULL message, taken back
     assert slot in {s for s, _ in lent}
-    out.target(slot, fresh.nbytes)[:] = fresh
+    out.put(slot, fresh)
     out.publish(slot, 6, 0, fresh.nbytes, DATA)
     for s, pub in lent:
         assert out.returned(s, pub)

@@ -94,6 +94,7 @@ class _Ring:
         off = _data_offset(slots)
         self.data = seg.array[off : off + slots * slot_bytes].reshape(slots, slot_bytes)
         self._bytes = self.data.reshape(-1).data  # host copies by slice assignment
+        self._base = int(self.data.__array_interface__["data"][0])  # device copies' address
         self.lock = threading.Lock()  # this rank's threads that take slots of the ring
         # the ring's wake pipe (a FIFO beside the segment): a receiver whose wait has gone on
         # past its yielding sleeps on it, and the sender writes a byte when it publishes
@@ -101,6 +102,10 @@ class _Ring:
         # then nap, as they would without it)
         self.wake_path = seg.path + ".wake"
         self._wake: int | None = None
+
+    def address(self, slot: int) -> int:
+        """The address of `slot`'s bytes in this process (a device copy's end)."""
+        return self._base + slot * self.slot_bytes
 
     def unlink(self) -> None:
         """Remove the segment's and the wake pipe's names (both ends have opened them)."""
@@ -230,10 +235,6 @@ class EagerOut(_Ring):
         while self._skipped and self._serving in self._skipped:
             self._skipped.discard(self._serving)
             self._serving += 1
-
-    def target(self, slot: int, nbytes: int) -> np.ndarray:
-        """Where a message of `nbytes` goes in `slot`."""
-        return self.data[slot, :nbytes]
 
     def put(self, slot: int, src: np.ndarray) -> None:
         """Copy host bytes `src` (flat uint8) into `slot`: a slice assignment, where numpy's

@@ -171,7 +171,7 @@ def send_eager(
                 out.put(slot, region.host)
             else:
                 out.seg.register_with_gpu(t.gpu.device)
-                t.gpu.copy_to_host(out.target(slot, n), region, ready)
+                t.gpu.copy_to_address(out.address(slot), region, ready)
     except BaseException:
         out.unclaim(slot)
         raise
@@ -424,7 +424,7 @@ def land(t: StagedTransport, ch: Channel, found: Found, rec: Posted) -> None:
                 inbox.get(found, region.host)
             else:
                 inbox.seg.register_with_gpu(t.gpu.device)
-                t.gpu.copy_from_host(region, inbox.view(found), rec.ready)
+                t.gpu.copy_from_address(region, inbox.address(found.slot), rec.ready)
         t.paths["recv eager"] += 1
     except BaseException as exc:
         rec.error = exc
