@@ -322,6 +322,9 @@ class StagingDevice:
         if nbytes == 0:
             return
         if ready.__class__ is OnStream:
+            # the thread that lands a message may not be the caller: the device current, as
+            # _stream makes it for the copy streams
+            self._on_device()
             stream, ready = ready.stream, None
         else:
             stream = self._stream()
