@@ -496,10 +496,6 @@ class EagerIn(_Ring):
             w[row + FREED] = pub  # after the copy out and STATUS
         return True
 
-    def view(self, found: Found) -> np.ndarray:
-        """The bytes of a taken message."""
-        return self.data[found.slot, : found.nbytes]
-
     def get(self, found: Found, dst: np.ndarray) -> None:
         """Copy a taken message's bytes into host bytes `dst` (flat uint8, its size)."""
         at = found.slot * self.slot_bytes
