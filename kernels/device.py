@@ -216,7 +216,6 @@ class StagingDevice:
         self._local = threading.local()
         self._outbound: Any = None
         self._outbound_lock = threading.Lock()
-        self._on: dict[int, OnStream] = {}
 
     # ---- streams and the caller's ordering ---------------------------------------------------
 
@@ -266,10 +265,7 @@ class StagingDevice:
         the caller's, where the copy goes. An event recorded on the caller's stream and a
         copy stream waiting on it cost more than the 64 KiB copy they order."""
         self.cupy.cuda.runtime.setDevice(self.device)
-        found = self._on.get(stream)
-        if found is None:
-            found = self._on[stream] = OnStream(external_stream(stream, self.device))
-        return found
+        return OnStream(external_stream(stream, self.device))  # the stream object is kept there
 
     def after_all(self, events: Sequence[Any]) -> Any:
         """On the calling thread: one event after every one of `events` (None among them:

@@ -94,7 +94,7 @@ class _Ring:
         off = _data_offset(slots)
         self.data = seg.array[off : off + slots * slot_bytes].reshape(slots, slot_bytes)
         self._bytes = self.data.reshape(-1).data  # host copies by slice assignment
-        self._base = int(self.data.__array_interface__["data"][0])  # device copies' address
+        self._base = seg.ptr + off  # where the slots' bytes start: device copies' address
         self.lock = threading.Lock()  # this rank's threads that take slots of the ring
         # the ring's wake pipe (a FIFO beside the segment): a receiver whose wait has gone on
         # past its yielding sleeps on it, and the sender writes a byte when it publishes
