@@ -36,13 +36,12 @@ def unavailable() -> str | None:
 
 def host_register(ptr: int, nbytes: int, device: int) -> None:
     """Pin and map existing host pages (a shared segment) for the GPU, from `device`'s context
-    (a thread that never chose a device would otherwise open a context on device 0)."""
+    (a thread that never chose a device would otherwise open a context on device 0); the
+    thread's current device is as it was after."""
     import cupy
 
-    rt = cupy.cuda.runtime
-    rt.setDevice(device)
     # portable | mapped: usable from every device and addressable by kernels and copies
-    rt.hostRegister(ptr, nbytes, 1 | 2)
+    on_device(device, cupy.cuda.runtime.hostRegister, ptr, nbytes, 1 | 2)
 
 
 def host_unregister(ptr: int) -> None:
@@ -200,8 +199,31 @@ class OnStream:
         self.stream = stream
 
 
+def _on_its_device(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A StagingDevice method run with the transport's device current on this thread, and the
+    thread's current device as it was after: the thread may be a caller's (a blocking call
+    moves its message on the thread that makes it), whose current device is the caller's
+    choice. Where it is current already (a rank of one device), one query and no switch."""
+
+    @functools.wraps(method)
+    def run(self: StagingDevice, *args: Any) -> Any:
+        rt = self.cupy.cuda.runtime
+        before = rt.getDevice()
+        if before == self.device:
+            return method(self, *args)
+        rt.setDevice(self.device)
+        try:
+            return method(self, *args)
+        finally:
+            rt.setDevice(before)
+
+    return run
+
+
 class StagingDevice:
-    """Per-transport device state: pinned bounce buffers, a copy stream per thread, kernels."""
+    """Per-transport device state: pinned bounce buffers, a copy stream per thread, kernels.
+    Whatever it queues on the GPU it queues with its device current, and leaves the calling
+    thread's current device as it found it (_on_its_device)."""
 
     def __init__(self, chunk_bytes: int, slots: int) -> None:
         import cupy
@@ -219,17 +241,10 @@ class StagingDevice:
 
     # ---- streams and the caller's ordering ---------------------------------------------------
 
-    def _on_device(self) -> None:
-        """Make the transport's device current on this thread, once: the streams and the
-        events of its copies are made there."""
-        if not getattr(self._local, "on_device", False):
-            self.cupy.cuda.runtime.setDevice(self.device)
-            self._local.on_device = True
-
     def _stream(self) -> Any:
+        """This thread's copy stream (made on the device: called with it current)."""
         stream = getattr(self._local, "stream", None)
         if stream is None:
-            self._on_device()
             stream = self._local.stream = self.cupy.cuda.Stream(non_blocking=True)
         return stream
 
@@ -238,8 +253,7 @@ class StagingDevice:
         finish one after the other in the order queued, so the receiver can start copying the
         first out as early as possible. On a stream per thread, two such copies shared the link
         and finished late together, and the receiver's copies waited for them (on the H200, a
-        256 MiB send/recv spent 0.8 ms so)."""
-        self._on_device()
+        256 MiB send/recv spent 0.8 ms so). Called with the device current."""
         with self._outbound_lock:
             if self._outbound is None:
                 self._outbound = self.cupy.cuda.Stream(non_blocking=True)
@@ -250,12 +264,11 @@ class StagingDevice:
         copy and kernel of the transfer waits for it."""
         return self.ready_on(current_stream(buf))
 
+    @_on_its_device
     def ready_on(self, stream: int) -> Any:
         """An event after the work queued so far on raw stream handle `stream` of this
         device (a caller's stream, read by the caller's thread)."""
-        cupy = self.cupy
-        cupy.cuda.runtime.setDevice(self.device)
-        ready = cupy.cuda.Event(disable_timing=True)
+        ready = self.cupy.cuda.Event(disable_timing=True)
         ready.record(external_stream(stream, self.device))
         return ready
 
@@ -264,9 +277,9 @@ class StagingDevice:
         call's message that fits a ring's slot): raw stream handle `stream` of this device,
         the caller's, where the copy goes. An event recorded on the caller's stream and a
         copy stream waiting on it cost more than the 64 KiB copy they order."""
-        self.cupy.cuda.runtime.setDevice(self.device)
         return OnStream(external_stream(stream, self.device))  # the stream object is kept there
 
+    @_on_its_device
     def after_all(self, events: Sequence[Any]) -> Any:
         """On the calling thread: one event after every one of `events` (None among them:
         nothing to wait for), or None where there is none to wait for."""
@@ -310,6 +323,7 @@ class StagingDevice:
                 self._pool.append(mem)
                 self._pool_cond.notify()
 
+    @_on_its_device
     def _copy(self, dst: int, src: int, nbytes: int, kind: int, ready: Any) -> None:
         """A copy on this thread's stream after `ready` (on the caller's stream where `ready`
         is an OnStream), waited for. Its end is marked by the thread's one reused event:
@@ -318,20 +332,17 @@ class StagingDevice:
         if nbytes == 0:
             return
         if ready.__class__ is OnStream:
-            # the thread that lands a message may not be the caller: the device current, as
-            # _stream makes it for the copy streams
-            self._on_device()
             stream, ready = ready.stream, None
         else:
             stream = self._stream()
         end = getattr(self._local, "end", None)
         if end is None:
-            with self.cupy.cuda.Device(self.device):
-                end = self._local.end = self._end_event()
+            end = self._local.end = self._end_event()
         self._queue(dst, src, nbytes, kind, ready, stream)
         end.record(stream)
         end.synchronize()
 
+    @_on_its_device
     def _copy_async(
         self, dst: int, src: int, nbytes: int, kind: int, ready: Any, stream: Any = None
     ) -> Any:
@@ -354,6 +365,7 @@ class StagingDevice:
         # waking it within microseconds; a blocking event sleeps on an interrupt (slower here)
         return self.cupy.cuda.Event(block=False, disable_timing=True)
 
+    @_on_its_device
     def copy_to_host_async(self, dst: np.ndarray, src: Any, ready: Any) -> Any:
         """A copy into a shared slot (on the one outbound stream); the event of its end."""
         return self._copy_async(_addr(dst), src.dev, src.nbytes, 2, ready, self._outbound_stream())
@@ -389,6 +401,7 @@ class StagingDevice:
         else:
             self._copy(dst.dev, src.dev, dst.nbytes, 3, ready)  # cudaMemcpyDeviceToDevice
 
+    @_on_its_device
     def zero(self, ptr: int, nbytes: int) -> None:
         """Zero device memory on this thread's copy stream, in order with its copies, and wait."""
         if nbytes:
@@ -396,9 +409,9 @@ class StagingDevice:
             self.cupy.cuda.runtime.memsetAsync(ptr, 0, nbytes, stream.ptr)
             stream.synchronize()
 
+    @_on_its_device
     def alloc(self, nbytes: int) -> tuple[Any, int]:
         """Device memory of `nbytes` (at least one) on this device: (owner, address)."""
-        self.cupy.cuda.runtime.setDevice(self.device)
         mem = self.cupy.cuda.alloc(max(nbytes, 1))
         return mem, int(mem.ptr)
 
@@ -407,6 +420,7 @@ class StagingDevice:
     def _kernel(self, name: str) -> Any:
         return kernel(name)
 
+    @_on_its_device
     def _launch(self, name: str, args: tuple[Any, ...], count: int, ready: Any) -> None:
         stream = self._stream()
         if ready is not None:
@@ -414,6 +428,7 @@ class StagingDevice:
         launch_on(stream, name, args, count)
         stream.synchronize()
 
+    @_on_its_device
     def prepare(self, dtype: str, op: str) -> None:
         """Compile (or load) the kernels a reduction needs, before any stream waits on it."""
         self._kernel(_combine_name(dtype, "sum" if op == "avg" else op))
