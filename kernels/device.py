@@ -264,20 +264,30 @@ class StagingDevice:
         copy and kernel of the transfer waits for it."""
         return self.ready_on(current_stream(buf))
 
-    @_on_its_device
     def ready_on(self, stream: int) -> Any:
         """An event after the work queued so far on raw stream handle `stream` of this
         device (a caller's stream, read by the caller's thread)."""
+        return self._recorded(external_stream(stream, self.device))
+
+    @_on_its_device
+    def _recorded(self, stream: Any) -> Any:
         ready = self.cupy.cuda.Event(disable_timing=True)
-        ready.record(external_stream(stream, self.device))
+        ready.record(stream)
         return ready
 
     def on_stream(self, stream: int) -> OnStream:
-        """The `ready` of a copy that this thread queues and waits for itself (a blocking
-        call's message that fits a ring's slot): raw stream handle `stream` of this device,
-        the caller's, where the copy goes. An event recorded on the caller's stream and a
-        copy stream waiting on it cost more than the 64 KiB copy they order."""
+        """The `ready` of a blocking call's copies (raw stream handle `stream` of this device,
+        the caller's): a copy that the call's own thread, or the one that lands its message
+        while it waits, queues and waits for goes on that stream itself (_copy), where an
+        event recorded there and a copy stream waiting on it cost more than a 64 KiB copy;
+        work that other threads and streams take up waits for an event (as_event)."""
         return OnStream(external_stream(stream, self.device))  # the stream object is kept there
+
+    def as_event(self, ready: Any) -> Any:
+        """`ready` as an event other streams can wait for: an OnStream's is recorded on its
+        stream now (its call is still waiting, so nothing of the caller's has been queued
+        there since it began); an event or None as it is."""
+        return self._recorded(ready.stream) if ready.__class__ is OnStream else ready
 
     @_on_its_device
     def after_all(self, events: Sequence[Any]) -> Any:

@@ -188,14 +188,14 @@ def test_prepared_device_send_recv(hetcomm_make_comm, hetcomm_shared_seed) -> No
         # recorded there; a larger one's chunks wait for one
         gpu = comm._transports.make("staged").staging()
         events = []
-        record = gpu.ready_on
-        gpu.ready_on = lambda stream: events.append(stream) or record(stream)
+        record = gpu._recorded  # every event it records on a stream (ready_on, as_event)
+        gpu._recorded = lambda stream: events.append(stream) or record(stream)
         try:
             exchange("cupy", 1000, "float32", "eager, events counted")
             eager = len(events)
             exchange("torch", 70000, "float32", "rails, events counted")
         finally:
-            del gpu.ready_on
+            del gpu._recorded
         if eager or len(events) < 2:
             problems.append(f"events on the caller's stream: {eager} eager, {len(events)} in all")
 

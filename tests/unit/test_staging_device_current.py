@@ -66,6 +66,7 @@ def cupy(monkeypatch):
             rt._called("Event")
 
         def record(self, stream) -> None:
+            self.stream = stream
             rt._called("record")
 
         def synchronize(self) -> None:
@@ -106,6 +107,7 @@ def test_every_call_queues_on_its_device_and_leaves_the_callers_current(cupy) ->
     slot = np.zeros(64, np.uint8)
     calls = {
         "ready_on": lambda: gpu.ready_on(0x1234),
+        "as_event": lambda: gpu.as_event(gpu.on_stream(0x1234)),
         "on_stream then a copy on it": lambda: gpu.copy_to_address(
             slot.ctypes.data, _region(64), gpu.on_stream(0x1234)
         ),
@@ -144,3 +146,14 @@ def test_host_register_leaves_the_callers_current(cupy) -> None:
     device_kernels.host_register(0x4000, 4096, TRANSPORT)
     assert cupy.calls == [("hostRegister", TRANSPORT)]
     assert cupy.current == CALLER
+
+
+def test_as_event_records_on_the_callers_stream_and_passes_events_through(cupy) -> None:
+    gpu = device_kernels.StagingDevice(1 << 20, 4)
+    on = gpu.on_stream(0x1234)
+    assert on.stream.ptr == 0x1234
+    cupy.calls.clear()
+    event = gpu.as_event(on)
+    assert [name for name, _ in cupy.calls] == ["Event", "record"]
+    assert event.stream is on.stream  # the caller's stream, no other
+    assert gpu.as_event(event) is event and gpu.as_event(None) is None

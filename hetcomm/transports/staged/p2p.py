@@ -70,6 +70,13 @@ def check_peer(t: StagedTransport, ch: Channel) -> None:
         raise PeerLost(f"rank {ch.peer}: its shm rail is gone ({why})", [ch.peer])
 
 
+def rails_ready(t: StagedTransport, ready: Any) -> Any:
+    """The `ready` of a message that goes over the rails, whose copies other threads and
+    streams make: a blocking device call's caller's stream (StagingDevice.on_stream) as an
+    event recorded there now; an event, or None for host bytes, as it is."""
+    return None if ready is None else t.gpu.as_event(ready)
+
+
 # ---- sends ------------------------------------------------------------------------------------
 
 
@@ -106,6 +113,7 @@ def send(
         if not marked:
             mark(t, ch, tag, k, region.nbytes, deadline, True, ticket)
     t.paths["send rails"] += 1
+    ready = rails_ready(t, ready)
     t.messages.finish_send(
         t.messages.start_send(dst, region, CTS_P2P, tag, k, deadline, ready, driven=True), deadline
     )
@@ -235,6 +243,7 @@ def recv(
     inbox = ch.eager_in if ch is not None else None
     if ch is None or inbox is None:
         t.paths["recv rails"] += 1
+        ready = rails_ready(t, ready)
         op = t.messages.post_recv(src, region, CTS_P2P, tag, k, deadline, ready, driven=True)
         t.messages.finish_recv(op, deadline)
         return
@@ -256,6 +265,7 @@ def recv(
     if not settle(t, ch, found, region, ready):
         return
     t.paths["recv rails"] += 1
+    ready = rails_ready(t, ready)
     op = t.messages.post_recv(src, region, CTS_P2P, tag, k, deadline, ready, driven=True)
     try:
         while not op.ended(min(time.monotonic() + WATCH_S, deadline)):
@@ -399,8 +409,9 @@ def land(t: StagedTransport, ch: Channel, found: Found, rec: Posted) -> None:
         try:
             if settle(t, ch, found, region, rec.ready):
                 t.paths["recv rails"] += 1
+                ready = rails_ready(t, rec.ready)
                 rec.op = t.messages.post_recv(
-                    ch.peer, region, CTS_P2P, rec.tag, rec.number, rec.deadline, rec.ready
+                    ch.peer, region, CTS_P2P, rec.tag, rec.number, rec.deadline, ready
                 )
         except BaseException as exc:
             rec.error = exc

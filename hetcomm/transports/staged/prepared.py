@@ -206,22 +206,17 @@ def run_device(
 ) -> bool:
     """One prepared device send or receive (`move`: p2p.send or p2p.recv) of `nbytes` at
     `ptr`, after the work queued so far on the caller's stream; a receive's copy out has
-    ended when this returns. A message that goes through the pair's ring (it fits a slot) is
-    copied on the caller's stream itself, by this thread or the one that lands it while this
-    one waits (StagingDevice.on_stream); a larger one's chunks wait for an event there. False
-    (nothing moved, no message numbered) where the general path must take it: a message to
-    or from this rank, an array on another device than the transport's."""
+    ended when this returns. Its copies go on the caller's stream itself where this thread,
+    or the one that lands its message while it waits, makes them (StagingDevice.on_stream;
+    p2p turns it into an event where the rails' threads take the message). False (nothing
+    moved, no message numbered) where the general path must take it: a message to or from
+    this rank, an array on another device than the transport's."""
     if peer == t.rank:
         return False
     gpu = t.staging()
     if index != gpu.device:
         return False
-    ch = t._channels.get(peer)
-    ring = None if ch is None else ch.eager_out if op == "send" else ch.eager_in
-    if ring is not None and nbytes <= ring.slot_bytes:
-        ready = gpu.on_stream(stream())
-    else:
-        ready = gpu.ready_on(stream())
+    ready = gpu.on_stream(stream())
     k = t._p2p_number(op, peer, tag)
     try:
         deadline = time.monotonic() + t.limit()
