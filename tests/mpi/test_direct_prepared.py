@@ -24,7 +24,7 @@ from mpi4py import MPI
 from hetcomm import InvalidArgument
 from hetcomm.transports import tags
 from hetcomm.transports.direct import proxy as proxy_mod
-from hetcomm.transports.direct.peer import RECORD
+from hetcomm.transports.direct.peer import RECORD, Described
 from hetcomm.transports.direct.prepared import PreparedP2P
 from hetcomm.transports.direct.proxy import Proxy, Task
 from hetcomm.transports.direct.transport import DirectTransport
@@ -103,6 +103,7 @@ def pair(hetcomm_comm):
     svc = mpi.Dup()
     proxy = Proxy(0, _CUPY, svc)
     rank = mpi.Get_rank()
+    peers = _Peers(rank, [p.ctypes.data for p in parts])
     t = types.SimpleNamespace(
         svc=svc,
         cupy=_CUPY,
@@ -110,7 +111,8 @@ def pair(hetcomm_comm):
         device=0,
         _devices=["gpu0", "gpu1"],
         _proxy=proxy,
-        peers=_Peers(rank, [p.ctypes.data for p in parts]),
+        peers=peers,
+        described=Described(peers),
         comm=hetcomm_comm,
         device_kernels=types.SimpleNamespace(
             external_stream=lambda ptr, dev: types.SimpleNamespace(ptr=ptr, done=True)

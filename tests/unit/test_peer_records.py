@@ -4,8 +4,6 @@ cache hit."""
 
 from __future__ import annotations
 
-import types
-
 import numpy as np
 import pytest
 
@@ -109,22 +107,67 @@ def test_a_record_without_a_handle_for_an_unmapped_buffer_is_refused(maps) -> No
         theirs.address(0, rec)
 
 
-def test_prepared_records_kept_per_address_and_allocation(maps) -> None:
-    """A prepared send's record (direct/prepared.py) is made once per address and size and
-    kept while the allocation there is the same one; a new allocation at the same address (a
-    freed buffer's memory handed out again by the driver) gets a record of its own, with the
-    new allocation's handle: a kept record would send the peer to the old one."""
-    from hetcomm.transports.direct.prepared import PreparedP2P
-
+def test_records_kept_per_address_and_allocation(maps) -> None:
+    """A lent buffer's record (direct's prepared sends, the shared GPU's members:
+    peer.Described) is made once per address and size and kept while the allocation there is
+    the same one; a new allocation at the same address (a freed buffer's memory handed out
+    again by the driver) gets a record of its own, with the new allocation's handle: a kept
+    record would send the peer to the old one."""
     mine, _ = maps
-    t = types.SimpleNamespace(svc=None, cupy=FakeCupy, peers=mine)
-    prepared = PreparedP2P(t)
-    first = prepared._record(0x10000 + 64, 256)
+    described = direct_peer.Described(mine)
+    first = described.one(0x10000 + 64, 256)
     ranges = mine.driver.range_queries
-    again = prepared._record(0x10000 + 64, 256)
+    again = described.one(0x10000 + 64, 256)
     assert again is first and mine.driver.range_queries == ranges  # kept: one id query
-    assert fields(prepared._record(0x10000 + 64, 128))[2] == 128  # another size
+    assert fields(described.one(0x10000 + 64, 128))[2] == 128  # another size
     mine.driver.allocs[0x10000] = (4096, 11)  # freed, and allocated again at the same base
-    fresh = prepared._record(0x10000 + 64, 256)
+    fresh = described.one(0x10000 + 64, 256)
     assert fresh is not first
     assert fields(fresh)[0] == 11 and fields(fresh)[3] == 1  # the new allocation, its handle
+
+
+def test_records_of_several_spans_kept_alike(maps) -> None:
+    """Several spans' records in one array (an empty span's all zeros), kept while every
+    allocation is the one they were made for: one id query per span at each use; a span
+    whose allocation changed makes them again, with its new handle."""
+    mine, _ = maps
+    described = direct_peer.Described(mine)
+    spans = ((0x10000 + 8, 64), (0x90000, 0), (0x90000 + 4096, 512))
+    first = described.many(spans)
+    assert [fields(first[i : i + 1])[:3] for i in range(3)] == [
+        (7, 8, 64),
+        (0, 0, 0),
+        (8, 4096, 512),
+    ]
+    ids, ranges = mine.driver.id_queries, mine.driver.range_queries
+    assert described.many(spans) is first
+    assert (mine.driver.id_queries - ids, mine.driver.range_queries) == (2, ranges)
+    mine.driver.allocs[0x90000] = (1 << 20, 12)
+    fresh = described.many(spans)
+    assert fresh is not first and fields(fresh[2:3])[0] == 12 and fields(fresh[2:3])[3] == 1
+    assert fields(first[2:3])[0] == 8  # a record handed out is never rewritten
+
+
+def test_a_table_of_records_resolves_as_record_by_record(maps) -> None:
+    """The shared GPU's leader reads a table of every rank's records (one row a rank, one
+    column a span) in one pass (PeerMap.addresses, learn_rows): the same addresses, handles
+    and counters as resolve() record by record, its own row taken as given."""
+    mine, theirs = maps
+    table = np.zeros((3, 2), direct_peer.RECORD)
+    for p, (x, out) in ((0, (0x10000 + 8, 0x90000)), (2, (0x90000 + 512, 0x10000 + 64))):
+        table[p, 0] = mine.describe(x, 32, (), full=True)[0]
+        table[p, 1] = mine.describe(out, 32, (), full=True)[0]
+    theirs.learn_rows(table, [0, 2])
+    assert sorted(theirs._known) == [(0, 7), (0, 8), (2, 7), (2, 8)]  # kept, none opened yet
+    got = [theirs.addresses(table, col, 1, 0xABC0 + col) for col in (0, 1)]
+    mapped = {ident: 0x7000_0000 + base for base, (_, ident) in mine.driver.allocs.items()}
+    assert got == [
+        [mapped[7] + 8, 0xABC0, mapped[8] + 512],
+        [mapped[8], 0xABC1, mapped[7] + 64],
+    ]
+    assert (theirs.misses, theirs.hits) == (4, 0)
+    again = theirs.addresses(table, 0, 1, 0xABC0)
+    assert again == got[0] and (theirs.misses, theirs.hits) == (4, 2)
+    theirs.learn_rows(table, [0, 2])  # mapped now: nothing kept again
+    assert theirs._known == {}
+    assert [theirs.resolve(p, table[p, 1]) for p in (0, 2)] == [got[1][0], got[1][2]]

@@ -21,6 +21,7 @@ log = logging.getLogger("hetcomm")
 RECORD = np.dtype(
     [("id", "<u8"), ("offset", "<u8"), ("nbytes", "<u8"), ("has", "<u8"), ("handle", "V64")]
 )
+_WORDS = RECORD.itemsize // 8  # a record's 64-bit words: id, offset, nbytes, has, the handle
 _BUFFER_ID = 7  # CU_POINTER_ATTRIBUTE_BUFFER_ID == HIP_POINTER_ATTRIBUTE_BUFFER_ID
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess / hipIpcMemLazyEnablePeerAccess
 
@@ -112,6 +113,34 @@ class PeerMap:
             if key not in self._mapped:
                 self._known[key] = bytes(rec["handle"])
 
+    def learn_rows(self, table: np.ndarray, ranks: Iterable[int]) -> None:
+        """learn() every record of rows `ranks` of `table` (one row of records a rank), the
+        records' words read in one pass: a structured field read costs about a microsecond."""
+        words = table.view(np.uint64)
+        for p in ranks:
+            row = words[p].tolist()
+            for at in range(0, len(row), _WORDS):
+                key = (p, row[at])
+                if row[at + 3] and key not in self._mapped:
+                    self._known[key] = bytes(table[p, at // _WORDS]["handle"])
+
+    def addresses(self, table: np.ndarray, col: int, rank: int, mine: int) -> list[int]:
+        """Our address of column `col` of every rank's records in `table` (one row a rank;
+        this rank's own: `mine`), the records' words read in one pass."""
+        rows = table.view(np.uint64)[:, col * _WORDS : col * _WORDS + 4].tolist()
+        mapped, out = self._mapped, []
+        for p, (ident, offset, _, has) in enumerate(rows):
+            if p == rank:
+                out.append(mine)
+                continue
+            base = mapped.get((p, ident))
+            if base is None:
+                base = self._base(p, ident, has, table[p, col])
+            else:
+                self.hits += 1
+            out.append(base + offset)
+        return out
+
     def address(self, peer: int, rec: np.ndarray) -> tuple[int, int]:
         """Our address of the bytes a one-record array from `peer` describes, and their count:
         the record's words read in one pass."""
@@ -158,6 +187,56 @@ class PeerMap:
         self._mapped.clear()
         self._known.clear()
         self._told.clear()
+
+
+class Described:
+    """Full records (handles included) of this rank's buffers, kept per (address, bytes) while
+    the allocation there is the one they were made for: its buffer id, never reused, is one
+    driver query at each use. A training loop lends and reduces the same buffers call after
+    call; describing them afresh each time (a range query, a record copied and filled, the
+    records joined) took 15-25 us of a 4-rank all_reduce's 110 on an H100's host. A record
+    handed out is shared by later calls of the same buffer: read it, never write it."""
+
+    def __init__(self, peers: PeerMap, most: int = 4096) -> None:
+        self.peers = peers
+        self._most = most  # records kept; past it they start over instead of growing
+        self._kept: dict[Any, tuple[Any, np.ndarray]] = {}
+
+    def one(self, ptr: int, nbytes: int) -> np.ndarray:
+        """The record (a one-record array) of `nbytes` at `ptr`."""
+        ident = self.peers.driver.buffer_id(ptr)
+        key = (ptr, nbytes)
+        kept = self._kept.get(key)
+        if kept is not None and kept[0] == ident:
+            return kept[1]
+        rec = self.peers.describe(ptr, nbytes, (), full=True)
+        self._keep(key, ident, rec)
+        return rec
+
+    def many(self, spans: tuple[tuple[int, int], ...]) -> np.ndarray:
+        """The records of `spans` ((address, bytes) each) as one array, an empty span's all
+        zeros (no allocation to name)."""
+        buffer_id = self.peers.driver.buffer_id
+        kept = self._kept.get(spans)
+        if kept is not None:
+            for (ptr, n), ident in zip(spans, kept[0]):
+                if n and buffer_id(ptr) != ident:
+                    break
+            else:
+                return kept[1]
+        recs = np.concatenate(
+            [
+                self.peers.describe(ptr, n, (), full=True) if n else np.zeros(1, RECORD)
+                for ptr, n in spans
+            ]
+        )
+        self._keep(spans, tuple(int(i) for i in recs["id"]), recs)
+        return recs
+
+    def _keep(self, key: Any, ident: Any, recs: np.ndarray) -> None:
+        if len(self._kept) >= self._most:
+            self._kept.clear()
+        self._kept[key] = (ident, recs)
 
 
 def probe(

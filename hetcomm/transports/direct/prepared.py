@@ -31,9 +31,6 @@ if TYPE_CHECKING:
 D2D = 3  # cudaMemcpyDeviceToDevice
 # polls of a step before it goes to the bounded wait (which builds a Work to wait with)
 _QUICK = 64
-# records kept per transport (address and size -> allocation id, record); a program that keeps
-# sending from new addresses starts over instead of growing without bound
-_MAX_RECORDS = 4096
 
 
 class PreparedP2P:
@@ -43,7 +40,6 @@ class PreparedP2P:
         self.t = t
         self.svc: MPI.Intracomm = t.svc
         self.rt = t.cupy.cuda.runtime
-        self._records: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
         self._got = np.empty(1, RECORD)  # the lender's record, on the copying side
         # "done": the bytes the copier copied (sent from it on the copying side, received
         # into it on the lending side: a call is one or the other)
@@ -135,7 +131,7 @@ class PreparedP2P:
                 if copies:
                     records.append(svc.Irecv(got[i : i + 1].view(np.uint8), peer, tags[0]))
                 else:
-                    rec = self._record(ptr, n)
+                    rec = self.t.described.one(ptr, n)
                     waits.append(svc.Isend(rec.view(np.uint8), peer, tags[0]))
                     waits.append(svc.Irecv(done[i : i + 1], peer, tags[1]))
             self.wait(partial(MPI.Request.Testall, records), "sendrecv", seq)
@@ -250,7 +246,7 @@ class PreparedP2P:
         if not s.done:
             self.reach(s, op, seq)
         stamp("ready")
-        rec = self._record(ptr, nbytes)
+        rec = self.t.described.one(ptr, nbytes)
         done = self._done
         reqs = [
             self.svc.Isend(rec.view(np.uint8), peer, tags[0]),
@@ -259,21 +255,6 @@ class PreparedP2P:
         self.wait(partial(MPI.Request.Testall, reqs), op, seq)
         if done[0] != nbytes:
             raise self.t._mismatch(op, peer, int(done[0]), nbytes, what)
-
-    def _record(self, ptr: int, nbytes: int) -> np.ndarray:
-        """The full record (handle included) of `nbytes` at `ptr`: kept while the allocation at
-        `ptr` is the one it was made for (its buffer id, never reused, is one driver query)."""
-        peers = self.t.peers
-        ident = peers.driver.buffer_id(ptr)
-        key = (ptr, nbytes)
-        kept = self._records.get(key)
-        if kept is not None and kept[0] == ident:
-            return kept[1]
-        rec = peers.describe(ptr, nbytes, (), full=True)
-        if len(self._records) >= _MAX_RECORDS:
-            self._records.clear()
-        self._records[key] = (ident, rec)
-        return rec
 
     def reach(self, s: Any, op: str, seq: int) -> None:
         """Wait here until stream `s` has run what is queued on it now (an event recorded

@@ -40,7 +40,7 @@ from ..base import Context, Transport
 from . import schedule
 from .collectives import PreparedCollectives
 from .leader import launcher
-from .peer import RECORD, PeerMap
+from .peer import RECORD, Described, PeerMap
 from .pointtopoint import Lent, PointToPoint
 from .prepared import D2D, PreparedP2P
 from .proxy import Proxy, Step, Task, stamp
@@ -91,6 +91,7 @@ class DirectTransport(PointToPoint, Transport):
         self.svc: MPI.Intracomm = comm.service
         self.device = cupy.cuda.Device().id
         self.peers = PeerMap(cupy)
+        self.described = Described(self.peers)  # records of our buffers lent over and over
         self._devices = [r.device for r in comm.topology.ranks]
         # records of lent buffers not sent yet, per (peer, tag), in issue order
         self._lent: dict[tuple[int, int], deque[Lent]] = {}
@@ -215,9 +216,8 @@ class DirectTransport(PointToPoint, Transport):
         """Allgather this rank's records; `into[0]` becomes the (size, len(recs)) table."""
         table = np.empty((self.size, len(recs)), RECORD)
         yield self.svc.Iallgather(recs.view(np.uint8), table.view(np.uint8))
-        for p in self._others:  # handles sent to everyone are kept, even if not opened now
-            for rec in table[p]:
-                self.peers.learn(p, rec)
+        # handles sent to everyone are kept, even if not opened now
+        self.peers.learn_rows(table, self._others)
         into.append(table)
 
     def _records(self, bufs: list[Span]) -> np.ndarray:
@@ -225,10 +225,7 @@ class DirectTransport(PointToPoint, Transport):
 
     def _addresses(self, table: np.ndarray, col: int, mine: int) -> list[int]:
         """Our address of column `col` of every rank's records (our own: `mine`)."""
-        return [
-            mine if p == self.rank else self.peers.resolve(p, table[p, col])
-            for p in range(self.size)
-        ]
+        return self.peers.addresses(table, col, self.rank, mine)
 
     def _sync(self) -> Step:
         yield self._proxy.mark(self.stream)
@@ -412,13 +409,7 @@ class DirectTransport(PointToPoint, Transport):
                 # prepared call's once it checked the device): on a thread without it the
                 # driver's range query of a new allocation failed with
                 # CUDA_ERROR_INVALID_CONTEXT (CuPy arrays made under a non-default stream)
-                peers = self.peers
-                rec = np.concatenate(
-                    [
-                        peers.describe(ptr, n, [0], full=True) if n else np.zeros(1, RECORD)
-                        for ptr, n in spans
-                    ]
-                )
+                rec = self.described.many(tuple(spans))
                 yield self.svc.Isend(rec.view(np.uint8), 0, t_rec)
                 yield finished
 
@@ -428,9 +419,7 @@ class DirectTransport(PointToPoint, Transport):
 
         def leader() -> Step:
             yield arrived
-            for p in self._others:
-                for rec in table[p]:
-                    self.peers.learn(p, rec)
+            self.peers.learn_rows(table, self._others)
             held = launch(table)  # what the GPU work reads, kept until it has run
             yield from self._sync()
             del held
