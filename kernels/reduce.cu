@@ -123,13 +123,27 @@ __global__ void divide_half(u16* dst, unsigned long long n, long long d) {
 // same pass (each element read once from each source, written once to each output; in place is
 // safe, since a thread reads all sources of element i before it writes element i). `div` > 0
 // divides the reduction (AVG): floats divide, integers truncate toward zero like C. The loops
-// over sources and outputs are unrolled so the pointers stay in registers.
-#define PEER_ARGS(T) T* d0, T* d1, T* d2, T* d3, T* d4, T* d5, T* d6, T* d7, int nout, \
-    const T* s0, const T* s1, const T* s2, const T* s3, const T* s4, const T* s5, \
-    const T* s6, const T* s7, int nsrc, unsigned long long n, long long div
+// over sources and outputs are unrolled so the pointers stay in registers. The launch's
+// pointers and sizes travel as one parameter by value (`Peers`, the host's PEERS_DTYPE): passed
+// one by one, the twenty of them cost the host more than the launch itself.
+struct Peers {
+    unsigned long long d[8];  // outputs (nout of them)
+    unsigned long long s[8];  // sources (nsrc of them)
+    unsigned long long n;     // elements
+    long long div;
+    int nout;
+    int nsrc;
+};
 #define PEER_POINTERS(T) \
-    const T* s[8] = {s0, s1, s2, s3, s4, s5, s6, s7}; \
-    T* d[8] = {d0, d1, d2, d3, d4, d5, d6, d7}
+    const T* s[8]; \
+    T* d[8]; \
+    _Pragma("unroll") for (int k = 0; k < 8; ++k) { \
+        s[k] = (const T*)a.s[k]; \
+        d[k] = (T*)a.d[k]; \
+    } \
+    const int nout = a.nout, nsrc = a.nsrc; \
+    const unsigned long long n = a.n; \
+    const long long div = a.div
 #define FOR_EACH_ELEMENT \
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n; \
          i += (unsigned long long)blockDim.x * gridDim.x)
@@ -164,7 +178,7 @@ __device__ __forceinline__ u16 reduce_half_at(const u16* const* s, int nsrc,
 }
 
 template <typename T, typename Op>
-__global__ void reduce_peers(PEER_ARGS(T)) {
+__global__ void reduce_peers(Peers a) {
     PEER_POINTERS(T);
     FOR_EACH_ELEMENT {
         T acc = reduce_at<T, Op>(s, nsrc, i, div);
@@ -173,7 +187,7 @@ __global__ void reduce_peers(PEER_ARGS(T)) {
 }
 
 template <int Half, typename Op>
-__global__ void reduce_peers_half(PEER_ARGS(u16)) {
+__global__ void reduce_peers_half(Peers a) {
     PEER_POINTERS(u16);
     FOR_EACH_ELEMENT {
         u16 out = reduce_half_at<Half, Op>(s, nsrc, i, div);
@@ -183,10 +197,10 @@ __global__ void reduce_peers_half(PEER_ARGS(u16)) {
 
 // float32 sums, the common case of gradients, 16 bytes per load (n = elements / 4; pointers
 // 16-byte aligned; the caller reduces the tail with reduce_peers).
-__global__ void reduce_peers_f32x4(PEER_ARGS(float4)) {
+__global__ void reduce_peers_f32x4(Peers a) {
     PEER_POINTERS(float4);
     FOR_EACH_ELEMENT {
-        float4 acc = s0[i];
+        float4 acc = s[0][i];
 #pragma unroll
         for (int k = 1; k < 8; ++k) {
             if (k < nsrc) {

@@ -173,3 +173,38 @@ def test_tables_fit_the_kernel_parameters():
 )
 def test_the_overlaps_a_collective_serves(op, x_at, nx, out_at, no, rank, reads_first, want):
     assert schedule.served(op, x_at, nx, out_at, no, rank, reads_first) is want
+
+
+def test_peers_args_lay_out_the_kernels_struct():
+    """reduce_peers' one parameter (kernels/reduce.cu, "Peers"): eight output pointers, eight
+    source pointers, the elements, the divisor, then the two counts, at the offsets a C
+    compiler gives that struct (8-byte fields first, no padding), unused pointers zero."""
+    dt = schedule.PEERS_DTYPE
+    assert [(name, dt.fields[name][1]) for name in dt.names] == [
+        ("d", 0),
+        ("s", 64),
+        ("n", 128),
+        ("div", 136),
+        ("nout", 144),
+        ("nsrc", 148),
+    ]
+    assert dt.itemsize == 152
+    outs, srcs = [0x1000, 0x2000], [0x3000, 0x4000, 0x5000]
+    a = schedule.peers_args(outs, srcs, 1 << 40, 3)
+    assert isinstance(a, np.void) and a.dtype == dt
+    assert list(a["d"]) == [*outs, 0, 0, 0, 0, 0, 0]
+    assert list(a["s"]) == [*srcs, 0, 0, 0, 0, 0]
+    assert (int(a["n"]), int(a["div"]), int(a["nout"]), int(a["nsrc"])) == (1 << 40, 3, 2, 3)
+    source = (Path(kernels.__file__).parent / "reduce.cu").read_text()
+    struct = source[
+        source.index("struct Peers {") : source.index("};", source.index("struct Peers {"))
+    ]
+    fields = [line.split("//")[0].strip() for line in struct.splitlines()[1:]]
+    assert fields == [
+        f"unsigned long long d[{schedule.MAX_SOURCES}];",
+        f"unsigned long long s[{schedule.MAX_SOURCES}];",
+        "unsigned long long n;",
+        "long long div;",
+        "int nout;",
+        "int nsrc;",
+    ]

@@ -15,6 +15,7 @@ __all__ = [
     "algorithm",
     "batches",
     "copier",
+    "peers_args",
     "pieces",
     "served",
     "shards",
@@ -34,6 +35,27 @@ MAX_SOURCES = 8
 TABLE_BYTES = 256 * 1024
 PIECES = 32
 PIECES_DTYPE = np.dtype([("n", np.uint64, (PIECES,)), ("p", np.uint64, (PIECES, MAX_SOURCES))])
+# one reduce_peers launch's outputs, sources, elements and divisor, its one by-value parameter
+# (kernels/reduce.cu, "Peers")
+PEERS_DTYPE = np.dtype(
+    [
+        ("d", np.uint64, (MAX_SOURCES,)),
+        ("s", np.uint64, (MAX_SOURCES,)),
+        ("n", np.uint64),
+        ("div", np.int64),
+        ("nout", np.int32),
+        ("nsrc", np.int32),
+    ]
+)
+
+
+def peers_args(outs: Sequence[int], srcs: Sequence[int], count: int, div: int) -> np.void:
+    """The by-value parameter of a reduce_peers launch (unused pointer slots stay zero)."""
+    a = np.zeros(1, PEERS_DTYPE)
+    a["d"][0, : len(outs)] = outs
+    a["s"][0, : len(srcs)] = srcs
+    a["n"], a["div"], a["nout"], a["nsrc"] = count, div, len(outs), len(srcs)
+    return a[0]
 
 
 def algorithm(nbytes: int, size: int) -> str:
