@@ -250,7 +250,7 @@ def _general(pair) -> DirectTransport:
     """A DirectTransport of the stand-in's parts whose sends and receives take the proxy's
     path (records sent and "done"s received by the proxy thread)."""
     t = object.__new__(DirectTransport)
-    for name in ("svc", "rank", "device", "_devices", "_proxy", "peers", "comm"):
+    for name in ("svc", "rank", "device", "_devices", "_proxy", "peers", "described", "comm"):
         setattr(t, name, getattr(pair.t, name))
     t._lead_tag, t._lent = pair.t._lead_tag, {}
     t._check = lambda op, bufs: None

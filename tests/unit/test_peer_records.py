@@ -171,3 +171,18 @@ def test_a_table_of_records_resolves_as_record_by_record(maps) -> None:
     theirs.learn_rows(table, [0, 2])  # mapped now: nothing kept again
     assert theirs._known == {}
     assert [theirs.resolve(p, table[p, 1]) for p in (0, 2)] == [got[1][0], got[1][2]]
+
+
+def test_a_row_of_records_resolves_as_record_by_record(maps) -> None:
+    """One rank's records in a row (all_reduce_coalesced through the leader: PeerMap.row):
+    the addresses resolve() gives record by record, an empty record's (0, 0)."""
+    mine, theirs = maps
+    table = np.zeros((2, 3), direct_peer.RECORD)
+    table[0, 0] = mine.describe(0x10000 + 8, 32, (), full=True)[0]
+    table[0, 2] = mine.describe(0x90000 + 64, 128, (), full=True)[0]
+    got = theirs.row(table, 0)
+    mapped = {ident: 0x7000_0000 + base for base, (_, ident) in mine.driver.allocs.items()}
+    assert got == [(mapped[7] + 8, 32), (0, 0), (mapped[8] + 64, 128)]
+    assert (theirs.misses, theirs.hits) == (2, 0)
+    assert theirs.row(table, 0) == got and (theirs.misses, theirs.hits) == (2, 2)
+    assert [theirs.resolve(0, table[0, c]) for c in (0, 2)] == [got[0][0], got[2][0]]

@@ -141,6 +141,23 @@ class PeerMap:
             out.append(base + offset)
         return out
 
+    def row(self, table: np.ndarray, p: int) -> list[tuple[int, int]]:
+        """(our address, bytes) of each record of row `p` of `table` (rank p's records; an
+        empty one's (0, 0)), the words read in one pass."""
+        words, out = table[p].view(np.uint64).tolist(), []
+        for at in range(0, len(words), _WORDS):
+            ident, offset, nbytes, has = words[at : at + 4]
+            if not nbytes:
+                out.append((0, 0))
+                continue
+            base = self._mapped.get((p, ident))
+            if base is None:
+                base = self._base(p, ident, has, table[p, at // _WORDS])
+            else:
+                self.hits += 1
+            out.append((base + offset, nbytes))
+        return out
+
     def address(self, peer: int, rec: np.ndarray) -> tuple[int, int]:
         """Our address of the bytes a one-record array from `peer` describes, and their count:
         the record's words read in one pass."""

@@ -15,7 +15,7 @@ from mpi4py import MPI
 from ...errors import InvalidArgument
 from .. import tags
 from . import schedule
-from .peer import RECORD, PeerMap
+from .peer import RECORD, Described, PeerMap
 from .proxy import Proxy, Step, stamp
 
 if TYPE_CHECKING:
@@ -29,6 +29,7 @@ class PointToPoint:
     rank: int
     svc: MPI.Intracomm
     peers: PeerMap
+    described: Described
     _devices: list[Any]
     _lead_tag: int
     _lent: dict[tuple[int, int], deque[Lent]]
@@ -69,7 +70,7 @@ class PointToPoint:
         the buffer ready it sends the buffer's record, after the records of the same peer and
         tag issued before (_post_in_order), and it ends when the copier says done."""
         self._check(op, (x,))
-        rec = self.peers.describe(x.ptr, x.nbytes, [peer], full=True)
+        rec = self.described.one(x.ptr, x.nbytes)
         stamp("described")
         entry = Lent(self._ready(x), rec)
         stamp("ready")

@@ -466,12 +466,7 @@ class DirectTransport(PointToPoint, Transport):
 
         def all_reduce(table: np.ndarray) -> None:
             rows = [
-                list(spans)
-                if p == self.rank
-                else [
-                    (self.peers.resolve(p, rec) if rec["nbytes"] else 0, int(rec["nbytes"]))
-                    for rec in table[p]
-                ]
+                list(spans) if p == self.rank else self.peers.row(table, p)
                 for p in range(self.size)
             ]
             item = TABLE[dtype].itemsize
