@@ -207,15 +207,7 @@ def _on_its_device(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def run(self: StagingDevice, *args: Any) -> Any:
-        rt = self.cupy.cuda.runtime
-        before = rt.getDevice()
-        if before == self.device:
-            return method(self, *args)
-        rt.setDevice(self.device)
-        try:
-            return method(self, *args)
-        finally:
-            rt.setDevice(before)
+        return on_device(self.device, method, self, *args)
 
     return run
 

@@ -128,18 +128,10 @@ class PeerMap:
         """Our address of column `col` of every rank's records in `table` (one row a rank;
         this rank's own: `mine`), the records' words read in one pass."""
         rows = table.view(np.uint64)[:, col * _WORDS : col * _WORDS + 4].tolist()
-        mapped, out = self._mapped, []
-        for p, (ident, offset, _, has) in enumerate(rows):
-            if p == rank:
-                out.append(mine)
-                continue
-            base = mapped.get((p, ident))
-            if base is None:
-                base = self._base(p, ident, has, table[p, col])
-            else:
-                self.hits += 1
-            out.append(base + offset)
-        return out
+        return [
+            mine if p == rank else self._mapping(p, ident, has, table, col) + offset
+            for p, (ident, offset, _, has) in enumerate(rows)
+        ]
 
     def row(self, table: np.ndarray, p: int) -> list[tuple[int, int]]:
         """(our address, bytes) of each record of row `p` of `table` (rank p's records; an
@@ -150,13 +142,17 @@ class PeerMap:
             if not nbytes:
                 out.append((0, 0))
                 continue
-            base = self._mapped.get((p, ident))
-            if base is None:
-                base = self._base(p, ident, has, table[p, at // _WORDS])
-            else:
-                self.hits += 1
-            out.append((base + offset, nbytes))
+            out.append((self._mapping(p, ident, has, table, at // _WORDS) + offset, nbytes))
         return out
+
+    def _mapping(self, p: int, ident: int, has: int, table: np.ndarray, col: int) -> int:
+        """_base for the record at `table[p, col]` whose words were read already: the record
+        itself is taken out of the table only where the handle must be opened."""
+        base = self._mapped.get((p, ident))
+        if base is None:
+            return self._base(p, ident, has, table[p, col])
+        self.hits += 1
+        return base
 
     def address(self, peer: int, rec: np.ndarray) -> tuple[int, int]:
         """Our address of the bytes a one-record array from `peer` describes, and their count:
