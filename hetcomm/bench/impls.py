@@ -237,14 +237,18 @@ def _mpi_call(
     return (lambda: raw.Sendrecv(a, dst, 0, b, src, 0)), b
 
 
-class Mpi4py(Impl):
+class _OnMpi(Impl):
+    """A baseline that calls MPI itself, on the communicator `raw`."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+
+class Mpi4py(_OnMpi):
     """Raw mpi4py collectives on numpy arrays (host memory, whatever --device says)."""
 
     name = "mpi4py"
     on_device = False
-
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
 
     def prepare(
         self, case: Case, x: Any, y: Any, in_place: bool = False
@@ -253,13 +257,10 @@ class Mpi4py(Impl):
         return _mpi_call(self.raw, case, x.numpy(), y.numpy(), in_place)
 
 
-class Naive(Impl):
+class Naive(_OnMpi):
     """Copy device->host (pageable), MPI on the host copy, copy the result back."""
 
     name = "naive"
-
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
 
     def prepare(
         self, case: Case, x: Any, y: Any, in_place: bool = False

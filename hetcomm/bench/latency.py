@@ -48,7 +48,7 @@ from .latency_table import (
 )
 from .report import element_count
 from .sweep import sizes_of
-from .timing import Interleaved, Run, paired_difference, paired_ratio, share_cores
+from .timing import Interleaved, Run, Stat, paired_difference, paired_ratio, share_cores
 
 #: the Config field that switches off the default mismatch check, where this hetcomm has one
 #: (`Config(check=False)` / HETCOMM_CHECK=0); `--no-mismatch-check` sets it
@@ -268,6 +268,33 @@ class DeviceFloors:
 # ---- the study --------------------------------------------------------------------------------
 
 
+def _against(
+    section: str,
+    op: str,
+    form: str,
+    nbytes: int,
+    half: float,
+    h: Stat,
+    f: Stat,
+    floor: str,
+    **more: Any,
+) -> LatencyRow:
+    """The row of `h` against the floor `f` (measured as `floor`) in the same rounds; `half`
+    is 2 where a call is a round trip (its row gives one way)."""
+    return LatencyRow(
+        section=section,
+        op=op,
+        form=form,
+        bytes=nbytes,
+        hetcomm_us=h.median * 1e6 / half,
+        floor_us=f.median * 1e6 / half,
+        floor=floor,
+        spread=max(h.spread, f.spread),
+        ratio=paired_ratio(h, f),
+        **more,
+    )
+
+
 def mismatch_config(transport: str, mismatch_check: bool) -> tuple[Any, str]:
     """The Config of the benchmarked Communicator and a line saying how its mismatch check ran."""
     import hetcomm
@@ -473,31 +500,18 @@ class Study:
         g = stats.get("gloo")
         u = stats.get("unchecked")
         if u is not None:
-            self.check_rows.append(
-                LatencyRow(
-                    section="check",
-                    op=op,
-                    form=form,
-                    bytes=nbytes,
-                    hetcomm_us=h.median * 1e6 / half,
-                    floor_us=u.median * 1e6 / half,
-                    floor="unchecked",
-                    spread=max(h.spread, u.spread),
-                    ratio=paired_ratio(h, u),
-                )
-            )
-        return LatencyRow(
-            section="host",
-            op=op,
-            form=form,
-            bytes=nbytes,
-            hetcomm_us=h.median * 1e6 / half,
-            floor_us=f.median * 1e6 / half,
-            floor="mpi4py",
-            spread=max(h.spread, f.spread),
+            self.check_rows.append(_against("check", op, form, nbytes, half, h, u, "unchecked"))
+        return _against(
+            "host",
+            op,
+            form,
+            nbytes,
+            half,
+            h,
+            f,
+            "mpi4py",
             wrong=wrong_count,
             gloo_us=None if g is None else g.median * 1e6 / half,
-            ratio=paired_ratio(h, f),
         )
 
     @staticmethod
