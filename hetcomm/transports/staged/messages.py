@@ -53,7 +53,7 @@ class Messages:
             t._count(len(spans))
             if driven and spans:
                 inline.start(t, ch, op, False, deadline)
-        op_id = next(t._op_ids)
+        op.key = op_id = next(t._op_ids)
         t.receives[op_id] = op
         if not spans:
             op.done.set()
@@ -214,6 +214,7 @@ class Messages:
         t = self.t
         if op.inline is not None:
             op.inline.close()
-        for key, value in list(t.receives.items()):
-            if value is op:
-                del t.receives[key]
+        # by its key, never a scan: other drivers add theirs meanwhile, and a scan that makes
+        # objects (items()) may run the collector, let them in mid-way and raise
+        # "dictionary changed size during iteration"
+        t.receives.pop(op.key, None)

@@ -28,6 +28,7 @@ class _Op:
     region: Region
     spans: list[tuple[int, int]]
     remote: int = -1  # the receiver's op id (sends)
+    key: int = -1  # this receive's op id, its key in the transport's receives (receives)
     awaiting_cts: bool = False  # a send still waiting for the receiver's clear-to-send
     ready: Any = None  # device event the copies must wait for
     done: threading.Event = field(default_factory=threading.Event)
