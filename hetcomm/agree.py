@@ -109,6 +109,15 @@ def _show(field: str, v: int) -> str:
     return str(v)
 
 
+def _release(check: Check | SharedCheck) -> np.ndarray:
+    """The signature of a check slot that did not agree, copied before the slot is free: the
+    issuing thread loads the next collective's signature into a free slot, perhaps while
+    another thread (the deferred starts') reports this mismatch."""
+    mine = check.mine.copy()
+    check.busy = False
+    return mine
+
+
 class Check:
     """One all-reduce (MAX) of a signature vector and its result: a slot of the ring that every
     collective's check takes its turn on (see Agreement). A persistent request where the MPI
@@ -149,9 +158,16 @@ class Check:
         return bool(self.start(seq).Test())
 
     def agreed(self) -> bool:
-        """After completion: whether every rank sent the vector this rank sent."""
-        self.busy = False
-        return bool(self.result.tobytes() == self.mine.tobytes())
+        """After completion: whether every rank sent the vector this rank sent. The slot is
+        free again once it has (busy, read by the thread that issues the next collective),
+        after a mismatch once `mismatched()` has copied this rank's signature out."""
+        same = self.result.tobytes() == self.mine.tobytes()
+        self.busy = not same
+        return same
+
+    def mismatched(self) -> np.ndarray:
+        """After agreed() said no: this rank's signature, copied; the slot is free again."""
+        return _release(self)
 
     def free(self) -> None:
         """Free a persistent request that is not in flight."""
@@ -366,9 +382,14 @@ class SharedCheck:
             records.progress()
 
     def agreed(self) -> bool:
-        """After completion: whether every rank wrote the signature this rank wrote."""
-        self.busy = False
+        """After completion: whether every rank wrote the signature this rank wrote (the slot
+        free again as Check.agreed says)."""
+        self.busy = not self._agreed
         return self._agreed
+
+    def mismatched(self) -> np.ndarray:
+        """After agreed() said no: this rank's signature, copied; the slot is free again."""
+        return _release(self)
 
     def carried(self) -> bool:
         """After completion: whether every rank took the carried path."""

@@ -95,7 +95,7 @@ class DeferredStarts:
                 continue
             if not check.agreed():
                 try:
-                    item.error = self._mismatch(item.seq, check.mine.copy())
+                    item.error = self._mismatch(item.seq, check.mismatched())
                 except BaseException as exc:  # the gather of the signatures failed
                     item.error = exc
                 queue.popleft()

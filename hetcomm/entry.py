@@ -143,7 +143,7 @@ class Entry:
         except MPI.Exception as exc:
             raise self._mpi_error(route.op, seq, exc) from exc
         if not check.agreed():
-            raise self._mismatch(route.op, seq, check.mine.copy())
+            raise self._mismatch(route.op, seq, check.mismatched())
         return check
 
     def _admit(
@@ -181,7 +181,7 @@ class Entry:
                 for _ in range(QUICK_POLLS):
                     if test():
                         if not check.agreed():
-                            raise self._mismatch(route.op, seq, check.mine.copy())
+                            raise self._mismatch(route.op, seq, check.mismatched())
                         return begin()
         except MPI.Exception as exc:
             raise self._mpi_error(route.op, seq, exc) from exc

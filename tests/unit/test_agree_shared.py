@@ -206,6 +206,11 @@ def test_a_carried_collective_that_disagrees_frees_its_records_at_once():
     b.start(1, np.zeros(3))
     assert a.Test() and b.Test()
     assert not a.agreed() and not b.agreed()
+    # the slot stays taken until the mismatch's report has copied this rank's signature
+    assert a.busy and b.busy
+    mine = a.mismatched()
+    assert np.array_equal(mine, _sig(2)) and mine is not a.mine
+    assert np.array_equal(b.mismatched(), _sig(3))
     assert not a.busy and not b.busy
     b.load(_sig(2))
     a.start(2, np.ones(2))
