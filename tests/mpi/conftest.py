@@ -6,11 +6,14 @@ The `hetcomm_comm`, `hetcomm_make_comm`, `hetcomm_shared_seed`, `hetcomm_transpo
 `--hetcomm-transport=NAME`, which the plugin turns into a parameter of every test here
 (`test_x[staged]`). Tests here collect their findings in `errors` and end with `errors.verify()`,
 which fails on every rank when any rank found something, so that a failure on one rank never
-leaves the others waiting in the next collective.
+leaves the others waiting in the next collective. A rank whose test raised before its
+`errors.verify()` makes that verify's collective itself, with what it raised, so that the
+ranks waiting there fail with it rather than wait for the hang timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,6 +62,7 @@ class Errors(list[str]):
     def __init__(self, comm: Communicator, seed: int) -> None:
         super().__init__()
         self.comm, self.seed = comm, seed
+        self.verified = False  # verify() was entered (its collective made or under way)
 
     def expect(self, ok: bool, message: str) -> None:
         if not ok:
@@ -76,8 +80,34 @@ class Errors(list[str]):
         return True
 
     def verify(self) -> None:
+        self.verified = True
         shown = "; ".join(self[:5]) + (f"; and {len(self) - 5} more" if len(self) > 5 else "")
         assert_all_ranks(self.comm, not self, f"(seed {self.seed}) {shown}")
+
+
+# what a test may raise on one rank and still leave the job running (not an interrupt or exit)
+_RAISED = (Exception, pytest.fail.Exception, pytest.skip.Exception, pytest.xfail.Exception)
+
+
+def report_raised(item: pytest.Item, exc: BaseException | None) -> None:
+    """After a test's call: where it raised `exc` on this rank before its `errors.verify()`,
+    make that verify's collective with what it raised (the test's own error stays its report
+    on this rank), so that the other ranks, waiting there, fail with it now."""
+    errors = getattr(item, "funcargs", {}).get("errors")
+    if exc is None or not isinstance(errors, Errors) or errors.verified:
+        return
+    if not isinstance(exc, _RAISED):
+        return
+    errors.append(f"raised {type(exc).__name__}: {exc}")
+    with contextlib.suppress(Exception):  # the verdict, failing here too, or MPI's error
+        errors.verify()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    outcome = yield
+    excinfo = outcome.excinfo
+    report_raised(item, excinfo[1] if excinfo is not None else None)
 
 
 @pytest.fixture
