@@ -109,21 +109,28 @@ def _show(field: str, v: int) -> str:
     return str(v)
 
 
-def _release(check: Check | SharedCheck) -> np.ndarray:
-    """The signature of a check slot that did not agree, copied before the slot is free: the
-    issuing thread loads the next collective's signature into a free slot, perhaps while
-    another thread (the deferred starts') reports this mismatch."""
-    mine = check.mine.copy()
-    check.busy = False
-    return mine
+class _Slot:
+    """What both kinds of check slot share: `mine` (this rank's signature) and `busy`."""
+
+    __slots__ = ("busy", "mine")
+    busy: bool  # started, and its result not yet read
+    mine: np.ndarray
+
+    def mismatched(self) -> np.ndarray:
+        """After agreed() said no: this rank's signature, copied before the slot is free (the
+        issuing thread loads the next collective's signature into a free slot, perhaps while
+        another thread, the deferred starts', reports this mismatch)."""
+        mine = self.mine.copy()
+        self.busy = False
+        return mine
 
 
-class Check:
+class Check(_Slot):
     """One all-reduce (MAX) of a signature vector and its result: a slot of the ring that every
     collective's check takes its turn on (see Agreement). A persistent request where the MPI
     library has them (MPI-4), else a non-blocking all-reduce started afresh at each use."""
 
-    __slots__ = ("_mpi", "busy", "held", "mine", "request", "result")
+    __slots__ = ("_mpi", "held", "request", "result")
 
     def __init__(self, mpi: MPI.Intracomm, persistent: bool) -> None:
         width = 2 * len(FIELDS)
@@ -165,17 +172,13 @@ class Check:
         self.busy = not same
         return same
 
-    def mismatched(self) -> np.ndarray:
-        """After agreed() said no: this rank's signature, copied; the slot is free again."""
-        return _release(self)
-
     def free(self) -> None:
         """Free a persistent request that is not in flight."""
         if self._mpi is None and not self.busy:
             self.request.Free()
 
 
-class SharedCheck:
+class SharedCheck(_Slot):
     """A check slot through shared memory (see the module's docstring), with Check's interface:
     `start(seq)` writes this rank's record of collective `seq`, and `Test()` is True once every
     rank's record holds collective `seq`, when `agreed()` says whether they all match.
@@ -219,9 +222,7 @@ class SharedCheck:
         "_seq",
         "_tag",
         "_written",
-        "busy",
         "held",
-        "mine",
         "request",
     )
 
@@ -386,10 +387,6 @@ class SharedCheck:
         free again as Check.agreed says)."""
         self.busy = not self._agreed
         return self._agreed
-
-    def mismatched(self) -> np.ndarray:
-        """After agreed() said no: this rank's signature, copied; the slot is free again."""
-        return _release(self)
 
     def carried(self) -> bool:
         """After completion: whether every rank took the carried path."""

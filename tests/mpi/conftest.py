@@ -94,9 +94,7 @@ def report_raised(item: pytest.Item, exc: BaseException | None) -> None:
     make that verify's collective with what it raised (the test's own error stays its report
     on this rank), so that the other ranks, waiting there, fail with it now."""
     errors = getattr(item, "funcargs", {}).get("errors")
-    if exc is None or not isinstance(errors, Errors) or errors.verified:
-        return
-    if not isinstance(exc, _RAISED):
+    if not isinstance(exc, _RAISED) or not isinstance(errors, Errors) or errors.verified:
         return
     errors.append(f"raised {type(exc).__name__}: {exc}")
     with contextlib.suppress(Exception):  # the verdict, failing here too, or MPI's error
