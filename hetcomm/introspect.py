@@ -100,7 +100,7 @@ def driver_submitted(transport: Transport) -> int:
 
 def free_slots(slots: SharedSlots) -> int:
     """How many slots of a shared segment (a staged channel's `shm_out`) are free now."""
-    return len(slots._free)
+    return slots.free_count()
 
 
 # ---- the mpi transport --------------------------------------------------------------------
