@@ -67,11 +67,11 @@ class SlotsThatFail:
     def __init__(self, slots: type, where: str | None) -> None:
         self.slots, self.where, self.calls = slots, where, 0
 
-    def __call__(self, name: str, count: int, nbytes: int, create: bool):
+    def __call__(self, name: str, count: int, nbytes: int, create: bool, words: int = 0):
         self.calls += 1
         if self.where == ("make" if create else "map"):
             raise SegmentError(f"no room for {name} (injected)")
-        return self.slots(name, count, nbytes, create=create)
+        return self.slots(name, count, nbytes, create=create, words=words)
 
 
 def _exchange(comm, peer, send, into):

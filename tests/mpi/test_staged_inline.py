@@ -54,10 +54,14 @@ def _slots_back(comm, staged, peer, errors, what):
     ch = introspect.channels(staged).get(peer) if peer is not None else None
     if ch is not None and inline.sole_shm(ch) is not None:
         until = time.monotonic() + 1.0
-        while len(ch.shm_out._free) < ch.shm_out.slots and time.monotonic() < until:
+        while introspect.free_slots(ch.shm_out) < ch.shm_out.slots and time.monotonic() < until:
             time.sleep(1e-3)
-        free = len(ch.shm_out._free)
+        free = introspect.free_slots(ch.shm_out)
         errors.expect(free == ch.shm_out.slots, f"{what}: {free} of {ch.shm_out.slots} free")
+
+
+def ch_of(staged: object, peer: int) -> object:
+    return introspect.channels(staged)[peer]  # type: ignore[arg-type]
 
 
 def _draw(seed: list[int], n: int) -> np.ndarray:
@@ -68,7 +72,8 @@ def _draw(seed: list[int], n: int) -> np.ndarray:
 def test_blocking_messages_move_inline(hetcomm_make_comm, errors, hetcomm_shared_seed):
     """Blocking sends and receives (and a sendrecv's receive) of more chunks than there are
     slots arrive whole, nothing past them is written, each is moved by the calling thread
-    (counted: one "send inline" / "recv inline" per call), and every slot is back after."""
+    (counted: one "send inline" / "recv inline" per call; each receive looks for its chunks
+    on the board where the host has boards), and every slot is back after."""
     comm = hetcomm_make_comm(transport="staged", timeout=60)
     staged, peer = _setup(comm)
     if peer is not None:
@@ -87,7 +92,12 @@ def test_blocking_messages_move_inline(hetcomm_make_comm, errors, hetcomm_shared
             comm.sendrecv(mine, peer, got, peer)
             errors.expect(np.array_equal(got, theirs), f"{n} B sendrecv: wrong data")
             if on:
-                for key, want in (("send inline", 3), ("recv inline", 4)):
+                board = ch_of(staged, peer).board_in is not None
+                for key, want in (
+                    ("send inline", 3),
+                    ("recv inline", 4),
+                    ("recv board", 4 * board),
+                ):
                     count = staged.paths[key] - before.get(key, 0)
                     errors.expect(count == want, f"{n} B: {key} {count}, expected {want}")
     _slots_back(comm, staged, peer, errors, "after the exchanges")

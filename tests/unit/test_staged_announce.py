@@ -35,10 +35,12 @@ class Link:
 
 
 class FakeChannel(Channel):
-    """A channel with no rails: only its signaller's queue, which nothing serves."""
+    """A channel with no rails and no board: only its signaller's queue, which nothing
+    serves."""
 
     def __init__(self) -> None:
         self.signaller: queue.Queue = queue.Queue()
+        self.board_out = None
 
     def signals(self) -> queue.Queue:
         return self.signaller

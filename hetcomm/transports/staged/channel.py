@@ -12,7 +12,9 @@ early), its queue of chunks to send, and its threads:
 A message that the thread waiting for it moves itself over a shm-only channel (inline.py) uses
 none of them: the reader only files its clear-to-send and its slots for that thread.
 Fields set at opening are read by every thread; `early` and the two queues' creation are
-guarded by `_lock`, `dead` by `_lock` too; a link's `unacked` by its own lock. The transport
+guarded by `_lock`, `dead` and `dozers` by `_lock` too; a link's `unacked` by its own lock.
+A receive moved by the thread that waits for it looks for its chunks on the board at the end of
+the sender's slot segment (board.py) instead of the reader's word. The transport
 (transport.py) opens, starts, stops and releases channels; the clear-to-send bookkeeping
 (cts.py) is shared with it; the mpi rail's one receiving thread is rails.MpiRail.
 """
@@ -34,6 +36,7 @@ from .. import tags
 from ..local import Region
 from ..shm import SegmentError, SharedSlots
 from . import links
+from .board import REAP, BoardIn, BoardOut
 from .eager import EagerIn, EagerOut
 from .ops import _STOP, _Op, stamp
 from .rails import DATA_MPI, short, size_mismatch
@@ -95,6 +98,9 @@ class Channel:
         self.links: list[links.Link] = []
         self.shm_out: SharedSlots | None = None
         self.shm_in: SharedSlots | None = None
+        # the boards at the end of the two slot segments (board.py): None where they have none
+        self.board_out: BoardOut | None = None
+        self.board_in: BoardIn | None = None
         # the eager rings of the pair (eager.py): None where the pair shares no host
         self.eager_out: EagerOut | None = None
         self.eager_in: EagerIn | None = None
@@ -103,11 +109,50 @@ class Channel:
         self.threads: list[threading.Thread] = []
         self._signals: queue.Queue[Any] | None = None
         self._completions: queue.Queue[Any] | None = None
-        self._lock = threading.Lock()  # the two queues' creation, `early` and `dead`
+        self._lock = threading.Lock()  # the two queues' creation, `early`, `dead`, `dozers`
         self.early = 0  # shared slots held by sends still waiting for their clear-to-send
         # sends moved by their own thread (inline.Inline), woken when a slot comes back
         self.inline_sends: list[Any] = []
+        # the threads (inline.Driver) dozing on a board of the channel, woken by the peer's WAKE
+        self.dozers: set[Any] = set()
         self.dead: list[str] = []  # why each rail that failed did
+
+    def boards(self) -> None:
+        """Read the boards of the two slot segments (made with their words: connect.py); a
+        board rings the peer over the shm rail's socket."""
+        link = self.doorbell()
+        out, into = self.shm_out, self.shm_in
+        if link is None or out is None or into is None or out.words is None or into.words is None:
+            return
+        self.board_out = BoardOut(out.words, out.slots)
+        self.board_in = BoardIn(into.words, into.slots)
+        out.reaper = self.board_out
+
+        def ring(kind: int, slot: int) -> None:
+            self._reply(link, kind, slot, 0, 0)
+
+        self.board_out.ring = self.board_in.ring = ring
+
+    def dozing(self, driver: Any, on: bool) -> None:
+        """Count `driver` among the threads dozing on a board of the channel (on), or not."""
+        with self._lock:
+            if on:
+                self.dozers.add(driver)
+            else:
+                self.dozers.discard(driver)
+
+    def post_slot(
+        self, link: links.Link, op: _Op, slot: int, idx: int, off: int, n: int, polls: bool
+    ) -> None:
+        """Tell the receiver that chunk `idx` of `op` lies in `slot`: on the board where its
+        receive looks there (op.board), else over the socket. `polls`: the calling thread looks
+        for the slot's return on the board itself."""
+        board = self.board_out
+        if op.board and board is not None:
+            if board.publish(slot, op.remote, idx, off, n, polls):
+                self._reply(link, links.WAKE, 0, 0, 0)
+            return
+        link.send(links.SLOT, slot, op.remote, idx, off, n)
 
     def start(self) -> None:
         """Start a sender thread per lane and a receiver per link (and the mpi rail's sender)."""
@@ -256,7 +301,7 @@ class Channel:
                     stamp("d2h queued", idx)
                     self.announce_soon(event, link, slot, op, idx, off, n)
                     return False
-                link.send(links.SLOT, slot, op.remote, idx, off, n)
+                self.post_slot(link, op, slot, idx, off, n, False)
             except BaseException:
                 self.shm_out.release(slot)
                 raise
@@ -302,7 +347,7 @@ class Channel:
             if event is not None:  # None: host bytes, copied already
                 event.synchronize()
             stamp("d2h done", idx)
-            link.send(links.SLOT, slot, op.remote, idx, off, n)
+            self.post_slot(link, op, slot, idx, off, n, False)
             op.count(idx)
         except BaseException as exc:
             op.fail(exc)
@@ -318,9 +363,18 @@ class Channel:
                 kind, slot, op_id, idx, off, n = link.recv_header()
                 if kind == links.FREE:
                     assert self.shm_out is not None
-                    self.shm_out.release(slot)
+                    if slot == REAP:  # slots came back on the board
+                        self.shm_out.reap()
+                    else:
+                        self.shm_out.release(slot)
                     for waiting in list(self.inline_sends):
                         waiting.driver.wake.set()
+                    continue
+                if kind == links.WAKE:
+                    with self._lock:
+                        dozing = list(self.dozers)
+                    for d in dozing:
+                        d.wake.set()
                     continue
                 if kind == links.ACK:
                     with link.unacked_lock:
@@ -482,6 +536,9 @@ class Channel:
         mapped a segment its name is gone already)."""
         for link in self.links:
             link.close()
+        for b in (self.board_out, self.board_in):
+            if b is not None:
+                b.detach()
         for seg in (self.shm_out, self.shm_in):
             if seg is not None:
                 seg.unlink()

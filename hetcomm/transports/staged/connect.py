@@ -20,7 +20,7 @@ from mpi4py import MPI
 from ...errors import HetcommError, TransportUnavailable
 from .. import flags, tags
 from ..shm import SegmentError, SharedSlots
-from . import links
+from . import board, links
 from .channel import Channel
 from .eager import EagerIn, EagerOut, segment_bytes
 from .ops import PeerTimeout
@@ -135,13 +135,16 @@ class Opener:
         if shm:
             base = f"hetcomm-{t.token.hex()[:12]}"
             slots = slots_that_fit(t.slots, t.chunk_bytes, 2 * len(shm))
+            # the boards (board.py) only where shared words order this host's messages: both
+            # ends of a pair run on one host, so they agree on it
+            words = board.words(slots) if flags.unsupported() is None else 0
             # a rank that cannot make or map its segments says why in the swaps, instead of
             # its names, so that both ends of each pair fail at once, naming the cause
             mine: dict[int, Any] = {}
             try:
                 for p in shm:
                     opened[p].shm_out = SharedSlots(
-                        f"{base}-{t.rank}-{p}", slots, t.chunk_bytes, create=True
+                        f"{base}-{t.rank}-{p}", slots, t.chunk_bytes, create=True, words=words
                     )
                 rings = {p: self._eager_ring(opened[p], f"{base}-e{t.rank}-{p}") for p in shm}
                 mine = {p: (f"{base}-{t.rank}-{p}", slots, t.chunk_bytes, rings[p]) for p in shm}
@@ -153,7 +156,10 @@ class Opener:
             try:
                 for p in shm:
                     name, count, slot_bytes, ring = names[p]
-                    opened[p].shm_in = SharedSlots(name, count, slot_bytes, create=False)
+                    theirs = board.words(count) if words else 0
+                    opened[p].shm_in = SharedSlots(
+                        name, count, slot_bytes, create=False, words=theirs
+                    )
                     if ring is not None:
                         ename, eslots, ebytes = ring
                         seg = SharedSlots(ename, 1, segment_bytes(eslots, ebytes), create=False)
@@ -163,6 +169,7 @@ class Opener:
             # both sides have mapped both segments: the names can go
             _refuse(t.rank, mapped, self._swap(mapped, deadline))
             for p in shm:
+                opened[p].boards()
                 opened[p].shm_out.unlink()  # type: ignore[union-attr]
                 out = opened[p].eager_out
                 if out is not None:

@@ -38,6 +38,10 @@ Key = tuple[int, int, int, int]  # (peer, kind, k1, k2): which message a clear-t
 # kinds of message: a send/recv (k1, k2: the tag and the pair's message number), a collective's
 # step (k1, k2: the collective's sequence number and its step)
 CTS_P2P, CTS_COLL = 1, 2
+# on the shm rail's socket, added to the kind: the receive looks for the chunks on the board
+BOARD = 1 << 8
+# what a clear-to-send says: the receive's op id, its bytes, whether it looks on the board
+Entry = tuple[int, int, bool]
 
 
 class ClearToSend:
@@ -48,16 +52,15 @@ class ClearToSend:
         rank: int,
         svc: MPI.Intracomm,
         channels: Mapping[int, Channel],
-        queue_send: Callable[[Channel, _Op, int, int], None],
+        queue_send: Callable[[Channel, _Op, int, int, bool], None],
     ) -> None:
         self.rank, self.svc = rank, svc
         self._channels = channels  # the transport's open channels (read here, never changed)
         self._queue_send = queue_send  # starts a send whose clear-to-send has come
         self.cond = threading.Condition()
-        # guarded by `cond`: clear-to-sends filed for a sender to take (receiver's op id,
-        # bytes), the sends registered to be started by the thread that files theirs, and
-        # whether the transport has closed
-        self.inbox: dict[Key, list[tuple[int, int]]] = {}
+        # guarded by `cond`: clear-to-sends filed for a sender to take, the sends registered
+        # to be started by the thread that files theirs, and whether the transport has closed
+        self.inbox: dict[Key, list[Entry]] = {}
         self.waiting: dict[Key, tuple[Channel, _Op]] = {}
         self.closed = False
 
@@ -67,15 +70,18 @@ class ClearToSend:
         ch = self._channels.get(peer)
         return ch.doorbell() if ch is not None else None
 
-    def send(self, peer: int, kind: int, k1: int, k2: int, op_id: int, nbytes: int) -> None:
-        """Tell `peer` that receive `op_id` of `nbytes` takes its message (kind, k1, k2)."""
+    def send(
+        self, peer: int, kind: int, k1: int, k2: int, op_id: int, nbytes: int, board: bool = False
+    ) -> None:
+        """Tell `peer` that receive `op_id` of `nbytes` takes its message (kind, k1, k2);
+        `board`: it looks for the chunks on the shm rail's board (only over that rail)."""
         if peer == self.rank:
             self.file(peer, kind, k1, k2, op_id, nbytes)
             return
         link = self.doorbell(peer)
         if link is not None:
             try:
-                link.send(links.CTS, kind, op_id, k1, k2, nbytes)
+                link.send(links.CTS, kind | (BOARD if board else 0), op_id, k1, k2, nbytes)
             except links.RailError as exc:
                 # the doorbell is the shm rail's socket: the peer's process is gone
                 raise PeerLost(
@@ -101,9 +107,9 @@ class ClearToSend:
             self.file(status.Get_source(), kind, k1, k2, op_id, nbytes)
             taken += 1
 
-    def wait_for(self, peer: int, kind: int, k1: int, k2: int, deadline: float) -> tuple[int, int]:
+    def wait_for(self, peer: int, kind: int, k1: int, k2: int, deadline: float) -> Entry:
         """On this thread, until it comes: the clear-to-send of message (kind, k1, k2) to
-        `peer` (receiver's op id, bytes)."""
+        `peer`."""
         key = (peer, kind, k1, k2)
         doorbell = self.doorbell(peer) if peer != self.rank else None
         by_mpi = peer != self.rank and doorbell is None
@@ -138,9 +144,9 @@ class ClearToSend:
             assert entry is not None
             return entry
 
-    def _take_filed(self, key: Key) -> tuple[int, int] | None:
-        """The oldest clear-to-send filed under `key` (receiver's op id, bytes), taken; None if
-        none is. The caller holds `cond`."""
+    def _take_filed(self, key: Key) -> Entry | None:
+        """The oldest clear-to-send filed under `key`, taken; None if none is. The caller holds
+        `cond`."""
         filed = self.inbox.get(key)
         if not filed:
             return None
@@ -149,9 +155,7 @@ class ClearToSend:
             del self.inbox[key]
         return entry
 
-    def take_or_register(
-        self, ch: Channel, op: _Op, key: Key, deadline: float
-    ) -> tuple[int, int] | None:
+    def take_or_register(self, ch: Channel, op: _Op, key: Key, deadline: float) -> Entry | None:
         """The clear-to-send of the send `op` (peer, kind and keys in `key`) if it is here.
         Where the peer rings the shm doorbell and it is not, the send is registered for the
         thread that files it (None); over MPI this thread waits for it."""
@@ -183,14 +187,16 @@ class ClearToSend:
 
     def file(self, src: int, kind: int, k1: int, k2: int, op_id: int, nbytes: int) -> None:
         """A clear-to-send has arrived: start the send that waits for it on this thread, or
-        file it for a sender to take."""
+        file it for a sender to take. `kind` may carry BOARD (the socket's)."""
+        board = bool(kind & BOARD)
+        kind &= ~BOARD
         with self.cond:
             waiting = self.waiting.pop((src, kind, k1, k2), None)
             if waiting is None:
-                self.inbox.setdefault((src, kind, k1, k2), []).append((op_id, nbytes))
+                self.inbox.setdefault((src, kind, k1, k2), []).append((op_id, nbytes, board))
                 self.cond.notify_all()
                 return
-        self._queue_send(*waiting, op_id, nbytes)
+        self._queue_send(*waiting, op_id, nbytes, board)
 
     def wake_senders(self) -> None:
         """Let senders waiting for a clear-to-send look again (a link has just gone); sends

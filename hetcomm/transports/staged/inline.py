@@ -4,11 +4,15 @@ A message between two ranks of one host whose only rail is shm, started by a thr
 itself wait for it to the end (a blocking send or receive, a collective's steps on the thread
 that runs the collective), of device bytes or of more than one chunk, is moved by that thread
 alone: it takes the shared slots, queues every copy into or out of them, looks at each copy
-between its other steps, and announces a slot (SLOT) or hands it back (FREE) as soon as the
-copy has ended. The channel's reader thread still reads the socket and files what it reads
-for the message (a clear-to-send, with the early chunks whose copies have ended: `Inline.clear`;
-a chunk's slot: `Inline.arrive`; a slot handed back wakes the sends), but queues no copy and
-waits for none; neither the rail's sender threads nor the signaller and completer take part.
+between its other steps, and announces a slot or hands it back as soon as the copy has ended.
+Where the pair's slot segments have boards (board.py) a receive says so in its clear-to-send,
+and the chunks' slots are announced and handed back there: the waiting thread of each end
+looks at the board between its other steps, and nothing of the message crosses the socket
+after the clear-to-send (but a WAKE where the other end dozes). Without boards they go over
+the socket (SLOT, FREE), and the channel's reader thread files them for the message
+(`Inline.arrive`; a slot handed back wakes the sends). The reader files the clear-to-send too
+(with the early chunks whose copies have ended: `Inline.clear`), but queues no copy and waits
+for none; neither the rail's sender threads nor the signaller and completer take part.
 
 Why: every other thread that runs while a copy is queued slows the CUDA calls that queue it
 (on an H100, 5 us alone against 16-45 us while another thread of the process waited on an
@@ -30,7 +34,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...errors import PeerLost
+from .. import flags
 from . import links
+from .board import Row
 from .ops import stamp
 
 if TYPE_CHECKING:
@@ -57,6 +63,7 @@ class Inline:
 
     __slots__ = (
         "arrived",
+        "board",
         "ch",
         "cleared",
         "closed",
@@ -65,9 +72,11 @@ class Inline:
         "driver",
         "link",
         "lock",
+        "looked",
         "next",
         "op",
         "send",
+        "taken",
     )
 
     def __init__(self, ch: Channel, link: links.Link, op: _Op, send: bool, deadline: float) -> None:
@@ -76,11 +85,19 @@ class Inline:
         self.deadline = deadline  # monotonic: past it the message fails (Driver.step)
         self.cleared = False  # a send's clear-to-send has come (op.remote is set)
         self.next = 0  # a send's next chunk to copy into a slot
-        # a receive's chunks that have come (slot, chunk, offset, bytes), filed by the reader
-        self.arrived: collections.deque[tuple[int, int, int, int]] = collections.deque()
+        # the board the chunks' slots go through (a receive's: set by `start`; a send's: by
+        # `clear`, where its receive asked for it), else None: the socket
+        self.board: Any = None
+        self.looked = -1  # a receive's: the board's TOTAL at its last look
+        self.taken: set[int] = set()  # a receive's: the board's slots it holds
+        # a receive's chunks that have come (slot, chunk, offset, bytes, its board row or
+        # None), filed by the reader or taken from the board
+        self.arrived: collections.deque[tuple[int, int, int, int, Row | None]] = collections.deque()
         # copies queued and not yet seen to end, in the order queued: (slot, chunk, offset,
-        # bytes, event); event None for host bytes, copied already
-        self.copies: collections.deque[tuple[int, int, int, int, Any]] = collections.deque()
+        # bytes, event, a receive's board row); event None for host bytes, copied already
+        self.copies: collections.deque[tuple[int, int, int, int, Any, Row | None]] = (
+            collections.deque()
+        )
         self.lock = threading.Lock()  # `arrived` and `closed`, between the reader and driver
         self.closed = False  # the receive was given up: the reader hands slots back itself
 
@@ -92,10 +109,12 @@ class Inline:
         here at once, as the channel does for a message of its threads, so that a message of
         one chunk ends without waking the waiting thread first; that thread takes the rest."""
         op = self.op
+        if op.board:
+            self.board = self.ch.board_out
         if op.early:
             early = self.ch.take_early(op)
             for idx, (slot, event, (off, n)) in enumerate(early):
-                self.copies.append((slot, idx, off, n, event))
+                self.copies.append((slot, idx, off, n, event, None))
             self.next = len(early)
             self._announce()
         self.cleared = True  # last: the waiting thread touches nothing above before it
@@ -107,7 +126,7 @@ class Inline:
         with self.lock:
             if self.closed:
                 return False
-            self.arrived.append((slot, idx, off, n))
+            self.arrived.append((slot, idx, off, n, None))
         self.driver.wake.set()
         return True
 
@@ -142,7 +161,7 @@ class Inline:
                 out.register_with_gpu(gpu.device)
                 event = gpu.copy_to_host_async(target, src, op.ready)
             stamp("d2h queued", self.next)
-            self.copies.append((slot, self.next, off, n, event))
+            self.copies.append((slot, self.next, off, n, event, None))
             self.next += 1
             moved = True
         return self._announce() or moved
@@ -151,10 +170,10 @@ class Inline:
         """Announce the slots whose copies have ended, in order; whether any was."""
         op, moved = self.op, False
         while self.copies and _ended(self.copies[0][4]):
-            slot, idx, off, n, _ = self.copies.popleft()
+            slot, idx, off, n, _, _ = self.copies.popleft()
             self.ch.owner.count_bytes(self.link, n)
             try:
-                self.link.send(links.SLOT, slot, op.remote, idx, off, n)
+                self.ch.post_slot(self.link, op, slot, idx, off, n, True)
             except links.RailError as exc:
                 self.ch._rail_down(self.link, exc)
                 self._lost(f"its shm rail failed: {exc}")
@@ -173,9 +192,11 @@ class Inline:
         shm_in = ch.shm_in
         assert shm_in is not None
         moved = False
+        if self.board is not None:
+            self._look()
         while self.arrived:
             with self.lock:
-                slot, idx, off, n = self.arrived.popleft()
+                slot, idx, off, n, row = self.arrived.popleft()
             src = shm_in.view(slot, n)
             if op.region.host is not None:
                 ch._deliver(op, off, src)  # as the reader thread lands host bytes
@@ -184,15 +205,43 @@ class Inline:
                 shm_in.register_with_gpu(gpu.device)
                 event = gpu.copy_from_host_async(op.region.sub(off, n), src, op.ready)
                 stamp("h2d queued", idx)
-            self.copies.append((slot, idx, off, n, event))
+            self.copies.append((slot, idx, off, n, event, row))
             moved = True
         while self.copies and _ended(self.copies[0][4]):
-            slot, idx, _, _, _ = self.copies.popleft()
+            slot, idx, _, _, _, row = self.copies.popleft()
             stamp("h2d done", idx)
             op.count(idx)
-            ch._reply(self.link, links.FREE, slot, 0, idx)
+            self._hand_back(slot, row)
             moved = True
         return moved
+
+    def _look(self) -> None:
+        """File the receive's chunks published on the board since its last look."""
+        live = self.ch.owner.receives.__contains__
+        self.looked, rows = self.board.take(self.op.key, self.looked, self.taken, live)
+        if not rows:
+            return
+        with self.lock:
+            if self.closed:
+                return
+            for row in sorted(rows, key=lambda r: r.idx):
+                self.taken.add(row.slot)
+                self.arrived.append((row.slot, row.idx, row.off, row.n, row))
+                stamp("slot got", row.idx)
+
+    def _hand_back(self, slot: int, row: Row | None) -> None:
+        """Give a receive's slot back to the sender, on the board where it came from there."""
+        if row is None:
+            self.ch._reply(self.link, links.FREE, slot, 0, 0)
+            return
+        self.taken.discard(slot)
+        self.board.free(row)
+
+    def polls(self) -> bool:
+        """Whether the message waits for something only the board tells (no one rings)."""
+        if self.board is None:
+            return False
+        return not self.send or (self.cleared and self.next < len(self.op.spans))
 
     def copying(self) -> bool:
         """Whether a copy of this message is on the GPU (it ends without the reader's word)."""
@@ -205,22 +254,24 @@ class Inline:
             self.closed = True
             arrived, self.arrived = list(self.arrived), collections.deque()
         self.driver.drop(self)
-        held = [(c[0], c[4]) for c in self.copies]
+        held = [(c[0], c[4], c[5]) for c in self.copies]
         self.copies.clear()
         if self.send:
             with contextlib.suppress(ValueError):
                 self.ch.inline_sends.remove(self)
             out = self.ch.shm_out
             assert out is not None
-            for slot, event in held:
+            for slot, event, _ in held:
                 _settle(event)
                 out.release(slot)
             return
-        for slot, event in held:
+        for slot, event, row in held:
             _settle(event)
-            self.ch._reply(self.link, links.FREE, slot, 0, 0)
-        for slot, *_ in arrived:
-            self.ch._reply(self.link, links.FREE, slot, 0, 0)
+            self._hand_back(slot, row)
+        for slot, *_, row in arrived:
+            self._hand_back(slot, row)
+        if self.board is not None:
+            self.board.sweep(self.op.key, self.taken)  # published and not looked at yet
 
 
 def _ended(event: Any) -> bool:
@@ -271,8 +322,11 @@ class Driver:
     def wait(self, op: _Op, until: float) -> bool:
         """Move this thread's messages until `op` is done (True) or `until` (monotonic) passes
         (False). Between looks it yields the core while a copy is on the GPU (its end is seen
-        by looking), else sleeps until the reader thread files something for one of them (a
-        clear-to-send, a slot, a slot handed back) or a failure wakes it."""
+        by looking) and, for flags.YIELD_SECONDS after it last moved anything, while a message
+        waits for the board (which rings no one); else it sleeps until the reader thread files
+        something for one of them (a clear-to-send, a slot, a slot handed back, a WAKE from
+        the board's other end) or a failure wakes it."""
+        moved_at = time.monotonic()
         while True:
             self.wake.clear()
             moved = self.step()
@@ -282,11 +336,34 @@ class Driver:
             if now >= until:
                 return False
             if moved:
+                moved_at = now
                 continue
             if any(m.copying() for m in self.messages):
                 os.sched_yield()
+                continue
+            polling = [m for m in self.messages if m.polls()]
+            if polling and now - moved_at < flags.YIELD_SECONDS:
+                os.sched_yield()
+            elif polling:
+                self._doze(polling, min(NAP_S, until - now))
             else:
                 self.wake.wait(min(NAP_S, until - now))
+
+    def _doze(self, polling: list[Inline], seconds: float) -> None:
+        """Sleep up to `seconds` on the wake event, counted on the boards of `polling` so that
+        their other ends ring WAKE once they write there; a last look after counting in
+        catches a write that came before."""
+        marked = {id(m.board): m for m in polling}.values()
+        for m in marked:
+            m.ch.dozing(self, True)
+            m.board.doze(1)
+        try:
+            if not self.step():
+                self.wake.wait(seconds)
+        finally:
+            for m in marked:
+                m.board.doze(-1)
+                m.ch.dozing(self, False)
 
 
 _local = threading.local()
@@ -311,6 +388,9 @@ def start(t: StagedTransport, ch: Channel, op: _Op, send: bool, deadline: float)
         return
     t.paths["send inline" if send else "recv inline"] += 1
     inline = Inline(ch, link, op, send, deadline)
+    if not send and ch.board_in is not None:
+        inline.board = ch.board_in
+        t.paths["recv board"] += 1
     op.inline = inline
     inline.driver.add(inline)
     if send:

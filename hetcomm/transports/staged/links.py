@@ -25,7 +25,8 @@ log = logging.getLogger("hetcomm")
 HEADER = struct.Struct("<Bxxxi4Q")
 # ACK: the receiver has written chunk `chunk` of its op `op`; until then the sender keeps the
 # chunk, and puts it back for the other rails if this link dies in either direction.
-DATA, SLOT, FREE, ERROR, BYE, ACK, CTS = 1, 2, 3, 4, 5, 6, 7
+# WAKE: a thread of the receiver dozes on the rail's board (board.py) that this rank wrote.
+DATA, SLOT, FREE, ERROR, BYE, ACK, CTS, WAKE = 1, 2, 3, 4, 5, 6, 7, 8
 # The first bytes of a connection: the listener's token, the connecting rank, the rail index.
 HELLO = struct.Struct("<16sII")
 TOKEN_BYTES = 16

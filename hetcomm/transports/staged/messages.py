@@ -57,7 +57,8 @@ class Messages:
         t.receives[op_id] = op
         if not spans:
             op.done.set()
-        t.cts.send(peer, kind, k1, k2, op_id, region.nbytes)
+        board = op.inline is not None and op.inline.board is not None
+        t.cts.send(peer, kind, k1, k2, op_id, region.nbytes, board)
         stamp("cts sent")
         return op
 
@@ -135,12 +136,15 @@ class Messages:
             op.early.append((slot, event, (off, n)))
             stamp("d2h queued early", idx)
 
-    def queue_send(self, ch: Channel, op: _Op, remote: int, expected: int) -> None:
+    def queue_send(
+        self, ch: Channel, op: _Op, remote: int, expected: int, board: bool = False
+    ) -> None:
         """The receiver's clear-to-send is here: queue every chunk of `op` on its rails (the
-        early ones, in their slots already, are announced as their copies end)."""
+        early ones, in their slots already, are announced as their copies end). `board`: the
+        receive looks for the chunks on the shm rail's board."""
         t = self.t
         stamp("chunks queued")
-        op.remote, op.awaiting_cts = remote, False
+        op.remote, op.awaiting_cts, op.board = remote, False, board
         if expected != op.region.nbytes:
             exc = MismatchError(
                 f"rank {t.rank} sends {op.region.nbytes} bytes, rank {op.peer} receives {expected}"
@@ -170,7 +174,7 @@ class Messages:
     ) -> _Op:
         """A message to this very rank: one local copy into the matching receive."""
         t = self.t
-        remote, expected = t.cts.wait_for(t.rank, kind, k1, k2, deadline)
+        remote, expected, _ = t.cts.wait_for(t.rank, kind, k1, k2, deadline)
         op = _Op(t.rank, region, [], ready=ready)
         target = t.receives.get(remote)
         if expected != region.nbytes or target is None:

@@ -30,6 +30,7 @@ class _Op:
     remote: int = -1  # the receiver's op id (sends)
     key: int = -1  # this receive's op id, its key in the transport's receives (receives)
     awaiting_cts: bool = False  # a send still waiting for the receiver's clear-to-send
+    board: bool = False  # a send whose receive looks for its chunks on the board (board.py)
     ready: Any = None  # device event the copies must wait for
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
