@@ -29,13 +29,13 @@ def _pair(comm: hetcomm.Communicator) -> int | None:
     return peer if peer < comm.size else None
 
 
-def _setup(comm: hetcomm.Communicator) -> tuple[object, int | None]:
+def _setup(comm: hetcomm.Communicator, chunk: int = CHUNK) -> tuple[object, int | None]:
     """The staged transport with small chunks and large messages over the rails, and this
     rank's partner once their channel is open."""
     comm.barrier()
     staged = introspect.transports(comm)["staged"]
     staged.single_copy = False
-    staged.chunk_bytes = CHUNK
+    staged.chunk_bytes = chunk
     peer = _pair(comm)
     if peer is not None:
         _exchange(comm, peer, np.zeros(1), np.zeros(1))
@@ -101,6 +101,32 @@ def test_blocking_messages_move_inline(hetcomm_make_comm, errors, hetcomm_shared
                     count = staged.paths[key] - before.get(key, 0)
                     errors.expect(count == want, f"{n} B: {key} {count}, expected {want}")
     _slots_back(comm, staged, peer, errors, "after the exchanges")
+    errors.verify()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_host_message_of_one_chunk(hetcomm_make_comm, errors, hetcomm_shared_seed):
+    """A host message of one chunk: its send stays with the channel's threads, its receive
+    finds the chunk on the board where the pair has boards (counted), else the reader lands
+    it; it arrives whole either way, and every slot is back after."""
+    comm = hetcomm_make_comm(transport="staged", timeout=60)
+    staged, peer = _setup(comm, 4 << 20)
+    if peer is not None:
+        n = (1 << 20) + 8
+        seed = [hetcomm_shared_seed, n]
+        mine, theirs = _draw([*seed, comm.rank], n), _draw([*seed, peer], n)
+        back = np.full(mine.size + 2, SENTINEL)
+        before = dict(staged.paths)
+        _exchange(comm, peer, mine, back[:-2], tag=4)
+        errors.expect(np.array_equal(back[:-2], theirs), "wrong data")
+        errors.expect((back[-2:] == SENTINEL).all(), "wrote past the message")
+        if _inline_with(staged, peer):
+            board = ch_of(staged, peer).board_in is not None
+            want = {"send inline": 0, "recv inline": board, "recv board": board}
+            for key, count in want.items():
+                got = staged.paths[key] - before.get(key, 0)
+                errors.expect(got == count, f"{key} {got}, expected {count}")
+    _slots_back(comm, staged, peer, errors, "after a message of one chunk")
     errors.verify()
 
 
