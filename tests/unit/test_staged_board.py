@@ -22,15 +22,24 @@ pytestmark = pytest.mark.skipif(flags.unsupported() is not None, reason="no shar
 SLOTS, SLOT_BYTES = 4, 4096
 
 
-@pytest.fixture
-def ends():
-    """(sender's segment, its board, receiver's board, what each end rang)."""
-    name = f"hetcomm-test-board-{os.getpid()}-{secrets.token_hex(4)}"
+def _pair(name: str) -> tuple[SharedSlots, SharedSlots, BoardOut, BoardIn]:
+    """A segment made and mapped as a pair's two ends do, and the board at each end."""
     out = SharedSlots(name, SLOTS, SLOT_BYTES, create=True, words=board.words(SLOTS))
     into = SharedSlots(name, SLOTS, SLOT_BYTES, create=False, words=board.words(SLOTS))
     out.unlink()
     sender, receiver = BoardOut(out.words, SLOTS), BoardIn(into.words, SLOTS)
     out.reaper = sender
+    return out, into, sender, receiver
+
+
+def _name() -> str:
+    return f"hetcomm-test-board-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+@pytest.fixture
+def ends():
+    """(sender's segment, its board, receiver's board, what each end rang)."""
+    out, into, sender, receiver = _pair(_name())
     rang: dict[str, list[tuple[int, int]]] = {"sender": [], "receiver": []}
     sender.ring = lambda kind, slot: rang["sender"].append((kind, slot))
     receiver.ring = lambda kind, slot: rang["receiver"].append((kind, slot))
@@ -137,12 +146,8 @@ def test_a_waiting_taker_gets_a_slot_freed_on_the_board(ends) -> None:
 def test_a_closed_segment_leaves_no_mapping() -> None:
     """Once its boards let go (board.detach, as a channel's release does), closing a segment
     unmaps all of it: one page still mapped keeps every page of the file in memory."""
-    name = f"hetcomm-test-board-{os.getpid()}-{secrets.token_hex(4)}"
-    out = SharedSlots(name, SLOTS, SLOT_BYTES, create=True, words=board.words(SLOTS))
-    into = SharedSlots(name, SLOTS, SLOT_BYTES, create=False, words=board.words(SLOTS))
-    out.unlink()
-    sender, receiver = BoardOut(out.words, SLOTS), BoardIn(into.words, SLOTS)
-    out.reaper = sender
+    name = _name()
+    out, into, sender, receiver = _pair(name)
     sender.publish(0, 1, 0, 0, 8, polls=True)
 
     def mapped() -> int:
