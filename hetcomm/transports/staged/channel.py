@@ -13,10 +13,10 @@ A message that the thread waiting for it moves itself over a shm-only channel (i
 none of them: the reader only files its clear-to-send and its slots for that thread.
 Fields set at opening are read by every thread; `early` and the two queues' creation are
 guarded by `_lock`, `dead` and `dozers` by `_lock` too; a link's `unacked` by its own lock.
-A receive moved by the thread that waits for it looks for its chunks on the board at the end of
-the sender's slot segment (board.py) instead of the reader's word. The transport
-(transport.py) opens, starts, stops and releases channels; the clear-to-send bookkeeping
-(cts.py) is shared with it; the mpi rail's one receiving thread is rails.MpiRail.
+Where the pair has boards (board.py), a receive moved by the thread that waits for it finds
+its chunks on the board at the end of the sender's slot segment, not through the reader. The
+transport (transport.py) opens, starts, stops and releases channels; the clear-to-send
+bookkeeping (cts.py) is shared with it; the mpi rail's one receiving thread is rails.MpiRail.
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ class Channel:
         self.dead: list[str] = []  # why each rail that failed did
 
     def boards(self) -> None:
-        """Read the boards of the two slot segments (made with their words: connect.py); a
-        board rings the peer over the shm rail's socket."""
+        """Make the boards of the two slot segments where they have words (connect.py); a board
+        rings the peer over the shm rail's socket."""
         link = self.doorbell()
         out, into = self.shm_out, self.shm_in
         if link is None or out is None or into is None or out.words is None or into.words is None:
