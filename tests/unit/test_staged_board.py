@@ -161,3 +161,23 @@ def test_a_closed_segment_leaves_no_mapping() -> None:
     into.close()
     assert mapped() == 0
     assert receiver.take(1, -1, set(), _live(1)) == (0, [])  # a late look reads zeros
+
+
+def test_a_late_second_free_takes_nothing_back(ends) -> None:
+    """Two threads that both found a row free it once; one that frees it after the sender
+    has announced a new chunk in the slot leaves that announcement alone."""
+    out, sender, receiver, rang = ends
+    slot = out.try_acquire(SLOTS)[0]
+    sender.publish(slot, 1, 0, 0, 8, polls=False)
+    _, (first,) = receiver.take(1, -1, set(), _live(1))
+    receiver.free(first)
+    receiver.free(first)  # a second thread's look, late
+    assert rang["receiver"] == [(links.FREE, board.REAP)]
+    assert sender.reap() == [slot]
+    sender.publish(slot, 2, 0, 0, 8, polls=False)  # the slot again, a new count
+    receiver.free(first)  # later still: the old count
+    _, (second,) = receiver.take(2, -1, set(), _live(2))
+    assert (second.slot, second.pub) == (slot, first.pub + 1)
+    assert sender.reap() == []
+    receiver.free(second)
+    assert sender.reap() == [slot]

@@ -163,7 +163,14 @@ class BoardIn(_Board):
                 self._free(s, pub, w[row + POLLS] == 1)
 
     def _free(self, slot: int, pub: int, polls: bool) -> None:
-        self.w[(slot + 1) * _ROW + FREED] = pub
+        w, row = self.w, (slot + 1) * _ROW
+        with self.lock:
+            # one writer at a time, and only over the announcement it read: two threads may
+            # both find a row of a forgotten receive, and the one that writes last must not
+            # take back an announcement made since with the slot's earlier count
+            if w[row + PUB] != pub or w[row + FREED] == pub:
+                return
+            w[row + FREED] = pub
         if not polls:
             self.ring(links.FREE, REAP)  # its reader thread takes the slot back
         elif self.w[SEND_DOZING]:
