@@ -25,7 +25,7 @@ log = logging.getLogger("hetcomm")
 HEADER = struct.Struct("<Bxxxi4Q")
 # ACK: the receiver has written chunk `chunk` of its op `op`; until then the sender keeps the
 # chunk, and puts it back for the other rails if this link dies in either direction.
-# WAKE: a thread of the receiver dozes on the rail's board (board.py) that this rank wrote.
+# WAKE: a thread of the peer dozes on a board of the pair (board.py) that this rank just wrote.
 DATA, SLOT, FREE, ERROR, BYE, ACK, CTS, WAKE = 1, 2, 3, 4, 5, 6, 7, 8
 # The first bytes of a connection: the listener's token, the connecting rank, the rail index.
 HELLO = struct.Struct("<16sII")
