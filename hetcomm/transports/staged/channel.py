@@ -141,15 +141,14 @@ class Channel:
             else:
                 self.dozers.discard(driver)
 
-    def post_slot(
-        self, link: links.Link, op: _Op, slot: int, idx: int, off: int, n: int, polls: bool
-    ) -> None:
+    def post_slot(self, link: links.Link, op: _Op, slot: int, idx: int, off: int, n: int) -> None:
         """Tell the receiver that chunk `idx` of `op` lies in `slot`: on the board where its
-        receive looks there (op.board), else over the socket. `polls`: the calling thread looks
-        for the slot's return on the board itself."""
+        receive looks there (op.board), else over the socket. A send moved by its waiting
+        thread (op.inline) looks for the slot's return on the board itself; the receiver rings
+        for any other."""
         board = self.board_out
         if op.board and board is not None:
-            if board.publish(slot, op.remote, idx, off, n, polls):
+            if board.publish(slot, op.remote, idx, off, n, op.inline is not None):
                 self._reply(link, links.WAKE, 0, 0, 0)
             return
         link.send(links.SLOT, slot, op.remote, idx, off, n)
@@ -301,7 +300,7 @@ class Channel:
                     stamp("d2h queued", idx)
                     self.announce_soon(event, link, slot, op, idx, off, n)
                     return False
-                self.post_slot(link, op, slot, idx, off, n, False)
+                self.post_slot(link, op, slot, idx, off, n)
             except BaseException:
                 self.shm_out.release(slot)
                 raise
@@ -347,7 +346,7 @@ class Channel:
             if event is not None:  # None: host bytes, copied already
                 event.synchronize()
             stamp("d2h done", idx)
-            self.post_slot(link, op, slot, idx, off, n, False)
+            self.post_slot(link, op, slot, idx, off, n)
             op.count(idx)
         except BaseException as exc:
             op.fail(exc)

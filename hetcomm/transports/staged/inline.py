@@ -173,7 +173,7 @@ class Inline:
             slot, idx, off, n, _, _ = self.copies.popleft()
             self.ch.owner.count_bytes(self.link, n)
             try:
-                self.ch.post_slot(self.link, op, slot, idx, off, n, True)
+                self.ch.post_slot(self.link, op, slot, idx, off, n)
             except links.RailError as exc:
                 self.ch._rail_down(self.link, exc)
                 self._lost(f"its shm rail failed: {exc}")
