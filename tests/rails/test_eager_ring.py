@@ -443,3 +443,26 @@ def test_a_dozing_receiver_wakes_when_the_sender_publishes(ring):
         assert inbox.take(9, 9) is None
         inbox.doze(0.02)
     assert time.monotonic() - t0 >= 0.055  # slept each time, no spinning on end of file
+
+
+def test_a_closed_ring_leaves_no_mapping():
+    """Closing a ring unmaps its segment at once, views and all, rather than when the
+    collector frees the ring (which kept 2 MiB per pair and communicator mapped); a thread
+    that still looks afterwards finds nothing."""
+    name = f"hetcomm-test-{uuid.uuid4().hex[:12]}"
+    size = segment_bytes(SLOTS, SLOT_BYTES)
+    out = EagerOut(SharedSlots(name, 1, size, create=True), SLOTS, SLOT_BYTES)
+    inbox = EagerIn(SharedSlots(name, 1, size, create=False), SLOTS, SLOT_BYTES)
+    out.unlink()
+    _send(out, 3, 0, np.arange(4, dtype=np.float32))
+
+    def mapped() -> int:
+        with open("/proc/self/maps") as maps:
+            return sum(name in line for line in maps)
+
+    assert mapped() == 2
+    out.close()
+    inbox.close()
+    assert mapped() == 0
+    assert inbox.take(3, 0) is None
+    assert not inbox.data.any()

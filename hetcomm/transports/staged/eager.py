@@ -85,16 +85,9 @@ class _Ring:
 
     def __init__(self, seg: SharedSlots, slots: int, slot_bytes: int) -> None:
         self.seg, self.slots, self.slot_bytes = seg, slots, slot_bytes
-        words = seg.array[: (slots + 1) * _ROW * 8].view(np.int64).reshape(slots + 1, _ROW)
-        self.control = words[0]
-        self.head = words[1:]
-        # the same words as Python ints, one read or write each: the calls below touch a few
-        # words per message, where a numpy expression over the rows costs a microsecond or more
-        self.words = words.reshape(-1).data.cast("B").cast("q")
-        off = _data_offset(slots)
-        self.data = seg.array[off : off + slots * slot_bytes].reshape(slots, slot_bytes)
-        self._bytes = self.data.reshape(-1).data  # host copies by slice assignment
-        self._base = seg.ptr + off  # where the slots' bytes start: device copies' address
+        self._view(seg.array[: segment_bytes(slots, slot_bytes)])
+        # where the slots' bytes start in this process: device copies' address
+        self._base = seg.ptr + _data_offset(slots)
         self.lock = threading.Lock()  # this rank's threads that take slots of the ring
         # the ring's wake pipe (a FIFO beside the segment): a receiver whose wait has gone on
         # past its yielding sleeps on it, and the sender writes a byte when it publishes
@@ -102,6 +95,19 @@ class _Ring:
         # then nap, as they would without it)
         self.wake_path = seg.path + ".wake"
         self._wake: int | None = None
+
+    def _view(self, mem: np.ndarray) -> None:
+        """The ring's views of `mem`, its segment's bytes."""
+        slots, slot_bytes = self.slots, self.slot_bytes
+        words = mem[: (slots + 1) * _ROW * 8].view(np.int64).reshape(slots + 1, _ROW)
+        self.control = words[0]
+        self.head = words[1:]
+        # the same words as Python ints, one read or write each: the calls below touch a few
+        # words per message, where a numpy expression over the rows costs a microsecond or more
+        self.words = words.reshape(-1).data.cast("B").cast("q")
+        off = _data_offset(slots)
+        self.data = mem[off : off + slots * slot_bytes].reshape(slots, slot_bytes)
+        self._bytes = self.data.reshape(-1).data  # host copies by slice assignment
 
     def address(self, slot: int) -> int:
         """The address of `slot`'s bytes in this process (a device copy's end)."""
@@ -114,10 +120,15 @@ class _Ring:
             os.unlink(self.wake_path)
 
     def close(self) -> None:
+        """Close the wake pipe and unmap the segment now: the ring's views move to zeroed
+        private memory (never touched, so never resident), which a thread that still looks
+        afterwards reads; while they held the segment it stayed mapped until the collector
+        freed the ring, 2 MiB per pair and communicator."""
         if self._wake is not None:
             with contextlib.suppress(OSError):
                 os.close(self._wake)
             self._wake = None
+        self._view(np.zeros(segment_bytes(self.slots, self.slot_bytes), np.uint8))
         self.seg.close()
 
 
