@@ -124,6 +124,9 @@ class Communicator(PointToPoint):
         # never matched: it is dropped, or its sender fails within its timeout (as gloo's and
         # NCCL's do). An aborted communicator may also have MPI operations in flight, which a
         # free would let write into released memory.
+        # this rank's entry of the arrivals table moves off it first: a view of the shared
+        # table would keep it mapped as long as this object lives
+        self._arrived = np.zeros(self.size, np.int64)
         self._agree.close(False)  # the check's communicator is kept too
         if self.mpi != MPI.COMM_NULL:
             _CLOSED_MPI_COMMS.extend((self.service, self.mpi))
