@@ -42,6 +42,7 @@ __all__ = [
     "MpiJob",
     "clean_environ",
     "loopback_port",
+    "mapped_files",
     "mpirun_command",
     "run_mpi_job",
     "scenario_command",
@@ -200,6 +201,18 @@ def clean_environ(*drop: str, **extra: str) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
+
+
+def mapped_files(part: str) -> list[str]:
+    """The file of each memory mapping of this process whose path contains `part`, one entry
+    per mapping (a file mapped twice is listed twice): what a closed segment must no longer
+    be."""
+    with open("/proc/self/maps") as maps:
+        return [
+            f[5].strip()
+            for f in (line.split(maxsplit=5) for line in maps)
+            if len(f) > 5 and part in f[5]
+        ]
 
 
 def loopback_port() -> int:

@@ -12,6 +12,7 @@ from _data import compare
 
 import hetcomm
 from hetcomm import ReduceOp
+from hetcomm.testing import mapped_files
 
 # ---- barrier ----------------------------------------------------------------------------------
 
@@ -148,18 +149,12 @@ def test_close_and_with(hetcomm_comm, errors):
     errors.verify()
 
 
-def _shared_mappings() -> set[str]:
-    """The shared-memory files of hetcomm's that this process maps now."""
-    with open("/proc/self/maps") as maps:
-        return {line.split(maxsplit=5)[5].strip() for line in maps if "/dev/shm/hetcomm" in line}
-
-
 @pytest.mark.mpi(min_size=2)
 def test_close_unmaps_the_communicators_shared_memory(hetcomm_comm, errors):
     """A closed communicator, still referenced, maps none of the shared segments it made (its
     arrivals table and check records, a staged pair's rings and slots): a view of one kept
     alive by the object kept the segment mapped for as long as the object lived."""
-    before = _shared_mappings()
+    before = set(mapped_files("/dev/shm/hetcomm"))
     scoped = hetcomm_comm.dup(name="mapped")
     r, n = scoped.rank, scoped.size
     x = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: over a staged pair's rails
@@ -170,9 +165,9 @@ def test_close_unmaps_the_communicators_shared_memory(hetcomm_comm, errors):
         work = scoped.send(x[: nbytes // 4], (r + 1) % n, async_op=True)
         scoped.recv(y, (r - 1) % n)
         work.wait()
-    made = _shared_mappings() - before
+    made = set(mapped_files("/dev/shm/hetcomm")) - before
     scoped.close()
-    left = _shared_mappings() & made
+    left = set(mapped_files("/dev/shm/hetcomm")) & made
     errors.expect(bool(made), "the communicator made no shared segment")
     errors.expect(not left, f"still mapped after close: {sorted(left)}")
     errors.verify()

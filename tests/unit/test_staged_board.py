@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from hetcomm.testing import mapped_files
 from hetcomm.transports import flags
 from hetcomm.transports.shm import SharedSlots
 from hetcomm.transports.staged import board, links
@@ -149,17 +150,12 @@ def test_a_closed_segment_leaves_no_mapping() -> None:
     name = _name()
     out, into, sender, receiver = _pair(name)
     sender.publish(0, 1, 0, 0, 8, polls=True)
-
-    def mapped() -> int:
-        with open("/proc/self/maps") as maps:
-            return sum(name in line for line in maps)
-
-    assert mapped() == 4  # each end: its slots, its board
+    assert len(mapped_files(name)) == 4  # each end: its slots, its board
     for b in (sender, receiver):
         b.detach()
     out.close()
     into.close()
-    assert mapped() == 0
+    assert mapped_files(name) == []
     assert receiver.take(1, -1, set(), _live(1)) == (0, [])  # a late look reads zeros
 
 
