@@ -494,10 +494,17 @@ class Agreement:
     SHARED_RING = 64
 
     def __init__(
-        self, mpi_comm: MPI.Intracomm, enabled: bool, with_sequence: bool, one_host: bool
+        self,
+        mpi_comm: MPI.Intracomm,
+        enabled: bool,
+        with_sequence: bool,
+        one_host: bool,
+        lanes: int = 0,
     ) -> None:
         """`one_host`: whether the topology puts every rank on one host (the same on every
-        rank); the check then goes through shared memory where the ranks really share it."""
+        rank); the check then goes through shared memory where the ranks really share it.
+        `lanes`: the bytes of the direct transport's mailbox to keep in the arrivals segment
+        (Arrivals.lanes)."""
         from .transports.mpi.persistent import unavailable
 
         self.enabled = enabled
@@ -508,7 +515,7 @@ class Agreement:
         self.rank, self.size = self.mpi.Get_rank(), self.mpi.Get_size()
         self.ring: list[Check | SharedCheck | None] = [None] * self.RING
         shared = enabled and one_host and self.size > 1 and flags.unsupported() is None
-        self.arrivals = Arrivals(self.mpi, self.SHARED_RING if shared else 0)
+        self.arrivals = Arrivals(self.mpi, self.SHARED_RING if shared else 0, lanes)
         self.records = self.arrivals.records
         if self.records is not None:
             self.records.progress = partial(self.mpi.Iprobe, MPI.ANY_SOURCE, MPI.ANY_TAG)
@@ -563,23 +570,31 @@ class Arrivals:
     named by its process being gone.
 
     With `ring` > 0 and every rank on this host, the segment also holds the check's records
-    (SharedRecords, `records`); else `records` is None, alike on every rank."""
+    (SharedRecords, `records`); else `records` is None, alike on every rank. With `lanes` > 0
+    and every rank on this host, it holds that many bytes more (`lanes`: the direct transport's
+    mailbox); else `lanes` is None, alike on every rank."""
 
-    def __init__(self, mpi_comm: MPI.Intracomm, ring: int = 0) -> None:
+    def __init__(self, mpi_comm: MPI.Intracomm, ring: int = 0, lanes: int = 0) -> None:
         rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         local: Any = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         try:
             self.local_ranks: list[int] = local.allgather(rank)
             # every rank sees the same local size where it equals the group's
-            ring = ring if local.Get_size() == size else 0
+            if local.Get_size() != size:
+                ring = lanes = 0
             start = -(-16 * size // SharedRecords.LINE) * SharedRecords.LINE
             extra = SharedRecords.nbytes(size, ring) if ring else 0
-            self._map, shared = _shared_table(local, rank, size, start + extra if extra else 0)
+            self._map, shared = _shared_table(
+                local, rank, size, start + extra + lanes if extra or lanes else 0
+            )
         finally:
             local.Free()
         self.records: SharedRecords | None = None
         if extra and self._map is not None:
             self.records = SharedRecords(self._map, start, rank, size, ring)
+        self.lanes: memoryview | None = None
+        if lanes and self._map is not None:
+            self.lanes = memoryview(self._map)[start + extra : start + extra + lanes]
         self.rank = rank
         self.table, self._pids = shared[:size], shared[size:]
         self.table[rank] = 0
@@ -610,6 +625,9 @@ class Arrivals:
         if self.records is not None:
             self.records.release()
             self.records = None
+        if self.lanes is not None:
+            self.lanes.release()  # the direct transport let its views go when it closed
+            self.lanes = None
         if self._map is not None:
             self.table = np.zeros(len(self.table), np.int64)
             self._pids = np.zeros(len(self.table), np.int64)

@@ -31,6 +31,7 @@ from .routes import MAX_ROUTES, OP_TYPES, Route, device_view, host_view, key_of,
 from .topology import Topology
 from .transport_set import TransportSet
 from .transports.base import Transport
+from .transports.direct import mailbox
 from .work import Work, completed
 
 log = logging.getLogger("hetcomm")
@@ -80,8 +81,15 @@ class Communicator(PointToPoint):
         self._routes: dict[Hashable, Route] = {}
         # the signature check and the table of where each rank has got to (hetcomm.agree)
         self._agree = agree.Agreement(
-            mpi_comm, config.check or config.debug, config.debug, len(topology.hosts()) == 1
+            mpi_comm,
+            config.check or config.debug,
+            config.debug,
+            len(topology.hosts()) == 1,
+            mailbox.lanes_bytes(
+                [r.device for r in topology.ranks], [r.host for r in topology.ranks]
+            ),
         )
+        self.lanes = self._agree.arrivals.lanes
         self._checking = self._agree.enabled
         # a blocking check's polls before it waits yielding the core between looks; none
         # where the ranks of this host outnumber its cores (4 ranks on the 2-core VM, 8 B
@@ -127,6 +135,7 @@ class Communicator(PointToPoint):
         # this rank's entry of the arrivals table moves off it first: a view of the shared
         # table would keep it mapped as long as this object lives
         self._arrived = np.zeros(self.size, np.int64)
+        self.lanes = None
         self._agree.close(False)  # the check's communicator is kept too
         if self.mpi != MPI.COMM_NULL:
             _CLOSED_MPI_COMMS.extend((self.service, self.mpi))

@@ -55,6 +55,7 @@ class Entry:
     config: Config
     topology: Topology
     call_timeout: float | None
+    lanes: memoryview | None
     _seq: int
     _p2p_seq: int
     _debug: bool

@@ -38,6 +38,9 @@ class Context(Protocol):
     #: prepared call runs on the calling thread; None otherwise (the transport's own applies)
     call_timeout: float | None
     topology: Topology
+    #: the group's mailbox (direct/mailbox.py): shared words every rank of the group maps,
+    #: where every rank has a device on one host; None otherwise (on every rank alike)
+    lanes: memoryview | None
     #: collectives issued so far, the same on every rank
     _seq: int
     #: the error the communicator was aborted with, None while it is usable

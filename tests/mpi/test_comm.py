@@ -173,6 +173,51 @@ def test_close_unmaps_the_communicators_shared_memory(hetcomm_comm, errors):
     errors.verify()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_group_of_one_hosts_devices_shares_a_mailbox(hetcomm_comm, errors, monkeypatch):
+    """Where every rank has a device on one host, the communicator's arrivals segment holds
+    the direct transport's mailbox (direct/mailbox.py): every rank maps the same words, and
+    a closed communicator maps it no more. (No GPU here: the plan's test of the ranks'
+    devices is stood in for.)"""
+    from hetcomm import comm as comm_mod
+
+    seen = []
+
+    def lanes_bytes(devices, hosts):
+        seen.append((len(devices), len(set(hosts))))
+        return 3 * 4096
+
+    monkeypatch.setattr(comm_mod.mailbox, "lanes_bytes", lanes_bytes)
+    before = set(mapped_files("/dev/shm/hetcomm"))
+    scoped = hetcomm_comm.dup(name="lanes")
+    r, n = scoped.rank, scoped.size
+    one_host = len(hetcomm_comm.topology.hosts()) == 1
+    errors.expect(seen == [(n, len(hetcomm_comm.topology.hosts()))], f"asked {seen}")
+    lanes = scoped.lanes
+    if one_host:
+        errors.expect(lanes is not None and len(lanes) == 3 * 4096, f"lanes {lanes!r}")
+    else:
+        errors.expect(lanes is None, "a mailbox across hosts")
+    if lanes is not None:
+        words = lanes.cast("q")
+        errors.expect(not any(words), "a new mailbox is not all zeros")
+        scoped.barrier()
+        words[r] = 1000 + r
+        words.release()
+        scoped.barrier()
+        words = lanes.cast("q")
+        got = list(words[:n])
+        words.release()
+        errors.expect(got == [1000 + p for p in range(n)], f"ranks' words {got}")
+        scoped.barrier()
+    made = set(mapped_files("/dev/shm/hetcomm")) - before
+    scoped.close()
+    left = set(mapped_files("/dev/shm/hetcomm")) & made
+    errors.expect(scoped.lanes is None, "a closed communicator still offers its mailbox")
+    errors.expect(not left, f"still mapped after close: {sorted(left)}")
+    errors.verify()
+
+
 # ---- async Work -------------------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ copier's "done" with its size, in both copier layouts (the receiver copies betwe
 GPUs; the lower rank copies both ways on a shared one); a size that differs fails on both
 ends, naming both sizes, and the pair goes on; a call finding the proxy busy moves nothing;
 the proxy's path with several tags in flight, and mixed with the prepared one across a pair.
+Each runs with the records and "done"s in a mailbox (direct/mailbox.py) and as MPI messages.
 tests/gpu/test_direct_gpu.py runs the same calls on the GPU.
 """
 
@@ -23,7 +24,9 @@ from mpi4py import MPI
 
 from hetcomm import InvalidArgument
 from hetcomm.transports import tags
+from hetcomm.transports.direct import mailbox
 from hetcomm.transports.direct import proxy as proxy_mod
+from hetcomm.transports.direct.mailbox import MpiPost, ShmPost
 from hetcomm.transports.direct.peer import RECORD, Described
 from hetcomm.transports.direct.prepared import PreparedP2P
 from hetcomm.transports.direct.proxy import Proxy, Task
@@ -88,9 +91,10 @@ class _Peers:
         pass
 
 
-@pytest.fixture
-def pair(hetcomm_comm):
-    """Ranks 0 and 1's prepared calls over a shared window; other ranks take no part."""
+@pytest.fixture(params=["mailbox", "MPI"])
+def pair(hetcomm_comm, request):
+    """Ranks 0 and 1's prepared calls over a shared window, their records and "done"s through
+    a mailbox in another shared window, or as MPI messages; other ranks take no part."""
     mpi = hetcomm_comm.mpi.Split(0 if hetcomm_comm.rank < 2 else MPI.UNDEFINED, hetcomm_comm.rank)
     if mpi == MPI.COMM_NULL:
         yield None
@@ -101,6 +105,14 @@ def pair(hetcomm_comm):
     win = MPI.Win.Allocate_shared(PART, 1, comm=shared)
     parts = [np.frombuffer(win.Shared_query(r)[0], np.uint8) for r in range(2)]
     svc = mpi.Dup()
+    nbytes = mailbox.lanes_bytes(["gpu0", "gpu1"], ["host", "host"])
+    if request.param == "mailbox" and not nbytes:
+        pytest.skip("this CPU may reorder stores: no mailbox")
+    lanes_win = MPI.Win.Allocate_shared(nbytes if shared.Get_rank() == 0 else 0, 1, comm=shared)
+    lanes = memoryview(lanes_win.Shared_query(0)[0])[:nbytes]
+    if shared.Get_rank() == 0:
+        lanes[:] = bytes(nbytes)
+    shared.Barrier()
     proxy = Proxy(0, _CUPY, svc)
     rank = mpi.Get_rank()
     peers = _Peers(rank, [p.ctypes.data for p in parts])
@@ -119,8 +131,9 @@ def pair(hetcomm_comm):
         ),
         _lead_tag=tags.lead_base(int(svc.Get_attr(MPI.TAG_UB) or 32767)),
         _mismatch=DirectTransport._mismatch,
+        post=ShmPost(lanes, rank, 2) if request.param == "mailbox" else MpiPost(svc),
     )
-    t._tags = partial(DirectTransport._tags, t)
+    t._key = partial(DirectTransport._key, t)
     try:
         yield types.SimpleNamespace(
             t=t, prepared=PreparedP2P(t), mine=parts[rank], rank=rank, mpi=mpi
@@ -128,7 +141,10 @@ def pair(hetcomm_comm):
     finally:
         proxy.stop()
         mpi.Barrier()
-        win.Free()
+        t.post.close()
+        lanes.release()
+        for w in (win, lanes_win):
+            w.Free()
         for c in (svc, shared, mpi):
             c.Free()
 
@@ -228,6 +244,9 @@ def test_prepared_call_finding_the_proxy_busy_moves_nothing(pair, hetcomm_comm, 
         pair.mpi.Barrier()  # the peer's declined call is over too
         if pair.t.svc.Iprobe(1 - me, MPI.ANY_TAG):
             problems.append("a declined call left a message behind")
+        post = pair.t.post
+        if isinstance(post, ShmPost) and (any(post._sent) or any(post._taken)):
+            problems.append("a declined call lent or took a record")
         pair.mpi.Send(np.ones(1, np.int8), me, 77)
         if not task.finished.wait(5):
             problems.append("the proxy never finished its operation")
@@ -250,7 +269,8 @@ def _general(pair) -> DirectTransport:
     """A DirectTransport of the stand-in's parts whose sends and receives take the proxy's
     path (records sent and "done"s received by the proxy thread)."""
     t = object.__new__(DirectTransport)
-    for name in ("svc", "rank", "device", "_devices", "_proxy", "peers", "described", "comm"):
+    names = ("svc", "rank", "device", "_devices", "_proxy", "peers", "described", "comm", "post")
+    for name in names:
         setattr(t, name, getattr(pair.t, name))
     t._lead_tag, t._lent = pair.t._lead_tag, {}
     t._check = lambda op, bufs: None
@@ -275,7 +295,7 @@ def test_general_path_many_in_flight_and_mixed_with_prepared(
         if layout == "one GPU":
             pair.t._devices = ["gpu0", "gpu0"]
         t, me, peer = _general(pair), pair.rank, 1 - pair.rank
-        count, size = 24, 512  # messages of `size` bytes, tags 0..2 in turn
+        count, size = 80, 512  # messages of `size` bytes, tags 0..2 in turn: more than a ring
         data = rng.integers(1, 256, (2, count, size), dtype=np.uint8)
         out_at = PART // 2
         pair.mine[:] = 0

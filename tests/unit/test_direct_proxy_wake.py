@@ -128,3 +128,55 @@ def test_claim_holds_the_proxy_off_and_release_hands_it_what_came_meanwhile(prox
         assert time.monotonic() < deadline, "the proxy stayed busy after its last operation"
         time.sleep(0.001)
     proxy.release()
+
+
+class _Word(direct_proxy.Poll):
+    """A word another thread sets (as a peer's store into shared memory)."""
+
+    __slots__ = ("set", "tests")
+
+    def __init__(self) -> None:
+        self.set, self.tests = False, 0
+
+    def Test(self) -> bool:
+        self.tests += 1
+        return self.set
+
+
+def test_an_operation_waiting_on_words_ends_once_they_are_written(proxy) -> None:
+    """The proxy looks at a Poll again and again (no MPI call can wait for it), yielding and
+    then napping; it sees the word a while after it is set, runs an operation queued
+    meanwhile without waiting for its nap, and its looks thin out over a long wait."""
+    word = _Word()
+    ran_on: list[int] = []
+    task = _task(ran_on, word)
+    proxy.submit(task, False, 8)
+    time.sleep(0.3)  # yielding for _YIELD_S, then naps growing to _NAP_MAX_S
+    assert not task.done
+    looks = word.tests
+    time.sleep(0.2)
+    # napping: at most one look per nap and a few more for the naps cut short
+    assert word.tests - looks < 0.2 / direct_proxy._NAP_MAX_S * 1.5 + 10
+    other = _task(ran_on, None)
+    start = time.monotonic()
+    proxy.submit(other, False, 8)
+    assert other.finished.wait(1.0) and time.monotonic() - start < direct_proxy._NAP_MAX_S * 50
+    word.set = True
+    assert task.finished.wait(1.0) and task.done
+    assert len(ran_on) == 2 and all(t != threading.get_ident() for t in ran_on)
+
+
+def test_a_blocking_call_drives_a_wait_on_words_itself(proxy) -> None:
+    """The calling thread looks at the words itself until they are written (here at its
+    fifth look), as it tests MPI requests."""
+
+    class Later(_Word):
+        def Test(self) -> bool:
+            return super().Test() or self.tests >= 5
+
+    word = Later()
+    ran_on: list[int] = []
+    task = _task(ran_on, word)
+    proxy.submit(task, False, 8, blocking=True)
+    assert proxy.wait(task, False, 1.0)
+    assert ran_on == [threading.get_ident()] and word.tests == 5

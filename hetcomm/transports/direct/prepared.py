@@ -2,9 +2,10 @@
 send or receive of device memory, run start to end on the calling thread while the proxy has
 nothing queued or in flight, with no Buffer, Task or Work per call.
 
-It exchanges the messages the proxy's path does (DirectTransport._copier and _lender): the
-lending side's buffer record, then the copying side's "done" with the size it copied, under
-the same tags and in the same order, so that either rank of a pair may take either path. What
+It exchanges the messages the proxy's path does (DirectTransport._copier and _lender), through
+the same mailbox (mailbox.py): the lending side's buffer record, then the copying side's "done"
+with the size it copied, under the same keys and in the same order, so that either rank of a
+pair may take either path. What
 differs is where the work runs: the copy goes on the caller's stream itself (ordered after what
 the caller queued there, with no event between two streams), a buffer's record is made once per
 address and allocation, and every wait is a poll on this thread, bounded by the call's timeout.
@@ -21,7 +22,6 @@ from mpi4py import MPI
 
 from ...work import BusyPoll, wait_for
 from . import schedule
-from .peer import RECORD
 from .proxy import stamp
 
 if TYPE_CHECKING:
@@ -40,14 +40,7 @@ class PreparedP2P:
         self.t = t
         self.svc: MPI.Intracomm = t.svc
         self.rt = t.cupy.cuda.runtime
-        self._got = np.empty(1, RECORD)  # the lender's record, on the copying side
-        # "done": the bytes the copier copied (sent from it on the copying side, received
-        # into it on the lending side: a call is one or the other)
-        self._done = np.zeros(1, np.int64)
         self._event: Any = None  # the copy's (or the caller's stream's) end, reused
-        # a sendrecv's two directions: the peers' records (copying sides) and the "done"s
-        self._pair_got = np.empty(2, RECORD)
-        self._pair_done = np.zeros(2, np.int64)
 
     def prepare(self, op: str, x: Buffer | None) -> Callable[..., bool] | None:
         """The prepared call of a send or receive of `x`'s signature: `run(ptr, peer, tag,
@@ -101,18 +94,18 @@ class PreparedP2P:
         seq: int,
     ) -> bool:
         """A sendrecv on the calling thread: each direction's messages as _copy's and _lend's
-        (the same tags and order, so the peers may take either path), every request posted
-        before any is waited for, so that a ring of exchanges cannot wait on itself. A lending
-        side waits for the caller's stream first (its buffer is read or written by the peer);
-        a copying side queues its copy on that stream once the peer's record is in, and sends
-        "done" once it has run. False (nothing moved) where _run would decline."""
+        (the same keys and order, so the peers may take either path), every lend and receive
+        posted before any is waited for, so that a ring of exchanges cannot wait on itself. A
+        lending side waits for the caller's stream first (its buffer is read or written by the
+        peer); a copying side queues its copy on that stream once the peer's record is in,
+        and says "done" once it has run. False (nothing moved) where _run would decline."""
         t = self.t
         if dst == t.rank or src == t.rank or self.rt.getDevice() != t.device:
             return False
         copies_send = schedule.copier(t.rank, dst, t._devices) == t.rank
         copies_recv = schedule.copier(src, t.rank, t._devices) == t.rank
-        stags = t._tags(tag, "send", copies_send)
-        rtags = t._tags(recv_tag, "recv", not copies_recv)
+        skey = t._key(tag, "send", copies_send)
+        rkey = t._key(recv_tag, "recv", not copies_recv)
         proxy = t._proxy
         if not proxy.claim():
             return False
@@ -120,45 +113,45 @@ class PreparedP2P:
             s = t.device_kernels.external_stream(stream(), t.device)
             if not (copies_send and copies_recv) and not s.done:
                 self.reach(s, "sendrecv", seq)
-            got, done, svc = self._pair_got, self._pair_done, self.svc
-            # per direction: (copies, peer, tags, our address, our bytes, what, index)
+            post = t.post
+            # per direction: (copies, peer, key, our address, our bytes, what, index)
             sides = (
-                (copies_send, dst, stags, xptr, nx, wx, 0),
-                (copies_recv, src, rtags, optr, no, wo, 1),
+                (copies_send, dst, skey, xptr, nx, wx, 0),
+                (copies_recv, src, rkey, optr, no, wo, 1),
             )
-            waits, records = [], []
-            for copies, peer, tags, ptr, n, _, i in sides:
+            posted: list[Any] = [None, None]  # each direction's lend or receive
+            for copies, peer, key, ptr, n, _, i in sides:
                 if copies:
-                    records.append(svc.Irecv(got[i : i + 1].view(np.uint8), peer, tags[0]))
+                    posted[i] = post.expect(peer, key)
                 else:
-                    rec = self.t.described.one(ptr, n)
-                    waits.append(svc.Isend(rec.view(np.uint8), peer, tags[0]))
-                    waits.append(svc.Irecv(done[i : i + 1], peer, tags[1]))
-            self.wait(partial(MPI.Request.Testall, records), "sendrecv", seq)
-            wrong = []
+                    posted[i] = self._lend_record(post, peer, key, ptr, n, "sendrecv", seq)
+            records = [posted[i] for copies, *_, i in sides if copies]
+            self.wait(partial(_all_in, records), "sendrecv", seq)
+            wrong, answers = [], []
             for copies, peer, _, ptr, n, what, i in sides:
                 if not copies:
                     continue
-                theirs = int(got[i : i + 1].view(np.uint64)[2])  # the record's nbytes
+                got = posted[i].got
+                theirs = int(got.view(np.uint64)[2])  # the record's nbytes
                 if theirs == n:
-                    mapped, _ = t.peers.address(peer, got[i : i + 1])
+                    mapped, _ = t.peers.address(peer, got)
                     to, fro = (mapped, ptr) if i == 0 else (ptr, mapped)
                     self.rt.memcpyAsync(to, fro, n, D2D, s.ptr)
                 else:
-                    t.peers.learn(peer, got[i])  # its handle may come only this once
+                    t.peers.learn(peer, got[0])  # its handle may come only this once
                     wrong.append((i, peer, theirs, n, what))
-                done[i] = n
             if records:
                 self.reach(s, "sendrecv", seq)  # the copies have run
-            for copies, peer, tags, _, _, _, i in sides:
+            for copies, peer, _, _, n, _, i in sides:
                 if copies:
-                    waits.append(svc.Isend(done[i : i + 1], peer, tags[1]))
-            self.wait(partial(MPI.Request.Testall, waits), "sendrecv", seq)
+                    answers.append(post.done(peer, posted[i], n))
+            lends = [posted[i] for copies, *_, i in sides if not copies]
+            self.wait(partial(_all_in, lends + answers), "sendrecv", seq)
         finally:
             proxy.release()
         for copies, peer, _, _, n, what, i in sides:
-            if not copies and done[i] != n:
-                wrong.append((i, peer, int(done[i]), n, what))
+            if not copies and posted[i].copied != n:
+                wrong.append((i, peer, int(posted[i].copied), n, what))
         if wrong:
             i, peer, theirs, n, what = wrong[0]
             raise t._mismatch("send" if i == 0 else "recv", peer, theirs, n, what)
@@ -183,7 +176,7 @@ class PreparedP2P:
             return False
         src, dst = (t.rank, peer) if op == "send" else (peer, t.rank)
         copier = schedule.copier(src, dst, t._devices) == t.rank
-        tags = t._tags(tag, op, (op == "send") == copier)
+        key = t._key(tag, op, (op == "send") == copier)
         if self.rt.getDevice() != t.device:
             return False
         proxy = t._proxy
@@ -193,9 +186,9 @@ class PreparedP2P:
             stamp("prepared")
             s = t.device_kernels.external_stream(stream(), t.device)
             if copier:
-                self._copy(op, nbytes, what, s, ptr, peer, tags, seq)
+                self._copy(op, nbytes, what, s, ptr, peer, key, seq)
             else:
-                self._lend(op, nbytes, what, s, ptr, peer, tags, seq)
+                self._lend(op, nbytes, what, s, ptr, peer, key, seq)
         finally:
             proxy.release()
         return True
@@ -208,13 +201,15 @@ class PreparedP2P:
         s: Any,
         ptr: int,
         peer: int,
-        tags: tuple[int, int],
+        key: int,
         seq: int,
     ) -> None:
         """The copying side: the peer's record, the copy on the caller's stream, its end, then
         "done" with the size copied (the peer's buffer is free once it reads that)."""
-        t, got = self.t, self._got
-        self.wait(self.svc.Irecv(got.view(np.uint8), peer, tags[0]).Test, op, seq)
+        t = self.t
+        e = t.post.expect(peer, key)
+        self.wait(e.Test, op, seq)
+        got = e.got
         theirs = int(got.view(np.uint64)[2])  # the record's nbytes
         if theirs == nbytes:
             mapped, _ = t.peers.address(peer, got)
@@ -225,8 +220,9 @@ class PreparedP2P:
             self.reach(s, op, seq)
         else:
             t.peers.learn(peer, got[0])  # its handle may come only this once
-        self._done[0] = nbytes
-        self.wait(self.svc.Isend(self._done, peer, tags[1]).Test, op, seq)
+        answer = t.post.done(peer, e, nbytes)
+        if answer is not None:
+            self.wait(answer.Test, op, seq)
         if theirs != nbytes:
             raise t._mismatch(op, peer, theirs, nbytes, what)
 
@@ -238,23 +234,30 @@ class PreparedP2P:
         s: Any,
         ptr: int,
         peer: int,
-        tags: tuple[int, int],
+        key: int,
         seq: int,
     ) -> None:
         """The lending side: once the caller's stream has run what it queued before the call,
-        the buffer's record goes to the peer, and the call ends with the peer's "done"."""
+        the buffer's record is lent to the peer, and the call ends with the peer's "done"."""
         if not s.done:
             self.reach(s, op, seq)
         stamp("ready")
+        lend = self._lend_record(self.t.post, peer, key, ptr, nbytes, op, seq)
+        self.wait(lend.Test, op, seq)
+        if lend.copied != nbytes:
+            raise self.t._mismatch(op, peer, int(lend.copied), nbytes, what)
+
+    def _lend_record(
+        self, post: Any, peer: int, key: int, ptr: int, nbytes: int, op: str, seq: int
+    ) -> Any:
+        """Lend the record of `nbytes` at `ptr` to `peer` (waiting, bounded, for room in the
+        mailbox: the peer has not yet taken the lends before)."""
         rec = self.t.described.one(ptr, nbytes)
-        done = self._done
-        reqs = [
-            self.svc.Isend(rec.view(np.uint8), peer, tags[0]),
-            self.svc.Irecv(done, peer, tags[1]),
-        ]
-        self.wait(partial(MPI.Request.Testall, reqs), op, seq)
-        if done[0] != nbytes:
-            raise self.t._mismatch(op, peer, int(done[0]), nbytes, what)
+        lend = post.lend(peer, key, rec)
+        while lend is None:
+            self.wait(post.room(peer).Test, op, seq)
+            lend = post.lend(peer, key, rec)
+        return lend
 
     def reach(self, s: Any, op: str, seq: int) -> None:
         """Wait here until stream `s` has run what is queued on it now (an event recorded
@@ -272,3 +275,9 @@ class PreparedP2P:
                 return
         busy = BusyPoll(poll)
         wait_for(self.t.comm, op, seq, busy, self.t.comm.call_timeout, busy.wait)
+
+
+def _all_in(waits: list[Any]) -> bool:
+    """Whether every one of `waits` (lends, receives, MPI requests; None: nothing) is over;
+    each is tested, so that every MPI request progresses."""
+    return all([w is None or w.Test() for w in waits])

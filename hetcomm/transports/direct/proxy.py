@@ -1,12 +1,14 @@
 """The direct transport's proxy: one thread per communicator that progresses its operations.
 
-An operation is a generator of waits (an MPI request, a list of them, GPU work, or None); the
-proxy advances every operation that can move and blocks only when none can (see Proxy). A
-blocking call may run its operation on the calling thread instead (Proxy.wait).
+An operation is a generator of waits (an MPI request, a list of them, a Poll of shared words,
+GPU work, or None); the proxy advances every operation that can move and blocks only when none
+can (see Proxy). A blocking call may run its operation on the calling thread instead
+(Proxy.wait).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -19,10 +21,21 @@ from mpi4py import MPI
 from ...kernels.device import on_device
 from ...trace import Stamps
 from ...work import Signal
-from .. import tags
+from .. import flags, tags
 
-# a step of an operation waits for one of these: an MPI request, a GPU event, or nothing (None)
+# a step of an operation waits for one of these: an MPI request (or a list of them), a Poll, a
+# GPU event, or nothing (None)
 Step = Generator[Any, None, None]
+
+
+class Poll:
+    """A wait on words another rank writes (mailbox.py): Test() is True once it is over."""
+
+    __slots__ = ()
+
+    def Test(self) -> bool:
+        """Whether the wait is over (named as an MPI request's Test)."""
+        raise NotImplementedError
 
 
 class Task(Signal):
@@ -47,6 +60,11 @@ class Task(Signal):
         return self.done
 
 
+def _on_peer(w: Any) -> bool:
+    """Whether wait `w` is for another rank (an MPI request, a list of them, or a Poll)."""
+    return isinstance(w, (MPI.Request, list, Poll))
+
+
 def _mpi_ready(w: Any) -> bool:
     if w is None:
         return True
@@ -62,6 +80,11 @@ _INLINE_S = 2e-3
 _NEVER = 1 << 62
 # the longest an idle proxy sleeps before it looks at its queue again unasked
 _IDLE_S = 0.05
+# a proxy whose operations all wait on other ranks, some on shared words (a Poll): it yields
+# its core between looks this long, then naps, each nap twice the last up to the longest
+# (flags.py: how long a host's ranks wait for a word)
+_YIELD_S = flags.YIELD_SECONDS
+_NAP_S, _NAP_MAX_S = 2e-5, flags.NAP_MAX
 # from this size, queueing an operation behind others hands the interpreter to the proxy
 # (Proxy.submit). On the H200, 32 back-to-back 256 MiB receives on the default stream:
 # 1502 -> 1685 GB/s with it; at 64 KiB - 16 MiB it made each operation 30-70 us slower
@@ -202,19 +225,16 @@ class Proxy:
             while True:
                 w = task.waiting
                 if w is not None:
-                    if not isinstance(w, (MPI.Request, list)):
-                        if not self._gpu_done(w):  # the proxy synchronizes it when idle
+                    if isinstance(w, (MPI.Request, list)):
+                        if not _mpi_ready(w):
                             return False
-                    elif not _mpi_ready(w):
+                    elif isinstance(w, Poll):
+                        if not w.Test():
+                            return False
+                    elif not self._gpu_done(w):  # the proxy synchronizes it when idle
                         return False
                 if stamp.marks is not None:
-                    stamp(
-                        "start"
-                        if w is None
-                        else "gpu"
-                        if not isinstance(w, (MPI.Request, list))
-                        else "mpi"
-                    )
+                    stamp("start" if w is None else "peer" if _on_peer(w) else "gpu")
                 task.waiting = next(task.gen)
         except StopIteration:
             task.done = True
@@ -279,15 +299,18 @@ class Proxy:
             if self._advance(task):
                 return True
             w = task.waiting
-            if not isinstance(w, (MPI.Request, list)):
+            if not _on_peer(w):
                 self._synchronize(w)
             elif time.monotonic() > until:
                 return False
+            elif isinstance(w, Poll):
+                os.sched_yield()  # lets this process's other threads run between looks
 
     def _loop(self) -> None:
         self.cupy.cuda.Device(self.device).use()
         self.stream = self.cupy.cuda.Stream(non_blocking=True)
         self._started.set()
+        idle_since, nap = 0.0, _NAP_S  # since when every operation waits, some on words
         while True:
             with self._lock:
                 if self._stop:
@@ -305,18 +328,33 @@ class Proxy:
                 self._p2p = [t for t in self._p2p if t not in ended]
                 moved = True
             if moved:
+                idle_since = 0.0
                 continue
             active = ([self._colls[0]] if self._colls else []) + self._p2p
-            gpu = next(
-                (t.waiting for t in active if not isinstance(t.waiting, (MPI.Request, list))), None
-            )
+            gpu = next((t.waiting for t in active if not _on_peer(t.waiting)), None)
             if gpu is not None:
                 # every other operation waits for GPU work or for another rank: the GPU work
                 # finishes on its own, so waiting for it blocks nobody for long. Operations
                 # that launched their GPU work and wait for it no longer hold back the ones
                 # behind them (back-to-back copies queue on the stream together)
                 self._synchronize(gpu)
+                idle_since = 0.0
                 continue
+            if any(isinstance(t.waiting, Poll) for t in active):
+                # words no MPI call can wait for: look again after a yield of the core, or
+                # after a nap once the wait has gone on (an operation queued meanwhile ends it)
+                now = time.monotonic()
+                if not idle_since:
+                    idle_since, nap = now, _NAP_S
+                if now - idle_since < _YIELD_S:
+                    os.sched_yield()
+                    continue
+                with self._lock:
+                    if not (self._new and not self._inline) and not self._stop:
+                        self._idle.wait(nap)
+                nap = min(2 * nap, _NAP_MAX_S)
+                continue
+            idle_since = 0.0
             waiting: list[MPI.Request] = [self._wake]
             for t in active:
                 w = t.waiting

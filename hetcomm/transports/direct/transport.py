@@ -13,8 +13,9 @@ on sleeps. The result is visible on the caller's stream once the Work is complet
 Send/recv: one rank of each pair does the copies (direct_schedule.copier): the receiver, or on a
 shared GPU the lower rank in both directions, which spares the GPU a switch between the two
 processes' contexts per message. The other rank lends its buffer: once its stream has the buffer
-ready it sends the buffer's record, records of one peer and tag strictly in issue order (MPI
-matches them in the order they are sent), and waits for the copier's "done". A blocking send
+ready it lends the buffer's record, records of one peer and tag strictly in issue order (they
+are matched in the order they are lent), and waits for the copier's "done". Record and "done"
+travel through the group's mailbox in shared memory (direct/mailbox.py). A blocking send
 or receive, or a blocking collective, repeated while the proxy is idle runs on the calling
 thread instead, exchanging the same messages (direct/prepared.py, direct/collectives.py).
 """
@@ -40,6 +41,7 @@ from ..base import Context, Transport
 from . import schedule
 from .collectives import PreparedCollectives
 from .leader import launcher
+from .mailbox import MpiPost, ShmPost
 from .peer import RECORD, Described, PeerMap
 from .pointtopoint import Lent, PointToPoint
 from .prepared import D2D, PreparedP2P
@@ -99,6 +101,10 @@ class DirectTransport(PointToPoint, Transport):
         # records of lent buffers not sent yet, per (peer, tag), in issue order
         self._lent: dict[tuple[int, int], deque[Lent]] = {}
         self._proxy = Proxy(self.device, cupy, self.svc)
+        # where sends' and receives' records and "done"s travel: the group's mailbox, or MPI
+        # messages where the group has none (every rank alike)
+        lanes = comm.lanes
+        self.post = ShmPost(lanes, self.rank, self.size) if lanes is not None else MpiPost(self.svc)
         self._scratch: list[Any] = []  # two one-shot input buffers, used alternately
         self._prepared: set[tuple[str, ReduceOp]] = set()
         self._launches: dict[tuple[Any, ...], tuple[Any, tuple[int], tuple[np.void]]] = {}
@@ -640,6 +646,7 @@ class DirectTransport(PointToPoint, Transport):
         self._proxy.stop()
         if self._proxy.stream is not None:
             self._proxy.stream.synchronize()
+        self.post.close()
         self.peers.close()
         # peers may still be reading the one-shot scratch of the last op (an op ends here once
         # this rank's part is done): returning it to the memory pool could let a new array
