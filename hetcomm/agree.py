@@ -80,11 +80,27 @@ def signature(
     return np.array([*f, *(-v for v in f)], dtype=np.int64)
 
 
+def refused(op: str) -> np.ndarray:
+    """The signature of collective `op` refused on this rank before it entered (its
+    arguments were invalid): it takes the collective's turn in the check, so that ranks that
+    made the call validly see a difference instead of waiting for this rank."""
+    f = (len(SIGNED) + _OP_CODES[op], 0, 0, 0, -1, 0)
+    return np.array([*f, *(-v for v in f)], dtype=np.int64)
+
+
 def differences(every: np.ndarray) -> list[str]:
     """'count differs: rank 0: 1024, rank 1: 2048' for each field that is not the same on every
-    rank of `every` (one signature per row, as `signature` makes them)."""
-    out = []
+    rank of `every` (one signature per row, as `signature` makes them); where ranks refused
+    the call, that alone."""
     ops = every[:, 0]
+    refusing = [r for r, v in enumerate(ops) if v > len(SIGNED)]
+    if refusing:
+        op = SIGNED[int(ops[refusing[0]]) - len(SIGNED) - 1]
+        return [
+            f"ranks {refusing} refused their {op} (invalid arguments: each raised "
+            "InvalidArgument saying why)"
+        ]
+    out = []
     arrays = bool((ops == _ARRAYS).all())
     for col, field in enumerate(FIELDS):
         values = every[:, col]

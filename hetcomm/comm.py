@@ -299,41 +299,46 @@ class Communicator(PointToPoint):
         timeout: float | None = None,
     ) -> Work | None:
         """Reduce `x` over the group; the result lands in `x` (in place) or in `out`."""
-        if self._aborted is not None or self._closed:
-            self._check_open()
-        inplace = out is None or out is x
-        kx = key_of(x)
-        key = (
-            None
-            if kx is None or op.__class__ not in OP_TYPES
-            else ("all_reduce", kx, op, None if inplace else key_of(out))
-        )
-        route = self._routes.get(key) if key is not None else None
-        if route is None:
-            route = self._route_all_reduce(key, x, op, out, inplace)
-        if (route.run or route.land) is not None and not async_op and not _work.observing:
-            xh = route.view(x, inplace)
-            if xh is not None:
-                oh = xh if inplace else route.view(out, True)
-                # a device view is an address (int): the prepared call tells its overlaps apart
-                if oh is not None and (
-                    inplace or xh.__class__ is int or not may_share_memory(xh, oh)
-                ):
-                    if (
-                        carried.run(self, route, xh, timeout, oh)
-                        if route.land is not None
-                        else self._blocking_run(route, timeout, xh, oh)
+        before = self._seq
+        try:
+            if self._aborted is not None or self._closed:
+                self._check_open()
+            inplace = out is None or out is x
+            kx = key_of(x)
+            key = (
+                None
+                if kx is None or op.__class__ not in OP_TYPES
+                else ("all_reduce", kx, op, None if inplace else key_of(out))
+            )
+            route = self._routes.get(key) if key is not None else None
+            if route is None:
+                route = self._route_all_reduce(key, x, op, out, inplace)
+            if (route.run or route.land) is not None and not async_op and not _work.observing:
+                xh = route.view(x, inplace)
+                if xh is not None:
+                    oh = xh if inplace else route.view(out, True)
+                    # a device view is an address (int): the prepared call tells overlaps apart
+                    if oh is not None and (
+                        inplace or xh.__class__ is int or not may_share_memory(xh, oh)
                     ):
-                        return None
-                    return general.all_reduce(
-                        self, route, x, out, inplace, False, timeout, self._last_entered
-                    )
-        elif async_op and (route.start or route.land) is not None:
-            xh = host_view(x, inplace)
-            oh = xh if inplace or xh is None else host_view(out, True)
-            if oh is not None and (inplace or not may_share_memory(xh, oh)):
-                return self._start_prepared(route, timeout, (x, out, inplace), xh, oh)
-        return general.all_reduce(self, route, x, out, inplace, async_op, timeout, None)
+                        if (
+                            carried.run(self, route, xh, timeout, oh)
+                            if route.land is not None
+                            else self._blocking_run(route, timeout, xh, oh)
+                        ):
+                            return None
+                        return general.all_reduce(
+                            self, route, x, out, inplace, False, timeout, self._last_entered
+                        )
+            elif async_op and (route.start or route.land) is not None:
+                xh = host_view(x, inplace)
+                oh = xh if inplace or xh is None else host_view(out, True)
+                if oh is not None and (inplace or not may_share_memory(xh, oh)):
+                    return self._start_prepared(route, timeout, (x, out, inplace), xh, oh)
+            return general.all_reduce(self, route, x, out, inplace, async_op, timeout, None)
+        except InvalidArgument:
+            self._refused("all_reduce", before)
+            raise
 
     def _route_all_reduce(
         self, key: Hashable | None, x: Any, op: Any, out: Any, inplace: bool
@@ -369,7 +374,12 @@ class Communicator(PointToPoint):
         kernel on each rank (strided ones still packed), and the check compares how many
         arrays each rank gives.
         """
-        return coalesced.all_reduce_coalesced(self, arrays, op, async_op, timeout)
+        before = self._seq
+        try:
+            return coalesced.all_reduce_coalesced(self, arrays, op, async_op, timeout)
+        except InvalidArgument:
+            self._refused("all_reduce_coalesced", before)
+            raise
 
     def reduce(
         self,
@@ -381,37 +391,47 @@ class Communicator(PointToPoint):
         timeout: float | None = None,
     ) -> Work | None:
         """Reduce `x` over the group into `x` of `root`; the others' `x` is left as it was."""
-        if self._aborted is not None or self._closed:
-            self._check_open()
-        kx = key_of(x)
-        key = (
-            None
-            if kx is None or root.__class__ is not int or op.__class__ not in OP_TYPES
-            else ("reduce", kx, root, op)
-        )
-        route = self._routes.get(key) if key is not None else None
-        if route is None:
-            xb = as_buffer(x, "reduce: x")
-            r = self._root(root, "reduce: root")
-            rop = as_reduce_op(op, "reduce: op")
-            check_op_for_dtype(rop, xb.dtype, "reduce")
-            route = self._route(key, "reduce", xb, partial(general.reduce, self), rop, r)
-        return self._one_array(route, x, self.rank == route.root, async_op, timeout)
+        before = self._seq
+        try:
+            if self._aborted is not None or self._closed:
+                self._check_open()
+            kx = key_of(x)
+            key = (
+                None
+                if kx is None or root.__class__ is not int or op.__class__ not in OP_TYPES
+                else ("reduce", kx, root, op)
+            )
+            route = self._routes.get(key) if key is not None else None
+            if route is None:
+                xb = as_buffer(x, "reduce: x")
+                r = self._root(root, "reduce: root")
+                rop = as_reduce_op(op, "reduce: op")
+                check_op_for_dtype(rop, xb.dtype, "reduce")
+                route = self._route(key, "reduce", xb, partial(general.reduce, self), rop, r)
+            return self._one_array(route, x, self.rank == route.root, async_op, timeout)
+        except InvalidArgument:
+            self._refused("reduce", before)
+            raise
 
     def broadcast(
         self, x: Any, root: int, *, async_op: bool = False, timeout: float | None = None
     ) -> Work | None:
         """Copy `x` of `root` into `x` of every rank."""
-        if self._aborted is not None or self._closed:
-            self._check_open()
-        kx = key_of(x)
-        key = None if kx is None or root.__class__ is not int else ("broadcast", kx, root)
-        route = self._routes.get(key) if key is not None else None
-        if route is None:
-            xb = as_buffer(x, "broadcast: x")
-            r = self._root(root, "broadcast: root")
-            route = self._route(key, "broadcast", xb, partial(general.broadcast, self), None, r)
-        return self._one_array(route, x, self.rank != route.root, async_op, timeout)
+        before = self._seq
+        try:
+            if self._aborted is not None or self._closed:
+                self._check_open()
+            kx = key_of(x)
+            key = None if kx is None or root.__class__ is not int else ("broadcast", kx, root)
+            route = self._routes.get(key) if key is not None else None
+            if route is None:
+                xb = as_buffer(x, "broadcast: x")
+                r = self._root(root, "broadcast: root")
+                route = self._route(key, "broadcast", xb, partial(general.broadcast, self), None, r)
+            return self._one_array(route, x, self.rank != route.root, async_op, timeout)
+        except InvalidArgument:
+            self._refused("broadcast", before)
+            raise
 
     def _one_array(
         self, route: Route, x: Any, write: bool, async_op: bool, timeout: float | None
@@ -485,40 +505,52 @@ class Communicator(PointToPoint):
     ) -> Work | None:
         """all_gather, reduce_scatter and all_to_all: an input and a separate output whose
         element counts relate as out_blocks to x_blocks."""
-        if self._aborted is not None or self._closed:
-            self._check_open()
-        kx, ko = key_of(x), key_of(out)
-        key = (
-            None if kx is None or ko is None or rop.__class__ not in OP_TYPES else (op, kx, ko, rop)
-        )
-        route = self._routes.get(key) if key is not None else None
-        if route is None:
-            route = self._route_blocks(key, op, out, x, rop, out_blocks, x_blocks, method)
-        if (route.run or route.land) is not None and not async_op and not _work.observing:
-            xh = route.view(x, False)
-            oh = route.view(out, True)
-            # the carried path takes any overlap (every input is in the records before an output
-            # is written); a prepared call that serves in-place forms tells overlaps apart itself
-            carry = route.land is not None
-            if (
-                xh is not None
-                and oh is not None
-                and (carry or getattr(route.run, "in_place", False) or not may_share_memory(xh, oh))
-            ):
+        before = self._seq
+        try:
+            if self._aborted is not None or self._closed:
+                self._check_open()
+            kx, ko = key_of(x), key_of(out)
+            key = (
+                None
+                if kx is None or ko is None or rop.__class__ not in OP_TYPES
+                else (op, kx, ko, rop)
+            )
+            route = self._routes.get(key) if key is not None else None
+            if route is None:
+                route = self._route_blocks(key, op, out, x, rop, out_blocks, x_blocks, method)
+            if (route.run or route.land) is not None and not async_op and not _work.observing:
+                xh = route.view(x, False)
+                oh = route.view(out, True)
+                # the carried path takes any overlap (every input is in the records before an
+                # output is written); a prepared call that serves in-place forms tells overlaps
+                # apart itself
+                carry = route.land is not None
                 if (
-                    carried.run(self, route, xh, timeout, oh)
-                    if carry
-                    else self._blocking_run(route, timeout, xh, oh)
+                    xh is not None
+                    and oh is not None
+                    and (
+                        carry
+                        or getattr(route.run, "in_place", False)
+                        or not may_share_memory(xh, oh)
+                    )
                 ):
-                    return None
-                return route.general(route, out, x, False, timeout, self._last_entered)
-        elif async_op and (route.start or route.land) is not None:
-            # a prepared start copies every input in before it writes an output, and a carried
-            # call reads every input before it writes: any overlap
-            xh, oh = host_view(x, False), host_view(out, True)
-            if xh is not None and oh is not None:
-                return self._start_prepared(route, timeout, (out, x), xh, oh)
-        return route.general(route, out, x, async_op, timeout, None)
+                    if (
+                        carried.run(self, route, xh, timeout, oh)
+                        if carry
+                        else self._blocking_run(route, timeout, xh, oh)
+                    ):
+                        return None
+                    return route.general(route, out, x, False, timeout, self._last_entered)
+            elif async_op and (route.start or route.land) is not None:
+                # a prepared start copies every input in before it writes an output, and a carried
+                # call reads every input before it writes: any overlap
+                xh, oh = host_view(x, False), host_view(out, True)
+                if xh is not None and oh is not None:
+                    return self._start_prepared(route, timeout, (out, x), xh, oh)
+            return route.general(route, out, x, async_op, timeout, None)
+        except InvalidArgument:
+            self._refused(op, before)
+            raise
 
     def _route_blocks(
         self,
@@ -555,30 +587,35 @@ class Communicator(PointToPoint):
 
     def barrier(self, *, async_op: bool = False, timeout: float | None = None) -> Work | None:
         """Complete once every rank of the group has called barrier."""
-        if self._aborted is not None or self._closed:
-            self._check_open()
-        route = self._routes.get("barrier")
-        if route is None:
-            route = self._route("barrier", "barrier", None, no_general)
-        if self._checking and not _work.observing:
-            # the check compares the barrier's signature across the group, so it completes
-            # once every rank has entered the barrier: it is the barrier
-            route.runs += 1
-            if not async_op:
-                if timeout is not None:
-                    check_timeout(timeout, "barrier")
-                self._enter(route, timeout)
-                return None
-            work = self._admit(route, partial(completed, self, "barrier"))
-            return self._finish(work, True, timeout)
-        if route.run is not None and not async_op and not _work.observing:
-            if self._blocking_run(route, timeout):
-                return None
-            seq: int | None = self._last_entered
-        else:
-            seq = None
-        transport = route.transport
-        return self._collective(route, async_op, timeout, seq, transport.barrier, ())
+        before = self._seq
+        try:
+            if self._aborted is not None or self._closed:
+                self._check_open()
+            route = self._routes.get("barrier")
+            if route is None:
+                route = self._route("barrier", "barrier", None, no_general)
+            if self._checking and not _work.observing:
+                # the check compares the barrier's signature across the group, so it completes
+                # once every rank has entered the barrier: it is the barrier
+                route.runs += 1
+                if not async_op:
+                    if timeout is not None:
+                        check_timeout(timeout, "barrier")
+                    self._enter(route, timeout)
+                    return None
+                work = self._admit(route, partial(completed, self, "barrier"))
+                return self._finish(work, True, timeout)
+            if route.run is not None and not async_op and not _work.observing:
+                if self._blocking_run(route, timeout):
+                    return None
+                seq: int | None = self._last_entered
+            else:
+                seq = None
+            transport = route.transport
+            return self._collective(route, async_op, timeout, seq, transport.barrier, ())
+        except InvalidArgument:
+            self._refused("barrier", before)
+            raise
 
 
 def _reduce_scatter(t: Transport) -> Callable[..., Work]:

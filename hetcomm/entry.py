@@ -26,7 +26,7 @@ from . import work as _work
 from .argcheck import check_timeout
 from .arrays import Buffer
 from .deferred import Deferred, DeferredStarts
-from .errors import InvalidArgument, MismatchError, MpiError
+from .errors import HetcommError, InvalidArgument, MismatchError, MpiError
 from .routes import Route, no_general
 from .transports import flags
 from .work import Follow, Work
@@ -56,6 +56,7 @@ class Entry:
     topology: Topology
     call_timeout: float | None
     lanes: memoryview | None
+    _closed: bool
     _seq: int
     _p2p_seq: int
     _debug: bool
@@ -86,6 +87,27 @@ class Entry:
         self._seq = seq = self._seq + 1
         self._arrived[self.rank] = seq
         return seq
+
+    def _refused(self, op: str, before: int) -> None:
+        """Collective `op`, called with invalid arguments, is refused on this rank before it
+        entered (its sequence number is still `before`): where the check is on, it takes the
+        collective's turn in the check all the same, with a signature that says so, so that
+        the ranks that called validly raise MismatchError naming this rank at once rather
+        than wait for it until their timeout. Waits for the others as any collective does;
+        whatever that ends in, the caller raises its InvalidArgument."""
+        if self._seq != before or not self._checking or self._group is not None:
+            return
+        if self._aborted is not None or self._closed:
+            return
+        self._seq = seq = before + 1
+        self._arrived[self.rank] = seq
+        refusal = _Refusal(op)
+        try:
+            if self._deferred.queue:
+                self._flush_deferred(op, seq)
+            self._check_blocking(refusal, seq, None)  # type: ignore[arg-type]
+        except HetcommError:
+            pass  # the others' calls differ, or they never came: this rank's error says why
 
     def _enter(self, route: Route, timeout: float | None = None) -> int:
         """A blocking collective enters: the ordering guard, its sequence number, the arrivals
@@ -472,3 +494,12 @@ def _started(general_start: Callable[[int], Work | None], seq: int) -> Work:
     work = general_start(seq)
     assert work is not None  # an asynchronous call's
     return work
+
+
+class _Refusal:
+    """What the check reads of a route, for a collective refused before it entered."""
+
+    __slots__ = ("op", "vec")
+
+    def __init__(self, op: str) -> None:
+        self.op, self.vec = op, agree.refused(op)

@@ -27,7 +27,6 @@ from .work import Work, all_of
 class PointToPoint(Entry):
     """send, recv, sendrecv and group blocks, on the Communicator's state."""
 
-    _closed: bool
     _tag_ub: int
     _routes: dict[Hashable, Route]
     _route: Callable[..., Route]

@@ -127,6 +127,72 @@ def test_mismatched_collectives_raise_on_every_rank(hetcomm_make_comm, errors, a
     errors.verify()
 
 
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
+def test_a_call_refused_on_one_rank_is_named_on_every_rank(hetcomm_make_comm, errors, async_op):
+    """Rank 1 passes invalid arguments (a read-only output, unknown reduce ops, a bad
+    timeout, a root out of range) where the others call validly: rank 1 raises
+    InvalidArgument saying why, and every other rank MismatchError naming rank 1 at once
+    (not a CommTimeout after waiting for it), with every buffer as it was; the communicator
+    stays usable. Where every rank refuses, each raises its InvalidArgument."""
+    comm = hetcomm_make_comm(name="refused", timeout=20)
+    r, n = comm.rank, comm.size
+    bad = r == 1
+    rng = np.random.default_rng()
+    x = rng.standard_normal(n * 8)
+    out = np.zeros(n * 8)
+    block = np.zeros(8)
+    ro = _readonly(np.zeros(n * 8))
+    ro_block = _readonly(np.zeros(8))
+    calls = {
+        "all_reduce": lambda a: comm.all_reduce(x, out=ro if bad else out, async_op=a),
+        "all_reduce op": lambda a: comm.all_reduce(
+            x, "nope" if bad else "sum", out=out, async_op=a
+        ),
+        "reduce": lambda a: comm.reduce(x.copy(), 0, "nope" if bad else "max", async_op=a),
+        "broadcast": lambda a: comm.broadcast(out, n + 3 if bad else 0, async_op=a),
+        "all_gather": lambda a: comm.all_gather(ro if bad else out, x[:8], async_op=a),
+        "reduce_scatter": lambda a: comm.reduce_scatter(ro_block if bad else block, x, async_op=a),
+        "all_to_all": lambda a: comm.all_to_all(ro if bad else out, x, async_op=a),
+        "barrier": lambda a: comm.barrier(timeout=-1 if bad else None, async_op=a),
+        "all_reduce_coalesced": lambda a: comm.all_reduce_coalesced(
+            [ro_block if bad else block, out], async_op=a
+        ),
+    }
+    kept = [a.copy() for a in (x, out, block)]
+    for what, call in calls.items():
+        start = time.monotonic()
+        try:
+            work = call(async_op and not bad)
+            if work is not None:
+                work.wait()
+        except hetcomm.InvalidArgument as exc:
+            errors.expect(bad, f"{what}: rank {r} refused a valid call: {exc}")
+        except hetcomm.MismatchError as exc:
+            errors.expect(not bad, f"{what}: the refusing rank got MismatchError: {exc}")
+            errors.expect("ranks [1] refused" in str(exc), f"{what}: rank 1 not named: {exc}")
+        except Exception as exc:
+            errors.append(f"{what}: {type(exc).__name__}: {exc}")
+        else:
+            errors.append(f"{what}: rank {r} raised nothing")
+        errors.expect(time.monotonic() - start < 10, f"{what}: took until near the timeout")
+        for a, b in zip((x, out, block), kept):
+            errors.expect(np.array_equal(a, b), f"{what}: a buffer was written")
+    # every rank refuses: each says why, and nobody waits for anybody
+    try:
+        comm.all_reduce(x, out=ro)
+        errors.append("a read-only out went through")
+    except hetcomm.InvalidArgument as exc:
+        errors.expect("read-only" in str(exc), f"unclear refusal: {exc}")
+    _still_works(comm, errors, "after the refusals")
+    errors.verify()
+
+
 @pytest.mark.mpi(min_size=2)
 def test_the_same_signature_repeated_is_checked_every_time(hetcomm_make_comm, errors):
     """A route is resolved once per signature, but the check runs on every call: ranks that
