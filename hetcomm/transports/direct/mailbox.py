@@ -99,8 +99,9 @@ class ShmPost:
         self.words = self.raw.cast("q")
         self.rank = rank
         self._lock = threading.Lock()
-        self._out = [self._lane(rank, p, size) for p in range(size)]  # ours to peer p
-        self._in = [self._lane(p, rank, size) for p in range(size)]  # peer p's to us
+        # the first word of our lane to each peer p, and of p's to us (none to ourselves)
+        self._out = [self._lane(rank, p, size) if p != rank else -1 for p in range(size)]
+        self._in = [self._lane(p, rank, size) if p != rank else -1 for p in range(size)]
         self._sent = [0] * size  # lends written into our ring to each peer
         self._taken = [0] * size  # entries taken out of each peer's ring to us
         self._tickets = [list(range(TICKETS - 1, -1, -1)) for _ in range(size)]
