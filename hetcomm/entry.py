@@ -105,7 +105,7 @@ class Entry:
         try:
             if self._deferred.queue:
                 self._flush_deferred(op, seq)
-            self._check_blocking(refusal, seq, None)  # type: ignore[arg-type]
+            self._check_blocking(refusal, seq, None)
         except HetcommError:
             pass  # the others' calls differ, or they never came: this rank's error says why
 
@@ -123,7 +123,7 @@ class Entry:
         return seq
 
     def _check_slot(
-        self, route: Route, seq: int, timeout: float | None
+        self, route: Route | _Refusal, seq: int, timeout: float | None
     ) -> agree.Check | agree.SharedCheck:
         """Collective `seq`'s check slot, free (an earlier asynchronous check on it read
         first) and loaded with the route's signature; not started."""
@@ -140,7 +140,7 @@ class Entry:
         return check
 
     def _check_blocking(
-        self, route: Route, seq: int, timeout: float | None, carry: Any = None
+        self, route: Route | _Refusal, seq: int, timeout: float | None, carry: Any = None
     ) -> agree.Check | agree.SharedCheck:
         """Collective `seq`'s check, on this thread; raises MismatchError where the ranks
         differ. `carry`: what this rank's record carries (see hetcomm.carried), else None. Returns
