@@ -250,8 +250,9 @@ class PreparedP2P:
     def _lend_record(
         self, post: Any, peer: int, key: int, ptr: int, nbytes: int, op: str, seq: int
     ) -> Any:
-        """Lend the record of `nbytes` at `ptr` to `peer` (waiting, bounded, for room in the
-        mailbox: the peer has not yet taken the lends before)."""
+        """Lend the record of `nbytes` at `ptr` to `peer`. A prepared call runs while the proxy
+        has nothing in flight, so every earlier lend of this rank was taken and answered and
+        the mailbox has room; the bounded wait for it is there should that ever not hold."""
         rec = self.t.described.one(ptr, nbytes)
         lend = post.lend(peer, key, rec)
         while lend is None:
