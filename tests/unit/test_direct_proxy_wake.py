@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from hetcomm.transports import flags
 from hetcomm.transports.direct import proxy as direct_proxy
 
 
@@ -145,22 +146,22 @@ class _Word(direct_proxy.Poll):
 
 def test_an_operation_waiting_on_words_ends_once_they_are_written(proxy) -> None:
     """The proxy looks at a Poll again and again (no MPI call can wait for it), yielding and
-    then napping; it sees the word a while after it is set, runs an operation queued
+    then napping (flags.wait); it sees the word a while after it is set, runs an operation queued
     meanwhile without waiting for its nap, and its looks thin out over a long wait."""
     word = _Word()
     ran_on: list[int] = []
     task = _task(ran_on, word)
     proxy.submit(task, False, 8)
-    time.sleep(0.3)  # yielding for _YIELD_S, then naps growing to _NAP_MAX_S
+    time.sleep(0.3)  # yielding for flags.YIELD_SECONDS, then naps growing to flags.NAP_MAX
     assert not task.done
     looks = word.tests
     time.sleep(0.2)
     # napping: at most one look per nap and a few more for the naps cut short
-    assert word.tests - looks < 0.2 / direct_proxy._NAP_MAX_S * 1.5 + 10
+    assert word.tests - looks < 0.2 / flags.NAP_MAX * 1.5 + 10
     other = _task(ran_on, None)
     start = time.monotonic()
     proxy.submit(other, False, 8)
-    assert other.finished.wait(1.0) and time.monotonic() - start < direct_proxy._NAP_MAX_S * 50
+    assert other.finished.wait(1.0) and time.monotonic() - start < flags.NAP_MAX * 50
     word.set = True
     assert task.finished.wait(1.0) and task.done
     assert len(ran_on) == 2 and all(t != threading.get_ident() for t in ran_on)

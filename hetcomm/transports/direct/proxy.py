@@ -8,11 +8,13 @@ can (see Proxy). A blocking call may run its operation on the calling thread ins
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Generator
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -80,11 +82,6 @@ _INLINE_S = 2e-3
 _NEVER = 1 << 62
 # the longest an idle proxy sleeps before it looks at its queue again unasked
 _IDLE_S = 0.05
-# a proxy whose operations all wait on other ranks, some on shared words (a Poll): it yields
-# its core between looks this long, then naps, each nap twice the last up to the longest
-# (flags.py: how long a host's ranks wait for a word)
-_YIELD_S = flags.YIELD_SECONDS
-_NAP_S, _NAP_MAX_S = 2e-5, flags.NAP_MAX
 # from this size, queueing an operation behind others hands the interpreter to the proxy
 # (Proxy.submit). On the H200, 32 back-to-back 256 MiB receives on the default stream:
 # 1502 -> 1685 GB/s with it; at 64 KiB - 16 MiB it made each operation 30-70 us slower
@@ -310,7 +307,6 @@ class Proxy:
         self.cupy.cuda.Device(self.device).use()
         self.stream = self.cupy.cuda.Stream(non_blocking=True)
         self._started.set()
-        idle_since, nap = 0.0, _NAP_S  # since when every operation waits, some on words
         while True:
             with self._lock:
                 if self._stop:
@@ -328,7 +324,6 @@ class Proxy:
                 self._p2p = [t for t in self._p2p if t not in ended]
                 moved = True
             if moved:
-                idle_since = 0.0
                 continue
             active = ([self._colls[0]] if self._colls else []) + self._p2p
             gpu = next((t.waiting for t in active if not _on_peer(t.waiting)), None)
@@ -338,23 +333,13 @@ class Proxy:
                 # that launched their GPU work and wait for it no longer hold back the ones
                 # behind them (back-to-back copies queue on the stream together)
                 self._synchronize(gpu)
-                idle_since = 0.0
                 continue
             if any(isinstance(t.waiting, Poll) for t in active):
-                # words no MPI call can wait for: look again after a yield of the core, or
-                # after a nap once the wait has gone on (an operation queued meanwhile ends it)
-                now = time.monotonic()
-                if not idle_since:
-                    idle_since, nap = now, _NAP_S
-                if now - idle_since < _YIELD_S:
-                    os.sched_yield()
-                    continue
-                with self._lock:
-                    if not (self._new and not self._inline) and not self._stop:
-                        self._idle.wait(nap)
-                nap = min(2 * nap, _NAP_MAX_S)
+                # words no MPI call can wait for: wait as a host's ranks wait for a word
+                # (flags.wait: yielding the core between looks, then napping), until an
+                # operation can move or one is queued (which ends a nap at once)
+                flags.wait(partial(self._movable, active), math.inf, sleep=self._nap)
                 continue
-            idle_since = 0.0
             waiting: list[MPI.Request] = [self._wake]
             for t in active:
                 w = t.waiting
@@ -372,6 +357,23 @@ class Proxy:
                 self._in_mpi = False
             if woke == 0:
                 self._wake = self.svc.Irecv(self._wake_buf, self.rank, tags.DIRECT_WAKE)
+
+    def _movable(self, active: list[Task]) -> bool:
+        """Whether one of `active` can move (what it waits for is over), an operation was
+        queued, or the proxy is to stop."""
+        if (self._new and not self._inline) or self._stop:
+            return True
+        for t in active:
+            w = t.waiting
+            if w.Test() if isinstance(w, Poll) else _mpi_ready(w):
+                return True
+        return False
+
+    def _nap(self, seconds: float) -> None:
+        """Sleep up to `seconds`, or until an operation is queued or the proxy is stopped."""
+        with self._lock:
+            if not (self._new and not self._inline) and not self._stop:
+                self._idle.wait(seconds)
 
     def stop(self) -> None:
         """Stop the proxy thread and join it (up to 5 s), then settle its wake-up messages."""
