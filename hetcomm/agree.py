@@ -19,27 +19,22 @@ value, and leaves every buffer as it was. It takes one of two forms, the same on
 In both, every rank sees a difference if any rank does, and then every rank gathers the
 signatures to name it.
 
-The arrivals table is a small shared-memory segment per communicator and host: each rank writes
-the sequence number of the collective it has entered, and a rank whose wait expires reads the
-others' numbers there, without their cooperation. Ranks on other hosts cannot be read that way
-and are reported as unknown.
+The arrivals table (hetcomm.arrivals) says where every rank has got to; its shared segment
+holds the shared form's records.
 """
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
-from itertools import count
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from . import processes
+from .arrivals import LINE, Arrivals
 from .dtypes import CODES, DTYPES
 from .errors import MismatchError
 from .ops import ReduceOp
@@ -61,8 +56,6 @@ _WIDTH = 8 * len(FIELDS)  # bytes of a signature's fields
 _HEAD_BYTES = _WIDTH + 8  # the fields and the flag word of a shared record
 _FLAG = len(FIELDS) + 1  # the flag word's index in a record
 _CARRIED, _NOT_CARRIED = np.int64(1).tobytes(), np.int64(0).tobytes()
-_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-_names = count()
 
 
 def signature(
@@ -455,7 +448,7 @@ class SharedRecords:
     (the sequence word, the signature's fields, the flag word) and PAYLOAD bytes, then a
     `done` word per rank on a line of its own."""
 
-    LINE = 64  # bytes: a cache line
+    LINE = LINE  # bytes: a cache line (the records start on one: arrivals.LINE)
     HEAD = LINE  # a record's header
     PAYLOAD = 256  # bytes a record carries: rooted collectives up to this size ride in it
     RECORD = HEAD + PAYLOAD
@@ -531,8 +524,15 @@ class Agreement:
         self.rank, self.size = self.mpi.Get_rank(), self.mpi.Get_size()
         self.ring: list[Check | SharedCheck | None] = [None] * self.RING
         shared = enabled and one_host and self.size > 1 and flags.unsupported() is None
-        self.arrivals = Arrivals(self.mpi, self.SHARED_RING if shared else 0, lanes)
-        self.records = self.arrivals.records
+        ring = self.SHARED_RING if shared else 0
+        self.arrivals = arrivals = Arrivals(
+            self.mpi, SharedRecords.nbytes(self.size, ring) if ring else 0, lanes
+        )
+        self.records: SharedRecords | None = None
+        if ring and arrivals.segment is not None:
+            self.records = SharedRecords(
+                arrivals.segment, arrivals.records_at, self.rank, self.size, ring
+            )
         if self.records is not None:
             self.records.progress = partial(self.mpi.Iprobe, MPI.ANY_SOURCE, MPI.ANY_TAG)
         # the form the check takes, the same on every rank
@@ -576,134 +576,7 @@ class Agreement:
                     check.free()
             self.mpi.Free()
         self.ring = [None] * self.RING
-        self.records = None
-        self.arrivals.close()
-
-
-class Arrivals:
-    """Each rank's latest entered collective, in shared memory among the ranks of one host,
-    beside each rank's process id: a rank that died inside an operation had arrived, and is
-    named by its process being gone.
-
-    With `ring` > 0 and every rank on this host, the segment also holds the check's records
-    (SharedRecords, `records`); else `records` is None, alike on every rank. With `lanes` > 0
-    and every rank on this host, it holds that many bytes more (`lanes`: the direct transport's
-    mailbox); else `lanes` is None, alike on every rank."""
-
-    def __init__(self, mpi_comm: MPI.Intracomm, ring: int = 0, lanes: int = 0) -> None:
-        rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-        local: Any = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-        try:
-            self.local_ranks: list[int] = local.allgather(rank)
-            # every rank sees the same local size where it equals the group's
-            if local.Get_size() != size:
-                ring = lanes = 0
-            start = -(-16 * size // SharedRecords.LINE) * SharedRecords.LINE
-            extra = SharedRecords.nbytes(size, ring) if ring else 0
-            self._map, shared = _shared_table(
-                local, rank, size, start + extra + lanes if extra or lanes else 0
-            )
-        finally:
-            local.Free()
-        self.records: SharedRecords | None = None
-        if extra and self._map is not None:
-            self.records = SharedRecords(self._map, start, rank, size, ring)
-        self.lanes: memoryview | None = None
-        if lanes and self._map is not None:
-            self.lanes = memoryview(self._map)[start + extra : start + extra + lanes]
-        self.rank = rank
-        self.table, self._pids = shared[:size], shared[size:]
-        self.table[rank] = 0
-        # a process id says whether a rank lives only where every local rank's can be seen
-        # (ranks of one host may still sit in different pid namespaces)
-        self._pids_seen = not any(processes.gone(int(self._pids[r])) for r in self.local_ranks)
-
-    def enter(self, seq: int) -> None:
-        """Note that this rank has entered collective `seq`."""
-        self.table[self.rank] = seq
-
-    def late(self, seq: int) -> tuple[list[int], list[int]]:
-        """(ranks of this host not yet at collective `seq`, ranks that cannot be read here)."""
-        table = self.table
-        here = set(self.local_ranks)
-        late = [r for r in self.local_ranks if table[r] < seq]
-        unknown = [r for r in range(len(table)) if r not in here]
-        return late, unknown
-
-    def dead(self) -> list[int]:
-        """Ranks of this host whose process has ended (killed, crashed, exited)."""
-        if not self._pids_seen:
-            return []
-        return [r for r in self.local_ranks if processes.gone(int(self._pids[r]))]
-
-    def close(self) -> None:
-        """Unmap the shared table (a view still alive keeps it mapped until exit)."""
         if self.records is not None:
             self.records.release()
             self.records = None
-        if self.lanes is not None:
-            self.lanes.release()  # the direct transport let its views go when it closed
-            self.lanes = None
-        if self._map is not None:
-            self.table = np.zeros(len(self.table), np.int64)
-            self._pids = np.zeros(len(self.table), np.int64)
-            self._pids_seen = False
-            # a view of it still alive somewhere keeps it mapped: the OS frees it at exit
-            with contextlib.suppress(BufferError):
-                self._map.close()
-            self._map = None
-
-
-def _shared_table(
-    local: MPI.Intracomm, rank: int, size: int, nbytes: int = 0
-) -> tuple[mmap.mmap | None, np.ndarray]:
-    """An int64 table of 2 * `size` entries (sequence numbers, then process ids, which each
-    rank `rank` writes before the others read) shared by the ranks of `local`, made by its first
-    rank and unlinked as soon as every rank has mapped it (nothing is left behind, even after a
-    crash); a private table where shared memory cannot be had (every rank learns that alike).
-    `nbytes`: the segment's size where more than the table (which it starts with)."""
-    nbytes = max(nbytes, 16 * size)
-    name = ""
-    fd = -1
-    if local.Get_rank() == 0:
-        try:
-            path = os.path.join(_SHM_DIR, f"hetcomm-arrivals-{os.getpid()}-{next(_names)}")
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, nbytes)
-            name = path
-        except OSError:
-            name = ""
-    name = local.bcast(name, root=0)
-    mapped: mmap.mmap | None = None
-    ok = 0
-    if name:
-        try:
-            if fd < 0:
-                fd = os.open(name, os.O_RDWR)
-            mapped = mmap.mmap(fd, nbytes)
-            np.frombuffer(mapped, dtype=np.int64)[size + rank] = os.getpid()
-            ok = 1
-        except OSError:
-            mapped = None
-        finally:
-            if fd >= 0:
-                os.close(fd)
-    every = local.allreduce(ok, op=MPI.MIN)
-    if name and local.Get_rank() == 0:
-        with contextlib.suppress(OSError):
-            os.unlink(name)
-    if not every or mapped is None:
-        if mapped is not None:
-            mapped.close()
-        private = np.zeros(2 * size, np.int64)
-        private[size + rank] = os.getpid()
-        return None, private
-    return mapped, np.frombuffer(mapped, dtype=np.int64, count=2 * size)
-
-
-def describe_late(late: Sequence[int], unknown: Sequence[int]) -> str:
-    """'ranks not arrived: [2]' (+ the ranks that could not be read)."""
-    text = f"ranks not arrived: {list(late)}"
-    if unknown:
-        text += f" (ranks {list(unknown)} are on other hosts and could not be read)"
-    return text
+        self.arrivals.close()

@@ -4,7 +4,7 @@ A send or receive of the direct transport is two messages between the pair (poin
 the lending rank hands the copying rank its buffer's record, and the copier, once its copy has
 run, hands back "done" with the size it copied. The ranks of a direct group share one host, so
 both go through the group's mailbox, words in the arrivals segment every rank of the group maps
-(agree.Arrivals): a lend is a few stores, a "done" one more, and either side finds its answer by
+(arrivals.Arrivals): a lend is a few stores, a "done" one more, and either side finds its answer by
 reading a word, on whichever thread drives the operation, with no MPI call and no thread of
 MPI's in between. Where the group has no such segment (a CPU that may reorder stores:
 flags.py; no shared memory to be had) the same two messages go as MPI messages instead
